@@ -1,0 +1,260 @@
+# agents/graders.py — answer extraction and equivalence for verifiable rewards.
+# Owns: pulling a final answer out of a model response, normalising it, deciding whether it equals a reference
+# label (exact numbers first, then small symbolic expressions), and the 1.0/0.0 grade built from those.
+# Never: evaluates text as Python (expressions go through a small whitelisted parser that builds sympy objects),
+# raises on a malformed response, or imports the rest of tracerl.
+# Invariant: grading is a pure function of (response, label): deterministic, bounded in time by size limits.
+import re
+from fractions import Fraction
+
+import sympy
+
+# ---- extraction ----
+
+_BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_PHRASE = re.compile(r"answer\s*(?:is|:)\s*:?", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def _braced(text: str, open_index: int) -> str | None:
+    """Content of the brace group opening at text[open_index] == '{', or None if it never closes."""
+    depth = 0
+    for index in range(open_index, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[open_index + 1:index]
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last balanced \\boxed{...} or \\fbox{...} (nested braces kept), stripped; None if none."""
+    for match in reversed(list(_BOXED_START.finditer(text))):
+        content = _braced(text, match.end() - 1)
+        if content is not None:
+            return content.strip()
+    return None
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """Content of the last <answer>...</answer>, stripped; None if none."""
+    found = _ANSWER_TAG.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The response's final answer, trying in order (an empty result counts as absent):
+    1. the last \\boxed{...} / \\fbox{...};  2. the last <answer>...</answer>;
+    3. the clause after the last "answer is" / "answer:" (up to a newline, '. ' or ', '), from its last '='
+       on ("14 + 4 = 18" -> "18"; unit words are dropped later by normalize_answer);
+    4. the last number anywhere in the text. None if all fail."""
+    for candidate in (extract_boxed(text), extract_answer_tag(text)):
+        if candidate:
+            return candidate
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    if phrases:
+        clause = re.split(r"\n|\.\s|\.$|,\s", text[phrases[-1].end():].strip(), maxsplit=1)[0]
+        value = clause.split("=")[-1].strip()
+        if value:
+            return value
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+# ---- normalisation ----
+
+_DROP = ["\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "°", "\\%", "%", "$", "\\displaystyle"]
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical text form: no spaces, LaTeX spacing/sizing/degree/percent/dollar marks, \\text{} wrappers,
+    thousands separators, trailing period or unit word after a number ('7 apples'); \\dfrac/\\tfrac -> \\frac;
+    'x = 7' -> '7'; lower case."""
+    text = answer.strip()
+    text = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", text)
+    for mark in _DROP:
+        text = text.replace(mark, "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = re.sub(r"\s+", "", text).rstrip(".").lower()
+    if re.fullmatch(r"[a-z]=.+", text):  # a single variable assignment: keep the value
+        text = text[2:]
+    unit = re.fullmatch(r"(-?\d[\d.,/]*)([a-z]{2,})", text)  # '7apples' -> '7' (but '2pi' stays)
+    if unit and unit.group(2) not in _CONSTANTS:
+        text = unit.group(1)
+    return re.sub(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])", lambda m: m.group(1).replace(",", ""), text)
+
+
+def _as_fraction(text: str) -> Fraction | None:
+    """An exact number from normalised text: 7, -7.50, 14/2, \\frac{14}{2}, -\\frac{1}{3}; else None."""
+    frac = re.fullmatch(r"(-?)\\frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", text)
+    if frac:
+        text = f"{frac.group(1)}{frac.group(2)}/{frac.group(3)}"
+    if not re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/-?\d+(?:\.\d+)?)?", text):
+        return None
+    numerator, _, denominator = text.partition("/")
+    try:
+        return Fraction(numerator) / Fraction(denominator) if denominator else Fraction(numerator)
+    except ZeroDivisionError:
+        return None
+
+
+# ---- safe symbolic parsing ----
+# LaTeX -> a plain infix string -> tokens -> sympy objects, by recursive descent over a fixed grammar:
+#   sum := product (('+'|'-') product)* ; product := unary (('*'|'/')? unary)* (no operator = implicit '*')
+#   unary := '-' unary | power ; power := atom ('^' unary)? ; atom := number | name | func '(' sum ')' | '(' sum ')'
+
+MAX_EXPRESSION_CHARS = 80   # longer answers are compared as text only
+MAX_EXPONENT = 64           # larger literal exponents are refused (no 2^999999999 blow-ups) ...
+MAX_POWER_BITS = 4096       # ... and so are powers of numbers whose result would exceed this many bits
+_FUNCTIONS = {"sqrt": sympy.sqrt, "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan, "log": sympy.log,
+              "ln": sympy.log, "exp": sympy.exp}
+_CONSTANTS = {"pi": sympy.pi, "e": sympy.E, "i": sympy.I}
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|\.\d+|[a-z]+|[-+*/^()]")
+
+
+def _latex_to_infix(text: str) -> str:
+    for command, replacement in [("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("**", "^")]:
+        text = text.replace(command, replacement)
+    while "\\frac{" in text or "\\sqrt{" in text:
+        start = min(i for i in (text.find("\\frac{"), text.find("\\sqrt{")) if i >= 0)
+        is_frac = text.startswith("\\frac{", start)
+        first_open = start + 5  # index of '{' in both "\\frac{" and "\\sqrt{"
+        first = _braced(text, first_open)
+        if first is None:
+            raise ValueError("unbalanced braces")
+        after = first_open + len(first) + 2
+        if not is_frac:
+            text = f"{text[:start]}sqrt({first}){text[after:]}"
+            continue
+        second = _braced(text, after) if text[after:after + 1] == "{" else None
+        if second is None:
+            raise ValueError("\\frac without a second argument")
+        text = f"{text[:start]}(({first})/({second})){text[after + len(second) + 2:]}"
+    text = text.replace("{", "(").replace("}", ")").replace("\\", "")
+    return text
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.tokens = _TOKEN.findall(text)
+        if "".join(self.tokens) != text:
+            raise ValueError(f"unexpected characters in {text!r}")
+        self.position = 0
+
+    def peek(self) -> str | None:
+        return self.tokens[self.position] if self.position < len(self.tokens) else None
+
+    def take(self, expected: str | None = None) -> str:
+        token = self.peek()
+        if token is None or (expected is not None and token != expected):
+            raise ValueError(f"expected {expected or 'a token'}, got {token}")
+        self.position += 1
+        return token
+
+    def parse(self):
+        value = self.sum()
+        if self.peek() is not None:
+            raise ValueError(f"trailing token {self.peek()}")
+        return value
+
+    def sum(self):
+        value = self.product()
+        while self.peek() in ("+", "-"):
+            value = value + self.product() if self.take() == "+" else value - self.product()
+        return value
+
+    def product(self):
+        value = self.unary()
+        while self.peek() is not None and self.peek() not in ("+", "-", ")"):
+            operator = self.take() if self.peek() in ("*", "/") else "*"
+            value = value * self.unary() if operator == "*" else value / self.unary()
+        return value
+
+    def unary(self):
+        if self.peek() == "-":
+            self.take()
+            return -self.unary()
+        return self.power()
+
+    def power(self):
+        base = self.atom()
+        if self.peek() != "^":
+            return base
+        self.take()
+        exponent = self.unary()
+        if exponent.is_number and abs(exponent) > MAX_EXPONENT:
+            raise ValueError("exponent too large")
+        if exponent.is_number and base.is_number and base != 0 and \
+                (abs(exponent) * sympy.log(abs(base), 2)).evalf() > MAX_POWER_BITS:
+            raise ValueError("power too large")
+        return base ** exponent
+
+    def atom(self):
+        token = self.take()
+        if token == "(":
+            value = self.sum()
+            self.take(")")
+            return value
+        if token[0].isdigit() or token[0] == ".":
+            return sympy.Rational(token)
+        if token in _FUNCTIONS:
+            self.take("(")
+            value = self.sum()
+            self.take(")")
+            return _FUNCTIONS[token](value)
+        if token in _CONSTANTS:
+            return _CONSTANTS[token]
+        if len(token) == 1:
+            return sympy.Symbol(token)
+        raise ValueError(f"unknown name {token!r}")
+
+
+def _symbolically_equal(first: str, second: str) -> bool:
+    if max(len(first), len(second)) > MAX_EXPRESSION_CHARS:
+        return False
+    difference = _Parser(_latex_to_infix(first)).parse() - _Parser(_latex_to_infix(second)).parse()
+    return sympy.simplify(difference) == 0
+
+
+# ---- equivalence and grade ----
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += (char in "({[") - (char in ")}]")
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    return parts + [text[start:]]
+
+
+def _equal_normalized(first: str, second: str) -> bool:
+    if first == second:
+        return True
+    first_number, second_number = _as_fraction(first), _as_fraction(second)
+    if first_number is not None and second_number is not None:
+        return first_number == second_number
+    first_parts, second_parts = _split_top_level(first), _split_top_level(second)
+    if len(first_parts) > 1 and len(first_parts) == len(second_parts):  # tuples/lists: element-wise, in order
+        return all(_equal_normalized(a, b) for a, b in zip(first_parts, second_parts))
+    try:
+        return _symbolically_equal(first, second)
+    except Exception:  # malformed or unsupported expression: not equivalent (grading never raises)
+        return False
+
+
+def is_equivalent(prediction: str | None, label: str) -> bool:
+    """True when `prediction` means the same answer as `label`: equal after normalize_answer, equal as exact
+    numbers (7 = 7.0 = 7.00 = 14/2 = \\frac{14}{2}; 1,000 = 1000), element-wise for comma lists, or equal as
+    small symbolic expressions (sympy, whitelisted parser, size-limited). Never raises."""
+    if prediction is None or label is None:
+        return False
+    try:
+        return _equal_normalized(normalize_answer(str(prediction)), normalize_answer(str(label)))
+    except Exception:
+        return False
+
+
+def grade(response: str, label: str) -> float:
+    """1.0 if the final answer extracted from `response` is equivalent to `label`, else 0.0."""
+    return 1.0 if is_equivalent(extract_final_answer(response or ""), label) else 0.0

@@ -1,0 +1,266 @@
+# algo.py — the RL math of tracerl, as pure tensor functions.
+#
+# Owns: the algorithm config and its validation; advantage estimators (REINFORCE, REINFORCE++-baseline, RLOO,
+# GRPO, Dr.GRPO, GSPO, on-policy distillation); Schulman's KL estimators k1/k2/k3; the PPO-clip and GSPO-token
+# surrogates; loss aggregation over GLOBAL denominators; DAPO dynamic filtering.
+# Never does: touch a model, a tokenizer, a file, a process group or an engine; compute importance-sampling weights.
+# Invariant kept: policy version. The train/infer correction weights come in as `is_weights`, computed in
+# invariants.py; this module only multiplies them in, detached, so they can never carry gradient.
+# Tensor convention: per-token arrays are [B, T], aligned to tokens, `loss_mask` float 0/1, position 0 never trainable.
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# ---- config + validation ----
+
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo", "gspo")  # need >= 2 samples per prompt
+ESTIMATORS = ("reinforce",) + GROUP_ESTIMATORS + ("on_policy_distill",)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| is clamped to this before exp, so padding garbage cannot overflow
+STD_EPS = 1e-6  # added to a std before dividing (GRPO, REINFORCE++-baseline)
+
+
+@dataclass
+class AlgoConfig:
+    estimator: str = "grpo"  # one of ESTIMATORS
+    clip_low: float = 0.2  # ratio lower bound is 1 - clip_low (GSPO paper uses 3e-4)
+    clip_high: float = 0.28  # ratio upper bound is 1 + clip_high (DAPO clip-higher; GSPO paper uses 4e-4)
+    loss_agg: str = "token_mean"  # one of LOSS_AGGREGATIONS
+    kl_coef: float = 0.0  # beta of the KL to the reference model; for on_policy_distill: distillation strength
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (as a loss use k2 for reverse-KL gradients, k3 gives forward-KL ones)
+    kl_in_reward: bool = False  # KL enters as a per-token reward (only `reinforce` reads per-token rewards)
+    filter_zero_variance: bool = False  # DAPO dynamic filtering: drop groups whose rollouts all share one reward
+
+
+def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int) -> None:
+    """Refuse configurations that would train silently wrong. Raises ValueError naming the fix."""
+    if cfg.estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {cfg.estimator!r}; expected one of {ESTIMATORS}")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
+    if cfg.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; expected one of {LOSS_AGGREGATIONS}")
+    if not (0.0 < cfg.clip_low < 1.0) or not (cfg.clip_high > 0.0):
+        raise ValueError(
+            f"clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got clip_low={cfg.clip_low}, "
+            f"clip_high={cfg.clip_high}; the ratio is clipped to [1 - clip_low, 1 + clip_high]"
+        )
+    if cfg.kl_coef < 0.0:
+        raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}; a negative coefficient rewards drifting away")
+    if cfg.kl_in_reward and cfg.estimator == "on_policy_distill":
+        raise ValueError(
+            "on_policy_distill already uses the teacher's per-token KL as its advantage; set kl_in_reward=False"
+        )
+    if cfg.kl_in_reward and cfg.estimator != "reinforce":
+        raise ValueError(
+            f"kl_in_reward=True with estimator {cfg.estimator!r} would be silently ignored: only 'reinforce' "
+            f"reads per-token rewards; set kl_in_reward=False to add the KL as a loss term instead"
+        )
+    if cfg.kl_in_reward and cfg.kl_coef == 0.0:
+        raise ValueError("kl_in_reward=True with kl_coef=0 adds nothing; set kl_coef > 0 or kl_in_reward=False")
+    if cfg.estimator == "on_policy_distill" and cfg.kl_coef <= 0.0:
+        raise ValueError(
+            "on_policy_distill needs a teacher: kl_coef is the distillation strength and kl_coef > 0 loads the "
+            "teacher in the reference slot; set kl_coef (1.0 is the usual choice)"
+        )
+    needs_group = cfg.estimator in GROUP_ESTIMATORS or cfg.filter_zero_variance
+    if needs_group and n_samples_per_prompt < 2:
+        what = f"estimator {cfg.estimator!r}" if cfg.estimator in GROUP_ESTIMATORS else "filter_zero_variance"
+        raise ValueError(
+            f"{what} compares samples of one prompt but n_samples_per_prompt={n_samples_per_prompt}; "
+            f"use n_samples_per_prompt >= 2 or estimator 'reinforce'"
+        )
+
+
+def kl_loss_coef(cfg: AlgoConfig) -> float:
+    """Coefficient of the KL-to-reference LOSS term: 0 when KL is a reward, or when the reference is a teacher."""
+    if cfg.kl_in_reward or cfg.estimator == "on_policy_distill":
+        return 0.0
+    return cfg.kl_coef
+
+
+# ---- advantages (estimators) ----
+# Rows are segments; several segments of one rollout share its reward and must count ONCE in a group baseline.
+
+
+def _rollouts(rewards: list[float], group_ids: list[str], rollout_ids: list[str]) -> dict[str, tuple[str, float]]:
+    """rollout_id -> (group_id, reward), first row wins; rows of one rollout must agree on both."""
+    if not (len(rewards) == len(group_ids) == len(rollout_ids)):
+        raise ValueError(
+            f"rewards, group_ids, rollout_ids must be per row and equally long, got "
+            f"{len(rewards)}, {len(group_ids)}, {len(rollout_ids)}"
+        )
+    rollouts: dict[str, tuple[str, float]] = {}
+    for reward, group_id, rollout_id in zip(rewards, group_ids, rollout_ids):
+        seen = rollouts.setdefault(rollout_id, (group_id, float(reward)))
+        if seen != (group_id, float(reward)):
+            raise ValueError(
+                f"rows of rollout {rollout_id!r} disagree: (group, reward) {seen} vs {(group_id, float(reward))}; "
+                f"every segment of a rollout must carry the rollout's group_id and reward"
+            )
+    return rollouts
+
+
+def _group_advantages(rewards: Tensor, estimator: str) -> Tensor:
+    """Advantages of the rollouts of ONE group (1-D float64).
+    Sources: RLOO 2402.14740, GRPO 2402.03300, Dr.GRPO 2503.20783."""
+    n = rewards.numel()
+    if estimator == "reinforce":
+        return rewards.clone()
+    if estimator in ("reinforce_baseline", "dr_grpo"):
+        return rewards - rewards.mean()
+    if estimator == "rloo":  # R_i - mean of the others = G/(G-1) (R_i - mean); a singleton keeps its reward
+        return rewards.clone() if n == 1 else (rewards - rewards.mean()) * n / (n - 1)
+    if estimator in ("grpo", "gspo"):  # (R - mean) / (unbiased std + eps); a singleton has no spread -> 0
+        if n == 1:
+            return torch.zeros_like(rewards)
+        return (rewards - rewards.mean()) / (rewards.std(correction=1) + STD_EPS)
+    raise ValueError(f"no rollout-level advantage for estimator {estimator!r}; expected one of {ESTIMATORS[:-1]}")
+
+
+def rollout_advantages(
+    rewards: list[float], group_ids: list[str], rollout_ids: list[str], estimator: str
+) -> list[float]:
+    """Per-ROW advantages. Rollouts are deduped by rollout_id (each counts once in its group), their advantage
+    is computed per group, then scattered back to every row (segment) of the rollout.
+    on_policy_distill has no reward advantage: it is refused here, use distill_advantages."""
+    if estimator == "on_policy_distill":
+        raise ValueError("on_policy_distill advantages are per token; call distill_advantages, not rollout_advantages")
+    rollouts = _rollouts(rewards, group_ids, rollout_ids)
+    members: dict[str, list[str]] = {}
+    for rollout_id, (group_id, _) in rollouts.items():
+        members.setdefault(group_id, []).append(rollout_id)
+    advantage: dict[str, float] = {}
+    for ids in members.values():
+        group_rewards = torch.tensor([rollouts[i][1] for i in ids], dtype=torch.float64)
+        advantage.update(zip(ids, _group_advantages(group_rewards, estimator).tolist()))
+    if estimator == "reinforce_baseline":  # REINFORCE++-baseline (2501.03262): divide by the batch std, per rollout
+        centered = torch.tensor(list(advantage.values()), dtype=torch.float64)
+        std = centered.std(correction=1).item() if centered.numel() > 1 else 0.0
+        advantage = {i: a / (std + STD_EPS) for i, a in advantage.items()}
+    return [advantage[i] for i in rollout_ids]
+
+
+def distill_advantages(
+    teacher_logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, kl_coef: float = 1.0
+) -> Tensor:
+    """On-policy distillation (thinkingmachines.ai/blog/on-policy-distillation): per-token advantage
+    kl_coef * (log pi_teacher - log pi_old) on the sampled token, i.e. minus a k1 reverse-KL estimate, discount 0.
+    Returns a detached [B, T] tensor, 0 off the mask. Pass cfg.kl_coef (the distillation strength)."""
+    return (kl_coef * (teacher_logprobs - old_logprobs) * loss_mask).detach()
+
+
+# ---- KL estimators ----
+
+
+def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman, joschu.net/blog/kl-approx.html).
+    With log_r = log pi_ref - log pi: k1 = -log_r, k2 = log_r^2 / 2, k3 = exp(log_r) - 1 - log_r.
+    Values: E[k1] = E[k3] = KL(pi||ref). As losses (gradient through logprobs only): E grad k1 = 0,
+    E grad k2 = grad KL(pi||ref), E grad k3 = grad KL(ref||pi). Returns [B, T]; the caller masks."""
+    log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def kl_reward_penalty(
+    old_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, kl_coef: float, estimator: str
+) -> Tensor:
+    """KL as a reward, for estimator 'reinforce' (REINFORCE++ 2501.03262, gamma = 1): each token's return gets
+    -kl_coef * sum_{s >= t} kl_s over the row's trainable tokens. Add it to the rollout advantage:
+    advantages[b, t] = R_b + penalty[b, t]. Detached [B, T], 0 off the mask.
+    Limitation: the sum runs within one row, so a later segment's KL does not reach an earlier segment."""
+    kl = kl_divergence(old_logprobs, ref_logprobs, estimator).detach() * loss_mask
+    kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)
+    return -kl_coef * kl_to_go * loss_mask
+
+
+# ---- policy surrogates ----
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: AlgoConfig,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token clipped surrogate loss [B, T] (0 off the mask) and monitoring metrics.
+    PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_old.
+    GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)),
+    whose gradient equals sequence-level GSPO when advantages are per sequence and loss_agg is seq_mean_token_mean.
+    w = is_weights from invariants.correction_weights, DETACHED here (None -> 1)."""
+    token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_ratio = token_log_ratio
+    if cfg.estimator == "gspo":
+        tokens = loss_mask.sum(-1, keepdim=True).clamp_min(1.0)
+        seq_log_ratio = (token_log_ratio.sum(-1, keepdim=True) / tokens).detach()
+        log_ratio = seq_log_ratio + logprobs - logprobs.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
+    token_loss = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        token_loss = token_loss * is_weights.detach()
+    token_loss = token_loss * loss_mask
+
+    with torch.no_grad():
+        n = loss_mask.sum().clamp_min(1.0)
+        k3_old_to_new = torch.expm1(token_log_ratio) - token_log_ratio  # k3 estimate of KL(pi_old || pi)
+        metrics = {
+            "clip_frac": ((clipped < unclipped).to(loss_mask.dtype) * loss_mask).sum().div(n).item(),
+            "approx_kl": (k3_old_to_new * loss_mask).sum().div(n).item(),
+            "ratio_mean": (ratio * loss_mask).sum().div(n).item(),
+        }
+    return token_loss, metrics
+
+
+# ---- loss aggregation ----
+# Every mode is "sum over THIS micro-batch / a GLOBAL denominator" of the whole optimizer step (all micro-batches,
+# all ranks), so summing micro-batch gradients gives the full-batch gradient however the batch is split
+# (verl #7321, prime-rl #2562). Under DDP/FSDP mean-reduce the caller multiplies by the data-parallel world size.
+
+
+def aggregate_loss(
+    token_loss: Tensor, loss_mask: Tensor, mode: str, global_tokens: float, global_seqs: float, max_len: int
+) -> Tensor:
+    """Scalar loss of one micro-batch.
+    token_mean: sum(loss*mask) / global_tokens (trainable tokens in the step).
+    seq_mean_token_mean (GRPO): sum_b mean_t(loss_b) / global_seqs (rows with >= 1 trainable token in the step).
+    seq_mean_token_sum_norm (Dr.GRPO): sum(loss*mask) / (global_seqs * max_len), max_len a constant per run."""
+    masked = token_loss * loss_mask
+    if mode == "token_mean":
+        return masked.sum() / _positive("global_tokens", global_tokens)
+    if mode == "seq_mean_token_mean":
+        per_seq = masked.sum(-1) / loss_mask.sum(-1).clamp_min(1.0)
+        return per_seq.sum() / _positive("global_seqs", global_seqs)
+    if mode == "seq_mean_token_sum_norm":
+        return masked.sum() / (_positive("global_seqs", global_seqs) * _positive("max_len", max_len))
+    raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
+
+
+def _positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 (a count over the whole optimizer step), got {value}")
+    return value
+
+
+# ---- dynamic filtering ----
+
+
+def keep_groups_with_variance(rewards: list[float], group_ids: list[str], rollout_ids: list[str]) -> list[bool]:
+    """DAPO dynamic sampling (2503.14476): keep a row iff its group's rollouts (deduped by rollout_id, so a
+    rollout split into segments counts once) do not all share one reward; such groups have zero advantage."""
+    rollouts = _rollouts(rewards, group_ids, rollout_ids)
+    group_rewards: dict[str, set[float]] = {}
+    for group_id, reward in rollouts.values():
+        group_rewards.setdefault(group_id, set()).add(reward)
+    return [len(group_rewards[g]) > 1 for g in group_ids]

@@ -1,0 +1,588 @@
+# invariants.py — the three correctness invariants of tracerl, as code.
+# Owns every rule about tokens, versions and routes:
+#   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger,
+#      segment sealing, TrainBatch, check_token_identity);
+#   2. policy version: every sampled token keeps the version and behavior logprob it was sampled with;
+#      staleness gate and importance-sampling (IS) corrections;
+#   3. forward consistency: MoE rollout routing replay (R3) — the trainer uses the experts the engine used.
+# Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`.
+# Imported by every stage (engine, actor, algorithms, trainer).
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+# ---- 1. token identity ----
+# Invariant: every trainable token of a training row is an id the engine sampled, at the position it was
+# sampled, after exactly the prefix it was sampled under; context tokens (prompt, tool output, template
+# filler, re-rendered history) are never trainable. A new engine call extends the open segment only if the
+# segment is a bitwise prefix of the new prompt (integer equality, never string equality); otherwise the
+# segment is sealed and a new, all-context segment starts (invariants-math.md §1.3; prime-rl "extension
+# property"; ART issue #883 for why re-rendered sampled text must not stay trainable).
+
+
+@dataclass(eq=False)
+class Segment:
+    """One training row: a token buffer plus per-position arrays, all of length len(token_ids)."""
+    rollout_id: str
+    group_id: str
+    segment_id: int                  # 0, 1, 2, ... within the rollout
+    token_ids: list[int]             # [n] vocabulary ids
+    trainable: list[bool]            # [n] True only for engine-sampled tokens
+    behavior_logprobs: list[float]   # [n] engine logprob of the sampled token (nats); 0.0 on context tokens
+    policy_versions: list[int]       # [n] weight version that sampled the token; -1 on context tokens
+    routes: np.ndarray | None = None  # int16 [n, layers, top_k] expert ids; -1 = not routed; None = no routes
+    seal_reason: str = ""            # "" while open; why it was sealed
+    common_prefix_len: int = -1      # LCP with the prompt that caused the seal (-1 if not sealed by a prompt)
+
+    @property
+    def is_open(self) -> bool:
+        return self.seal_reason == ""
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.trainable)
+
+
+def _check_ids(token_ids: Sequence, what: str) -> list[int]:
+    ids = list(token_ids)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+            raise ValueError(f"{what}: id at index {i} is {t!r}; token ids must be ints >= 0 "
+                             f"(pass the engine's token ids, not text or logits)")
+    return [int(t) for t in ids]
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class TokenLedger:
+    """Append-only token record of one rollout: a list of segments, the last one open (if any)."""
+
+    def __init__(self, rollout_id: str, group_id: str = ""):
+        self.rollout_id = rollout_id
+        self.group_id = group_id
+        self.segments: list[Segment] = []
+
+    @property
+    def _open(self) -> Segment | None:
+        return self.segments[-1] if self.segments and self.segments[-1].is_open else None
+
+    @property
+    def open_token_ids(self) -> list[int]:
+        seg = self._open
+        return list(seg.token_ids) if seg is not None else []
+
+    def _new_segment(self) -> Segment:
+        seg = Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [])
+        self.segments.append(seg)
+        return seg
+
+    def _grow(self, seg: Segment, ids: list[int], trainable: bool, logprobs: list[float], versions: list[int]):
+        seg.token_ids.extend(ids)
+        seg.trainable.extend([trainable] * len(ids))
+        seg.behavior_logprobs.extend(logprobs)
+        seg.policy_versions.extend(versions)
+        if seg.routes is not None:  # new positions are not routed yet
+            pad = np.full((len(ids),) + seg.routes.shape[1:], -1, dtype=np.int16)
+            seg.routes = np.concatenate([seg.routes, pad])
+
+    def extend_or_seal(self, prompt_ids: Sequence[int]) -> bool:
+        """Record the prompt of a new engine call. Returns True if it extends the open segment (the delta is
+        appended as context); otherwise seals the open segment (reason "non_extension", LCP recorded) and opens
+        a new segment whose tokens are all context. The first call of a rollout opens a segment; returns False."""
+        prompt = _check_ids(prompt_ids, f"extend_or_seal (rollout {self.rollout_id})")
+        seg = self._open
+        if seg is not None and prompt[:len(seg.token_ids)] == seg.token_ids:
+            delta = prompt[len(seg.token_ids):]
+            self._grow(seg, delta, False, [0.0] * len(delta), [-1] * len(delta))
+            return True
+        if seg is not None:
+            lcp = common_prefix_len(seg.token_ids, prompt)
+            seg.common_prefix_len = lcp
+            self.seal("non_extension")
+            log.info("rollout %s: segment %d sealed (reason non_extension, LCP %d of %d open tokens, new prompt "
+                     "%d tokens); the new segment is all context", self.rollout_id, seg.segment_id, lcp,
+                     len(seg.token_ids), len(prompt))
+        self.append_context(prompt)
+        return False
+
+    def append_context(self, token_ids: Sequence[int]) -> None:
+        """Append non-trainable tokens (prompt, tool output, template filler) to the open segment (opens one
+        if none is open)."""
+        ids = _check_ids(token_ids, f"append_context (rollout {self.rollout_id})")
+        seg = self._open or self._new_segment()
+        self._grow(seg, ids, False, [0.0] * len(ids), [-1] * len(ids))
+
+    def append_sampled(self, token_ids: Sequence[int], behavior_logprobs: Sequence[float],
+                       policy_versions: Sequence[int]) -> None:
+        """Append engine-sampled tokens with the logprob and weight version each was sampled with."""
+        where = f"append_sampled (rollout {self.rollout_id})"
+        ids = _check_ids(token_ids, where)
+        logprobs, versions = list(behavior_logprobs), list(policy_versions)
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"{where}: got {len(ids)} token ids, {len(logprobs)} behavior logprobs and "
+                             f"{len(versions)} policy versions; they must be equal (one logprob and one version "
+                             f"per sampled token — a missing logprob must fail, never be zero-filled)")
+        seg = self._open
+        if seg is None or not seg.token_ids:
+            raise ValueError(f"{where}: no open segment with a prompt; call extend_or_seal(prompt_ids) before "
+                             f"appending the tokens sampled after that prompt")
+        for i, lp in enumerate(logprobs):
+            if isinstance(lp, bool) or not isinstance(lp, Real) or not math.isfinite(lp):
+                raise ValueError(f"{where}: behavior logprob of sampled token {i} (id {ids[i]}) is {lp!r}; "
+                                 f"it must be a finite float (engine processed logprob of the sampled id)")
+        last = max((v for v, tr in zip(seg.policy_versions, seg.trainable) if tr), default=-1)
+        for i, v in enumerate(versions):
+            if isinstance(v, bool) or not isinstance(v, Integral) or v < 0:
+                raise ValueError(f"{where}: policy version of sampled token {i} is {v!r}; it must be an int >= 0 "
+                                 f"(the engine weight version that produced the token's logits)")
+            if v < last:
+                raise ValueError(f"{where}: policy version decreases within segment {seg.segment_id}: token {i} "
+                                 f"has version {v} after version {last}; weights only move forward, so the engine "
+                                 f"is stamping versions wrongly")
+            last = v
+        self._grow(seg, ids, True, [float(x) for x in logprobs], [int(v) for v in versions])
+
+    def absorb_routes(self, routes: np.ndarray, start: int = 0) -> None:
+        """Store MoE routes [n, L, k] at absolute positions start..start+n of the open segment. First writer wins:
+        a position that already has a route keeps it. Rows of -1 mean "not routed"."""
+        where = f"absorb_routes (rollout {self.rollout_id})"
+        seg = self._open
+        if seg is None:
+            raise ValueError(f"{where}: no open segment; routes belong to the segment of the call that made them")
+        r = np.asarray(routes)
+        if r.ndim != 3 or not np.issubdtype(r.dtype, np.integer):
+            raise ValueError(f"{where}: routes must be an integer array [n, layers, top_k], got dtype {r.dtype} "
+                             f"shape {r.shape}")
+        if r.size and (r.min() < -1 or r.max() > np.iinfo(np.int16).max):
+            raise ValueError(f"{where}: expert ids must lie in [-1, 32767], got [{r.min()}, {r.max()}]")
+        if start < 0 or start + len(r) > len(seg.token_ids):
+            raise ValueError(f"{where}: routes for positions [{start}, {start + len(r)}) but the open segment has "
+                             f"{len(seg.token_ids)} tokens; absorb routes after appending the tokens they cover")
+        if seg.routes is None:
+            seg.routes = np.full((len(seg.token_ids),) + r.shape[1:], -1, dtype=np.int16)
+        elif seg.routes.shape[1:] != r.shape[1:]:
+            raise ValueError(f"{where}: routes have [layers, top_k] = {list(r.shape[1:])} but the segment holds "
+                             f"{list(seg.routes.shape[1:])}")
+        block = seg.routes[start:start + len(r)]  # view: writes land in seg.routes
+        empty = (block == -1).all(axis=(1, 2))
+        block[empty] = r[empty].astype(np.int16)
+
+    def seal(self, reason: str) -> None:
+        """Make the open segment immutable; it becomes a complete training row."""
+        if not reason:
+            raise ValueError("seal: reason must be a non-empty string (e.g. 'done', 'non_extension')")
+        seg = self._open
+        if seg is None:
+            raise ValueError(f"seal (rollout {self.rollout_id}): no open segment to seal")
+        n = len(seg.token_ids)
+        if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == n) or \
+                (seg.routes is not None and len(seg.routes) != n):
+            raise AssertionError(f"segment {seg.segment_id} of rollout {self.rollout_id}: per-position arrays differ "
+                                 f"in length from its {n} tokens; change segments only through the ledger")
+        seg.seal_reason = reason
+
+    def rows(self) -> list[Segment]:
+        """Segments (sealed or open) with at least one trainable token, in order."""
+        return [s for s in self.segments if s.num_trainable > 0]
+
+
+@dataclass(eq=False)
+class TrainBatch:
+    """Rows right-padded and aligned to tokens: value [b, t] belongs to input_ids[b, t]."""
+    input_ids: Tensor          # long [B, T]; pad_id after each row
+    attention_mask: Tensor     # long [B, T]; 1 on row tokens, 0 on padding
+    loss_mask: Tensor          # float32 [B, T]; 1 on trainable (sampled) tokens
+    behavior_logprobs: Tensor  # float32 [B, T]; engine logprobs, 0 on context/padding
+    policy_versions: Tensor    # long [B, T]; sampling version, -1 on context/padding
+    advantages: Tensor         # float32 [B, T]; 0 on context/padding
+    routes: Tensor | None      # long [B, T, L, k]; -1 where unknown; None if no row has routes
+    rollout_ids: list[str]
+    group_ids: list[str]
+
+
+def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequence[float]],
+                pad_id: int) -> TrainBatch:
+    """Right-pad rows into a TrainBatch. advantages: one scalar per row (broadcast onto its trainable tokens) or
+    one list per row with a value per token (context positions are zeroed)."""
+    if not rows:
+        raise ValueError("build_batch: no rows; pass the ledgers' rows() (segments with trainable tokens)")
+    if len(advantages) != len(rows):
+        raise ValueError(f"build_batch: {len(advantages)} advantages for {len(rows)} rows; give one per row")
+    B, T = len(rows), max(len(r.token_ids) for r in rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.float32)
+    behavior = torch.zeros(B, T, dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
+    adv = torch.zeros(B, T, dtype=torch.float32)
+    shapes = {r.routes.shape[1:] for r in rows if r.routes is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"build_batch: rows carry routes of different [layers, top_k] shapes {sorted(shapes)}")
+    routes = torch.full((B, T) + shapes.pop(), -1, dtype=torch.long) if shapes else None
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        if row.trainable and row.trainable[0]:
+            raise ValueError(f"build_batch: row {b} (rollout {row.rollout_id}) has a trainable token at position "
+                             f"0; nothing predicts position 0, a sampled token always follows a prompt")
+        mask = torch.tensor(row.trainable, dtype=torch.bool)
+        input_ids[b, :n] = torch.tensor(row.token_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = mask.float()
+        behavior[b, :n] = torch.tensor(row.behavior_logprobs, dtype=torch.float32)
+        versions[b, :n] = torch.tensor(row.policy_versions, dtype=torch.long)
+        a = advantages[b]
+        if isinstance(a, Real):
+            per_token = torch.full((n,), float(a), dtype=torch.float32)
+        else:
+            per_token = torch.as_tensor(a, dtype=torch.float32).reshape(-1)
+            if len(per_token) != n:
+                raise ValueError(f"build_batch: row {b} has {n} tokens but {len(per_token)} per-token advantages")
+        if not torch.isfinite(per_token).all():
+            raise ValueError(f"build_batch: row {b} has a non-finite advantage")
+        adv[b, :n] = torch.where(mask, per_token, 0.0)
+        if row.routes is not None:
+            routes[b, :n] = torch.from_numpy(row.routes.astype(np.int64))
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, routes,
+                      [r.rollout_id for r in rows], [r.group_id for r in rows])
+
+
+def check_token_identity(batch: TrainBatch, rows: list[Segment]) -> None:
+    """Prove the trainer's input equals what was sampled: every id of every row (sampled ids and the prefix they
+    were sampled under) sits unchanged at its position, loss_mask == trainable mask, padding is masked out.
+    Raises ValueError naming the first bad (row, position)."""
+    B, T = batch.input_ids.shape
+    if B != len(rows):
+        raise ValueError(f"token identity: batch has {B} rows but {len(rows)} segments were given")
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        if n > T:
+            raise ValueError(f"token identity: row {b} has {n} tokens but the batch is only {T} wide")
+        ids = torch.tensor(row.token_ids, dtype=torch.long)
+        trainable = torch.tensor(row.trainable, dtype=torch.bool)
+        bad = (batch.input_ids[b, :n].cpu() != ids).nonzero()
+        if len(bad):
+            t = int(bad[0])
+            kind = "sampled (trainable)" if row.trainable[t] else "context"
+            raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {t}: trainer "
+                             f"input id {int(batch.input_ids[b, t])} != {kind} id {row.token_ids[t]}; the trainer "
+                             f"must consume the ledger's ids, never re-tokenized text")
+        expected_mask = torch.zeros(T, dtype=batch.loss_mask.dtype)
+        expected_mask[:n] = trainable.float()
+        bad = (batch.loss_mask[b].cpu() != expected_mask).nonzero()
+        if len(bad):
+            t = int(bad[0])
+            raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {t}: loss_mask "
+                             f"is {float(batch.loss_mask[b, t])} but the token is "
+                             f"{'trainable' if expected_mask[t] else 'not trainable'}; the loss mask must equal "
+                             f"the sampled-token mask (is it shifted by one?)")
+        if (batch.attention_mask[b, :n] != 1).any() or (batch.attention_mask[b, n:] != 0).any():
+            raise ValueError(f"token identity violated: row {b} attention_mask must be 1 on its {n} tokens and 0 "
+                             f"on the right padding")
+
+
+def check_sampled_once(rows: list[Segment], completions: Sequence[Sequence[int]]) -> None:
+    """Every sampled id is trainable in exactly one row: the trainable ids of one rollout's rows, read in segment
+    order, equal its engine completions concatenated in call order (invariants-math.md §1.3.5(iii))."""
+    if len({r.rollout_id for r in rows}) > 1:
+        raise ValueError("check_sampled_once: pass the rows of one rollout at a time")
+    trained = [t for r in rows for t, tr in zip(r.token_ids, r.trainable) if tr]
+    sampled = [int(t) for c in completions for t in c]
+    if trained != sampled:
+        i = common_prefix_len(trained, sampled)
+        raise ValueError(f"sampled-once violated: {len(sampled)} sampled ids vs {len(trained)} trainable ids; "
+                         f"first difference at sampled index {i}; a sampled token was lost, duplicated or "
+                         f"altered between engine and rows")
+
+
+# ---- 2. policy version ----
+# Invariant: each sampled token keeps the weight version v_t and the behavior logprob log mu_{v_t}(y_t|h_t) it
+# was sampled with; they are never re-stamped or replaced by current-policy values. A sequence's staleness at
+# trainer version V is s = V - min_t v_t over its trainable tokens (AReaL, arXiv 2505.24298; slime
+# sample_staleness); the gate trains a sequence iff s <= max_staleness. The train-infer mismatch is corrected
+# with detached IS weights on log rho_t = log pi_prox(y_t|h_t) - log mu(y_t|h_t) (decoupled PPO: AReaL arXiv
+# 2505.24298, Hilton et al. 2110.00641), where pi_prox is the trainer's recompute at the weights of version V:
+#   token: u_t = rho_t                       seq: u = exp(sum_t log rho_t)      geo: u = exp(mean_t log rho_t)
+#   mask:  w = u * 1[low <= u <= high]       (token: IcePop, Ring-1T arXiv 2510.18855; token/seq: MIS, Liu et al.
+#                                             "When Speed Kills Stability", 2025)
+#   clip:  w = clamp(u, low, high)
+#   trunc: w = min(u, high)                  (TIS, Yao et al. 2025, fengyao.notion.site/off-policy-rl)
+# Weights are detached (sg[w] multiplies the surrogate) and are 1 on non-trainable positions. Sequence gates
+# (Seq-MIS / Geo-RS / veto, verl rollout_corr_math §3.3-3.5) drop whole sequences. Both bands must contain 1,
+# so when mu == pi_prox and every v_t == V: rho == 1, w == 1 exactly, nothing is dropped, and the corrected
+# loss is the plain loss.
+
+LEVELS = ("off", "token", "seq", "geo")
+MODES = ("mask", "clip", "trunc")
+SEQ_GATES = ("off", "seq", "geo")
+MAX_LOG_RATIO = 30.0  # clamp on log rho and log u before exp (keeps weights finite)
+
+
+@dataclass
+class CorrectionConfig:
+    max_staleness: int = 0       # eta: sequences with staleness > eta are dropped by the gate
+    level: str = "off"           # off | token | seq | geo: what the IS weight u is computed over
+    mode: str = "mask"           # mask | clip | trunc: how u is bounded into the weight w
+    low: float = 0.5             # band [low, high] for u; must contain 1
+    high: float = 5.0
+    seq_gate: str = "off"        # off | seq | geo: drop sequences whose ratio is outside [gate_low, gate_high]
+    gate_low: float = 0.5
+    gate_high: float = 2.0
+    veto: float = 0.0            # drop a sequence if any token ratio rho_t < veto (0 = off)
+
+
+def validate_correction(cfg: CorrectionConfig) -> None:
+    """Refuse configurations that are unknown or that would not reduce to the plain loss when on-policy."""
+    if cfg.level not in LEVELS:
+        raise ValueError(f"correction level {cfg.level!r} unknown; use one of {LEVELS}")
+    if cfg.mode not in MODES:
+        raise ValueError(f"correction mode {cfg.mode!r} unknown; use one of {MODES}")
+    if cfg.seq_gate not in SEQ_GATES:
+        raise ValueError(f"seq_gate {cfg.seq_gate!r} unknown; use one of {SEQ_GATES}")
+    if not (0.0 <= cfg.low <= 1.0 <= cfg.high):
+        raise ValueError(f"IS band [low, high] = [{cfg.low}, {cfg.high}] must satisfy 0 <= low <= 1 <= high so "
+                         f"that identical policies get weight exactly 1")
+    if not (0.0 <= cfg.gate_low <= 1.0 <= cfg.gate_high):
+        raise ValueError(f"gate band [gate_low, gate_high] = [{cfg.gate_low}, {cfg.gate_high}] must satisfy "
+                         f"0 <= gate_low <= 1 <= gate_high so that identical policies keep every sequence")
+    if isinstance(cfg.max_staleness, bool) or not isinstance(cfg.max_staleness, Integral) or cfg.max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0 (0 = strictly on-policy), got {cfg.max_staleness!r}")
+    if not (0.0 <= cfg.veto < 1.0):
+        raise ValueError(f"veto must lie in [0, 1) (typical 1e-4..1e-6; 0 = off), got {cfg.veto}")
+
+
+def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int) -> Tensor:
+    """[B] long: trainer_version - oldest version over each row's trainable tokens (0 for a row with none)."""
+    trainable = loss_mask > 0
+    v = policy_versions[trainable]
+    if len(v) and (v.min() < 0 or v.max() > trainer_version):
+        raise ValueError(f"staleness: trainable tokens carry versions in [{int(v.min())}, {int(v.max())}] but must "
+                         f"lie in [0, trainer version {trainer_version}]; an unversioned (-1) or future version "
+                         f"means the engine stamped tokens wrongly")
+    big = torch.iinfo(torch.long).max
+    oldest = torch.where(trainable, policy_versions.long(), big).min(dim=-1).values
+    return torch.where(trainable.any(-1), trainer_version - oldest, 0)
+
+
+def _masked_log_ratio(log_ratio: Tensor, loss_mask: Tensor, where: str) -> Tensor:
+    trainable = loss_mask > 0
+    if not torch.isfinite(log_ratio[trainable]).all():
+        raise ValueError(f"{where}: log ratio (prox - behavior) is not finite on a trainable token; a logprob is "
+                         f"NaN/inf, which must be fixed at its source, not masked")
+    return torch.where(trainable, log_ratio, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def _seq_log_ratio(lr: Tensor, loss_mask: Tensor, level: str) -> Tensor:
+    """[B] log u for level seq (sum over trainable tokens) or geo (mean)."""
+    total = lr.sum(-1)
+    if level == "seq":
+        return total.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return total / (loss_mask > 0).sum(-1).clamp_min(1)
+
+
+def gate_sequences(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor,
+                   cfg: CorrectionConfig) -> tuple[Tensor, dict]:
+    """keep [B] bool and drop counts per reason (a sequence may fail several reasons). log_ratio = prox - behavior
+    [B, T]. Drops: staleness > max_staleness; seq/geo ratio outside [gate_low, gate_high] (Seq-MIS / Geo-RS, verl
+    rollout_corr_math §3.4–3.5); any trainable token with rho_t < veto."""
+    validate_correction(cfg)
+    with torch.no_grad():
+        lr = _masked_log_ratio(log_ratio, loss_mask, "gate_sequences")
+        trainable = loss_mask > 0
+        stale = staleness > cfg.max_staleness
+        band = torch.zeros_like(stale)
+        if cfg.seq_gate != "off":
+            s = _seq_log_ratio(lr, loss_mask, cfg.seq_gate)
+            lo = math.log(cfg.gate_low) if cfg.gate_low > 0 else -math.inf
+            band = (s < lo) | (s > math.log(cfg.gate_high))
+        veto = torch.zeros_like(stale)
+        if cfg.veto > 0:
+            veto = (trainable & (lr < math.log(cfg.veto))).any(-1)
+        keep = ~(stale | band | veto)
+    counts = {"drop_stale": int(stale.sum()), "drop_ratio_band": int(band.sum()), "drop_veto": int(veto.sum()),
+              "kept": int(keep.sum())}
+    return keep, counts
+
+
+def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor,
+                       cfg: CorrectionConfig) -> tuple[Tensor, dict]:
+    """Detached IS weights w [B, T] (1 on non-trainable positions) and mismatch metrics; formulas above."""
+    validate_correction(cfg)
+    with torch.no_grad():
+        trainable = loss_mask > 0
+        lr = _masked_log_ratio(prox_logprobs - behavior_logprobs, loss_mask, "correction_weights")
+        rho = lr.exp()
+        if cfg.level == "token":
+            u = rho
+        elif cfg.level in ("seq", "geo"):
+            u = _seq_log_ratio(lr, loss_mask, cfg.level).exp()[:, None].expand_as(rho)
+        else:
+            u = torch.ones_like(rho)
+        if cfg.level == "off":
+            w = u
+        elif cfg.mode == "mask":
+            w = torch.where((u >= cfg.low) & (u <= cfg.high), u, 0.0)
+        elif cfg.mode == "clip":
+            w = u.clamp(cfg.low, cfg.high)
+        else:
+            w = u.clamp(max=cfg.high)
+        w = torch.where(trainable, w, 1.0)
+        n = trainable.sum().clamp_min(1)
+        changed = trainable & (w != u)
+        metrics = {
+            "is_masked_frac": float((changed & (w == 0)).sum() / n),
+            "is_clipped_frac": float((changed & (w != 0)).sum() / n),
+            "mismatch_abs_log_ratio": float(lr.abs().sum() / n),
+            # k3 estimate of KL(mu || pi_prox) with samples from mu: E[(rho - 1) - log rho] (Schulman, kl-approx)
+            "mismatch_k3_kl": float(torch.where(trainable, rho - 1 - lr, 0.0).sum() / n),
+        }
+    return w.detach(), metrics
+
+
+# ---- 3. forward consistency (R3) ----
+# Invariant: in every trainer forward that must match the sampler (behavior-logprob check, pi_prox recompute,
+# loss forward, activation recompute), each MoE layer uses the experts the engine selected for each token
+# (Rollout Routing Replay, arXiv 2510.11370). Only the discrete top-k selection S* is replayed; gates are
+# recomputed from the trainer's live router logits s = W h, gathered from the DENSE softmax at S* and
+# renormalised as the router family does (Qwen3/Qwen2-MoE if norm_topk_prob, Mixtral always):
+#   g_i = softmax(s)_i / sum_{j in S*} softmax(s)_j  for i in S*
+# so the router keeps learning. Gathering from top-k-masked probs would read exact zeros for drifted experts
+# and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
+# the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
+# model's MoE router order (= decoder layer order when every layer is MoE).
+
+
+def _router_classes() -> tuple[type, type, type]:
+    """(Qwen3Moe, Qwen2Moe, Mixtral) top-k router classes of the installed transformers."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    return Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's top-k router modules in layer (call) order."""
+    return [m for m in model.modules() if isinstance(m, _router_classes())]
+
+
+@contextmanager
+def capture_routes(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Yield a list; every model forward inside the block appends the selected experts, long [N_tokens, L, k]
+    (N_tokens = tokens of that forward, flattened batch-major as the routers see them)."""
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(f"capture_routes: {type(model).__name__} has no supported MoE router "
+                         f"(Qwen3Moe/Qwen2Moe/Mixtral TopKRouter)")
+    captured: list[Tensor] = []
+    pending: list[Tensor] = []
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            if layer != len(pending):
+                raise RuntimeError(f"capture_routes: router {layer} ran while router {len(pending)} was expected; "
+                                   f"routers must run once per forward in layer order")
+            pending.append(output[2].detach().long().clone())
+            if len(pending) == len(routers):
+                captured.append(torch.stack(pending, dim=1))
+                pending.clear()
+        return hook
+
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class ReplayStats:
+    """Counts over every router call inside one replay_routes block (a row = one token at one layer)."""
+    replayed_rows: int = 0   # rows forced to the recorded experts
+    fallback_rows: int = 0   # rows with a -1 that used the live router's choice (includes padding)
+
+
+def _replay_forward(router: nn.Module, layer: int, target: Tensor, stats: ReplayStats):
+    fallback = (target < 0).any(-1)  # [N]
+    n_fallback = int(fallback.sum())
+    mixtral = isinstance(router, _router_classes()[2])
+    renorm = mixtral or bool(router.norm_topk_prob)  # Mixtral always renormalises; Qwen only if norm_topk_prob
+    cast_back = not mixtral  # Qwen routers return gates in the logits dtype; Mixtral keeps the softmax dtype
+
+    def forward(hidden_states: Tensor):
+        h = hidden_states.reshape(-1, router.weight.shape[1])
+        if h.shape[0] != target.shape[0]:
+            raise ValueError(f"replay_routes: MoE layer {layer} routes {h.shape[0]} tokens but the replayed routes "
+                             f"give {target.shape[0]} (B*T); pass routes [B, T, L, k] for exactly the batch being "
+                             f"forwarded (one full forward, no KV-cache decoding)")
+        logits = F.linear(h, router.weight)
+        # softmax in at least fp32, as the module does (never downcast a float64 model)
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        live = torch.topk(probs, router.top_k, dim=-1).indices
+        selected = torch.where(fallback[:, None], live, target)
+        gates = probs.gather(1, selected)  # from the DENSE live probs (never from top-k-masked probs)
+        if renorm:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+        if cast_back:
+            gates = gates.to(logits.dtype)
+        stats.replayed_rows += target.shape[0] - n_fallback
+        stats.fallback_rows += n_fallback
+        return logits, gates, selected
+
+    return forward
+
+
+@contextmanager
+def replay_routes(model: nn.Module, routes: Tensor) -> Iterator[ReplayStats]:
+    """Force every MoE router's top-k selection to routes (long [B, T, L, k]); a row with any -1 keeps the live
+    choice. Gates come from the live logits. Restores the routers on exit (also on exception). Yields
+    ReplayStats. Keep the block open through backward when activation checkpointing recomputes the forward."""
+    routers = moe_routers(model)
+    if routes.ndim != 4 or routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise ValueError(f"replay_routes: routes must be an integer tensor [B, T, L, k], got {routes.dtype} "
+                         f"{list(routes.shape)}")
+    if routes.shape[2] != len(routers):
+        raise ValueError(f"replay_routes: routes have {routes.shape[2]} layers but the model has {len(routers)} "
+                         f"MoE routers")
+    stats = ReplayStats()
+    saved = []
+    try:
+        for layer, router in enumerate(routers):
+            k, num_experts = router.top_k, router.weight.shape[0]
+            if routes.shape[3] != k:
+                raise ValueError(f"replay_routes: routes have top_k {routes.shape[3]} but layer {layer} selects {k}")
+            target = routes[:, :, layer, :].reshape(-1, k).to(router.weight.device, torch.long)
+            if target.numel() and (target.min() < -1 or target.max() >= num_experts):
+                raise ValueError(f"replay_routes: layer {layer} routes hold expert ids in [{int(target.min())}, "
+                                 f"{int(target.max())}]; valid ids are 0..{num_experts - 1}, or -1 for not routed")
+            ordered = target.sort(-1).values
+            if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, :1] >= 0)).any():
+                raise ValueError(f"replay_routes: layer {layer} has a route row naming the same expert twice; a "
+                                 f"top-k selection holds {k} distinct experts")
+            saved.append((router, router.__dict__.get("forward")))
+            router.forward = _replay_forward(router, layer, target, stats)
+        yield stats
+    finally:
+        for router, previous in saved:
+            if previous is None:
+                del router.forward
+            else:
+                router.forward = previous

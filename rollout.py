@@ -1,0 +1,252 @@
+# rollout.py — the engines that sample tokens, behind one interface.
+#
+# Owns: `SamplingParams` and `Generation` (the records that leave an engine) and `EmbeddedEngine`, a
+# batched, KV-cached sampler over any transformers causal LM. The vLLM engine implements the same four
+# calls (generate, update_weights, pause, resume) and is tested against this one.
+#
+# Keeps, for every sampled token:
+#   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
+#   invariant 2 (policy version) - each token carries the logprob of the distribution it was actually drawn
+#     from (post temperature/top-k/top-p, fp32) and the version of the weights that drew it; a weight swap
+#     in the middle of a request discards the KV cache and re-prefills (a stale cache is Molt bug 9);
+#   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay.
+# Never: computes rewards, touches the ledger, or trains.
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+import invariants
+
+
+# ---- records that cross the engine boundary --------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0           # > 0; logprobs are reported for logits / temperature
+    top_p: float = 1.0                 # nucleus; < 1 renormalises the reported logprobs over the nucleus
+    top_k: int = -1                    # -1 = whole vocabulary; 1 = greedy (a point mass, logprob 0)
+    max_tokens: int = 64               # new tokens at most
+    stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos ids; a stop token is kept and trainable
+    seed: int | None = None            # per-request seed; None draws from the engine's generator
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]              # exactly the ids that were prefilled
+    token_ids: list[int]               # sampled ids, stop token included
+    behavior_logprobs: list[float]     # log p(token) under the distribution it was sampled from
+    policy_versions: list[int]         # weight version that produced each token's logits
+    routes: np.ndarray | None          # int16 [len(prompt)+len(tokens)-1, layers, top_k]; None for dense models
+    finish_reason: str                 # "stop" (a stop id was sampled) | "length" (max_tokens reached)
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    if not params.temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {params.temperature}; use top_k=1 for greedy decoding")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+
+
+# ---- the processed distribution (what "behavior logprob" means) -----------------------------------
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution a token is drawn from: fp32 logits / T, then top-k, then
+    top-p, renormalised. [vocab] -> [vocab]. The trainer recomputes log_softmax(logits_fp32 / T), which
+    equals this exactly when top_k = -1 and top_p = 1 (the only settings allowed with IS correction)."""
+    scaled = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+# ---- the embedded engine ----------------------------------------------------------------------------
+
+@dataclass
+class _Row:
+    """One request in flight inside `generate`."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)   # one [n_positions, L, k] block per forward
+    finish_reason: str = ""
+
+
+class EmbeddedEngine:
+    """Batched sampling with a KV cache over a transformers causal LM (left-padded prefill, then one
+    token per step). Thread-safe: `update_weights`, `pause` and `resume` may be called from another
+    thread while `generate` runs; they take effect between decode steps."""
+
+    def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0):
+        self.model = model.eval()
+        self.version = version
+        self.pad_id = _pad_id(model)
+        self.eos_ids = _eos_ids(model)
+        self.is_moe = bool(invariants.moe_routers(model))
+        self._generator = torch.Generator().manual_seed(seed)
+        self._step_lock = threading.RLock()      # one decode step or one weight load at a time
+        self._running = threading.Event()        # cleared by pause(): generate waits at a step boundary
+        self._running.set()
+
+    # -- the control plane used by the trainer and the async runtime --
+
+    def pause(self) -> None:
+        """Stop decoding at the next step boundary; requests in flight are kept, not dropped."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load a full state dict from the actor and stamp `version` on every later token.
+        Every key must land (a filtered refit once shipped 3 of 653 params, Molt bug 1); only a tied
+        `lm_head.weight` may be absent from the export (Molt bug 2)."""
+        if version < self.version:
+            raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
+        with self._step_lock:
+            result = self.model.load_state_dict(state, strict=False)
+            missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and _tied(self.model))]
+            if result.unexpected_keys or missing:
+                raise ValueError(f"weight update does not match the engine's model: unexpected keys "
+                                 f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
+            self.version = version
+
+    # -- the data plane --
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
+        """Sample a completion for every prompt. Token ids in, token ids out."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        rows = []
+        for prompt, p in zip(prompts, params_list):
+            validate_sampling(p)
+            if not prompt:
+                raise ValueError("a prompt must hold at least one token id")
+            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
+            stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
+            rows.append(_Row(list(prompt), p, stop, generator))
+        if rows:
+            self._decode(rows)
+        return [self._finish(row) for row in rows]
+
+    def _decode(self, rows: list[_Row]) -> None:
+        cache, last_logits, cache_version = None, None, None
+        attention = None
+        while True:
+            active = [i for i, r in enumerate(rows) if not r.finish_reason]
+            if not active:
+                return
+            self._running.wait()                 # pause(): hold the requests until resume()
+            with self._step_lock:
+                if cache is None or cache_version != self.version:
+                    # (re-)prefill everything seen so far with the current weights: after a weight swap
+                    # the old KV cache belongs to the old policy and must not be reused (Molt bug 9)
+                    cache, last_logits, attention = self._prefill(rows)
+                    cache_version = self.version
+                for i in active:
+                    self._sample_one(rows[i], last_logits[i])
+                if all(r.finish_reason for r in rows):
+                    return
+                last_logits, attention = self._step(rows, cache, attention)
+
+    def _prefill(self, rows: list[_Row]):
+        """Forward prompt + tokens so far for every row, left-padded. Returns the cache, the logits of
+        the last position of each row [B, vocab] and the attention mask [B, S]."""
+        seqs = [r.prompt_ids + r.token_ids for r in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, width - len(s):] = torch.tensor(s)
+            mask[b, width - len(s):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits, routes = self._forward(ids, mask, positions, cache)
+        if routes is not None:      # a re-prefill replaces this request's routes: latest weights win
+            for b, (r, s) in enumerate(zip(rows, seqs)):
+                r.routes = [routes[b, width - len(s):]]
+        return cache, logits[:, -1], mask
+
+    def _step(self, rows: list[_Row], cache, attention: torch.Tensor):
+        """Feed each row's newest token (finished rows keep feeding theirs; nobody reads those logits)."""
+        last = torch.tensor([[r.token_ids[-1]] for r in rows])
+        attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        positions = attention.sum(-1, keepdim=True) - 1
+        logits, routes = self._forward(last, attention, positions, cache)
+        if routes is not None:
+            for b, r in enumerate(rows):
+                if not r.finish_reason:
+                    r.routes.append(routes[b])
+        return logits[:, -1], attention
+
+    def _forward(self, ids, mask, positions, cache):
+        if not self.is_moe:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            return out.logits, None
+        with invariants.capture_routes(self.model) as captured:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+        b, s = ids.shape
+        routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).numpy().astype(np.int16)
+        return out.logits, routes
+
+    def _sample_one(self, row: _Row, logits: torch.Tensor) -> None:
+        logprobs = processed_logprobs(logits, row.params)
+        token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
+        row.token_ids.append(token)
+        row.logprobs.append(float(logprobs[token]))
+        row.versions.append(self.version)
+        if token in row.stop_ids:
+            row.finish_reason = "stop"
+        elif len(row.token_ids) >= row.params.max_tokens:
+            row.finish_reason = "length"
+
+    def _finish(self, row: _Row) -> Generation:
+        routes = None
+        if self.is_moe:
+            # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
+            routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
+        return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason)
+
+
+# ---- model facts the engine needs -------------------------------------------------------------------
+
+def _eos_ids(model) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = eos if eos is not None else model.config.eos_token_id
+    if eos is None:
+        raise ValueError("the model declares no eos_token_id; pass SamplingParams.stop_token_ids")
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def _pad_id(model) -> int:
+    pad = model.config.pad_token_id
+    return pad if pad is not None else min(_eos_ids(model))
+
+
+def _tied(model) -> bool:
+    return model.get_output_embeddings() is not None and \
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -1,0 +1,400 @@
+# Claims of actor.py: the trainer-side logprob is the engine's behavior logprob (fp32 temperature, padding-proof),
+# one train_step is the GLOBAL token-mean step however the batch is split (micro-batches, FSDP2 ranks), the
+# on-policy corrected step is the plain step, the export is complete and exact, checkpoints resume bitwise and
+# half-written ones are refused, and MoE routes are replayed with the router still learning.
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import actor
+import algo
+import invariants
+import models
+import rollout
+
+TEMPERATURE = 0.7
+
+
+# ---- fixtures and builders ----
+
+@pytest.fixture(scope="module")
+def qwen3_dir() -> str:
+    return models.tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_dir() -> str:
+    return models.tiny_model_dir("qwen3_moe")
+
+
+def make_batch(lengths: list[int], prompt_len: int, vocab: int, seed: int = 0, version: int = 0,
+               advantages: list[float] | None = None) -> invariants.TrainBatch:
+    """Right-padded rows of random ids; tokens from `prompt_len` on are 'sampled' at weight `version`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        trainable = [t >= prompt_len for t in range(n)]
+        rows.append(invariants.Segment(f"r{i}", f"g{i // 2}", 0, ids, trainable, [0.0] * n,
+                                       [version if tr else -1 for tr in trainable]))
+    if advantages is None:
+        advantages = [(-1.0) ** i * (0.5 + 0.25 * i) for i in range(len(lengths))]
+    return invariants.build_batch(rows, advantages, pad_id=0)
+
+
+def on_policy(batch: invariants.TrainBatch, policy: actor.Actor) -> torch.Tensor:
+    """Recompute pi_old and make it the behavior logprob too (what an exact engine would have reported)."""
+    old = policy.recompute_logprobs(batch, TEMPERATURE)
+    batch.behavior_logprobs = old * batch.loss_mask
+    return old
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# ---- sequence_logprobs: the engine's behavior logprob, recomputed ----
+
+def test_sequence_logprobs_equals_hand_computation():
+    model = models.tiny_model("qwen3")
+    batch = make_batch([9, 6], prompt_len=3, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        for b, n in enumerate([9, 6]):
+            ids = batch.input_ids[b, :n]
+            logits = model(input_ids=ids[None]).logits[0].double() / TEMPERATURE
+            for t in range(1, n):  # log p(token t) = z_{t-1}[id_t] - logsumexp(z_{t-1}), z = logits / T
+                expected = logits[t - 1, ids[t]] - torch.logsumexp(logits[t - 1], dim=-1)
+                assert abs(got[b, t].item() - expected.item()) < 1e-5
+    assert got.dtype == torch.float32
+    assert (got[:, 0] == 0).all(), "position 0 has no logprob"
+    assert (got[1, 6:] == 0).all(), "padding positions are 0.0"
+
+
+def test_temperature_is_applied_in_fp32_not_in_the_model_dtype():
+    model = models.tiny_model("qwen3").to(torch.bfloat16)
+    batch = make_batch([12], prompt_len=2, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        logits = model(input_ids=batch.input_ids).logits[0, :-1]
+        targets = batch.input_ids[0, 1:, None]
+        fp32 = torch.log_softmax(logits.float() / TEMPERATURE, -1).gather(-1, targets).squeeze(-1)
+        bf16_divide = torch.log_softmax((logits / TEMPERATURE).float(), -1).gather(-1, targets).squeeze(-1)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got[0, 1:], fp32, atol=1e-6)
+    # the trap is armed: dividing in bf16 (Molt aac0658: 0.13 nats on a real model) misses by 100x the tolerance
+    assert (bf16_divide - fp32).abs().max() > 1e-4
+
+
+def test_right_padded_rows_equal_the_same_rows_unpadded():
+    model = models.tiny_model("qwen3")
+    lengths = [11, 4, 7]
+    batch = make_batch(lengths, prompt_len=2, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        padded = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        for b, n in enumerate(lengths):
+            alone = actor.sequence_logprobs(model, batch.input_ids[b:b + 1, :n],
+                                            batch.attention_mask[b:b + 1, :n], TEMPERATURE)
+            assert (padded[b, :n] - alone[0]).abs().max() <= 1e-6
+
+
+def test_recompute_matches_the_engines_behavior_logprobs(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(micro_batch_size=2), total_steps=1)
+    engine = rollout.EmbeddedEngine(models.load_model(qwen3_dir))
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
+    generations = engine.generate(prompts, rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
+    rows = []
+    for i, gen in enumerate(generations):
+        ledger = invariants.TokenLedger(f"r{i}", "g")
+        ledger.extend_or_seal(gen.prompt_ids)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+        rows += ledger.rows()
+    batch = invariants.build_batch(rows, [1.0, -1.0], pad_id=0)
+    recomputed = policy.recompute_logprobs(batch, TEMPERATURE)
+    diff = ((recomputed - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
+    assert diff < 1e-4, f"trainer and engine disagree on behavior logprobs by {diff} nats"
+
+
+# ---- train_step: the global token-mean step ----
+
+@pytest.mark.parametrize("loss_agg", algo.LOSS_AGGREGATIONS)
+def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg):
+    lengths, prompt_len = [14, 6, 10, 5], 3  # unequal trainable counts: per-micro-batch means would differ
+    algo_cfg = algo.AlgoConfig(estimator="reinforce", loss_agg=loss_agg)
+    results = []
+    for micro_batch_size in (4, 1):
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(micro_batch_size=micro_batch_size, max_grad_norm=1e9),
+                             total_steps=1)
+        batch = make_batch(lengths, prompt_len, policy.model.config.vocab_size)
+        old = on_policy(batch, policy)
+        metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0)
+        results.append((grads(policy.model), metrics))
+    (whole, m_whole), (split, m_split) = results
+    scale = max(g.abs().max().item() for g in whole.values())
+    assert max_abs_diff(whole, split) <= 1e-6 * max(scale, 1.0)
+    assert math.isclose(m_whole["actor/loss"], m_split["actor/loss"], rel_tol=1e-5, abs_tol=1e-7)
+    assert math.isclose(m_whole["actor/grad_norm"], m_split["actor/grad_norm"], rel_tol=1e-5)
+
+    # negative control: normalising each micro-batch by its OWN token count (then averaging) is another gradient
+    model = models.load_model(qwen3_dir)
+    batch = make_batch(lengths, prompt_len, model.config.vocab_size)
+    for b in range(len(lengths)):
+        rows = slice(b, b + 1)
+        logprobs = actor.sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows], TEMPERATURE)
+        mask = batch.loss_mask[rows]
+        loss = -(batch.advantages[rows] * logprobs * mask).sum() / mask.sum() / len(lengths)
+        loss.backward()
+    if loss_agg == "token_mean":
+        assert max_abs_diff(whole, grads(model)) > 1e-3 * scale
+
+
+def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
+    cfg = actor.ActorConfig(lr=1e-3, weight_decay=0.01)
+    correction = invariants.CorrectionConfig(max_staleness=0, level="geo", mode="mask", low=0.99, high=1.01,
+                                             seq_gate="geo", gate_low=0.99, gate_high=1.01, veto=1e-4)
+    algo_cfg = algo.AlgoConfig(estimator="reinforce")
+    policy = actor.Actor(qwen3_dir, cfg, total_steps=1)
+    batch = make_batch([12, 8, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=0)
+    old = on_policy(batch, policy)
+    metrics = policy.train_step(batch, old, algo_cfg, correction, TEMPERATURE, trainer_version=policy.version)
+    assert metrics["gate/kept"] == 3 and metrics["actor/logprob_diff_max"] == 0.0
+
+    # the plain REINFORCE/PPO step at ratio 1, written out: -sum(A * log pi * m) / N, clip, AdamW
+    plain = models.load_model(qwen3_dir)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    logprobs = actor.sequence_logprobs(plain, batch.input_ids, batch.attention_mask, TEMPERATURE)
+    loss = -(batch.advantages * logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.max_grad_norm)
+    plain_grads = grads(plain)
+    optimizer.step()
+    assert max_abs_diff(grads(policy.model), plain_grads) <= 1e-6
+    assert max_abs_diff(dict(policy.model.named_parameters()), dict(plain.named_parameters())) <= 1e-6
+    assert policy.version == 1
+
+    # negative control: the same step with a behavior policy that drifted is NOT the plain step
+    drifted = actor.Actor(qwen3_dir, cfg, total_steps=1)
+    batch.behavior_logprobs = (old - 0.3 * torch.rand_like(old)) * batch.loss_mask
+    loose = invariants.CorrectionConfig(max_staleness=0, level="token", mode="trunc", high=2.0)
+    drifted.train_step(batch, old, algo_cfg, loose, TEMPERATURE, trainer_version=0)
+    assert max_abs_diff(grads(drifted.model), plain_grads) > 1e-4
+
+
+def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    batch = make_batch([10, 10, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=1)
+    batch.policy_versions[0] = torch.where(batch.loss_mask[0] > 0, 0, -1)  # row 0 was sampled one version earlier
+    old = on_policy(batch, policy)
+    metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"),
+                                invariants.CorrectionConfig(max_staleness=0), TEMPERATURE, trainer_version=1)
+    assert metrics["gate/drop_stale"] == 1 and metrics["actor/kept_seqs"] == 2
+    assert metrics["actor/kept_tokens"] == batch.loss_mask[1:].sum().item()
+    assert metrics["actor/staleness_max"] == 1
+
+
+def test_kl_loss_term_requires_reference_logprobs(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    batch = make_batch([8, 8], prompt_len=3, vocab=policy.model.config.vocab_size)
+    old = on_policy(batch, policy)
+    algo_cfg = algo.AlgoConfig(estimator="reinforce", kl_coef=0.1, kl_estimator="k2")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0)
+    metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0,
+                                ref_logprobs=old)
+    assert metrics["actor/kl_ref"] == 0.0  # the reference is the policy itself before the step
+
+
+def test_left_padded_batch_is_refused(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    batch = make_batch([8, 5], prompt_len=2, vocab=policy.model.config.vocab_size)
+    batch.attention_mask[1] = batch.attention_mask[1].flip(0)
+    with pytest.raises(ValueError, match="RIGHT-padded"):
+        policy.recompute_logprobs(batch, TEMPERATURE)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_ratio():
+    cfg = actor.ActorConfig(lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    factors = [actor.lr_factor(step, cfg, total_steps=10) for step in range(11)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:]))
+    assert math.isclose(factors[10], 0.1)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        actor.validate_actor(actor.ActorConfig(lr_schedule="linear"))
+
+
+# ---- export_weights ----
+
+def test_export_weights_is_every_entry_but_the_tied_lm_head(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(lr=1e-3), total_steps=1)
+    batch = make_batch([9, 7], prompt_len=2, vocab=policy.model.config.vocab_size)
+    policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+                      invariants.CorrectionConfig(), TEMPERATURE, 0)
+    norm = policy.model.model.norm
+    norm.weight.data = norm.weight.data.to(torch.bfloat16)  # a mixed-dtype model: the export keeps each dtype
+
+    weights = policy.export_weights()
+    state = policy.model.state_dict()
+    assert set(weights) == set(state) - {"lm_head.weight"}
+    assert all(weights[k].dtype == state[k].dtype and weights[k].device.type == "cpu" for k in weights)
+    assert weights["model.norm.weight"].dtype == torch.bfloat16
+    norm.weight.data = norm.weight.data.float()
+
+    # the real consumer takes it (only a tied lm_head may be absent) and then computes the same logits
+    engine_model = models.load_model(qwen3_dir)
+    ids = batch.input_ids[:1]
+    with torch.no_grad():
+        assert not torch.equal(engine_model(input_ids=ids).logits, policy.model(input_ids=ids).logits)
+        rollout.EmbeddedEngine(engine_model).update_weights(policy.export_weights(), version=1)
+        assert torch.equal(engine_model(input_ids=ids).logits, policy.model(input_ids=ids).logits)
+
+
+def test_export_weights_keeps_an_untied_lm_head(moe_dir):
+    policy = actor.Actor(moe_dir, actor.ActorConfig(), total_steps=1)
+    assert actor.tied_output_key(policy.model) is None
+    assert set(policy.export_weights()) == set(policy.model.state_dict())
+
+
+# ---- checkpoints ----
+
+def run_steps(policy: actor.Actor, n: int) -> list[dict]:
+    out = []
+    for _ in range(n):
+        batch = make_batch([10, 7, 9], prompt_len=3, vocab=policy.model.config.vocab_size, seed=policy.version,
+                           version=policy.version)
+        out.append(policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+                                     invariants.CorrectionConfig(), TEMPERATURE, policy.version))
+    return out
+
+
+def test_checkpoint_resume_is_bitwise_exact(qwen3_dir, tmp_path):
+    cfg = actor.ActorConfig(lr=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=1, micro_batch_size=2)
+    straight = actor.Actor(qwen3_dir, cfg, total_steps=4)
+    straight_metrics = run_steps(straight, 4)
+
+    first = actor.Actor(qwen3_dir, cfg, total_steps=4)
+    run_steps(first, 2)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not os.path.exists(str(tmp_path / "ckpt.tmp")), "the temporary folder is renamed into place"
+    resumed = actor.Actor(qwen3_dir, cfg, total_steps=4, seed=123)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.version == 2
+    resumed_metrics = run_steps(resumed, 2)
+
+    assert resumed.version == straight.version == 4
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    assert [m["actor/lr"] for m in straight_metrics[2:]] == [m["actor/lr"] for m in resumed_metrics]
+    assert [m["actor/loss"] for m in straight_metrics[2:]] == [m["actor/loss"] for m in resumed_metrics]
+
+
+def test_checkpoint_without_marker_is_refused(qwen3_dir, tmp_path):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    path = str(tmp_path / "ckpt")
+    policy.save_checkpoint(path)
+    policy.load_checkpoint(path)  # complete: loads
+    os.remove(os.path.join(path, actor.CHECKPOINT_MARKER))  # as if the save had died before its last write
+    with pytest.raises(FileNotFoundError, match=actor.CHECKPOINT_MARKER):
+        policy.load_checkpoint(path)
+
+
+# ---- FSDP2: two ranks on CPU/gloo == one process on the whole batch ----
+
+FSDP_LENGTHS, FSDP_PROMPT = [12, 6, 9, 11, 5], 3  # 5 rows: rank 0 gets 3, rank 1 gets 2 -> uneven micro-batches
+# no clipping in effect: clipping would rescale a mean-reduced (half-size) gradient back to the same norm
+FSDP_CONFIG = actor.ActorConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
+
+
+def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        policy = actor.Actor(model_dir, FSDP_CONFIG, total_steps=1)
+        full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size)
+        batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))  # this rank's rows
+        metrics = policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+                                    invariants.CorrectionConfig(), TEMPERATURE, 0)
+        full_grads = {name: p.grad.full_tensor() for name, p in policy.model.named_parameters()}
+        export = policy.export_weights()
+        policy.save_checkpoint(os.path.join(out_dir, "fsdp_ckpt"))
+        if rank == 0:
+            torch.save({"grads": full_grads, "export": export, "metrics": metrics}, os.path.join(out_dir, "fsdp.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def select_rows(batch: invariants.TrainBatch, rows: list[int]) -> invariants.TrainBatch:
+    """The given rows of a batch, right padding trimmed to their longest row."""
+    width = int(batch.attention_mask[rows].sum(-1).max())
+    fields = {name: value[rows, :width] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
+              for name, value in vars(batch).items() if value is not None}
+    return invariants.TrainBatch(**{**fields, "routes": None})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_path):
+    mp.spawn(_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path)), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+
+    single = actor.Actor(qwen3_dir, FSDP_CONFIG, total_steps=1)
+    batch = make_batch(FSDP_LENGTHS, FSDP_PROMPT, single.model.config.vocab_size)
+    metrics = single.train_step(batch, on_policy(batch, single), algo.AlgoConfig(estimator="reinforce"),
+                                invariants.CorrectionConfig(), TEMPERATURE, 0)
+
+    assert max_abs_diff(sharded["grads"], grads(single.model)) <= 1e-5, "rank gradients must SUM to the global"
+    export = single.export_weights()
+    assert sharded["export"].keys() == export.keys(), "the FSDP2 export has every entry, tied lm_head skipped"
+    assert all(sharded["export"][k].shape == export[k].shape for k in export), "full, unsharded tensors"
+    assert max_abs_diff(sharded["export"], export) <= 1e-5
+    for key in ("actor/loss", "actor/grad_norm", "actor/kept_tokens", "actor/kept_seqs"):
+        assert math.isclose(sharded["metrics"][key], metrics[key], rel_tol=1e-5), key
+
+    # the sharded checkpoint is a full one: a single process resumes from it
+    resumed = actor.Actor(qwen3_dir, FSDP_CONFIG, total_steps=1)
+    resumed.load_checkpoint(str(tmp_path / "fsdp_ckpt"))
+    assert resumed.version == 1
+    assert max_abs_diff(resumed.export_weights(), sharded["export"]) == 0.0
+
+
+# ---- MoE: routes replayed, router still learning ----
+
+def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
+    policy = actor.Actor(moe_dir, actor.ActorConfig(micro_batch_size=2), total_steps=1)
+    batch = make_batch([10, 7, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
+    with torch.no_grad(), invariants.capture_routes(policy.model) as captured:  # the engine's expert choice
+        policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    routes = captured[-1].reshape(*batch.input_ids.shape, *captured[-1].shape[1:])
+    batch.routes = torch.where(batch.attention_mask[..., None, None] > 0, routes, -1)
+
+    # replay is wired in: the captured routes reproduce the live forward, other routes change the logprobs
+    live = policy.recompute_logprobs(invariants.TrainBatch(**{**vars(batch), "routes": None}), TEMPERATURE)
+    replayed = policy.recompute_logprobs(batch, TEMPERATURE)
+    assert (replayed - live).abs().max() <= 1e-5
+    num_experts = policy.model.config.num_experts
+    shifted = invariants.TrainBatch(**{**vars(batch), "routes": torch.where(batch.routes >= 0,
+                                                                            (batch.routes + 1) % num_experts, -1)})
+    assert (policy.recompute_logprobs(shifted, TEMPERATURE) - live).abs().max() > 1e-3
+
+    batch.behavior_logprobs = replayed * batch.loss_mask
+    metrics = policy.train_step(batch, replayed, algo.AlgoConfig(estimator="reinforce"),
+                                invariants.CorrectionConfig(level="token"), TEMPERATURE, 0)
+    assert metrics["actor/skipped"] == 0.0 and policy.version == 1
+    routers = invariants.moe_routers(policy.model)
+    assert len(routers) == policy.model.config.num_hidden_layers
+    for router in routers:
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0

@@ -1,0 +1,128 @@
+# Tests for data.py: the ChatML templates (prefix property, think stripping, tool-call re-serialization),
+# rendering prompts to ids, and the arithmetic dataset.
+import json
+import re
+
+import pytest
+
+import data
+import models
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                           "b": {"type": "integer"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 plus 6?"},
+    {"role": "assistant", "content": "<think>use the tool</think>",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 6}}}]},
+    {"role": "tool", "content": "8"},
+    {"role": "tool", "content": "(second result)"},
+    {"role": "assistant", "content": "<think>done</think>It is \\boxed{8}."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+    {"role": "assistant", "content": "<think>look</think>\\boxed{3}"},
+]
+
+
+def render(messages, template=data.CHATML_TEMPLATE, add_generation_prompt=False, tools=TOOLS):
+    return models.bpe_tokenizer().apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+
+
+# ---- template properties ----
+
+@pytest.mark.parametrize("tools", [TOOLS, None])
+def test_chatml_template_is_prefix_preserving_for_appended_turns(tools):
+    # Claim: for k >= 1, render(m[:k]) is a prefix of render(m[:k+1]), as text and as token ids, and the
+    # generation prompt for m[:k] is a prefix of m[:k] plus the assistant turn that answers it.
+    tokenizer = models.bpe_tokenizer()
+    for k in range(1, len(CONVERSATION)):
+        shorter, longer = render(CONVERSATION[:k], tools=tools), render(CONVERSATION[:k + 1], tools=tools)
+        assert longer.startswith(shorter), k
+        shorter_ids = tokenizer.encode(shorter, add_special_tokens=False)
+        assert tokenizer.encode(longer, add_special_tokens=False)[:len(shorter_ids)] == shorter_ids, k
+        if CONVERSATION[k]["role"] == "assistant":
+            assert longer.startswith(render(CONVERSATION[:k], tools=tools, add_generation_prompt=True)), k
+
+
+def test_think_stripping_template_strips_earlier_thoughts_and_breaks_the_prefix_property():
+    stripped = render(CONVERSATION, template=data.THINK_STRIPPING_TEMPLATE)
+    plain = render(CONVERSATION)
+    for thought in ("<think>use the tool</think>", "<think>done</think>"):  # before the last user turn
+        assert thought in plain and thought not in stripped
+    assert "It is \\boxed{8}." in stripped
+    assert "<think>look</think>\\boxed{3}" in stripped  # after the last user turn: kept
+    # the trap this template sets for a token ledger: appending a user turn rewrites an earlier assistant turn
+    before, after = CONVERSATION[:6], CONVERSATION[:7]
+    assert render(after, template=data.THINK_STRIPPING_TEMPLATE).startswith(
+        render(before, template=data.THINK_STRIPPING_TEMPLATE)) is False
+    assert render(after).startswith(render(before))
+
+
+def test_tojson_reserializes_the_bytes_of_a_compact_tool_call():
+    tokenizer = models.bpe_tokenizer()
+    sampled = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # what the model wrote
+    call = json.loads(sampled.split("\n")[1])
+    parsed_turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    rendered = render([CONVERSATION[1], parsed_turn], tools=None)
+    assert sampled not in rendered
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in rendered
+    sampled_ids = tokenizer.encode(sampled, add_special_tokens=False)
+    rendered_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert all(rendered_ids[i:i + len(sampled_ids)] != sampled_ids for i in range(len(rendered_ids)))
+    # control: OpenAI-style string arguments are written verbatim, so those bytes survive
+    verbatim = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]}
+    assert '{"name": "add", "arguments": {"a":1,"b":2}}' in render([CONVERSATION[1], verbatim], tools=None)
+
+
+def test_template_renders_roles_tools_images_and_generation_prompt():
+    text = render(CONVERSATION[:7], add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools")
+    assert text.count("<|im_start|>system") == 1  # the system message joins the tools preamble
+    assert json.dumps(TOOLS[0]) in text
+    assert "<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>\n" in text
+    assert "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>And this one?<|im_end|>\n" in text
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    no_tools = render(CONVERSATION[:2], tools=None)
+    assert no_tools == "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2 plus 6?<|im_end|>\n"
+    with pytest.raises(Exception, match="unknown chat role"):
+        render([{"role": "narrator", "content": "x"}])
+
+
+def test_render_prompt_ids_encodes_the_rendered_text_once_without_extra_special_tokens():
+    tokenizer = models.bpe_tokenizer()
+    messages = CONVERSATION[:2]
+    ids = data.render_prompt_ids(tokenizer, messages, tools=TOOLS)
+    text = render(messages, add_generation_prompt=True)
+    assert ids == tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids) == text
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids.count(ids[0]) == 3
+    stripped_ids = data.render_prompt_ids(tokenizer, CONVERSATION, template=data.THINK_STRIPPING_TEMPLATE,
+                                          add_generation_prompt=False)
+    assert tokenizer.decode(stripped_ids) == render(CONVERSATION, template=data.THINK_STRIPPING_TEMPLATE, tools=None)
+
+
+# ---- arithmetic tasks ----
+
+def test_arithmetic_tasks_are_deterministic_and_labels_correct():
+    tasks = data.arithmetic_tasks(200, seed=0)
+    assert tasks == data.arithmetic_tasks(200, seed=0)
+    assert [t.messages for t in data.arithmetic_tasks(20, seed=1)] != [t.messages for t in tasks[:20]]
+    assert len({t.task_id for t in tasks}) == 200
+    kinds = set()
+    for task in tasks:
+        (message,) = task.messages
+        assert message["role"] == "user" and message["content"].endswith(" " + data.ARITHMETIC_INSTRUCTION)
+        story = message["content"][:-len(data.ARITHMETIC_INSTRUCTION)]
+        first, second = (int(x) for x in re.findall(r"\d+", story))
+        adds = any(word in story for word in ("more", "in total"))
+        kinds.add(adds)
+        assert int(task.label) == (first + second if adds else first - second) >= 0
+        assert 1 <= second <= 10 and (first <= 10 if adds else first <= 20)
+        assert task.images is None
+    assert kinds == {True, False}
+
+
+def test_arithmetic_tasks_respect_max_operand():
+    for task in data.arithmetic_tasks(50, seed=3, max_operand=3):
+        assert int(task.label) <= 6

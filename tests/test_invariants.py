@@ -1,0 +1,318 @@
+# Invariants 1 (token identity) and 2 (policy version): the ledger records exactly what the engine sampled and
+# seals on any non-extension; batches are checked id by id; on-policy data make every correction an exact no-op;
+# staleness, gates and IS weights follow their formulas.
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, TokenLedger, build_batch, check_sampled_once,
+                        check_token_identity, correction_weights, gate_sequences, staleness, validate_correction)
+
+# ---- token identity: ledger ----
+
+
+def two_turn_ledger() -> TokenLedger:
+    """prompt [1,2,3] -> sampled [4,5] (version 0) -> tool delta [6,7] -> sampled [8] (version 1)."""
+    ledger = TokenLedger("r0", "g0")
+    assert ledger.extend_or_seal([1, 2, 3]) is False  # first call opens a segment
+    ledger.append_sampled([4, 5], [-0.5, -0.25], [0, 0])
+    assert ledger.extend_or_seal([1, 2, 3, 4, 5, 6, 7]) is True
+    ledger.append_sampled([8], [-1.0], [1])
+    return ledger
+
+
+def test_extension_appends_only_the_delta_as_context():
+    ledger = two_turn_ledger()
+    (seg,) = ledger.segments
+    assert seg.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert seg.trainable == [False, False, False, True, True, False, False, True]
+    assert seg.behavior_logprobs == [0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
+    assert seg.policy_versions == [-1, -1, -1, 0, 0, -1, -1, 1]
+    assert seg.is_open and ledger.open_token_ids == seg.token_ids
+
+
+def test_non_extension_seals_with_lcp_and_opens_an_all_context_segment(caplog):
+    ledger = two_turn_ledger()
+    rerendered = [1, 2, 3, 4, 9, 6, 7]  # history rewritten at position 4 (e.g. a template dropped <think>)
+    with caplog.at_level(logging.INFO, logger="invariants"):
+        assert ledger.extend_or_seal(rerendered) is False
+    first, second = ledger.segments
+    assert (first.seal_reason, first.common_prefix_len) == ("non_extension", 4)
+    assert "non_extension" in caplog.text and "LCP 4" in caplog.text
+    assert second.token_ids == rerendered and not any(second.trainable)  # re-rendered sampled text is context
+    assert second.policy_versions == [-1] * 7 and second.segment_id == 1
+    ledger.append_sampled([10, 11], [-0.1, -0.2], [1, 1])
+    ledger.seal("done")
+    assert ledger.rows() == [first, second] and ledger.open_token_ids == []
+    check_sampled_once(ledger.rows(), [[4, 5], [8], [10, 11]])  # every sampled id trainable in exactly one row
+    with pytest.raises(ValueError, match="sampled-once violated"):  # negative control: a lost sampled token
+        check_sampled_once(ledger.rows(), [[4, 5], [8], [10, 11], [12]])
+
+
+@pytest.mark.parametrize("prompt, lcp", [
+    ([1, 2, 3, 4, 5, 6, 7, 9, 11], 7),  # only the last sampled id differs (stop-token tail rewritten)
+    ([1, 2, 3, 4, 5, 6, 7], 7),         # the last sampled token dropped
+    ([1, 2, 3], 3),                     # truncation / compaction
+    ([0, 2, 3, 4, 5, 6, 7, 8, 9], 0),   # first id differs
+])
+def test_any_prompt_that_does_not_contain_the_open_segment_bitwise_seals(prompt, lcp):
+    ledger = two_turn_ledger()  # open segment [1..8]
+    assert ledger.extend_or_seal(prompt) is False
+    assert ledger.segments[0].common_prefix_len == lcp and ledger.segments[1].token_ids == prompt
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda l: l.append_sampled([4, 5], [-0.1], [0, 0]), "2 token ids, 1 behavior logprobs"),
+    (lambda l: l.append_sampled([4], [-0.1], []), "1 token ids, 1 behavior logprobs and 0 policy versions"),
+    (lambda l: l.append_sampled([4], [float("nan")], [0]), "logprob of sampled token 0 .* is nan"),
+    (lambda l: l.append_sampled([4], [float("-inf")], [0]), "must be a finite float"),
+    (lambda l: l.append_sampled([4, 5], [-0.1, -0.1], [1, 0]), "version decreases .* version 0 after version 1"),
+    (lambda l: (l.append_sampled([4], [-0.1], [2]), l.append_sampled([5], [-0.1], [1])), "version decreases"),
+    (lambda l: l.append_sampled([4], [-0.1], [-1]), "policy version of sampled token 0 is -1"),
+    (lambda l: l.append_sampled([-4], [-0.1], [0]), "id at index 0 is -4"),
+    (lambda l: l.append_context([7, 2.0]), "id at index 1 is 2.0"),
+    (lambda l: l.extend_or_seal([1, True]), "id at index 1 is True"),
+])
+def test_every_append_check_fires_with_a_clear_message(call, message):
+    ledger = TokenLedger("r0")
+    ledger.extend_or_seal([1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        call(ledger)
+
+
+def test_sampled_tokens_need_a_prompt_first():
+    with pytest.raises(ValueError, match="call extend_or_seal"):
+        TokenLedger("r0").append_sampled([4], [-0.1], [0])
+
+
+def test_routes_first_writer_wins_with_minus_one_sentinel():
+    ledger = TokenLedger("r0")
+    ledger.extend_or_seal([1, 2, 3])
+    first = np.array([[[0, 1], [2, 3]], [[0, 5], [6, 0]]])  # expert 0 is a valid id
+    ledger.absorb_routes(first)  # prefill of positions 0, 1 (the engine routed len-1 positions)
+    seg = ledger.segments[0]
+    assert seg.routes.dtype == np.int16 and seg.routes.shape == (3, 2, 2)
+    assert (seg.routes[2] == -1).all()  # not routed yet: -1, never 0
+    ledger.append_sampled([4, 5], [-0.1, -0.2], [0, 0])
+    assert seg.routes.shape == (5, 2, 2) and (seg.routes[3:] == -1).all()  # grows with the segment
+    second = np.full((5, 2, 2), 7)  # next call's prefill covers positions 0..4
+    ledger.absorb_routes(second)
+    assert (seg.routes[:2] == first).all() and (seg.routes[2:] == 7).all()  # earlier writer kept
+    with pytest.raises(ValueError, match="open segment has 5 tokens"):
+        ledger.absorb_routes(second, start=1)
+    with pytest.raises(ValueError, match=r"\[layers, top_k\] = \[3, 2\]"):
+        ledger.absorb_routes(np.zeros((1, 3, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="expert ids must lie in"):
+        ledger.absorb_routes(np.full((1, 2, 2), 40000))  # would wrap in int16
+
+
+# ---- token identity: batches ----
+
+
+def batch_rows():
+    ledger = TokenLedger("r0", "g0")
+    ledger.extend_or_seal([1, 2, 3])
+    ledger.absorb_routes(np.zeros((2, 2, 2), dtype=np.int64))
+    ledger.append_sampled([4, 5], [-0.5, -0.25], [3, 3])
+    ledger.extend_or_seal([1, 2, 3, 4, 5, 6])
+    ledger.append_sampled([8], [-1.0], [4])
+    short = TokenLedger("r1", "g0")  # no routes
+    short.extend_or_seal([1, 9])
+    short.append_sampled([10], [-2.0], [4])
+    return ledger.rows() + short.rows()
+
+
+def test_build_batch_right_pads_and_token_identity_holds():
+    rows = batch_rows()
+    batch = build_batch(rows, [1.5, -0.5], pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 8], [1, 9, 10, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 0, 0]]
+    assert batch.behavior_logprobs.tolist() == [[0, 0, 0, -0.5, -0.25, 0, -1.0], [0, 0, -2.0, 0, 0, 0, 0]]
+    assert batch.policy_versions.tolist() == [[-1, -1, -1, 3, 3, -1, 4], [-1, -1, 4, -1, -1, -1, -1]]
+    assert batch.advantages.tolist() == [[0, 0, 0, 1.5, 1.5, 0, 1.5], [0, 0, -0.5, 0, 0, 0, 0]]
+    assert batch.routes.shape == (2, 7, 2, 2) and batch.routes.dtype == torch.long
+    assert (batch.routes[0, :2] == 0).all() and (batch.routes[0, 2:] == -1).all() and (batch.routes[1] == -1).all()
+    assert (batch.rollout_ids, batch.group_ids) == (["r0", "r1"], ["g0", "g0"])
+    check_token_identity(batch, rows)
+    per_token = build_batch(rows, [[9.0] * 7, [1, 2, 3]], pad_id=0)  # per-token advantages: context zeroed
+    assert per_token.advantages.tolist() == [[0, 0, 0, 9, 9, 0, 9], [0, 0, 3, 0, 0, 0, 0]]
+    assert build_batch(rows[1:], [1.0], pad_id=0).routes is None
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda b: b.input_ids[0].__setitem__(4, 99), r"row 0 .* position 4: trainer input id 99 != sampled"),
+    (lambda b: b.input_ids[1].__setitem__(1, 98), r"row 1 .* position 1: trainer input id 98 != context"),
+    (lambda b: b.loss_mask.copy_(F.pad(b.loss_mask[:, :-1], (1, 0))), r"row 0 .* position 3: loss_mask"),  # shift
+    (lambda b: b.attention_mask[1].__setitem__(5, 1), "attention_mask"),
+])
+def test_negative_control_a_corrupted_batch_fails_token_identity(corrupt, message):
+    rows = batch_rows()
+    batch = build_batch(rows, [1.0, 1.0], pad_id=0)
+    corrupt(batch)
+    with pytest.raises(ValueError, match=message):
+        check_token_identity(batch, rows)
+
+
+# ---- policy version: on-policy identity ----
+
+
+def on_policy_batch(V=3):
+    gen = torch.Generator().manual_seed(0)
+    prox = torch.log(torch.rand(3, 6, generator=gen, dtype=torch.float64))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]], dtype=torch.float64)
+    versions = torch.where(mask > 0, V, -1)
+    adv = torch.randn(3, 1, generator=gen, dtype=torch.float64) * mask
+    return prox, mask, versions, adv
+
+
+def surrogate(logp, old, adv, mask, w=None):
+    """-w * exp(logp - old) * A, token mean (float64)."""
+    ratio = torch.exp(logp - old)
+    per_token = -ratio * adv if w is None else -w * ratio * adv
+    return (per_token * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("mode", MODES)
+def test_on_policy_every_correction_is_an_exact_identity(level, mode):
+    V = 3
+    prox, mask, versions, adv = on_policy_batch(V)
+    behavior = prox.clone()  # engine logprobs == trainer recompute, every token at version V
+    for seq_gate in SEQ_GATES:
+        cfg = CorrectionConfig(level=level, mode=mode, low=0.5, high=2.0, seq_gate=seq_gate, veto=1e-4)
+        w, _ = correction_weights(prox, behavior, mask, cfg)
+        assert torch.equal(w, torch.ones_like(w))  # bitwise
+        keep, counts = gate_sequences(prox - behavior, mask, staleness(versions, mask, V), cfg)
+        assert keep.all() and counts["kept"] == 3
+        logp_plain = prox.clone().requires_grad_(True)
+        logp_corrected = prox.clone().requires_grad_(True)
+        plain = surrogate(logp_plain, prox, adv, mask)
+        corrected = surrogate(logp_corrected, prox, adv, mask, w)
+        plain.backward()
+        corrected.backward()
+        assert torch.equal(plain, corrected) and torch.equal(logp_plain.grad, logp_corrected.grad)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_is_weights_carry_no_gradient(level):
+    prox, mask, _, _ = on_policy_batch()
+    prox = prox.requires_grad_(True)
+    behavior = (prox.detach() + 0.3).requires_grad_(True)
+    w, _ = correction_weights(prox, behavior, mask, CorrectionConfig(level=level))
+    assert not w.requires_grad and w.grad_fn is None
+
+
+# ---- policy version: staleness and gates ----
+
+
+def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
+    v = 5
+    ledger = TokenLedger("r0")
+    ledger.extend_or_seal([1, 2])
+    ledger.append_sampled([3, 4], [-0.1, -0.2], [v, v])  # weights swapped mid-rollout
+    ledger.append_sampled([5], [-0.3], [v + 1])
+    batch = build_batch(ledger.rows(), [1.0], pad_id=0)
+    versions_before = batch.policy_versions.clone()
+    s = staleness(batch.policy_versions, batch.loss_mask, trainer_version=v + 2)
+    assert s.tolist() == [2]  # V - oldest token version, not the newest
+    log_ratio = torch.zeros_like(batch.loss_mask)
+    keep, counts = gate_sequences(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=1))
+    assert keep.tolist() == [False] and counts["drop_stale"] == 1
+    keep, _ = gate_sequences(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=2))
+    assert keep.tolist() == [True]
+    assert torch.equal(batch.policy_versions, versions_before)  # tokens are never re-stamped
+    assert batch.policy_versions[0].tolist() == [-1, -1, v, v, v + 1]
+    with pytest.raises(ValueError, match="future version"):
+        staleness(batch.policy_versions, batch.loss_mask, trainer_version=v)
+
+
+def test_veto_drops_a_sequence_with_one_tiny_ratio():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+    log_ratio = torch.zeros(2, 4)
+    log_ratio[0, 2] = math.log(1e-6)
+    log_ratio[1, 0] = math.log(1e-9)  # not trainable: ignored
+    s = torch.zeros(2, dtype=torch.long)
+    keep, counts = gate_sequences(log_ratio, mask, s, CorrectionConfig(veto=1e-4))
+    assert keep.tolist() == [False, True] and counts["drop_veto"] == 1
+    assert gate_sequences(log_ratio, mask, s, CorrectionConfig())[0].all()  # veto 0 = off
+
+
+def test_seq_and_geo_bands_drop_sequences_outside_the_band():
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.float32)
+    log_ratio = torch.tensor([[9.0, 0.2, 0.2, 0.2, 0.2], [0.0, 0.02, -0.02, 0.03, 0.0]])  # geo means 0.2 and 0.0075
+    s = torch.zeros(2, dtype=torch.long)
+    keep, counts = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="geo", gate_low=0.9, gate_high=1.1))
+    assert keep.tolist() == [False, True] and counts["drop_ratio_band"] == 1
+    keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0))
+    assert keep.tolist() == [False, True]  # sums 0.8 and 0.03: exp(0.8) = 2.23 > 2 drops the first
+    keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.5))
+    assert keep.tolist() == [True, True]
+
+
+# ---- policy version: IS weights ----
+
+
+def off_policy_batch():
+    behavior = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5], [0.5, 0.4, 0.2, 0.1, 0.3]], dtype=torch.float64))
+    prox = torch.log(torch.tensor([[0.9, 0.6, 0.1, 0.5, 0.45], [0.1, 0.4, 0.3, 0.4, 0.3]], dtype=torch.float64))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
+    return prox, behavior, mask
+
+
+def test_tis_weight_is_min_of_rho_and_the_cap():
+    prox, behavior, mask = off_policy_batch()
+    w, metrics = correction_weights(prox, behavior, mask, CorrectionConfig(level="token", mode="trunc", high=2.0))
+    expected = torch.where(mask > 0, torch.minimum(torch.exp(prox - behavior), torch.tensor(2.0)), 1.0)
+    assert torch.equal(w, expected)  # row 1 token 3: rho 4 -> 2; row 0 token 2: rho 0.2 untouched
+    lr = (prox - behavior)[mask > 0]
+    assert metrics["is_clipped_frac"] == pytest.approx(1 / 7) and metrics["is_masked_frac"] == 0.0
+    assert metrics["mismatch_abs_log_ratio"] == pytest.approx(float(lr.abs().mean()))
+    assert metrics["mismatch_k3_kl"] == pytest.approx(float((lr.exp() - 1 - lr).mean()))
+
+
+def test_mask_mode_zeroes_outside_the_band_and_clip_clamps():
+    prox, behavior, mask = off_policy_batch()
+    rho = torch.exp(prox - behavior)
+    w, metrics = correction_weights(prox, behavior, mask, CorrectionConfig(level="token", mode="mask", low=0.5,
+                                                                           high=2.0))
+    in_band = (rho >= 0.5) & (rho <= 2.0)
+    assert torch.equal(w, torch.where(mask > 0, torch.where(in_band, rho, 0.0), 1.0))
+    assert metrics["is_masked_frac"] == pytest.approx(2 / 7)  # rho 0.2 and 4.0 are masked
+    w, _ = correction_weights(prox, behavior, mask, CorrectionConfig(level="token", mode="clip", low=0.5, high=2.0))
+    assert torch.equal(w, torch.where(mask > 0, rho.clamp(0.5, 2.0), 1.0))
+    geo = torch.exp(((prox - behavior) * mask).sum(-1) / mask.sum(-1))  # [0.68, 1.82]
+    w, _ = correction_weights(prox, behavior, mask, CorrectionConfig(level="geo", mode="mask", low=0.5, high=1.5))
+    assert torch.allclose(w[0, 1:], geo[0].expand(4)) and (w[1, 1:4] == 0).all()  # broadcast; row 1 masked
+    seq = torch.exp(((prox - behavior) * mask).sum(-1))
+    w, _ = correction_weights(prox, behavior, mask, CorrectionConfig(level="seq", mode="trunc", high=5.0))
+    assert torch.allclose(w[0, 1:], seq[0].expand(4)) and (w[1, 1:4] == 5.0).all()
+
+
+def test_non_finite_log_ratio_on_a_trainable_token_is_refused():
+    prox, behavior, mask = off_policy_batch()
+    prox[0, 2] = float("nan")
+    with pytest.raises(ValueError, match="not finite on a trainable token"):
+        correction_weights(prox, behavior, mask, CorrectionConfig(level="token"))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(level="sequence"), "level 'sequence' unknown"),
+    (dict(mode="cap"), "mode 'cap' unknown"),
+    (dict(seq_gate="token"), "seq_gate 'token' unknown"),
+    (dict(low=1.2), "band"),
+    (dict(high=0.9), "band"),
+    (dict(gate_low=1.5), "gate band"),
+    (dict(gate_high=0.5), "gate band"),
+    (dict(max_staleness=-1), "max_staleness"),
+    (dict(veto=1.0), "veto"),
+    (dict(veto=-1e-4), "veto"),
+])
+def test_validate_correction_refuses_bad_configs(bad, message):
+    validate_correction(CorrectionConfig())  # defaults are valid
+    with pytest.raises(ValueError, match=message):
+        validate_correction(CorrectionConfig(**bad))

@@ -1,0 +1,165 @@
+# Token identity through chat sessions (invariants-math §1.3 and §5b): a real engine on a tiny model
+# that was *taught* to emit the dangerous outputs - non-canonical byte-level BPE splits, compact tool-call
+# JSON, <think> blocks - shows that trained ids equal sampled ids, seals happen exactly where they must,
+# and every sampled id is trainable in exactly one row.
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import invariants
+import models
+from loopback import ChatSession, parse_hermes_tool_calls
+from rollout import EmbeddedEngine, SamplingParams
+
+GREEDY = SamplingParams(top_k=1, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return models.bpe_tokenizer()
+
+
+def teach(model, pairs: list[tuple[list[int], list[int]]], max_steps: int = 400) -> None:
+    """Overfit `model` until greedy decoding of every prompt yields exactly its response."""
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(max_steps):
+        losses, correct = [], True
+        for prompt, response in pairs:
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+            target = torch.tensor(response)
+            losses.append(F.cross_entropy(logits, target))
+            correct &= bool((logits.argmax(-1) == target).all()) and \
+                bool((logits.topk(2).values[:, 0] - logits.topk(2).values[:, 1]).min() > 1.0)
+        if correct:
+            return
+        opt.zero_grad()
+        torch.stack(losses).sum().backward()
+        opt.step()
+    raise AssertionError("the tiny model did not learn its script")
+
+
+def byte_tokens(tok, text: str) -> list[int]:
+    """One token per byte: a split no BPE encoder produces for common words."""
+    ids = [tok.convert_tokens_to_ids(tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(ch)[0][0])
+           for ch in text]
+    assert all(isinstance(i, int) and i != tok.unk_token_id for i in ids)
+    return ids
+
+
+def run_script(tok, template: str):
+    """Three turns: a compact tool call, a thought followed by a non-canonically split word, a short reply.
+    The model is taught each reply right before the turn and pushed to the engine as a new version."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    replies = [
+        tok.encode('<tool_call>\n{"name":"bash","arguments":{"cmd":"ls"}}\n</tool_call>') + [im_end],
+        tok.encode("<think>one file</think>") + byte_tokens(tok, " having") + [im_end],
+        tok.encode("ok") + [im_end],
+    ]
+    student = models.tiny_model("qwen3", seed=0).train()
+    engine = EmbeddedEngine(copy.deepcopy(student).eval(), version=0)
+    session = ChatSession(engine, tok, "rollout-1", "group-1", template=template, sampling=GREEDY)
+    messages = [{"role": "system", "content": "You can run bash."}, {"role": "user", "content": "List files."}]
+    taught, turns = [], []
+    for k, reply in enumerate(replies):
+        prompt, _ = session._prompt_ids(messages, None)
+        taught.append((prompt, reply))
+        teach(student, taught)
+        engine.update_weights(student.state_dict(), version=k + 1)
+        turn = session.turn(messages)
+        assert turn.generation.token_ids == reply            # the engine emitted the script exactly
+        turns.append(turn)
+        messages = messages + [turn.message]                 # the agent echoes what it was given
+        messages.append({"role": "tool", "content": "a.txt", "tool_call_id": turn.message["tool_calls"][0]["id"]}
+                        if k == 0 else {"role": "user", "content": "Thanks."})
+    return session, turns, replies
+
+
+def check_rows(session, turns):
+    rows = session.ledger.rows()
+    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
+    invariants.check_token_identity(batch, rows)                 # trainer ids == sampled ids
+    invariants.check_sampled_once(rows, [t.generation.token_ids for t in turns])
+    # ART #883: each sampled token is trainable only in a row whose prefix is the one it was sampled under
+    for turn in turns:
+        gen = turn.generation
+        homes = [row for row in rows if row.token_ids[:len(gen.prompt_ids)] == gen.prompt_ids
+                 and row.token_ids[len(gen.prompt_ids):len(gen.prompt_ids) + len(gen.token_ids)] == gen.token_ids]
+        assert len(homes) == 1
+        start = len(gen.prompt_ids)
+        assert all(homes[0].trainable[start:start + len(gen.token_ids)])
+        assert homes[0].policy_versions[start:start + len(gen.token_ids)] == gen.policy_versions
+    return rows
+
+
+def test_retokenization_traps_are_armed(tok):
+    word = byte_tokens(tok, " having")
+    assert tok.decode(word) == " having" and tok.encode(" having") != word     # BPE: decode->encode differs
+    compact = '{"name":"bash","arguments":{"cmd":"ls"}}'
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{"type": "function", "function": json.loads(compact)}]}
+    rendered = data.render_prompt_text(tok, [message], template=data.CHATML_TEMPLATE, add_generation_prompt=False)
+    assert compact not in rendered and '{"cmd": "ls"}' in rendered                # tojson re-serializes
+    thought = {"role": "assistant", "content": "<think>x</think>y"}
+    later = [{"role": "user", "content": "a"}, thought, {"role": "user", "content": "b"}]
+    stripped = data.render_prompt_text(tok, later, template=data.THINK_STRIPPING_TEMPLATE)
+    assert "<think>x</think>" not in stripped                                     # earlier thoughts vanish
+
+
+def test_prefix_preserving_template_seals_only_at_the_reserialized_tool_call(tok):
+    session, turns, replies = run_script(tok, data.CHATML_TEMPLATE)
+    assert [t.extended for t in turns] == [False, False, True]
+    rows = check_rows(session, turns)
+    assert len(rows) == 2
+    assert rows[0].seal_reason == "non_extension" and 0 < rows[0].common_prefix_len < len(rows[0].token_ids)
+    # the sealed row ends with the compact call as sampled; the next row's prompt re-renders it (context only)
+    assert rows[0].token_ids[-len(replies[0]):] == replies[0]
+    assert replies[0][:-1] != rows[1].token_ids[:len(replies[0]) - 1]
+    # the non-canonical split survives into training, untouched, in the row it was sampled in
+    word = byte_tokens(tok, " having")
+    text_ids = rows[1].token_ids
+    at = next(i for i in range(len(text_ids)) if text_ids[i:i + len(word)] == word)
+    assert all(rows[1].trainable[at:at + len(word)])
+    assert turns[0].message["tool_calls"][0]["function"] == {"name": "bash", "arguments": {"cmd": "ls"}}
+
+
+def test_think_stripping_template_also_seals_when_a_thought_disappears(tok):
+    session, turns, _ = run_script(tok, data.THINK_STRIPPING_TEMPLATE)
+    assert [t.extended for t in turns] == [False, False, False]
+    rows = check_rows(session, turns)
+    assert len(rows) == 3 and all(r.seal_reason == "non_extension" for r in rows[:2])
+    assert "<think>" not in tok.decode(rows[2].token_ids)
+
+
+def test_edited_history_seals_and_an_identical_append_extends(tok):
+    engine = EmbeddedEngine(models.tiny_model("qwen3", seed=1))
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=SamplingParams(max_tokens=6, seed=0))
+    first = [{"role": "user", "content": "hi"}]
+    reply = session.turn(first).message
+    assert session.turn(first + [reply, {"role": "user", "content": "more"}]).extended
+    edited = first + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
+    assert not session.turn(edited).extended
+    assert len(session.ledger.rows()) == 2 and session.ledger.rows()[0].seal_reason == "non_extension"
+
+
+def test_failed_generation_commits_nothing_and_overlong_prompts_are_refused(tok):
+    engine = EmbeddedEngine(models.tiny_model("qwen3", seed=1))
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=SamplingParams(max_tokens=4, seed=0),
+                          max_length=64)
+    session.turn([{"role": "user", "content": "hi"}])
+    before = list(session.ledger.open_token_ids)
+    with pytest.raises(ValueError, match="temperature"):
+        session.turn([{"role": "user", "content": "hi"}], sampling=SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="context"):
+        session.turn([{"role": "user", "content": "a very long message " * 20}])
+    assert session.ledger.open_token_ids == before and len(session.ledger.segments) == 1
+
+
+def test_unparseable_tool_calls_stay_text():
+    message = parse_hermes_tool_calls('x <tool_call>{"name": "f", "arguments": {</tool_call>', "c")
+    assert "tool_calls" not in message and message["content"].startswith("x <tool_call>")
+    parsed = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "c")
+    assert parsed["content"] is None and parsed["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}

@@ -1,0 +1,197 @@
+# Engine tests: what the embedded engine reports is what the trainer recomputes (invariant 3), every
+# token carries the version that sampled it across a weight swap (invariant 2), and the control plane
+# (update_weights, pause, resume) keeps requests.
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import invariants
+import models
+from actor import sequence_logprobs
+from rollout import EmbeddedEngine, SamplingParams, processed_logprobs
+
+
+def _padded(seqs: list[list[int]], pad: int):
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(s)] = 1
+    return ids, mask
+
+
+def _recompute(model, gens, temperature, routes=False):
+    """Trainer-side logprobs of every sampled token: one full right-padded forward per batch."""
+    seqs = [g.prompt_ids + g.token_ids for g in gens]
+    ids, mask = _padded(seqs, pad=0)
+    replay = None
+    if routes:
+        layers, k = gens[0].routes.shape[1:]
+        replay = torch.full((len(seqs), ids.shape[1], layers, k), -1, dtype=torch.long)
+        for b, g in enumerate(gens):
+            replay[b, :len(g.routes)] = torch.from_numpy(g.routes).long()
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, mask, temperature, routes=replay)
+    return [lp[b, len(g.prompt_ids):len(g.prompt_ids) + len(g.token_ids)] for b, g in enumerate(gens)]
+
+
+def _max_gap(gens, recomputed) -> float:
+    return max((torch.tensor(g.behavior_logprobs) - r).abs().max().item() for g, r in zip(gens, recomputed))
+
+
+# Prompts of mixed lengths, per-request budgets and seeds: catches padding and batch-composition bugs.
+PROMPTS = [[5, 17, 33, 2, 91], [7, 8], [100, 101, 102, 103, 104, 105, 106, 107, 108], [42]]
+PARAMS = [SamplingParams(temperature=0.7, max_tokens=n, seed=s) for n, s in [(12, 1), (5, 2), (9, 3), (16, 4)]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.tiny_model("qwen3", seed=0)
+
+
+def test_engine_logprobs_equal_trainer_recompute_in_fp32(tiny):
+    gens = EmbeddedEngine(tiny).generate(PROMPTS, PARAMS)
+    assert [len(g.token_ids) for g in gens] != [len(gens[0].token_ids)] * len(gens)   # mixed shapes
+    recomputed = _recompute(tiny, gens, temperature=0.7)
+    gap = _max_gap(gens, recomputed)
+    assert gap <= 1e-5, f"engine vs trainer logprob gap {gap:.2e}"
+    # the same request alone in a batch samples the same tokens with the same logprobs
+    alone = EmbeddedEngine(tiny).generate([PROMPTS[2]], [PARAMS[2]])[0]
+    assert alone.token_ids == gens[2].token_ids
+    assert max(abs(a - b) for a, b in zip(alone.behavior_logprobs, gens[2].behavior_logprobs)) <= 1e-5
+
+
+def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
+    gens = EmbeddedEngine(tiny).generate(PROMPTS, PARAMS)
+    # wrong temperature (forgot to divide, Molt bug 15/16)
+    assert _max_gap(gens, _recompute(tiny, gens, temperature=1.0)) > 1e-3
+    # off-by-one: the logprob of token t read from position t instead of t-1
+    shifted = [r.roll(1) for r in _recompute(tiny, gens, temperature=0.7)]
+    assert _max_gap(gens, shifted) > 1e-3
+    # one perturbed weight in the trainer's copy
+    perturbed = copy.deepcopy(tiny)
+    with torch.no_grad():
+        perturbed.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0
+    assert _max_gap(gens, _recompute(perturbed, gens, temperature=0.7)) > 1e-5
+
+
+def test_greedy_is_a_point_mass_and_top_p_renormalises():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    greedy = processed_logprobs(logits, SamplingParams(top_k=1))
+    assert greedy[0] == 0 and torch.isinf(greedy[1:]).all()
+    nucleus = processed_logprobs(logits, SamplingParams(top_p=0.7))
+    kept = torch.isfinite(nucleus)
+    assert kept.tolist() == [True, True, False, False]
+    assert torch.allclose(nucleus.exp().sum(), torch.tensor(1.0))
+
+
+def test_stop_token_is_kept_and_finish_reasons(tiny):
+    engine = EmbeddedEngine(tiny)
+    free = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=30, seed=0))[0]
+    stop_at = free.token_ids[3]          # a token the seeded sampler is known to draw at position 3
+    stopped = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=30, seed=0, stop_token_ids=(stop_at,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert stopped.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
+    capped = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, seed=0, stop_token_ids=(9999,)))[0]
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 2
+
+
+def test_bad_requests_are_refused_with_clear_errors(tiny):
+    engine = EmbeddedEngine(tiny)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([[1, 2]], SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1, 2]], SamplingParams(top_p=1.5))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        engine.generate([[1], [2]], [SamplingParams()])
+
+
+def test_update_weights_requires_every_key_and_a_forward_version(tiny):
+    engine = EmbeddedEngine(copy.deepcopy(tiny), version=3)
+    state = {k: v.clone() for k, v in tiny.state_dict().items()}
+    with pytest.raises(ValueError, match="backwards"):
+        engine.update_weights(state, version=2)
+    partial = {k: v for k, v in state.items() if "layers.1." not in k}
+    with pytest.raises(ValueError, match="missing keys"):
+        engine.update_weights(partial, version=4)
+    with pytest.raises(ValueError, match="unexpected keys"):
+        engine.update_weights({**state, "extra.weight": torch.zeros(1)}, version=4)
+    # a tied model's export may leave out lm_head.weight (Molt bug 2)
+    engine.update_weights({k: v for k, v in state.items() if k != "lm_head.weight"}, version=4)
+    assert engine.version == 4
+    gen = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, seed=0))[0]
+    assert gen.policy_versions == [4] * len(gen.token_ids)
+
+
+def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
+    """Partial rollout across a weight swap (invariants-math §5e): tokens before the swap carry version
+    v and old-policy logprobs, tokens after carry v+1 and new-policy logprobs; the KV cache is rebuilt."""
+    old, new = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = EmbeddedEngine(copy.deepcopy(tiny), version=7)
+    n_before = 4
+    original = engine._sample_one
+
+    def sample_then_swap(row, logits):       # swap the weights right after the 4th token is drawn
+        original(row, logits)
+        if len(row.token_ids) == n_before:
+            engine.update_weights(new.state_dict(), version=8)
+    engine._sample_one = sample_then_swap
+    prompt = [11, 12, 13, 14]
+    gen = engine.generate([prompt], SamplingParams(temperature=0.9, max_tokens=10, seed=5, stop_token_ids=(9999,)))[0]
+    assert gen.policy_versions == [7] * n_before + [8] * (10 - n_before)
+    lp_old = _recompute(old, [gen], 0.9)[0]
+    lp_new = _recompute(new, [gen], 0.9)[0]
+    behavior = torch.tensor(gen.behavior_logprobs)
+    assert (behavior[:n_before] - lp_old[:n_before]).abs().max() <= 1e-5
+    assert (behavior[n_before:] - lp_new[n_before:]).abs().max() <= 1e-5
+    assert (behavior[n_before:] - lp_old[n_before:]).abs().max() > 1e-3   # each part matches only its version
+
+    # trap armed: continuing on the old KV cache with the new weights gives different logprobs
+    ids = torch.tensor([prompt + gen.token_ids[:n_before]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        old(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        stale = new(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]
+    stale_lp = torch.log_softmax(stale.float() / 0.9, -1)[gen.token_ids[n_before]]
+    assert abs(stale_lp.item() - lp_new[n_before].item()) > 1e-4
+
+
+def test_pause_holds_requests_and_resume_finishes_them(tiny):
+    engine = EmbeddedEngine(tiny)
+    engine.pause()
+    results = []
+    worker = threading.Thread(target=lambda: results.extend(
+        engine.generate(PROMPTS, SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,)))))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive() and not results          # held at a step boundary, not dropped
+    engine.update_weights(tiny.state_dict(), version=1)   # a weight load goes through while paused
+    engine.resume()
+    worker.join(timeout=60)
+    assert len(results) == len(PROMPTS) and all(len(g.token_ids) == 6 for g in results)
+    assert all(g.policy_versions == [1] * 6 for g in results)
+
+
+def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
+    moe = models.tiny_model("qwen3_moe", seed=0)
+    gens = EmbeddedEngine(moe).generate(PROMPTS, PARAMS)
+    layers = len(invariants.moe_routers(moe))
+    for g in gens:
+        assert g.routes.shape == (len(g.prompt_ids) + len(g.token_ids) - 1, layers, moe.config.num_experts_per_tok)
+        assert g.routes.min() >= 0
+    # the engine's routes are the routes of a full forward over the same tokens
+    seq = gens[0].prompt_ids + gens[0].token_ids
+    with invariants.capture_routes(moe) as captured, torch.no_grad():
+        moe(input_ids=torch.tensor([seq]))
+    assert (captured[-1][:-1].numpy() == gens[0].routes).all()
+    assert _max_gap(gens, _recompute(moe, gens, 0.7, routes=True)) <= 1e-5

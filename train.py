@@ -1,0 +1,482 @@
+# train.py — the main job: `python train.py --recipe math`.
+#
+# Owns: the run config (one dataclass per section, each owned by the module it configures), the command
+# line (`--section.key value` for every field; a bad flag or combination is refused before anything loads),
+# the synchronous RL loop (rollout -> advantages -> train -> push weights -> repeat), logging (a progress
+# line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces) and the trace command
+# (`python train.py trace OUT`) that prints one sample token by token.
+#
+# The path of a token through this loop: the engine samples it (rollout.py) inside an agent's episode
+# (agents/), the episode's TokenLedger keeps it with its behavior logprob and policy version
+# (invariants.py), `build_batch` + `check_token_identity` prove the trainer sees exactly that id, the actor
+# recomputes its logprob with the same temperature (actor.py), and the loss weighs it by its advantage and
+# its detached IS weight (algo.py). Never: decodes and re-encodes a sampled token.
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+RECIPES = os.path.join(ROOT, "recipes")
+
+
+# ---- config: one section per stage, owned by that stage's module --------------------------------------
+
+@dataclass
+class RunConfig:
+    recipe: str = "math"        # recipes/<name>.py: its DEFAULTS, its tasks and its AgentRunner
+    steps: int = 30             # RL steps (rollout batch -> optimizer step(s) -> weight push)
+    model: str = "smollm2"      # a model folder or a packaged name (models.resolve_model)
+    ref_model: str = ""         # frozen reference for KL (teacher for on_policy_distill); "" = initial policy
+    out: str = ""               # run folder; "" = runs/<recipe>-<timestamp>
+    seed: int = 0
+    threads: int = 0            # torch CPU threads; 0 = all cores
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8   # prompt groups per RL step
+    samples_per_prompt: int = 4 # rollouts per prompt (the group of GRPO/RLOO)
+    temperature: float = 1.0
+    top_p: float = 1.0          # must stay 1: the trainer's logprobs are over the full vocabulary
+    top_k: int = -1             # must stay -1, for the same reason
+    max_tokens: int = 64        # new tokens per turn
+    max_turns: int = 1
+    max_length: int = 1024      # prompt + all turns, in tokens
+    step_timeout_s: float = 60.0  # an env reset/step slower than this fails its rollout
+
+
+@dataclass
+class TrainConfig:
+    minibatches: int = 1        # optimizer steps per rollout batch (>1 makes the PPO clip matter)
+    save_every: int = 0         # checkpoint every N steps (0 = only at the end)
+    resume: str = ""            # a checkpoint folder to resume from
+    trace_rows: int = 4         # rows per step written to OUT/traces
+
+
+def config_sections():
+    """section name -> dataclass type. Imported lazily so `--help` and validation stay fast."""
+    import actor, algo, invariants
+    return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
+            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig}
+
+
+SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run.steps N
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+def load_recipe(name: str):
+    path = os.path.join(RECIPES, f"{name}.py")
+    if not os.path.exists(path):
+        known = sorted(f[:-3] for f in os.listdir(RECIPES) if f.endswith(".py") and not f.startswith("_"))
+        raise SystemExit(f"error: unknown recipe {name!r}; known recipes: {', '.join(known)}")
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parse_value(text: str, like):
+    if isinstance(like, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(like, tuple):
+        return tuple(type(x)(v) for x, v in zip(like, text.split(",")))
+    return type(like)(text)
+
+
+def parse_config(argv: list[str]) -> dict:
+    """argv -> {section: dataclass instance}, validated. Precedence: field defaults < recipe DEFAULTS < flags."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe", "--run.recipe", dest="recipe", default=RunConfig.recipe)
+    recipe_name = pre.parse_known_args(argv)[0].recipe
+    recipe = load_recipe(recipe_name)
+    sections = config_sections()
+    defaults = {name: cls() for name, cls in sections.items()}
+    for dotted, value in getattr(recipe, "DEFAULTS", {}).items():
+        section, key = dotted.split(".")
+        setattr(defaults[section], key, value)
+    defaults["run"].recipe = recipe_name
+
+    parser = argparse.ArgumentParser(
+        prog="train.py", description=f"tracerl synchronous RL. Defaults shown are recipe {recipe_name!r}'s.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for section, instance in defaults.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(instance):
+            value = getattr(instance, f.name)
+            names = [f"--{section}.{f.name}"] + ([f"--{f.name}"] if section == "run" and f.name in SHORT_FLAGS else [])
+            group.add_argument(*names, dest=f"{section}.{f.name}", default=value, metavar=type(value).__name__.upper(),
+                               type=lambda text, like=value: _parse_value(text, like), help=" ")
+    args = vars(parser.parse_args(argv))
+    cfg = {name: dataclasses.replace(defaults[name], **{k.split(".")[1]: v for k, v in args.items()
+                                                         if k.split(".")[0] == name})
+           for name in sections}
+    try:
+        validate_config(cfg)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
+
+
+def validate_config(cfg: dict) -> None:
+    """Every cross-section rule, checked before any model loads."""
+    import actor, algo, invariants
+    from rollout import SamplingParams, validate_sampling
+    ro, run, tr = cfg["rollout"], cfg["run"], cfg["train"]
+    algo.validate_algo(cfg["algo"], ro.samples_per_prompt)
+    invariants.validate_correction(cfg["correction"])
+    actor.validate_actor(cfg["actor"])
+    validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
+    if ro.top_p != 1.0 or ro.top_k != -1:
+        raise ValueError("rollout.top_p must be 1 and rollout.top_k -1: the engine would report logprobs "
+                         "renormalised over a truncated vocabulary while the trainer's cover the full one, so "
+                         "every IS ratio and the logprob-diff check would be biased (Molt bug 18)")
+    positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,
+                "rollout.samples_per_prompt": ro.samples_per_prompt, "rollout.max_turns": ro.max_turns,
+                "rollout.max_length": ro.max_length, "train.minibatches": tr.minibatches,
+                "rollout.step_timeout_s": ro.step_timeout_s}
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if ro.prompts_per_step % tr.minibatches:
+        raise ValueError(f"train.minibatches ({tr.minibatches}) must divide rollout.prompts_per_step "
+                         f"({ro.prompts_per_step}): minibatches hold whole prompt groups")
+    if ro.max_tokens >= ro.max_length:
+        raise ValueError(f"rollout.max_tokens ({ro.max_tokens}) must be below rollout.max_length ({ro.max_length})")
+    if tr.resume and not os.path.isdir(tr.resume):
+        raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["trace"]:
+        return trace_main(argv[1:])
+    cfg = parse_config(argv)                     # refuses bad input before anything heavy is imported
+    run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
+    import torch
+    import actor as actor_mod, algo, invariants, models
+    from rollout import EmbeddedEngine, SamplingParams
+
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    random.seed(run.seed)
+    torch.manual_seed(run.seed)
+    out = run.out or os.path.join(ROOT, "runs", f"{run.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(out, "traces"), exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
+
+    recipe = load_recipe(run.recipe)
+    model_path = models.resolve_model(run.model)
+    tokenizer = models.load_tokenizer(model_path)
+    policy = actor_mod.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+    start_step = 0
+    if tr.resume:
+        policy.load_checkpoint(tr.resume)
+        start_step = policy.version // tr.minibatches
+    engine = EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed)
+    engine.update_weights(policy.export_weights(), policy.version)
+    reference = _reference_model(cfg, model_path, models)
+    runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
+                                step_timeout_s=ro.step_timeout_s)
+    tasks = recipe.tasks("train", run.seed)
+    sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
+    logger = MetricsLogger(out)
+    print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
+
+    for step in range(start_step, run.steps):
+        t0 = time.time()
+        # 1. rollout: every prompt of this step, samples_per_prompt times, through the recipe's agent
+        picked = [tasks[(step * ro.prompts_per_step + i) % len(tasks)] for i in range(ro.prompts_per_step)]
+        group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
+        group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
+        rollouts = runner.run(group_tasks, group_ids, sampling)
+        t_rollout = time.time() - t0
+        m = rollout_metrics(rollouts, ro.samples_per_prompt, runner.failures)
+        m["time/rollout_s"] = t_rollout
+        m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
+
+        # 2. advantages, on rows (segments), each rollout counted once in its group
+        rows = [(r, row) for r in rollouts for row in r.rows]
+        if cfg["algo"].filter_zero_variance and rows:
+            keep = algo.keep_groups_with_variance([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
+                                                  [r.rollout_id for r, _ in rows])
+            m["rollout/filtered_rows"] = len(rows) - sum(keep)
+            rows = [x for x, k in zip(rows, keep) if k]
+        if not rows:
+            print(f"step {step + 1}: no trainable rows (all rollouts failed or filtered); skipping", flush=True)
+            logger.log(step + 1, m)
+            continue
+        train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, actor_mod, out, step)
+        m.update(train_metrics)
+
+        # 3. push the new weights to the engine; every later token carries the new version
+        t1 = time.time()
+        engine.update_weights(policy.export_weights(), policy.version)
+        m["time/weight_push_s"] = time.time() - t1
+        m["time/step_s"] = time.time() - t0
+        logger.log(step + 1, m)
+        print(progress_line(step + 1, run.steps, m), flush=True)
+        if tr.save_every and (step + 1) % tr.save_every == 0:
+            policy.save_checkpoint(os.path.join(out, "checkpoints", f"step_{step + 1:06d}"))
+    policy.save_checkpoint(os.path.join(out, "checkpoints", "final"))
+    logger.close()
+    print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
+          f"trace with `python train.py trace {out}`", flush=True)
+
+
+def _reference_model(cfg, model_path, models):
+    """The frozen model of the KL term (or the teacher of on_policy_distill), if the config needs one."""
+    a = cfg["algo"]
+    if a.kl_coef == 0 and a.estimator != "on_policy_distill":
+        return None
+    ref = models.load_model(models.resolve_model(cfg["run"].ref_model) if cfg["run"].ref_model else model_path)
+    return ref.eval().requires_grad_(False)
+
+
+def train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, actor_mod, out, step) -> dict:
+    """Rows -> TrainBatch -> pi_prox recompute -> optimizer step(s). Returns metrics."""
+    import torch
+    a, ro, tr = cfg["algo"], cfg["rollout"], cfg["train"]
+    segs = [row for _, row in rows]
+    if a.estimator == "on_policy_distill":
+        advantages = [0.0] * len(segs)      # replaced per token below, from the teacher
+    else:
+        advantages = algo.rollout_advantages([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
+                                             [r.rollout_id for r, _ in rows], a.estimator)
+    batch = invariants.build_batch(segs, advantages, pad_id=tokenizer.pad_token_id)
+    invariants.check_token_identity(batch, segs)        # invariant 1, at the last moment before the loss
+
+    t0 = time.time()
+    trainer_version = policy.version
+    old_logprobs = policy.recompute_logprobs(batch, ro.temperature)           # pi_prox at version V
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs = actor_mod.sequence_logprobs(reference, batch.input_ids, batch.attention_mask,
+                                                       ro.temperature)
+        if a.estimator == "on_policy_distill":
+            batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
+        elif a.kl_in_reward:
+            batch.advantages = batch.advantages + algo.kl_reward_penalty(old_logprobs, ref_logprobs,
+                                                                         batch.loss_mask, a.kl_coef, a.kl_estimator)
+    t_recompute = time.time() - t0
+
+    metrics: dict[str, float] = {}
+    for part in minibatch_indices(batch.group_ids, tr.minibatches):
+        sub = select_rows(batch, part)
+        step_metrics = policy.train_step(sub, old_logprobs[part], a, cfg["correction"], ro.temperature,
+                                         trainer_version=trainer_version,
+                                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
+        for k, v in step_metrics.items():            # average over minibatches
+            metrics[k] = metrics.get(k, 0.0) + float(v) / tr.minibatches
+    metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
+    metrics["time/recompute_s"] = t_recompute
+    metrics["time/train_s"] = time.time() - t0 - t_recompute
+    mask = batch.loss_mask.bool()
+    diff = (old_logprobs - batch.behavior_logprobs)[mask]
+    metrics["mismatch/logprob_diff_mean"] = diff.abs().mean().item()
+    metrics["mismatch/logprob_diff_max"] = diff.abs().max().item()
+    metrics["mismatch/k3_kl"] = (torch.expm1(-diff) + diff).mean().item()   # k3 of KL(behavior || prox)
+    if ref_logprobs is not None:
+        metrics["kl/k3_to_reference"] = algo.kl_divergence(old_logprobs, ref_logprobs, "k3")[mask].mean().item()
+    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version,
+                 invariants, algo)
+    return metrics
+
+
+def minibatch_indices(group_ids: list[str], n: int) -> list[list[int]]:
+    """Split rows into n minibatches of whole groups (a group's baseline belongs to one optimizer step)."""
+    groups = list(dict.fromkeys(group_ids))
+    per = math.ceil(len(groups) / n)
+    parts = []
+    for i in range(n):
+        chosen = set(groups[i * per:(i + 1) * per])
+        part = [j for j, g in enumerate(group_ids) if g in chosen]
+        if part:
+            parts.append(part)
+    return parts
+
+
+def select_rows(batch, index: list[int]):
+    """The TrainBatch restricted to rows `index` (tensors sliced, id lists picked)."""
+    import torch
+    picked = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            picked[f.name] = value[index]
+        elif isinstance(value, list):
+            picked[f.name] = [value[i] for i in index]
+        else:
+            picked[f.name] = value
+    return type(batch)(**picked)
+
+
+# ---- metrics and logging -------------------------------------------------------------------------------------
+
+def rollout_metrics(rollouts, samples_per_prompt: int, failures: dict[str, int]) -> dict[str, float]:
+    """Per-ROLLOUT means (a rollout split into segments counts once; Molt bug 51)."""
+    n = max(len(rollouts), 1)
+    sampled = [sum(sum(row.trainable) for row in r.rows) for r in rollouts]
+    m = {
+        "rollout/reward": sum(r.reward for r in rollouts) / n,
+        "rollout/accuracy": sum(r.score for r in rollouts) / n,
+        "rollout/response_length": sum(sampled) / n,
+        "rollout/sampled_tokens": float(sum(sampled)),
+        "rollout/count": float(len(rollouts)),
+        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / n,
+        "rollout/turns": sum(r.num_turns for r in rollouts) / n,
+        "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
+    }
+    for reason, count in failures.items():
+        m[f"rollout/failed_{reason}_total"] = float(count)
+    return m
+
+
+def progress_line(step: int, steps: int, m: dict) -> str:
+    return (f"step {step:4d}/{steps} | reward {m['rollout/reward']:.3f} | acc {m['rollout/accuracy']:.3f} | "
+            f"len {m['rollout/response_length']:5.1f} | {m['perf/tokens_per_s']:6.1f} tok/s | "
+            f"lp diff {m.get('mismatch/logprob_diff_mean', float('nan')):.2e} | "
+            f"loss {m.get('actor/loss', float('nan')):+.4f} | {m['time/step_s']:5.1f} s")
+
+
+class MetricsLogger:
+    """OUT/metrics.jsonl (one line per step), TensorBoard events, and a PNG plot at the end."""
+
+    def __init__(self, out: str):
+        from torch.utils.tensorboard import SummaryWriter
+        self.out = out
+        self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a")
+        self.history: list[dict] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in metrics.items():
+            self.tb.add_scalar(k, v, step)
+        self.history.append(record)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+        plot_metrics(self.history, os.path.join(self.out, "metrics.png"))
+
+
+def plot_metrics(history: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [("rollout/reward", "reward"), ("rollout/accuracy", "accuracy"),
+              ("rollout/response_length", "response length (tokens)"),
+              ("mismatch/logprob_diff_mean", "|logprob diff| rollout vs trainer"),
+              ("actor/loss", "loss"), ("perf/tokens_per_s", "sampled tokens / s")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    steps = [h["step"] for h in history]
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(steps, [h.get(key, float("nan")) for h in history], marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- token traces: one sample, token by token ---------------------------------------------------------------
+
+def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version,
+                 invariants, algo) -> None:
+    """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, behavior and trainer logprob, IS weight,
+    mask reason, advantage and its contribution to the loss at theta_old (ratio 1)."""
+    import torch
+    corr, a = cfg["correction"], cfg["algo"]
+    mask = batch.loss_mask
+    stale = invariants.staleness(batch.policy_versions, mask, trainer_version)
+    keep, _ = invariants.gate_sequences(old_logprobs - batch.behavior_logprobs, mask, stale, corr)
+    weights, _ = invariants.correction_weights(old_logprobs, batch.behavior_logprobs, mask * keep[:, None], corr)
+    token_loss, _ = algo.policy_loss(old_logprobs, old_logprobs, batch.advantages, mask * keep[:, None], a, weights)
+    kept = mask * keep[:, None]
+    if a.loss_agg == "token_mean":
+        scale = 1.0 / kept.sum().clamp_min(1.0) * torch.ones_like(kept)
+    elif a.loss_agg == "seq_mean_token_mean":
+        scale = 1.0 / (keep.sum().clamp_min(1) * kept.sum(-1, keepdim=True).clamp_min(1.0)) * torch.ones_like(kept)
+    else:
+        scale = 1.0 / (keep.sum().clamp_min(1) * kept.shape[1]) * torch.ones_like(kept)
+    contribution = token_loss * scale
+    with open(os.path.join(out, "traces", f"step_{step + 1:06d}.jsonl"), "w") as f:
+        for b in range(min(cfg["train"].trace_rows, len(segs))):
+            n = len(segs[b].token_ids)
+            reasons = []
+            for t in range(n):
+                if not segs[b].trainable[t]:
+                    reasons.append("context")
+                elif not keep[b]:
+                    reasons.append(f"gate (staleness {int(stale[b])})" if stale[b] > corr.max_staleness else "gate")
+                elif weights[b, t] == 0:
+                    reasons.append("is_mask")
+                else:
+                    reasons.append("trained")
+            f.write(json.dumps({
+                "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
+                "segment_id": segs[b].segment_id, "seal_reason": segs[b].seal_reason,
+                "trainer_version": trainer_version,
+                "token_ids": segs[b].token_ids,
+                "text": [tokenizer.decode([i]) for i in segs[b].token_ids],
+                "policy_version": segs[b].policy_versions,
+                "behavior_logprob": segs[b].behavior_logprobs,
+                "trainer_logprob": old_logprobs[b, :n].tolist(),
+                "reference_logprob": None if ref_logprobs is None else ref_logprobs[b, :n].tolist(),
+                "is_weight": weights[b, :n].tolist(),
+                "mask_reason": reasons,
+                "advantage": batch.advantages[b, :n].tolist(),
+                "loss_contribution": contribution[b, :n].tolist(),
+            }) + "\n")
+
+
+def trace_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="train.py trace", description="print one traced sample token by token")
+    parser.add_argument("run", help="a run folder (OUT)")
+    parser.add_argument("--step", type=int, default=0, help="step to show (0 = the last traced step)")
+    parser.add_argument("--row", type=int, default=0, help="row of that step's trace file")
+    args = parser.parse_args(argv)
+    folder = os.path.join(args.run, "traces")
+    files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if not files:
+        raise SystemExit(f"error: no traces in {folder}; run train.py with --out {args.run} first")
+    name = f"step_{args.step:06d}.jsonl" if args.step else files[-1]
+    if name not in files:
+        raise SystemExit(f"error: no trace for step {args.step} in {folder} (have {files[0]} .. {files[-1]})")
+    with open(os.path.join(folder, name)) as f:
+        records = [json.loads(line) for line in f]
+    if not 0 <= args.row < len(records):
+        raise SystemExit(f"error: --row {args.row} out of range; {name} has {len(records)} rows")
+    r = records[args.row]
+    print(f"step {r['step']} rollout {r['rollout_id']} group {r['group_id']} segment {r['segment_id']} "
+          f"trainer version {r['trainer_version']}")
+    print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
+          f"{'advantage':>9} {'loss':>10}  reason")
+    for t, token in enumerate(r["token_ids"]):
+        sampled = r["mask_reason"][t] != "context"
+        print(f"{t:>4} {token:>6} {json.dumps(r['text'][t])[:16]:<16} {r['policy_version'][t]:>4} "
+              f"{r['behavior_logprob'][t]:>9.4f} {r['trainer_logprob'][t]:>9.4f} "
+              f"{r['is_weight'][t] if sampled else float('nan'):>6.3f} {r['advantage'][t]:>9.4f} "
+              f"{r['loss_contribution'][t]:>10.2e}  {r['mask_reason'][t]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
