@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from invariants import MAX_LOG_RATIO
+
 # ---- config + validation ----
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo", "gspo")  # need >= 2 samples per prompt
 ESTIMATORS = ("reinforce",) + GROUP_ESTIMATORS + ("on_policy_distill",)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| is clamped to this before exp, so padding garbage cannot overflow
 STD_EPS = 1e-6  # added to a std before dividing (GRPO, REINFORCE++-baseline)
 
 
@@ -160,7 +161,7 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Ten
     With log_r = log pi_ref - log pi: k1 = -log_r, k2 = log_r^2 / 2, k3 = exp(log_r) - 1 - log_r.
     Values: E[k1] = E[k3] = KL(pi||ref). As losses (gradient through logprobs only): E grad k1 = 0,
     E grad k2 = grad KL(pi||ref), E grad k3 = grad KL(ref||pi). Returns [B, T]; the caller masks."""
-    log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_r = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
@@ -198,7 +199,7 @@ def policy_loss(
     GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)),
     whose gradient equals sequence-level GSPO when advantages are per sequence and loss_agg is seq_mean_token_mean.
     w = is_weights from invariants.correction_weights, DETACHED here (None -> 1)."""
-    token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     log_ratio = token_log_ratio
     if cfg.estimator == "gspo":
         tokens = loss_mask.sum(-1, keepdim=True).clamp_min(1.0)

@@ -16,13 +16,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import json
 import math
 import os
 import random
+import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
+
+import actor
+import algo
+import invariants
+import models
+from rollout import EmbeddedEngine, SamplingParams, validate_sampling
+from router import Router
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RECIPES = os.path.join(ROOT, "recipes")
@@ -63,8 +74,7 @@ class TrainConfig:
 
 
 def config_sections():
-    """section name -> dataclass type. Imported lazily so `--help` and validation stay fast."""
-    import actor, algo, invariants
+    """section name -> dataclass type; each section's dataclass lives in the module it configures."""
     return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
             "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig}
 
@@ -95,6 +105,16 @@ def _parse_value(text: str, like):
     return type(like)(text)
 
 
+def field_help(cls) -> dict[str, str]:
+    """A dataclass field's trailing comment is its --help text (one source of truth for both)."""
+    found = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
+        if match:
+            found[match.group(1)] = match.group(2).replace("%", "%%")
+    return found
+
+
 def parse_config(argv: list[str]) -> dict:
     """argv -> {section: dataclass instance}, validated. Precedence: field defaults < recipe DEFAULTS < flags."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -113,11 +133,13 @@ def parse_config(argv: list[str]) -> dict:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for section, instance in defaults.items():
         group = parser.add_argument_group(section)
+        helps = field_help(type(instance))
         for f in dataclasses.fields(instance):
             value = getattr(instance, f.name)
             names = [f"--{section}.{f.name}"] + ([f"--{f.name}"] if section == "run" and f.name in SHORT_FLAGS else [])
             group.add_argument(*names, dest=f"{section}.{f.name}", default=value, metavar=type(value).__name__.upper(),
-                               type=lambda text, like=value: _parse_value(text, like), help=" ")
+                               type=lambda text, like=value: _parse_value(text, like),
+                               help=helps.get(f.name, f.name.replace("_", " ")))
     args = vars(parser.parse_args(argv))
     cfg = {name: dataclasses.replace(defaults[name], **{k.split(".")[1]: v for k, v in args.items()
                                                          if k.split(".")[0] == name})
@@ -131,8 +153,6 @@ def parse_config(argv: list[str]) -> dict:
 
 def validate_config(cfg: dict) -> None:
     """Every cross-section rule, checked before any model loads."""
-    import actor, algo, invariants
-    from rollout import SamplingParams, validate_sampling
     ro, run, tr = cfg["rollout"], cfg["run"], cfg["train"]
     algo.validate_algo(cfg["algo"], ro.samples_per_prompt)
     invariants.validate_correction(cfg["correction"])
@@ -163,11 +183,8 @@ def validate_config(cfg: dict) -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
-    cfg = parse_config(argv)                     # refuses bad input before anything heavy is imported
+    cfg = parse_config(argv)                     # refuses bad input before any model loads
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
-    import torch
-    import actor as actor_mod, algo, invariants, models
-    from rollout import EmbeddedEngine, SamplingParams
 
     if run.threads:
         torch.set_num_threads(run.threads)
@@ -181,14 +198,14 @@ def main(argv: list[str]) -> None:
     recipe = load_recipe(run.recipe)
     model_path = models.resolve_model(run.model)
     tokenizer = models.load_tokenizer(model_path)
-    policy = actor_mod.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+    policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     start_step = 0
     if tr.resume:
         policy.load_checkpoint(tr.resume)
         start_step = policy.version // tr.minibatches
-    engine = EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed)
+    engine = Router([EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed)])
     engine.update_weights(policy.export_weights(), policy.version)
-    reference = _reference_model(cfg, model_path, models)
+    reference = _reference_model(cfg, model_path)
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
                                 step_timeout_s=ro.step_timeout_s)
     tasks = recipe.tasks("train", run.seed)
@@ -219,7 +236,7 @@ def main(argv: list[str]) -> None:
             print(f"step {step + 1}: no trainable rows (all rollouts failed or filtered); skipping", flush=True)
             logger.log(step + 1, m)
             continue
-        train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, actor_mod, out, step)
+        train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
 
         # 3. push the new weights to the engine; every later token carries the new version
@@ -237,7 +254,7 @@ def main(argv: list[str]) -> None:
           f"trace with `python train.py trace {out}`", flush=True)
 
 
-def _reference_model(cfg, model_path, models):
+def _reference_model(cfg, model_path: str):
     """The frozen model of the KL term (or the teacher of on_policy_distill), if the config needs one."""
     a = cfg["algo"]
     if a.kl_coef == 0 and a.estimator != "on_policy_distill":
@@ -246,9 +263,8 @@ def _reference_model(cfg, model_path, models):
     return ref.eval().requires_grad_(False)
 
 
-def train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, actor_mod, out, step) -> dict:
+def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) -> dict:
     """Rows -> TrainBatch -> pi_prox recompute -> optimizer step(s). Returns metrics."""
-    import torch
     a, ro, tr = cfg["algo"], cfg["rollout"], cfg["train"]
     segs = [row for _, row in rows]
     if a.estimator == "on_policy_distill":
@@ -265,7 +281,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, act
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = actor_mod.sequence_logprobs(reference, batch.input_ids, batch.attention_mask,
+            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask,
                                                        ro.temperature)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
@@ -292,8 +308,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, algo, invariants, act
     metrics["mismatch/k3_kl"] = (torch.expm1(-diff) + diff).mean().item()   # k3 of KL(behavior || prox)
     if ref_logprobs is not None:
         metrics["kl/k3_to_reference"] = algo.kl_divergence(old_logprobs, ref_logprobs, "k3")[mask].mean().item()
-    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version,
-                 invariants, algo)
+    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version)
     return metrics
 
 
@@ -312,7 +327,6 @@ def minibatch_indices(group_ids: list[str], n: int) -> list[list[int]]:
 
 def select_rows(batch, index: list[int]):
     """The TrainBatch restricted to rows `index` (tensors sliced, id lists picked)."""
-    import torch
     picked = {}
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
@@ -399,11 +413,9 @@ def plot_metrics(history: list[dict], path: str) -> None:
 
 # ---- token traces: one sample, token by token ---------------------------------------------------------------
 
-def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version,
-                 invariants, algo) -> None:
+def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version) -> None:
     """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, behavior and trainer logprob, IS weight,
     mask reason, advantage and its contribution to the loss at theta_old (ratio 1)."""
-    import torch
     corr, a = cfg["correction"], cfg["algo"]
     mask = batch.loss_mask
     stale = invariants.staleness(batch.policy_versions, mask, trainer_version)

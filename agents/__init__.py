@@ -15,12 +15,14 @@ import importlib.util
 import logging
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as StepTimeout
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import invariants
-from rollout import SamplingParams
+from rollout import SamplingParams, validate_sampling
 
 log = logging.getLogger("tracerl.agents")
 
@@ -86,6 +88,19 @@ class _Episode:
     info: dict[str, float] = field(default_factory=dict)
 
 
+def _start(fn, arg) -> Future:
+    """Run agent code on a daemon thread: a hung env can be abandoned and never blocks the process exit."""
+    future: Future = Future()
+
+    def target():
+        try:
+            future.set_result(fn(arg))
+        except BaseException as exc:
+            future.set_exception(exc)
+    threading.Thread(target=target, daemon=True, name="env-call").start()
+    return future
+
+
 class EnvRunner:
     """Runs a group of Env episodes in lockstep: every turn, all live episodes sample together in one
     batched engine call. Subclass with `env_cls = MyEnv` and export it as `AgentRunner`."""
@@ -97,18 +112,20 @@ class EnvRunner:
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.max_length, self.step_timeout_s = max_turns, max_length, step_timeout_s
         self.failures: dict[str, int] = {}     # reason -> count, over the runner's life
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
 
     def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list[Rollout]:
         """One rollout per (task, group id). Failed episodes are counted and left out of the result."""
         import data   # the chat template lives with the data; imported here so agents/ stays light
+        if len(tasks) != len(group_ids):
+            raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
         episodes = []
-        for task, group_id in zip(tasks, group_ids):
-            ep = _Episode(self.env_cls(), task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), sampling)
-            messages = self._call(ep, "reset", ep.env.reset, task)
+        for i, (task, group_id) in enumerate(zip(tasks, group_ids)):
+            # a seeded run must still give every sample of a group its own random stream
+            own = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            episodes.append(_Episode(self.env_cls(), task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
+        for ep, messages in zip(episodes, self._call_all(episodes, "reset", [(ep.env.reset, ep.task) for ep in episodes])):
             if not ep.failed:
                 ep.ledger.extend_or_seal(data.render_prompt_ids(self.tokenizer, messages))
-            episodes.append(ep)
         while live := [ep for ep in episodes if not (ep.done or ep.failed)]:
             self._turn(live)
         return [self._to_rollout(ep) for ep in episodes if not ep.failed]
@@ -125,44 +142,65 @@ class EnvRunner:
         live = [ep for ep in live if not ep.done]
         if not live:
             return
+        actions = []
         for ep, gen in zip(live, self.engine.generate(prompts, params)):
             ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
             ep.turns += 1
-            action_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            result = self._call(ep, "step", ep.env.step, action_text)
-            if ep.failed:
-                continue
-            ep.reward += float(result.reward)
-            ep.score = result.score if result.score is not None else ep.reward
-            ep.info.update({k: float(v) for k, v in result.info.items()})
-            out_of_turns = ep.turns >= self.max_turns
-            ep.truncated = result.truncated or (out_of_turns and not result.terminated)
-            ep.done = result.terminated or result.truncated or out_of_turns
-            if not ep.done:
-                if result.sampling_params:
-                    ep.sampling = replace(ep.sampling, **result.sampling_params)
-                ep.ledger.append_context(self.tokenizer.encode(result.observation, add_special_tokens=False))
+            actions.append((ep.env.step, self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
+        # every env steps at once (one slow env does not delay the others), all under one deadline
+        for ep, result in zip(live, self._call_all(live, "step", actions)):
+            if not ep.failed:
+                try:
+                    self._apply(ep, result)
+                except Exception as exc:      # a malformed Result fails its rollout, never the run
+                    self._fail(ep, "result_error", f"{type(exc).__name__}: {exc}")
 
-    def _call(self, ep: _Episode, what: str, fn, arg):
-        """Run agent code with a time limit; an exception or a hang fails this rollout only."""
-        try:
-            return self._pool.submit(fn, arg).result(timeout=self.step_timeout_s)
-        except StepTimeout:
-            reason = f"{what}_timeout"
-            log.warning("env %s exceeded %.0f s (rollout %s dropped)", what, self.step_timeout_s,
-                        ep.ledger.rollout_id)
-            # the hung thread cannot be killed; give later calls a fresh pool so they never queue behind it
-            self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="env-step")
-        except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
-            reason = f"{what}_error"
-            log.warning("env %s raised %s: %s (rollout %s dropped)", what, type(exc).__name__, exc,
-                        ep.ledger.rollout_id)
+    def _apply(self, ep: _Episode, result: Result) -> None:
+        if not isinstance(result, Result):
+            raise TypeError(f"Env.step must return agents.Result, got {type(result).__name__}")
+        info = {k: float(v) for k, v in result.info.items()}
+        next_sampling = replace(ep.sampling, **(result.sampling_params or {}))
+        validate_sampling(next_sampling)
+        observation = self.tokenizer.encode(result.observation, add_special_tokens=False)
+        ep.reward += float(result.reward)
+        ep.score = result.score if result.score is not None else ep.reward
+        ep.info.update(info)
+        out_of_turns = ep.turns >= self.max_turns
+        out_of_room = len(ep.ledger.open_token_ids) + len(observation) >= self.max_length
+        ep.done = result.terminated or result.truncated or out_of_turns or out_of_room
+        ep.truncated = ep.done and not result.terminated
+        if not ep.done:
+            ep.sampling = next_sampling
+            ep.ledger.append_context(observation)
+
+    def _call_all(self, episodes: list[_Episode], what: str, calls: list) -> list:
+        """Run agent code for every episode concurrently, each with `step_timeout_s`. An exception or a
+        hang fails that rollout only (its result is None)."""
+        futures = [_start(fn, arg) for fn, arg in calls]
+        deadline = time.monotonic() + self.step_timeout_s
+        results = []
+        for ep, future in zip(episodes, futures):
+            try:
+                results.append(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+                continue
+            except FutureTimeout:
+                if not future.done():           # a real hang (an env's own TimeoutError is an error)
+                    self._fail(ep, f"{what}_timeout", f"exceeded {self.step_timeout_s:.0f} s")
+                    results.append(None)
+                    continue
+                exc = future.exception()
+            except Exception as error:  # agent code is arbitrary: any error is this rollout's failure
+                exc = error
+            self._fail(ep, f"{what}_error", f"{type(exc).__name__}: {exc}")
+            results.append(None)
+        return results
+
+    def _fail(self, ep: _Episode, reason: str, detail: str) -> None:
+        log.warning("rollout %s dropped: %s (%s)", ep.ledger.rollout_id, reason, detail)
         ep.failed = reason
         self.failures[reason] = self.failures.get(reason, 0) + 1
-        return None
 
     def _to_rollout(self, ep: _Episode) -> Rollout:
         return Rollout(ep.ledger.rollout_id, ep.ledger.group_id, ep.task.task_id, ep.ledger.rows(),
@@ -179,8 +217,13 @@ def load_agent_runner(path: str) -> type:
         raise ValueError(f"cannot import an agent from {path!r}: expected a path to a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
     runner = getattr(module, "AgentRunner", None)
     if runner is None:
+        del sys.modules[spec.name]
         raise ValueError(f"{path} does not export AgentRunner; add e.g. `class AgentRunner(EnvRunner): env_cls = MyEnv`")
     return runner

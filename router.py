@@ -1,0 +1,78 @@
+# router.py — the request router in front of the engines.
+#
+# Owns: which engine serves a request (sticky by session, so a multi-turn rollout keeps its prefix cache
+# on one engine; otherwise the least-loaded one) and the fan-out of the control plane (pause, weight
+# update, resume) to every engine, in that order, so no engine ever samples with weights older than the
+# version it reports (invariant 2).
+# Never: changes a request or a result; it only chooses where a request goes.
+from __future__ import annotations
+
+import threading
+import zlib
+from collections import defaultdict
+
+from rollout import Generation, SamplingParams
+
+
+class Router:
+    """Same interface as an engine (`generate`, `update_weights`, `pause`, `resume`), over several."""
+
+    def __init__(self, engines: list):
+        if not engines:
+            raise ValueError("a Router needs at least one engine")
+        self.engines = engines
+        self.in_flight = [0] * len(engines)        # requests being served, per engine
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return min(e.version for e in self.engines)
+
+    def pick(self, session_id: str | None) -> int:
+        """Sticky: a session always maps to the same engine (crc32, stable across processes).
+        Without a session: the engine with the fewest requests in flight."""
+        if session_id is not None:
+            return zlib.crc32(session_id.encode()) % len(self.engines)
+        return min(range(len(self.engines)), key=self.in_flight.__getitem__)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 session_ids: list[str | None] | None = None) -> list[Generation]:
+        """Group the requests by engine, run each group as one batch, return results in request order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        session_ids = session_ids or [None] * len(prompts)
+        groups: dict[int, list[int]] = defaultdict(list)
+        with self._lock:
+            for i, session in enumerate(session_ids):
+                chosen = self.pick(session)
+                groups[chosen].append(i)
+                self.in_flight[chosen] += 1
+        results: list[Generation | None] = [None] * len(prompts)
+        try:
+            for engine_index, indices in groups.items():
+                outs = self.engines[engine_index].generate([prompts[i] for i in indices],
+                                                           [params_list[i] for i in indices])
+                for i, out in zip(indices, outs):
+                    results[i] = out
+        finally:
+            with self._lock:
+                for engine_index, indices in groups.items():
+                    self.in_flight[engine_index] -= len(indices)
+        return results
+
+    def pause(self) -> None:
+        for e in self.engines:
+            e.pause()
+
+    def resume(self) -> None:
+        for e in self.engines:
+            e.resume()
+
+    def update_weights(self, state: dict, version: int) -> None:
+        """Pause all, load on all, resume all: requests are kept, and tokens after the resume carry
+        `version` on every engine. Resume happens even if a load fails (a leaked pause hangs the run)."""
+        self.pause()
+        try:
+            for e in self.engines:
+                e.update_weights(state, version)
+        finally:
+            self.resume()

@@ -1,0 +1,335 @@
+# The agent contract, driven through a real EmbeddedEngine over a tiny Qwen3 and the BPE tokenizer: a multi-turn
+# episode becomes one training row whose trainable tokens are exactly the engine's samples (invariant 1) with the
+# engine's logprobs and versions (invariant 2); groups run in lockstep; turn and length budgets truncate; a
+# failing or hanging env loses only its own rollout; recipes load from a file path; the math recipe grades.
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import data
+import models
+from actor import sequence_logprobs
+from agents import Env, EnvRunner, Result, load_agent_runner
+from invariants import build_batch, check_sampled_once, check_token_identity
+from rollout import EmbeddedEngine, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MATH_RECIPE = os.path.join(ROOT, "recipes", "math.py")
+GLUE = "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"   # the env writes its own chat glue
+VERSION = 3                                                           # a non-default weight version to stamp
+
+
+# ---- set-up: a real engine that also keeps what it was asked and what it sampled ----
+
+@dataclasses.dataclass
+class Call:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    gens: list                 # rollout.Generation, one per prompt
+
+
+class RecordingEngine(EmbeddedEngine):
+    """The embedded engine, unchanged, plus a log of every generate call (the test's ground truth)."""
+
+    def __init__(self, model, version: int = 0):
+        super().__init__(model, version=version)
+        self.calls: list[Call] = []
+
+    def generate(self, prompts, params):
+        gens = super().generate(prompts, params)
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        self.calls.append(Call([list(p) for p in prompts], list(params_list), gens))
+        return gens
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return models.bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.tiny_model("qwen3", seed=0)
+
+
+@pytest.fixture
+def engine(tiny):
+    return RecordingEngine(tiny, version=VERSION)   # fresh per test: the engine's sampler is seeded, so runs repeat
+
+
+def make_tasks(*task_ids: str) -> list[data.Task]:
+    return [data.Task(task_id=t, messages=[{"role": "user", "content": f"Say hi to {t}."}], label="")
+            for t in task_ids]
+
+
+def runner_for(env_cls: type[Env], engine, tokenizer, **kwargs) -> EnvRunner:
+    """What a recipe does: `class AgentRunner(EnvRunner): env_cls = MyEnv`."""
+    return type(f"{env_cls.__name__}Runner", (EnvRunner,), {"env_cls": env_cls})(engine, tokenizer, **kwargs)
+
+
+class TurnEnv(Env):
+    """Ends after `turns` steps; turn k pays reward k and (until the end) answers with ChatML glue."""
+    turns = 3
+
+    def reset(self, task):
+        self.task_id, self.turn = task.task_id, 0
+        return task.messages
+
+    def step(self, action_text: str) -> Result:
+        self.turn += 1
+        done = self.turn >= self.turns
+        return Result(reward=float(self.turn), observation="" if done else GLUE, terminated=done,
+                      info={"turn": self.turn})
+
+
+class TwoTurnEnv(TurnEnv):
+    turns = 2
+
+
+class EndlessEnv(TurnEnv):
+    """Never terminates; pays 0.5 per turn and answers with a short observation."""
+
+    def step(self, action_text: str) -> Result:
+        self.turn += 1
+        return Result(reward=0.5, observation=" again", terminated=False)
+
+
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=6)
+
+
+# ---- one multi-turn episode = one row of exactly the sampled tokens ----
+
+def test_multi_turn_episode_is_one_row_whose_trainable_tokens_are_exactly_the_engine_samples(engine, tokenizer, tiny):
+    tasks = make_tasks("t0", "t1")
+    rollouts = runner_for(TurnEnv, engine, tokenizer, max_turns=5, max_length=512).run(tasks, ["g0", "g1"], SAMPLING)
+
+    glue_ids = tokenizer.encode(GLUE, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in glue_ids   # the glue's special tokens are single ids
+    assert len(engine.calls) == 3 and all(len(c.prompts) == 2 for c in engine.calls)
+    assert [r.task_id for r in rollouts] == ["t0", "t1"]
+    for b, (task, rollout) in enumerate(zip(tasks, rollouts)):
+        gens = [c.gens[b] for c in engine.calls]
+        assert rollout.num_turns == 3 and not rollout.truncated
+        assert rollout.reward == 1.0 + 2.0 + 3.0 and rollout.score == rollout.reward   # per-turn rewards summed
+        assert rollout.info == {"turn": 3.0}
+        (row,) = rollout.rows
+        # every prompt is the previous prompt + its sampled ids + the observation's ids: nothing re-tokenized
+        assert engine.calls[0].prompts[b] == data.render_prompt_ids(tokenizer, task.messages)
+        for k in (1, 2):
+            assert engine.calls[k].prompts[b] == engine.calls[k - 1].prompts[b] + gens[k - 1].token_ids + glue_ids
+        assert row.token_ids == engine.calls[2].prompts[b] + gens[2].token_ids
+        # trainable = sampled, with the engine's own logprobs and version; observations and prompt are context
+        expected_trainable = [False] * len(engine.calls[0].prompts[b])
+        for k, gen in enumerate(gens):
+            expected_trainable += [True] * len(gen.token_ids) + ([False] * len(glue_ids) if k < 2 else [])
+        assert row.trainable == expected_trainable
+        check_sampled_once(rollout.rows, [g.token_ids for g in gens])
+        with pytest.raises(ValueError, match="sampled-once violated"):   # negative control: a lost turn is caught
+            check_sampled_once(rollout.rows, [g.token_ids for g in gens[:2]])
+        sampled = [(lp, v) for lp, v, tr in zip(row.behavior_logprobs, row.policy_versions, row.trainable) if tr]
+        assert [lp for lp, _ in sampled] == [lp for g in gens for lp in g.behavior_logprobs]
+        assert {v for _, v in sampled} == {VERSION}
+        assert all(v == -1 for v, tr in zip(row.policy_versions, row.trainable) if not tr)
+        assert row.rollout_id == rollout.rollout_id and row.group_id == rollout.group_id
+
+    rows = [row for r in rollouts for row in r.rows]
+    batch = build_batch(rows, [1.0] * len(rows), pad_id=tokenizer.pad_token_id)
+    check_token_identity(batch, rows)
+    tampered = batch.input_ids.clone()
+    t = int(batch.loss_mask[0].nonzero()[0])
+    tampered[0, t] = (tampered[0, t] + 1) % len(tokenizer)
+    with pytest.raises(ValueError, match="token identity violated"):   # negative control: the check is armed
+        check_token_identity(dataclasses.replace(batch, input_ids=tampered), rows)
+
+    trainable = batch.loss_mask > 0
+    assert torch.isfinite(batch.behavior_logprobs[trainable]).all() and (batch.behavior_logprobs[trainable] <= 0).all()
+    with torch.no_grad():
+        recomputed = sequence_logprobs(tiny, batch.input_ids, batch.attention_mask, SAMPLING.temperature)
+        at_wrong_temperature = sequence_logprobs(tiny, batch.input_ids, batch.attention_mask, 0.5)
+    gap = (recomputed - batch.behavior_logprobs)[trainable].abs().max().item()
+    assert gap < 1e-5, f"engine behavior logprobs differ from the trainer recompute by {gap}"
+    # negative control: the comparison notices a different sampling distribution
+    assert (at_wrong_temperature - batch.behavior_logprobs)[trainable].abs().max().item() > 1e-3
+
+
+def test_group_runs_in_lockstep_one_rollout_per_task_with_its_group_id_and_a_distinct_rollout_id(engine, tokenizer):
+    tasks = make_tasks("a0", "a1", "b0", "b1")
+    group_ids = ["ga", "ga", "gb", "gb"]
+    rollouts = runner_for(TwoTurnEnv, engine, tokenizer, max_turns=4).run(tasks, group_ids, SAMPLING)
+
+    assert [len(c.prompts) for c in engine.calls] == [4, 4]   # every turn: all live episodes in one engine call
+    assert [r.task_id for r in rollouts] == ["a0", "a1", "b0", "b1"]
+    assert [r.group_id for r in rollouts] == group_ids
+    assert len({r.rollout_id for r in rollouts}) == 4
+    for r in rollouts:
+        assert r.num_turns == 2 and len(r.rows) == 1
+        assert (r.rows[0].rollout_id, r.rows[0].group_id) == (r.rollout_id, r.group_id)
+
+
+# ---- budgets ----
+
+def test_max_turns_truncates_an_env_that_never_terminates(engine, tokenizer):
+    (rollout,) = runner_for(EndlessEnv, engine, tokenizer, max_turns=2).run(make_tasks("t"), ["g"], SAMPLING)
+
+    assert len(engine.calls) == 2
+    assert rollout.truncated and rollout.num_turns == 2 and rollout.reward == 1.0
+    assert rollout.rows[0].trainable[-1]   # the episode ended on its last sample: no dangling observation
+
+
+def test_max_length_stops_an_episode_whose_context_is_full(engine, tokenizer):
+    tasks = make_tasks("t")
+    max_length = len(data.render_prompt_ids(tokenizer, tasks[0].messages)) + 10
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    runner = runner_for(EndlessEnv, engine, tokenizer, max_turns=100, max_length=max_length)
+    (rollout,) = runner.run(tasks, ["g"], sampling)
+
+    assert rollout.truncated and 1 <= rollout.num_turns < 100 and runner.failures == {}
+    assert len(engine.calls) == rollout.num_turns
+    for call in engine.calls:   # the engine is never asked for more tokens than the context has room for
+        (prompt,), (params,), (gen,) = call.prompts, call.params, call.gens
+        assert params.max_tokens == min(sampling.max_tokens, max_length - len(prompt))
+        assert len(prompt) + len(gen.token_ids) <= max_length
+    assert len(engine.calls[-1].prompts[0]) < max_length   # the next prompt would have been full
+
+
+# ---- failures stay with their own rollout ----
+
+class StepRaisesEnv(TwoTurnEnv):
+    def step(self, action_text: str) -> Result:
+        if self.task_id == "bad":   # on its first step, after it has sampled
+            raise RuntimeError("the env's tool crashed")
+        return super().step(action_text)
+
+
+class ResetRaisesEnv(TwoTurnEnv):
+    def reset(self, task):
+        if task.task_id == "bad":
+            raise KeyError("no such sandbox")
+        return super().reset(task)
+
+
+def test_an_env_whose_step_raises_loses_only_its_own_rollout(engine, tokenizer, caplog):
+    runner = runner_for(StepRaisesEnv, engine, tokenizer, max_turns=4)
+    with caplog.at_level(logging.WARNING, logger="tracerl.agents"):
+        rollouts = runner.run(make_tasks("ok-0", "bad", "ok-1"), ["g"] * 3, SAMPLING)
+
+    assert [r.task_id for r in rollouts] == ["ok-0", "ok-1"]
+    assert all(r.num_turns == 2 and not r.truncated for r in rollouts)
+    assert [len(c.prompts) for c in engine.calls] == [3, 2]   # the failed episode left the lockstep group
+    assert runner.failures == {"step_error": 1}
+    assert "step_error (RuntimeError" in caplog.text
+
+
+def test_an_env_whose_reset_raises_loses_only_its_own_rollout(engine, tokenizer, caplog):
+    runner = runner_for(ResetRaisesEnv, engine, tokenizer, max_turns=4)
+    with caplog.at_level(logging.WARNING, logger="tracerl.agents"):
+        rollouts = runner.run(make_tasks("ok-0", "bad", "ok-1"), ["g"] * 3, SAMPLING)
+
+    assert [r.task_id for r in rollouts] == ["ok-0", "ok-1"]
+    assert [len(c.prompts) for c in engine.calls] == [2, 2]   # the failed episode never reached the engine
+    assert runner.failures == {"reset_error": 1}
+    assert "reset_error (KeyError" in caplog.text
+
+
+def test_an_env_whose_step_hangs_loses_only_its_rollout_and_later_runs_still_work(engine, tokenizer):
+    release = threading.Event()   # lets the hung threads go at the end instead of holding the process
+    hang_s = 10.0                 # outlasts all four 0.5 s timeouts, so no hung thread frees its worker early
+
+    class HangingEnv(TurnEnv):
+        turns = 1
+
+        def step(self, action_text: str) -> Result:
+            if self.task_id.startswith("hang"):
+                release.wait(hang_s)
+            return super().step(action_text)
+
+    runner = runner_for(HangingEnv, engine, tokenizer, step_timeout_s=0.5)
+    try:
+        # four hung steps would fill a 4-worker pool: ok-1 (and every later run) only works if the runner
+        # replaces the pool instead of queueing behind threads it cannot kill
+        tasks = make_tasks("ok-0", "hang-0", "hang-1", "hang-2", "hang-3", "ok-1")
+        rollouts = runner.run(tasks, ["g"] * 6, SAMPLING)
+        assert [r.task_id for r in rollouts] == ["ok-0", "ok-1"]
+        assert runner.failures == {"step_timeout": 4}
+
+        start = time.monotonic()
+        again = runner.run(make_tasks("ok-2", "ok-3"), ["g"] * 2, SAMPLING)
+        elapsed = time.monotonic() - start
+        assert [r.task_id for r in again] == ["ok-2", "ok-3"]
+        assert runner.failures == {"step_timeout": 4}
+        assert elapsed < 1.0, f"a run after the timeouts took {elapsed:.2f} s: it queued behind hung env threads"
+    finally:
+        release.set()
+
+
+# ---- per-turn sampling overrides ----
+
+NEVER = "<|vision_start|>"   # a stop id the text-only episode must never sample (asserted below)
+
+
+class ShortSecondTurnEnv(TwoTurnEnv):
+    def step(self, action_text: str) -> Result:
+        result = super().step(action_text)
+        return dataclasses.replace(result, sampling_params={"max_tokens": 2}) if self.turn == 1 else result
+
+
+@pytest.mark.parametrize("env_cls, second_turn_tokens", [(TwoTurnEnv, 6), (ShortSecondTurnEnv, 2)])
+def test_result_sampling_params_override_later_turns(engine, tokenizer, env_cls, second_turn_tokens):
+    never = tokenizer.convert_tokens_to_ids(NEVER)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=(never,))
+    (rollout,) = runner_for(env_cls, engine, tokenizer, max_turns=4).run(make_tasks("t"), ["g"], sampling)
+
+    first, second = (c.gens[0] for c in engine.calls)
+    assert never not in first.token_ids + second.token_ids   # no stop id hit, so lengths are the budgets
+    assert len(first.token_ids) == 6
+    assert len(second.token_ids) == second_turn_tokens == engine.calls[1].params[0].max_tokens
+    assert engine.calls[1].params[0].stop_token_ids == (never,)   # the override changes only what it names
+    assert rollout.rows[0].num_trainable == 6 + second_turn_tokens
+
+
+# ---- recipes ----
+
+def test_load_agent_runner_returns_the_recipe_modules_agent_runner():
+    runner_cls = load_agent_runner(MATH_RECIPE)
+    assert issubclass(runner_cls, EnvRunner) and runner_cls.env_cls.__name__ == "MathEnv"
+
+
+def test_load_agent_runner_refuses_a_file_without_agent_runner(tmp_path):
+    path = tmp_path / "no_agent.py"
+    path.write_text("from agents import Env\n\nclass MyEnv(Env):\n    pass\n")
+    with pytest.raises(ValueError, match="does not export AgentRunner"):
+        load_agent_runner(str(path))
+
+
+def test_load_agent_runner_refuses_a_path_that_is_not_a_python_file(tmp_path):
+    path = tmp_path / "agent.txt"
+    path.write_text("class AgentRunner:\n    pass\n")
+    with pytest.raises(ValueError, match="expected a path to a .py file"):
+        load_agent_runner(str(path))
+
+
+def test_math_env_pays_one_for_the_right_boxed_answer_and_zero_otherwise():
+    math_env_cls = load_agent_runner(MATH_RECIPE).env_cls
+    task = data.arithmetic_tasks(1, seed=0)[0]
+    wrong = str(int(task.label) + 1)
+
+    env = math_env_cls()
+    assert env.reset(task) == task.messages
+    right = env.step(f"Adding them up gives \\boxed{{{task.label}}}.")
+    assert (right.reward, right.score, right.terminated, right.info) == (1.0, 1.0, True, {"answered": 1.0})
+    assert env.step(f"So the total is \\boxed{{{wrong}}}.").reward == 0.0
+    assert env.step("I am not sure.").info == {"answered": 0.0}
+
+
+def test_math_recipe_runs_end_to_end_on_the_engine(engine, tokenizer):
+    runner = load_agent_runner(MATH_RECIPE)(engine, tokenizer, max_length=256)
+    tasks = data.arithmetic_tasks(2, seed=0)
+    rollouts = runner.run(tasks, ["g0", "g0"], SamplingParams(temperature=1.0, max_tokens=4))
+
+    assert [r.task_id for r in rollouts] == [t.task_id for t in tasks]
+    assert all(r.reward in (0.0, 1.0) and r.num_turns == 1 and len(r.rows) == 1 for r in rollouts)
