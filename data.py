@@ -110,9 +110,9 @@ class Task:
 
 
 # ---- arithmetic word problems ----
-# One-step addition/subtraction stories with small operands. SmolLM2-135M-Instruct (greedy, 64 tokens) already
-# gets most of them right in words ("The final answer is 7.") but never fills \boxed{} — a real, learnable RL
-# target on a CPU: the grader rewards the right number, and boxing it is the format the policy can discover.
+# One-step addition/subtraction stories with small operands. SmolLM2-135M-Instruct (greedy, 64 tokens, operands
+# up to 10) gets about a third right, in words ("The final answer is 7."), and rambles on the rest — a real,
+# learnable RL target on a CPU: the grader rewards the right number wherever the answer states it.
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a number in \\boxed{}."
 _NAMES = ["Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lily"]

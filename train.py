@@ -18,6 +18,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import logging
 import math
 import os
 import random
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import transformers
 
 import actor
 import algo
@@ -186,6 +188,8 @@ def main(argv: list[str]) -> None:
     cfg = parse_config(argv)                     # refuses bad input before any model loads
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
     random.seed(run.seed)
@@ -298,6 +302,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
                                          ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
         for k, v in step_metrics.items():            # average over minibatches
             metrics[k] = metrics.get(k, 0.0) + float(v) / tr.minibatches
+    for k in ("actor/version", "actor/lr"):         # states, not averages: the value after the last step
+        metrics[k] = float(step_metrics[k])
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute
@@ -352,6 +358,7 @@ def rollout_metrics(rollouts, samples_per_prompt: int, failures: dict[str, int])
         "rollout/sampled_tokens": float(sum(sampled)),
         "rollout/count": float(len(rollouts)),
         "rollout/truncated_frac": sum(r.truncated for r in rollouts) / n,
+        "rollout/clipped_frac": sum(r.clipped_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
     }

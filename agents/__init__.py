@@ -68,6 +68,7 @@ class Rollout:
     score: float
     num_turns: int
     truncated: bool
+    clipped_turns: int = 0                     # turns whose reply hit max_tokens before a stop token
     info: dict[str, float] = field(default_factory=dict)
 
 
@@ -83,6 +84,7 @@ class _Episode:
     score: float | None = None
     turns: int = 0
     truncated: bool = False
+    clipped_turns: int = 0
     done: bool = False
     failed: str = ""
     info: dict[str, float] = field(default_factory=dict)
@@ -148,6 +150,7 @@ class EnvRunner:
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
             ep.turns += 1
+            ep.clipped_turns += gen.finish_reason == "length"
             actions.append((ep.env.step, self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
         # every env steps at once (one slow env does not delay the others), all under one deadline
         for ep, result in zip(live, self._call_all(live, "step", actions)):
@@ -160,6 +163,9 @@ class EnvRunner:
     def _apply(self, ep: _Episode, result: Result) -> None:
         if not isinstance(result, Result):
             raise TypeError(f"Env.step must return agents.Result, got {type(result).__name__}")
+        if result.images:
+            raise ValueError("Result.images needs an engine that takes images; the embedded engine is text-only, "
+                             "so the images would be silently dropped")
         info = {k: float(v) for k, v in result.info.items()}
         next_sampling = replace(ep.sampling, **(result.sampling_params or {}))
         validate_sampling(next_sampling)
@@ -205,7 +211,7 @@ class EnvRunner:
     def _to_rollout(self, ep: _Episode) -> Rollout:
         return Rollout(ep.ledger.rollout_id, ep.ledger.group_id, ep.task.task_id, ep.ledger.rows(),
                        ep.reward, ep.score if ep.score is not None else ep.reward, ep.turns, ep.truncated,
-                       ep.info)
+                       ep.clipped_turns, ep.info)
 
 
 # ---- loading a recipe's agent ------------------------------------------------------------------------

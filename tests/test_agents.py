@@ -333,3 +333,30 @@ def test_math_recipe_runs_end_to_end_on_the_engine(engine, tokenizer):
 
     assert [r.task_id for r in rollouts] == [t.task_id for t in tasks]
     assert all(r.reward in (0.0, 1.0) and r.num_turns == 1 and len(r.rows) == 1 for r in rollouts)
+
+
+class MalformedEnv(Env):
+    """Each task id picks one way to return something that is not a usable Result."""
+
+    def reset(self, task):
+        self.kind = task.task_id
+        return task.messages
+
+    def step(self, action_text):
+        if self.kind == "tuple":
+            return (1.0, "", True, False, {})                      # Gymnasium's tuple, not a Result
+        if self.kind == "info":
+            return Result(reward=1.0, info={"note": "not a number"})
+        if self.kind == "images":
+            return Result(reward=1.0, images=["an image the text engine cannot show"])
+        if self.kind == "sampling":
+            return Result(reward=1.0, terminated=False, observation=GLUE, sampling_params={"max_token": 2})
+        return Result(reward=1.0)
+
+
+def test_a_malformed_result_loses_only_its_own_rollout(engine, tokenizer):
+    runner = runner_for(MalformedEnv, engine, tokenizer, max_turns=2)
+    rollouts = runner.run(make_tasks("tuple", "info", "images", "sampling", "good"), ["g"] * 5,
+                          SamplingParams(max_tokens=4, seed=0))
+    assert [r.task_id for r in rollouts] == ["good"]
+    assert runner.failures == {"result_error": 4}

@@ -71,7 +71,8 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path):
                    os.path.join(out, "checkpoints", "final"))
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
-    assert [r["step"] for r in records] == [3] and records[0]["actor/version"] == 3
+    # the recipe takes 2 optimizer steps per RL step: after RL step 3 the policy is at version 6
+    assert [r["step"] for r in records] == [3] and records[0]["actor/version"] == 6
 
 
 @pytest.mark.parametrize("flags, reason", [
@@ -110,3 +111,19 @@ def test_minibatches_hold_whole_groups():
     batch = invariants.build_batch(rows, [float(i) for i in range(8)], pad_id=0)
     sub = train.select_rows(batch, parts[1])
     assert sub.group_ids == ["c", "c", "d", "d"] and torch.equal(sub.input_ids, batch.input_ids[4:])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--algo.kl_coef", "0.05"],                                                   # KL to the reference as a loss
+    ["--algo.estimator", "reinforce", "--algo.kl_in_reward", "true", "--algo.kl_coef", "0.05"],  # KL as a reward
+    ["--algo.estimator", "on_policy_distill", "--algo.kl_coef", "1.0", "--run.ref_model", "tiny-qwen3"],
+    ["--correction.level", "token", "--correction.mode", "trunc", "--correction.high", "2.0",
+     "--algo.filter_zero_variance", "true"],
+])
+def test_reference_distillation_and_correction_paths_run_end_to_end(flags, tmp_path):
+    out = str(tmp_path / "out")
+    done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    if "--algo.kl_coef" in flags:
+        assert record["kl/k3_to_reference"] >= 0
