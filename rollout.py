@@ -1,7 +1,8 @@
 # rollout.py — the engines that sample tokens, behind one interface.
 #
-# Owns: `SamplingParams` and `Generation` (the records that leave an engine) and `EmbeddedEngine`, a
-# batched, KV-cached sampler over any transformers causal LM. The vLLM engine implements the same four
+# Owns: `SamplingParams` and `Generation` (the records that leave an engine), `EmbeddedEngine`, a
+# batched, KV-cached sampler over any transformers causal LM, and `BatchingEngine`, which merges the
+# calls of many concurrent callers into batched engine calls. The vLLM engine implements the same four
 # calls (generate, update_weights, pause, resume) and is tested against this one.
 #
 # Keeps, for every sampled token:
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,6 +232,76 @@ class EmbeddedEngine:
             # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason)
+
+
+# ---- batching: many callers, one batched engine call ---------------------------------------------------
+
+@dataclass
+class _Pending:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: list[Generation] | None = None
+    error: BaseException | None = None
+
+
+class BatchingEngine:
+    """Coalesces `generate` calls from many threads (one per chat session, say) into batched calls of the
+    wrapped engine: a worker thread takes everything queued, waits `gather_s` for more, and runs it as one
+    batch. Each caller gets exactly its own results; an error fails only the calls of that batch."""
+
+    def __init__(self, engine, gather_s: float = 0.005):
+        self.engine, self.gather_s = engine, gather_s
+        self._queue: list[_Pending] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._serve, daemon=True, name="batching-engine").start()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        for p in params_list:       # a bad request is refused here, never inside a shared batch
+            validate_sampling(p)
+        pending = _Pending([list(p) for p in prompts], params_list)
+        with self._cond:
+            self._queue.append(pending)
+            self._cond.notify()
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(state, version)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+            time.sleep(self.gather_s)                 # let concurrent callers join this batch
+            with self._cond:
+                batch, self._queue = self._queue, []
+            try:
+                outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params])
+            except BaseException as exc:
+                for b in batch:
+                    b.error = exc
+                    b.done.set()
+                continue
+            for b in batch:
+                b.result, outs = outs[:len(b.prompts)], outs[len(b.prompts):]
+                b.done.set()
 
 
 # ---- model facts the engine needs -------------------------------------------------------------------

@@ -226,7 +226,7 @@ def main(argv: list[str]) -> None:
         group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
         rollouts = runner.run(group_tasks, group_ids, sampling)
         t_rollout = time.time() - t0
-        m = rollout_metrics(rollouts, ro.samples_per_prompt, runner.failures)
+        m = rollout_metrics(rollouts, runner.failures)
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
 
@@ -277,7 +277,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     else:
         advantages = algo.rollout_advantages([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
                                              [r.rollout_id for r, _ in rows], a.estimator)
-    batch = invariants.build_batch(segs, advantages, pad_id=tokenizer.pad_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = invariants.build_batch(segs, advantages, pad_id=pad_id)
     invariants.check_token_identity(batch, segs)        # invariant 1, at the last moment before the loss
 
     t0 = time.time()
@@ -286,8 +287,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask,
-                                                       ro.temperature)
+            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask, ro.temperature)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:
@@ -348,7 +348,7 @@ def select_rows(batch, index: list[int]):
 
 # ---- metrics and logging -------------------------------------------------------------------------------------
 
-def rollout_metrics(rollouts, samples_per_prompt: int, failures: dict[str, int]) -> dict[str, float]:
+def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
     """Per-ROLLOUT means (a rollout split into segments counts once; Molt bug 51)."""
     n = max(len(rollouts), 1)
     sampled = [sum(sum(row.trainable) for row in r.rows) for r in rollouts]

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 import invariants
 import models
 from actor import sequence_logprobs
-from rollout import EmbeddedEngine, SamplingParams, processed_logprobs
+from rollout import BatchingEngine, EmbeddedEngine, SamplingParams, processed_logprobs
 
 
 def _padded(seqs: list[list[int]], pad: int):
@@ -195,3 +195,30 @@ def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
         moe(input_ids=torch.tensor([seq]))
     assert (captured[-1][:-1].numpy() == gens[0].routes).all()
     assert _max_gap(gens, _recompute(moe, gens, 0.7, routes=True)) <= 1e-5
+
+
+def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(tiny):
+    class Counting(EmbeddedEngine):
+        batch_sizes: list[int] = []
+
+        def generate(self, prompts, params):
+            self.batch_sizes.append(len(prompts))
+            return super().generate(prompts, params)
+
+    engine = Counting(tiny)
+    batching = BatchingEngine(engine, gather_s=0.05)
+    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, batching.generate([prompts[i]], SamplingParams(max_tokens=5, seed=i))[0])) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(engine.batch_sizes) < 8 and sum(engine.batch_sizes) == 8      # merged into fewer engine calls
+    for i in range(8):
+        alone = EmbeddedEngine(tiny).generate([prompts[i]], SamplingParams(max_tokens=5, seed=i))[0]
+        assert results[i].prompt_ids == prompts[i] and results[i].token_ids == alone.token_ids
+    with pytest.raises(ValueError, match="temperature"):          # refused in its caller, not in a shared batch
+        batching.generate([[1, 2]], SamplingParams(temperature=-1))
+    assert batching.generate([[1, 2]], SamplingParams(max_tokens=2, seed=0))[0].token_ids
