@@ -1,4 +1,4 @@
-# loopback.py — token-exact chat sessions: the core that the OpenAI / Anthropic wire server wraps.
+# loopback.py — token-exact chat sessions, and the OpenAI / Anthropic wire server that wraps them.
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the rollout's TokenLedger; `ChatTurn`, what a turn returns;
@@ -11,17 +11,31 @@
 # else (edited history, a template that rewrote an earlier turn, compaction) is re-rendered from scratch
 # and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
 # A turn is committed only after generation succeeds (Molt bug 41); the sampled text is never re-encoded.
-# Never: speaks HTTP (the wire layer does) or computes rewards.
+#
+# The wire layer (`LoopbackServer`) serves ChatSessions over HTTP, one session per rollout under
+# /s/<id>/v1 with its own key: OpenAI chat completions and Anthropic messages (streaming or not) both
+# decode to the same canonical messages and go through the same ChatSession.turn, so token accounting
+# does not depend on the wire. Bad input is refused with a 4xx in the wire's own error format before
+# anything reaches the session, so nothing is recorded. Streaming replays a finished generation as
+# deltas (the engine has no token callback). Never: computes rewards or trains.
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import re
+import secrets
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+
+from aiohttp import web
+from jinja2 import TemplateError
 
 import data
 import invariants
-from rollout import Generation, SamplingParams
+from rollout import Generation, SamplingParams, validate_sampling
 
 
 @dataclass
@@ -129,3 +143,572 @@ class ChatSession:
         if not assistant_block.startswith(self._sampled_text):
             return None
         return assistant_block[len(self._sampled_text):] + full[len(prefix):]
+
+
+# ---- wire decoding: OpenAI / Anthropic requests -> canonical messages ---------------------------------
+# Canonical form (what ChatSession, the template and parse_hermes_tool_calls speak): OpenAI-style dicts,
+# content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
+# images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
+# message is built in exactly the shape parse_hermes_tool_calls returns, so an echoed reply compares equal.
+
+class WireError(Exception):
+    """A refused request: its HTTP status, the error type, and a message saying what was wrong."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+    def response(self, wire: str) -> web.Response:
+        """The error in the wire's own format (what the SDKs parse into their exception classes)."""
+        body = {"type": "error", "error": {"type": self.kind, "message": str(self)}} if wire == "anthropic" else \
+            {"error": {"message": str(self), "type": self.kind, "param": None, "code": None}}
+        return web.json_response(body, status=self.status)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise WireError(400, message)
+
+
+@dataclass
+class WireRequest:
+    messages: list[dict]           # canonical messages
+    tools: list[dict] | None       # OpenAI function schemas, as the template renders them
+    sampling: SamplingParams       # the session's defaults overridden by the request
+    stream: bool
+    logprobs: bool = False         # OpenAI: return the behavior logprob of each sampled token
+    return_token_ids: bool = False  # extension: return prompt_token_ids and token_ids
+
+
+def _arguments_from_json(text: str):
+    """OpenAI carries tool arguments as a JSON string, the template and parser the object; non-JSON stays text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _arguments_to_json(arguments) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _call(call_id, name: str, arguments) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _assistant(content, tool_calls: list[dict]) -> dict:
+    if tool_calls:
+        return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+    return {"role": "assistant", "content": content or ""}
+
+
+def _function_tool(name, description, parameters, where: str) -> dict:
+    _require(isinstance(name, str) and name, f"{where} needs a string 'name'")
+    function = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        _require(isinstance(parameters, dict), f"{where}: the parameter schema must be a JSON object")
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _join_parts(parts: list[dict]) -> str | list[dict]:
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _text_only(content, where: str) -> str:
+    _require(isinstance(content, str), f"{where} must be text (a string or text parts), got images or {content!r:.60}")
+    return content
+
+
+def _number(body: dict, key: str, integer: bool = False):
+    value = body.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    _require(ok and not isinstance(value, bool), f"'{key}' must be {'an integer' if integer else 'a number'}, "
+                                                 f"got {value!r:.40}")
+    return value
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    _require(isinstance(value, bool) or value is None, f"'{key}' must be true or false, got {value!r:.40}")
+    return bool(value)
+
+
+def _sampling(base: SamplingParams, **overrides) -> SamplingParams:
+    params = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        validate_sampling(params)
+    except ValueError as error:
+        raise WireError(400, str(error)) from None
+    return params
+
+
+def _unknown_keys(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    _require(not unknown, f"unsupported parameter(s) {unknown}; this server honours {sorted(allowed)}")
+
+
+OPENAI_PARAMS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
+                 "max_completion_tokens", "seed", "stop", "logprobs", "top_logprobs", "n", "stream",
+                 "stream_options", "return_token_ids", "user"}
+
+
+def _openai_content(content, where: str):
+    if content is None or isinstance(content, str):
+        return content
+    _require(isinstance(content, list), f"{where}.content must be a string, null or a list of parts")
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and isinstance(url := (part.get("image_url") or {}).get("url"), str):
+            parts.append({"type": "image", "image": url})
+        else:
+            raise WireError(400, f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} or "
+                                 f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got {part!r:.80}")
+    return _join_parts(parts)
+
+
+def _openai_message(message, where: str) -> dict:
+    _require(isinstance(message, dict), f"{where} must be an object with 'role' and 'content'")
+    role = message.get("role")
+    content = _openai_content(message.get("content"), where)
+    if role in ("system", "developer"):
+        return {"role": "system", "content": _text_only(content, f"{where}.content")}
+    if role == "user":
+        return {"role": "user", "content": content if content is not None else ""}
+    if role == "tool":
+        return {"role": "tool", "content": _text_only(content, f"{where}.content"),
+                "tool_call_id": message.get("tool_call_id")}
+    _require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}")
+    calls = message.get("tool_calls") or []
+    _require(isinstance(calls, list), f"{where}.tool_calls must be a list")
+    canonical = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        _require(isinstance(function, dict) and isinstance(function.get("name"), str)
+                 and isinstance(function.get("arguments"), str),
+                 f"{where}.tool_calls[{i}] must be {{'id', 'type': 'function', 'function': {{'name': str, "
+                 f"'arguments': a JSON string}}}}")
+        canonical.append(_call(call.get("id"), function["name"], _arguments_from_json(function["arguments"])))
+    return _assistant(_text_only(content or "", f"{where}.content"), canonical)
+
+
+def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
+    """An OpenAI chat.completions request -> the canonical request; anything it cannot honour is a WireError."""
+    _unknown_keys(body, OPENAI_PARAMS)
+    _require(body.get("n") in (None, 1), f"n must be 1 (got {body.get('n')!r}): a session samples one completion "
+                                        "per request; send n separate requests (or sessions) for n samples")
+    _require(body.get("stop") in (None, [], ""), f"stop strings are not supported (got {body.get('stop')!r:.60}); "
+                                                 "the engine stops only at its stop token ids; drop 'stop'")
+    _require(body.get("top_logprobs") in (None, 0), "top_logprobs > 0 is not supported; the engine returns the "
+                                                    "logprob of each sampled token only (logprobs=true)")
+    _require(body.get("tool_choice") in (None, "auto"), f"tool_choice must be 'auto', got "
+                                                        f"{body.get('tool_choice')!r:.60}; the model decides")
+    messages = body.get("messages")
+    _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
+    tools = body.get("tools")
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list of {type: function, function} objects")
+    canonical_tools = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        _require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}")
+        canonical_tools.append(_function_tool(function.get("name"), function.get("description"),
+                                              function.get("parameters"), f"tools[{i}].function"))
+    max_tokens = _number(body, "max_completion_tokens", integer=True)
+    max_tokens = _number(body, "max_tokens", integer=True) if max_tokens is None else max_tokens
+    sampling = _sampling(base, temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
+                         max_tokens=max_tokens, seed=_number(body, "seed", integer=True))
+    return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)],
+                       canonical_tools or None, sampling, _flag(body, "stream"), _flag(body, "logprobs"),
+                       _flag(body, "return_token_ids"))
+
+
+ANTHROPIC_PARAMS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
+                    "stream", "tools", "tool_choice", "metadata"}
+
+
+def _anthropic_text(blocks, where: str) -> str:
+    """A string, or a list of text blocks, as one string."""
+    if isinstance(blocks, str):
+        return blocks
+    _require(isinstance(blocks, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                              and isinstance(b.get("text"), str) for b in blocks),
+             f"{where} must be a string or a list of {{'type': 'text', 'text': str}} blocks")
+    return "".join(b["text"] for b in blocks)
+
+
+def _anthropic_image(block: dict, where: str) -> dict:
+    source = block.get("source")
+    _require(isinstance(source, dict), f"{where}.source must be an object")
+    if source.get("type") == "base64":
+        _require(isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str),
+                 f"{where}.source needs 'media_type' and base64 'data'")
+        return {"type": "image", "image": f"data:{source['media_type']};base64,{source['data']}"}
+    _require(source.get("type") == "url" and isinstance(source.get("url"), str),
+             f"{where}.source.type must be 'base64' or 'url'")
+    return {"type": "image", "image": source["url"]}
+
+
+def _anthropic_messages(message, where: str) -> list[dict]:
+    """One Anthropic message -> canonical messages (a user turn's tool_result blocks become tool messages)."""
+    _require(isinstance(message, dict) and message.get("role") in ("user", "assistant"),
+             f"{where} must be an object with role 'user' or 'assistant' and content")
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    _require(isinstance(content, list), f"{where}.content must be a string or a list of content blocks")
+    out, parts, calls = [], [], []
+    for i, block in enumerate(content):
+        kind, at = block.get("type") if isinstance(block, dict) else None, f"{where}.content[{i}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(_anthropic_image(block, at))
+        elif kind == "tool_use" and role == "assistant":
+            _require(isinstance(block.get("name"), str) and isinstance(block.get("input"), dict),
+                     f"{at} (tool_use) needs 'id', a string 'name' and an object 'input'")
+            calls.append(_call(block.get("id"), block["name"], block["input"]))
+        elif kind == "tool_result" and role == "user":
+            if parts:               # keep the order: text before a tool result is its own user turn
+                out.append({"role": "user", "content": _join_parts(parts)})
+                parts = []
+            out.append({"role": "tool", "content": _anthropic_text(block.get("content", ""), f"{at}.content"),
+                        "tool_call_id": block.get("tool_use_id")})
+        else:
+            takes = "text, image and tool_result" if role == "user" else "text and tool_use"
+            raise WireError(400, f"{at}: a {role} message takes {takes} blocks, got {block!r:.80}")
+    if role == "assistant":
+        return [_assistant(_text_only(_join_parts(parts), f"{where}.content"), calls)]
+    return out + ([{"role": "user", "content": _join_parts(parts)}] if parts or not out else [])
+
+
+def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
+    """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError."""
+    _unknown_keys(body, ANTHROPIC_PARAMS)
+    _require(body.get("stop_sequences") in (None, []), f"stop_sequences are not supported (got "
+                                                       f"{body.get('stop_sequences')!r:.60}); the engine stops only "
+                                                       "at its stop token ids; drop 'stop_sequences'")
+    _require(body.get("tool_choice") in (None, {"type": "auto"}), "tool_choice must be {'type': 'auto'}; "
+                                                                 "the model decides whether to call a tool")
+    max_tokens = _number(body, "max_tokens", integer=True)
+    _require(max_tokens is not None, "'max_tokens' is required")
+    messages = body.get("messages")
+    _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
+    canonical = [] if body.get("system") is None else [{"role": "system",
+                                                        "content": _anthropic_text(body["system"], "system")}]
+    for i, message in enumerate(messages):
+        canonical += _anthropic_messages(message, f"messages[{i}]")
+    tools = body.get("tools")
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list of {name, description, input_schema}")
+    _require(all(isinstance(t, dict) for t in tools or []), "each tool must be an object {name, input_schema}")
+    canonical_tools = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
+                       for i, t in enumerate(tools or [])]
+    sampling = _sampling(base, temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
+                         top_k=_number(body, "top_k", integer=True), max_tokens=max_tokens)
+    return WireRequest(canonical, canonical_tools or None, sampling, _flag(body, "stream"))
+
+
+# ---- wire encoding: a ChatTurn -> OpenAI / Anthropic replies --------------------------------------
+
+OPENAI_FINISH = {"stop": "stop", "length": "length", "tool": "tool_calls"}
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool": "tool_use"}
+
+
+def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
+    called = turn.message.get("tool_calls") and turn.generation.finish_reason == "stop"
+    return names["tool" if called else turn.generation.finish_reason]
+
+
+def _text_pieces(tokenizer, token_ids: list[int]) -> list[str]:
+    """Per-token deltas of the decoded reply, each decoded in a short window after the last emitted token
+    (a piece that ends inside a multi-byte character waits for the next token). Their concatenation is the
+    non-streamed text, or the text is returned as one piece."""
+    pieces, prefix, read = [], 0, 0
+    for end in range(1, len(token_ids) + 1):
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
+        after = tokenizer.decode(token_ids[prefix:end], skip_special_tokens=True)
+        if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+            pieces.append(after[len(before):])
+            prefix, read = read, end
+    full = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return pieces if "".join(pieces) == full else [full]
+
+
+def _openai_tool_calls(message: dict) -> list[dict]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": _arguments_to_json(c["function"]["arguments"])}}
+            for c in message.get("tool_calls") or []]
+
+
+def _openai_logprobs(tokenizer, gen: Generation) -> dict:
+    content = []
+    for token_id, logprob in zip(gen.token_ids, gen.behavior_logprobs):
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+def _openai_extras(turn: ChatTurn, request: WireRequest) -> dict:
+    gen = turn.generation
+    usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
+             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids)}
+    ids = {"prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids} if request.return_token_ids else {}
+    return {"usage": usage, **ids}
+
+
+def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> dict:
+    message = {"role": "assistant", "content": turn.message["content"]}
+    if turn.message.get("tool_calls"):
+        message["tool_calls"] = _openai_tool_calls(turn.message)
+    choice = {"index": 0, "message": message,
+              "finish_reason": _finish_reason(turn, OPENAI_FINISH),
+              "logprobs": _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None}
+    return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], **_openai_extras(turn, request)}
+
+
+def openai_chunks(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> list[dict]:
+    """chat.completion.chunk events: role, content deltas, one delta per tool call, then the finish chunk
+    (with usage, and token ids / logprobs when asked)."""
+    def chunk(delta: dict, finish_reason=None, **extra) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": extra.pop("logprobs", None)}
+        return {"id": reply_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [choice], **extra}
+    calls = _openai_tool_calls(turn.message)
+    pieces = ([turn.message["content"]] if turn.message["content"] else []) if calls else \
+        _text_pieces(tokenizer, turn.generation.token_ids)
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": piece}) for piece in pieces]
+    events += [chunk({"tool_calls": [{"index": i, **call}]}) for i, call in enumerate(calls)]
+    logprobs = _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None
+    events.append(chunk({}, _finish_reason(turn, OPENAI_FINISH),
+                        logprobs=logprobs, **_openai_extras(turn, request)))
+    return events
+
+
+def _anthropic_blocks(message: dict) -> list[dict]:
+    calls = message.get("tool_calls") or []
+    text = [{"type": "text", "text": message["content"]}] if message["content"] or not calls else []
+    return text + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                    "input": c["function"]["arguments"]} for c in calls]
+
+
+def anthropic_reply(turn: ChatTurn, model: str, reply_id: str) -> dict:
+    gen = turn.generation
+    return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(turn.message), "stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
+            "stop_sequence": None, "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(gen.token_ids)}}
+
+
+def anthropic_events(turn: ChatTurn, tokenizer, model: str, reply_id: str) -> list[dict]:
+    """message_start, content_block_start/delta/stop per block (text_delta, input_json_delta), message_delta
+    with the stop reason, message_stop."""
+    gen = turn.generation
+    start = {**anthropic_reply(turn, model, reply_id), "content": [], "stop_reason": None}
+    start["usage"] = {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}
+    events = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(_anthropic_blocks(turn.message)):
+        if block["type"] == "text":
+            opening = {"type": "text", "text": ""}
+            pieces = _text_pieces(tokenizer, gen.token_ids) if not turn.message.get("tool_calls") else [block["text"]]
+            deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
+        else:
+            opening = {**block, "input": {}}
+            deltas = [{"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}]
+        events.append({"type": "content_block_start", "index": index, "content_block": opening})
+        events += [{"type": "content_block_delta", "index": index, "delta": delta} for delta in deltas]
+        events.append({"type": "content_block_stop", "index": index})
+    events.append({"type": "message_delta", "usage": {"output_tokens": len(gen.token_ids)},
+                   "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": None}})
+    return events + [{"type": "message_stop"}]
+
+
+def session_trace(session: ChatSession, tokenizer) -> dict:
+    """The session's ledger as JSON: what the trainer will see, token by token."""
+    with session.lock:
+        segments = [{"segment_id": s.segment_id, "token_ids": s.token_ids,
+                     "tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in s.token_ids],
+                     "trainable": s.trainable, "behavior_logprobs": s.behavior_logprobs,
+                     "policy_versions": s.policy_versions, "seal_reason": s.seal_reason,
+                     "common_prefix_len": s.common_prefix_len} for s in session.ledger.segments]
+    return {"rollout_id": session.ledger.rollout_id, "group_id": session.ledger.group_id, "segments": segments}
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    api_key: str                   # send as `Authorization: Bearer <key>` (OpenAI) or `x-api-key` (Anthropic)
+    base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
+    session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); /trace lives here
+
+
+class LoopbackServer:
+    """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
+    engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates."""
+
+    def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
+                 host: str = "127.0.0.1", port: int = 0):
+        self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.model_name, self.host, self.port = model_name, host, port
+        self._sessions: dict[str, tuple[ChatSession, str]] = {}   # id -> (session, api key)
+        self._registry_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (called from synchronous code) --
+
+    def start(self) -> int:
+        """Bind and serve in a background thread; returns the bound port."""
+        ready, failure = threading.Event(), []
+        self._thread = threading.Thread(target=self._serve, args=(ready, failure), name="loopback-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise RuntimeError(f"loopback server could not listen on {self.host}:{self.port}: {failure[0]}")
+        return self.port
+
+    def _serve(self, ready: threading.Event, failure: list) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        app = web.Application(client_max_size=32 * 2**20)
+        for wire, method, path, handler in [("openai", "GET", "/s/{sid}/v1/models", self._models),
+                                            ("openai", "POST", "/s/{sid}/v1/chat/completions", self._chat),
+                                            ("anthropic", "POST", "/s/{sid}/v1/messages", self._messages),
+                                            ("openai", "GET", "/s/{sid}/trace", self._trace)]:
+            app.router.add_route(method, path, self._endpoint(wire, handler))
+        runner = web.AppRunner(app)
+        try:
+            self._loop.run_until_complete(runner.setup())
+            self._loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
+            self.port = runner.addresses[0][1]
+        except Exception as error:        # reported by start(), which would otherwise wait forever
+            failure.append(error)
+        ready.set()
+        if failure:
+            return
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._thread = None
+        self._executor.shutdown(wait=True)
+
+    # -- the session registry --
+
+    def create_session(self, rollout_id: str | None = None, group_id: str = "", sampling: SamplingParams | None = None,
+                       max_length: int = 4096) -> SessionInfo:
+        if self._thread is None:
+            raise RuntimeError("start() the server before creating sessions: their URLs carry the bound port")
+        session_id = secrets.token_hex(8)
+        api_key = f"sk-loopback-{secrets.token_urlsafe(24)}"
+        session = ChatSession(self.engine, self.tokenizer, rollout_id or session_id, group_id, self.template,
+                              sampling, max_length)
+        with self._registry_lock:
+            self._sessions[session_id] = (session, api_key)
+        session_url = f"http://{self.host}:{self.port}/s/{session_id}"
+        return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url)
+
+    def close_session(self, session_id: str) -> ChatSession:
+        """Forget the session (its URLs answer 404 from now on) and hand back its ChatSession and ledger."""
+        with self._registry_lock:
+            if session_id not in self._sessions:
+                raise KeyError(f"no open session {session_id!r}; open sessions: {sorted(self._sessions)[:5]}")
+            return self._sessions.pop(session_id)[0]
+
+    # -- request plumbing --
+
+    def _endpoint(self, wire: str, handler):
+        async def serve(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request, self._authorize(request))
+            except WireError as error:
+                return error.response(wire)
+        return serve
+
+    def _authorize(self, request: web.Request) -> ChatSession:
+        session_id = request.match_info["sid"]
+        with self._registry_lock:
+            entry = self._sessions.get(session_id)
+        if entry is None:
+            raise WireError(404, f"no session {session_id!r} on this server (closed, or never created); "
+                                 "create one with LoopbackServer.create_session", "not_found_error")
+        bearer = request.headers.get("Authorization", "")
+        key = bearer[len("Bearer "):] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(key.encode(), entry[1].encode()):
+            raise WireError(401, f"wrong or missing API key for session {session_id!r}; send this session's key "
+                                 "as 'Authorization: Bearer <key>' or 'x-api-key: <key>'", "authentication_error")
+        return entry[0]
+
+    async def _body(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise WireError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
+        _require(isinstance(body, dict), f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    async def _turn(self, session: ChatSession, request: WireRequest) -> ChatTurn:
+        for message in request.messages:
+            _require(not isinstance(message["content"], list), "this server's engine is text-only; "
+                                                               "remove the image parts from the conversation")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, session.turn, request.messages, request.tools, request.sampling)
+        except (ValueError, TemplateError) as error:   # an overlong prompt, a template that refuses the messages
+            raise WireError(400, str(error)) from None
+
+    async def _sse(self, request: web.Request, events: list[tuple[str | None, dict]], done: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for name, event in events:
+            head = f"event: {name}\n" if name else ""
+            await response.write(f"{head}data: {json.dumps(event)}\n\n".encode())
+        if done:
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # -- endpoints --
+
+    async def _models(self, request: web.Request, session: ChatSession) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                              "owned_by": "tracerl"}]})
+
+    async def _chat(self, request: web.Request, session: ChatSession) -> web.StreamResponse:
+        wire_request = decode_openai(await self._body(request), session.sampling)
+        turn = await self._turn(session, wire_request)
+        reply_id = f"chatcmpl-{secrets.token_hex(8)}"
+        if wire_request.stream:
+            chunks = openai_chunks(turn, wire_request, self.tokenizer, self.model_name, reply_id)
+            return await self._sse(request, [(None, c) for c in chunks], done=True)
+        return web.json_response(openai_reply(turn, wire_request, self.tokenizer, self.model_name, reply_id))
+
+    async def _messages(self, request: web.Request, session: ChatSession) -> web.StreamResponse:
+        wire_request = decode_anthropic(await self._body(request), session.sampling)
+        turn = await self._turn(session, wire_request)
+        reply_id = f"msg_{secrets.token_hex(12)}"
+        if wire_request.stream:
+            events = anthropic_events(turn, self.tokenizer, self.model_name, reply_id)
+            return await self._sse(request, [(e["type"], e) for e in events], done=False)
+        return web.json_response(anthropic_reply(turn, self.model_name, reply_id))
+
+    async def _trace(self, request: web.Request, session: ChatSession) -> web.Response:
+        trace = await asyncio.get_running_loop().run_in_executor(self._executor, session_trace, session, self.tokenizer)
+        return web.json_response(trace)
+

@@ -1,0 +1,252 @@
+# The loopback wire server over real HTTP, driven by the real `openai` and `anthropic` SDKs, over a real
+# EmbeddedEngine on a tiny Qwen3 (taught one tool call so tool use reaches the wire): both wires decode
+# to the same token-exact ChatSession turns, streamed replies equal non-streamed ones, the trace shows
+# exactly the returned token ids, bad input is a 4xx in the wire's own format and records nothing.
+import asyncio
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+import pytest
+
+import data
+import models
+from loopback import LoopbackServer
+from rollout import EmbeddedEngine, SamplingParams
+from test_loopback import teach
+
+SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+OPENAI_TOOLS = [{"type": "function",
+                 "function": {"name": "bash", "description": "Run a command.", "parameters": SCHEMA}}]
+ANTHROPIC_TOOLS = [{"name": "bash", "description": "Run a command.", "input_schema": SCHEMA}]
+SYSTEM, ASK = "You can run bash.", "List files."
+TOOL_CALL = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
+GREEDY = SamplingParams(top_k=1, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def server():
+    tok = models.bpe_tokenizer()
+    student = models.tiny_model("qwen3", seed=1).train()
+    prompt = data.render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}],
+                                    OPENAI_TOOLS, data.CHATML_TEMPLATE)
+    teach(student, [(prompt, tok.encode(TOOL_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")])])
+    loopback = LoopbackServer(EmbeddedEngine(student.eval()), tok, template=data.CHATML_TEMPLATE)
+    loopback.start()
+    yield loopback
+    loopback.stop()
+
+
+def openai_client(info):
+    return openai.OpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
+
+
+def anthropic_client(info):
+    return anthropic.Anthropic(base_url=info.session_url, api_key=info.api_key, max_retries=0)
+
+
+def raw_post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def trace(info) -> dict:
+    request = urllib.request.Request(info.session_url + "/trace", headers={"Authorization": f"Bearer {info.api_key}"})
+    with urllib.request.urlopen(request) as response:
+        return json.loads(response.read())
+
+
+def trainable_ids(trace_json: dict) -> list[int]:
+    return [t for s in trace_json["segments"] for t, m in zip(s["token_ids"], s["trainable"]) if m]
+
+
+def test_openai_multi_turn_echo_extends_and_returned_ids_are_the_trace(server):
+    info = server.create_session(sampling=SamplingParams(max_tokens=8))
+    client = openai_client(info)
+    assert [m.id for m in client.models.list().data] == ["policy"]
+    messages, sampled = [{"role": "user", "content": "hi there"}], []
+    for k in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages, seed=k, max_tokens=8, logprobs=True,
+                                               extra_body={"return_token_ids": True})
+        extra = reply.model_extra
+        assert reply.usage.completion_tokens == len(extra["token_ids"]) > 0
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        logprobs = [c.logprob for c in reply.choices[0].logprobs.content]
+        sampled.append((extra["prompt_token_ids"], extra["token_ids"], logprobs))
+        messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": f"and {k}?"}]
+    record = trace(info)
+    assert len(record["segments"]) == 1 and record["segments"][0]["seal_reason"] == ""   # every echo extended
+    segment = record["segments"][0]
+    assert trainable_ids(record) == [t for _, ids, _ in sampled for t in ids]
+    prompt, ids, logprobs = sampled[-1]
+    assert segment["token_ids"][:len(prompt) + len(ids)] == prompt + ids
+    assert segment["behavior_logprobs"][len(prompt):len(prompt) + len(ids)] == logprobs
+    assert "".join(segment["tokens"]).startswith("<|im_start|>user\nhi there")
+
+
+def test_streamed_replies_equal_non_streamed_ones_on_both_wires(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    infos = [server.create_session(sampling=SamplingParams(max_tokens=8, seed=7)) for _ in range(4)]
+    plain = openai_client(infos[0]).chat.completions.create(model="policy", messages=messages,
+                                                            extra_body={"return_token_ids": True})
+    chunks = list(openai_client(infos[1]).chat.completions.create(model="policy", messages=messages, stream=True,
+                                                                  extra_body={"return_token_ids": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == plain.choices[0].message.content and len(chunks) > 3          # deltas, not one block
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-1].model_extra["token_ids"] == plain.model_extra["token_ids"] == trainable_ids(trace(infos[1]))
+    # the Anthropic wire, same conversation and session seed: the same tokens, streamed or not
+    system, turns = messages[0]["content"], messages[1:]
+    reply = anthropic_client(infos[2]).messages.create(model="policy", max_tokens=8, system=system, messages=turns)
+    assert reply.content[0].text == plain.choices[0].message.content
+    assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[plain.choices[0].finish_reason]
+    claude = anthropic_client(infos[3])
+    with claude.messages.stream(model="policy", max_tokens=8, system=system, messages=turns) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == reply.content[0].text and final.stop_reason == reply.stop_reason
+    assert all(trace(i)["segments"][0]["token_ids"] == trace(infos[0])["segments"][0]["token_ids"] for i in infos)
+
+
+def test_tool_calls_round_trip_on_both_wires_and_the_echo_extends(server):
+    # OpenAI: structured tool_calls with arguments as a JSON string; the echo + tool result extends
+    openai_info, anthropic_info = server.create_session(sampling=GREEDY), server.create_session(sampling=GREEDY)
+    client = openai_client(openai_info)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "bash" and json.loads(call.function.arguments) == {"cmd": "ls"}
+    messages += [choice.message.model_dump(), {"role": "tool", "tool_call_id": call.id, "content": "a.txt"}]
+    client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS, max_tokens=8)
+    chunks = list(client.chat.completions.create(model="policy", messages=messages[:2], tools=OPENAI_TOOLS,
+                                                 stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("bash", {"cmd": "ls"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Anthropic: tool_use block with its input object; tool_result comes back as the tool message
+    client = anthropic_client(anthropic_info)
+    turns = [{"role": "user", "content": ASK}]
+    reply = client.messages.create(model="policy", max_tokens=40, system=SYSTEM, messages=turns, tools=ANTHROPIC_TOOLS)
+    assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["tool_use"]
+    assert reply.content[0].name == "bash" and reply.content[0].input == {"cmd": "ls"}
+    turns += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+              {"role": "user",
+               "content": [{"type": "tool_result", "tool_use_id": reply.content[0].id, "content": "a.txt"}]}]
+    client.messages.create(model="policy", max_tokens=8, system=SYSTEM, messages=turns, tools=ANTHROPIC_TOOLS)
+    with client.messages.stream(model="policy", max_tokens=40, system=SYSTEM, messages=turns[:1],
+                                tools=ANTHROPIC_TOOLS) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[0].input == {"cmd": "ls"}
+    # both wires decoded to the same canonical turns: the same tokens, and the echoed tool call extended
+    openai_trace, anthropic_trace = trace(openai_info), trace(anthropic_info)
+    assert [s["seal_reason"] for s in openai_trace["segments"]] == ["non_extension", ""]   # the streamed restart
+    assert openai_trace["segments"][0]["token_ids"] == anthropic_trace["segments"][0]["token_ids"]
+    assert TOOL_CALL in "".join(openai_trace["segments"][0]["tokens"])
+
+
+def test_anthropic_multi_turn_echo_extends_and_an_edited_history_seals(server):
+    info = server.create_session(sampling=SamplingParams(max_tokens=8, seed=3))
+    client = anthropic_client(info)
+    turns, output_tokens = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}], 0
+    for k in range(2):
+        reply = client.messages.create(model="policy", max_tokens=8, system=[{"type": "text", "text": "Be kind."}],
+                                       messages=turns)
+        output_tokens += reply.usage.output_tokens
+        turns += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                  {"role": "user", "content": f"again {k}"}]
+    record = trace(info)
+    assert len(record["segments"]) == 1 and len(trainable_ids(record)) == output_tokens
+    turns[1] = {"role": "assistant", "content": "an edited reply"}
+    client.messages.create(model="policy", max_tokens=8, system="Be kind.", messages=turns)
+    record = trace(info)
+    assert [s["seal_reason"] for s in record["segments"]] == ["non_extension", ""]
+
+
+def test_wrong_key_unknown_and_closed_sessions_are_refused_in_each_wires_format(server):
+    info = server.create_session()
+    other = server.create_session()
+    ask = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.AuthenticationError, match="wrong or missing API key"):
+        openai.OpenAI(base_url=info.base_url, api_key=other.api_key, max_retries=0).chat.completions.create(
+            model="policy", messages=ask)
+    with pytest.raises(anthropic.AuthenticationError, match="wrong or missing API key"):
+        anthropic.Anthropic(base_url=info.session_url, api_key="nope", max_retries=0).messages.create(
+            model="policy", max_tokens=4, messages=ask)
+    assert trace(info)["segments"] == []
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        trace(dataclasses.replace(info, api_key=other.api_key))
+    session = server.close_session(info.session_id)
+    assert session.ledger.segments == []
+    with pytest.raises(openai.NotFoundError, match="no session"):
+        openai_client(info).chat.completions.create(model="policy", messages=ask)
+    with pytest.raises(anthropic.NotFoundError, match="no session"):
+        anthropic_client(info).messages.create(model="policy", max_tokens=4, messages=ask)
+
+
+def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server):
+    info = server.create_session(sampling=SamplingParams(max_tokens=4, seed=0), max_length=48)
+    client, claude = openai_client(info), anthropic_client(info)
+    ask = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model="policy", messages=ask).choices[0].message.model_dump()
+    before = trace(info)
+    refused = {"n must be 1": dict(n=2), "stop strings": dict(stop=["\n"]),
+               "top_logprobs": dict(logprobs=True, top_logprobs=2),
+               "temperature must be > 0": dict(temperature=0),
+               "'temperature' must be a number": dict(temperature="hot"),
+               "unsupported parameter": dict(extra_body={"best_of": 3}),
+               "context": dict(messages=[{"role": "user", "content": "a long message " * 20}]),
+               "role must be": dict(messages=[{"role": "wizard", "content": "hi"}])}
+    for message, kwargs in refused.items():
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="policy", **{"messages": ask, **kwargs})
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences"):
+        claude.messages.create(model="policy", max_tokens=4, messages=ask, stop_sequences=["x"])
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    with pytest.raises(anthropic.BadRequestError, match="text-only"):
+        claude.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": [image]}])
+    headers = {"Authorization": f"Bearer {info.api_key}"}
+    status, body = raw_post(info.base_url + "/chat/completions", b'{"messages": [', headers)
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = raw_post(info.base_url + "/chat/completions", b'{"model": "policy"}', headers)
+    assert status == 400 and "'messages'" in body["error"]["message"]
+    status, body = raw_post(info.session_url + "/v1/messages", json.dumps({"messages": ask}).encode(), headers)
+    assert status == 400 and body["type"] == "error" and "'max_tokens' is required" in body["error"]["message"]
+    assert trace(info) == before                                   # nothing was recorded
+    follow_up = client.chat.completions.create(model="policy",
+                                               messages=ask + [first, {"role": "user", "content": "ok"}])
+    assert follow_up.choices[0].finish_reason in ("stop", "length")
+    assert len(trace(info)["segments"]) == 1                       # and the record still extends
+
+
+def test_sixteen_concurrent_sessions_have_no_cross_talk(server):
+    infos = [server.create_session(sampling=SamplingParams(max_tokens=6, seed=k)) for k in range(16)]
+
+    async def converse(info, k: int) -> list[int]:
+        client = openai.AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
+        messages, sampled = [{"role": "user", "content": f"session-{k:02d} asks"}], []
+        for turn in range(2):
+            reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                         extra_body={"return_token_ids": True})
+            sampled += reply.model_extra["token_ids"]
+            messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": f"session-{k:02d} again"}]
+        await client.close()
+        return sampled
+
+    async def everyone():
+        return await asyncio.gather(*(converse(info, k) for k, info in enumerate(infos)))
+
+    for k, (info, sampled) in enumerate(zip(infos, asyncio.run(everyone()))):
+        record = trace(info)
+        text = "".join(t for s in record["segments"] for t in s["tokens"])
+        assert text.count(f"session-{k:02d}") == 2                 # its own prompts: the armed check
+        assert not any(f"session-{j:02d}" in text for j in range(16) if j != k)
+        assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
