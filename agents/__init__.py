@@ -1,8 +1,10 @@
 # agents — the agent contract: an agent is an ordinary Python program.
 #
 # Owns: `Env` (Gymnasium-aligned reset/step), `Result` (what a step returns), `Rollout` (what an episode
-# hands the trainer), `EnvRunner` (drives Env episodes through the engine and the token ledger) and
-# `load_agent_runner` (a recipe names one module that exports `AgentRunner`; reward is ordinary code).
+# hands the trainer), `EnvRunner` (drives Env episodes through the engine and the token ledger), the
+# ChatAgent form (`ChatAgent`, `ChatContext`, `ChatAgentRunner`: the agent talks to a stock OpenAI or
+# Anthropic SDK at a per-rollout loopback session) and `load_agent_runner` (a recipe names one module
+# that exports `AgentRunner`; reward is ordinary code).
 #
 # Keeps invariant 1: the runner never re-tokenizes an action. Sampled ids go from the engine straight
 # into the rollout's `TokenLedger`; the action text handed to `step()` is a decoding for the env's eyes
@@ -11,6 +13,7 @@
 # the failure is counted and logged, and the group goes on.
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import sys
@@ -212,6 +215,89 @@ class EnvRunner:
         return Rollout(ep.ledger.rollout_id, ep.ledger.group_id, ep.task.task_id, ep.ledger.rows(),
                        ep.reward, ep.score if ep.score is not None else ep.reward, ep.turns, ep.truncated,
                        ep.clipped_turns, ep.info)
+
+
+# ---- the ChatAgent form: the agent owns the loop and talks to a stock SDK ----------------------------
+
+@dataclass
+class ChatContext:
+    """What a ChatAgent gets: a per-rollout endpoint for a stock SDK, and the task.
+    OpenAI:    AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    Anthropic: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)"""
+    base_url: str                      # http://127.0.0.1:PORT/s/<session>/v1
+    session_url: str                   # http://127.0.0.1:PORT/s/<session>
+    api_key: str                       # this rollout's key; every other session refuses it
+    model_name: str                    # pass as `model=`; the server serves exactly one policy
+    messages: list[dict]               # the task's prompt as chat messages
+    prompt: str                        # the last user message's text
+    label: str                         # the ground truth the agent's reward is computed against
+    images: list | None                # the task's images (VLM recipes)
+    sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
+
+
+class ChatAgent:
+    """One rollout: talk to ctx.base_url with any OpenAI- or Anthropic-compatible client, return a Result.
+    A fresh instance is made per rollout. Only the tokens the engine sampled are trained on, whatever the
+    agent does with the text (loopback.py keeps them)."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError("a ChatAgent must implement `async def run(self, ctx) -> Result`")
+
+
+class ChatAgentRunner:
+    """Runs a group of ChatAgents concurrently, each against its own loopback session; concurrent requests
+    of all sessions share batched engine calls. Subclass with `agent_cls = MyAgent` and export it as
+    `AgentRunner`. An agent that raises, returns no Result, or outlives `step_timeout_s * max_turns`
+    loses only its own rollout."""
+
+    agent_cls: type[ChatAgent] = ChatAgent
+    template: str | None = None        # None = the model's own chat template
+
+    def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
+                 step_timeout_s: float = 60.0):
+        import loopback
+        from rollout import BatchingEngine
+        self.max_length, self.timeout_s = max_length, step_timeout_s * max_turns
+        self.failures: dict[str, int] = {}
+        self.server = loopback.LoopbackServer(BatchingEngine(engine), tokenizer, template=self.template)
+        self.server.start()
+
+    def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list[Rollout]:
+        if len(tasks) != len(group_ids):
+            raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
+        done = asyncio.run(self._run_all(tasks, group_ids, sampling))
+        return [r for r in done if r is not None]
+
+    async def _run_all(self, tasks, group_ids, sampling) -> list[Rollout | None]:
+        return await asyncio.gather(*(self._one(t, g, sampling) for t, g in zip(tasks, group_ids)))
+
+    async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
+        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
+        user_texts = [m["content"] for m in task.messages if m["role"] == "user" and isinstance(m["content"], str)]
+        ctx = ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name, task.messages,
+                          user_texts[-1] if user_texts else "", task.label, task.images,
+                          {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                           "max_tokens": sampling.max_tokens})
+        try:
+            result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
+            if not isinstance(result, Result):
+                raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
+            failure = ""
+        except asyncio.TimeoutError:
+            failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
+        except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
+            failure, detail = "agent_error", f"{type(exc).__name__}: {exc}"
+        session = self.server.close_session(info.session_id)
+        if failure:
+            log.warning("rollout %s dropped: %s (%s)", session.ledger.rollout_id, failure, detail)
+            self.failures[failure] = self.failures.get(failure, 0) + 1
+            return None
+        rows = session.ledger.rows()
+        # each turn's reply is one run of trainable tokens (a turn's prompt delta is never empty)
+        turns = sum(row.trainable[t] and not row.trainable[t - 1] for row in rows for t in range(1, len(row.trainable)))
+        score = result.score if result.score is not None else float(result.reward)
+        return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
+                       turns, bool(result.truncated), 0, {k: float(v) for k, v in result.info.items()})
 
 
 # ---- loading a recipe's agent ------------------------------------------------------------------------

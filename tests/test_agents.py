@@ -2,6 +2,7 @@
 # episode becomes one training row whose trainable tokens are exactly the engine's samples (invariant 1) with the
 # engine's logprobs and versions (invariant 2); groups run in lockstep; turn and length budgets truncate; a
 # failing or hanging env loses only its own rollout; recipes load from a file path; the math recipe grades.
+import asyncio
 import dataclasses
 import logging
 import os
@@ -360,3 +361,51 @@ def test_a_malformed_result_loses_only_its_own_rollout(engine, tokenizer):
                           SamplingParams(max_tokens=4, seed=0))
     assert [r.task_id for r in rollouts] == ["good"]
     assert runner.failures == {"result_error": 4}
+
+
+# ---- the ChatAgent form: a stock OpenAI SDK against per-rollout loopback sessions ----
+
+from openai import AsyncOpenAI  # noqa: E402
+
+from agents import ChatAgent, ChatAgentRunner  # noqa: E402
+
+SDK_REPLIES: dict[str, list[int]] = {}     # api key -> token ids the SDK was handed, in turn order
+
+
+class TwoTurnChatAgent(ChatAgent):
+    """Asks, echoes the reply back, asks again; misbehaves on purpose for tasks named so."""
+
+    async def run(self, ctx):
+        if ctx.prompt.endswith("raise."):
+            raise RuntimeError("the agent's own bug")
+        if ctx.prompt.endswith("hang."):
+            await asyncio.sleep(30)
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages, got = list(ctx.messages), []
+        for _ in range(2):
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
+                                                         extra_body={"return_token_ids": True})
+            got += reply.model_extra["token_ids"]
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "Once more."}]
+        SDK_REPLIES[ctx.api_key] = got
+        return Result(reward=float(len(got)), score=1.0)
+
+
+def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokenizer):
+    runner = type("Runner", (ChatAgentRunner,), {"agent_cls": TwoTurnChatAgent, "template": data.CHATML_TEMPLATE})(
+        engine, tokenizer, max_turns=2, max_length=256, step_timeout_s=0.5)
+    tasks = make_tasks("a", "b", "raise", "hang", "c")
+    rollouts = runner.run(tasks, ["g1", "g1", "g2", "g2", "g2"], SamplingParams(max_tokens=5, seed=0))
+    assert [r.task_id for r in rollouts] == ["a", "b", "c"]
+    assert runner.failures == {"agent_error": 1, "agent_timeout": 1}
+    sampled = sorted(SDK_REPLIES.values())
+    for r in rollouts:
+        assert len(r.rows) == 1 and r.num_turns == 2                  # echoing the reply extends the record
+        row = r.rows[0]
+        trained = [t for t, keep in zip(row.token_ids, row.trainable) if keep]
+        assert trained in sampled and r.reward == len(trained)
+        check_token_identity(build_batch(r.rows, [1.0], pad_id=0), r.rows)
+    assert len({r.rollout_id for r in rollouts}) == 3 and [r.group_id for r in rollouts] == ["g1", "g1", "g2"]
+    # concurrent sessions shared batched engine calls: fewer calls than the 6 turns they made
+    assert len(engine.calls) < 6

@@ -127,3 +127,13 @@ def test_reference_distillation_and_correction_paths_run_end_to_end(flags, tmp_p
     record = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
     if "--algo.kl_coef" in flags:
         assert record["kl/k3_to_reference"] >= 0
+
+
+def test_the_chat_agent_recipe_trains_through_the_openai_sdk(tmp_path):
+    out = str(tmp_path / "chat")
+    flags = [f if f != "math" else "chat_math" for f in TINY_RUN]
+    done = run_cli(*flags, "--steps", "2", "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in records] == [1, 2] and all(r["rollout/count"] == 4 for r in records)
+    assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)   # engine and trainer agree through HTTP
