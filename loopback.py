@@ -11,16 +11,23 @@
 # else (edited history, a template that rewrote an earlier turn, compaction) is re-rendered from scratch
 # and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
 # A turn is committed only after generation succeeds (Molt bug 41); the sampled text is never re-encoded.
+# A retried request (identical messages, tools and sampling to the last one) is answered from the record:
+# the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
 #
 # The wire layer (`LoopbackServer`) serves ChatSessions over HTTP, one session per rollout under
 # /s/<id>/v1 with its own key: OpenAI chat completions and Anthropic messages (streaming or not) both
 # decode to the same canonical messages and go through the same ChatSession.turn, so token accounting
 # does not depend on the wire. Bad input is refused with a 4xx in the wire's own error format before
 # anything reaches the session, so nothing is recorded. Streaming replays a finished generation as
-# deltas (the engine has no token callback). Never: computes rewards or trains.
+# deltas (the engine has no token callback), after the turn is committed, so a client that disconnects
+# mid-stream leaves a complete turn that a retry can fetch. Standalone (`python loopback.py --model ...`)
+# it serves one model behind a BatchingEngine and opens sessions on `POST /sessions`, so an agent author
+# can check token capture before training. Never: computes rewards or trains.
 from __future__ import annotations
 
+import argparse
 import asyncio
+import copy
 import hmac
 import json
 import re
@@ -28,14 +35,15 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from aiohttp import web
 from jinja2 import TemplateError
 
 import data
 import invariants
-from rollout import Generation, SamplingParams, validate_sampling
+import models
+from rollout import BatchingEngine, EmbeddedEngine, Generation, SamplingParams, validate_sampling
 
 
 @dataclass
@@ -91,30 +99,38 @@ class ChatSession:
         self._expected_prompt_text = ""
         self._sampled_text = ""                # the last reply decoded with its special tokens (e.g. "...<|im_end|>")
         self._turns = 0
+        self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
+        self._last_turn: ChatTurn | None = None
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None,
              sampling: SamplingParams | None = None) -> ChatTurn:
+        params = sampling or self.sampling
         with self.lock:
-            prompt_ids, extends = self._prompt_ids(messages, tools)
-            room = self.max_length - len(prompt_ids)
-            if room < 1:
-                raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
-                                 f"of {self.max_length}; shorten the conversation")
-            params = sampling or self.sampling
-            params = replace(params, max_tokens=min(params.max_tokens, room))
-            gen = self.engine.generate([prompt_ids], params)[0]
-            # commit: only now does the ledger change (a failed generate leaves the session as it was)
-            self.ledger.extend_or_seal(gen.prompt_ids)
-            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
-            if gen.routes is not None:
-                self.ledger.absorb_routes(gen.routes)
-            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self._turns}")
-            self._turns += 1
-            self._expected = [*messages, message]
-            self._expected_prompt_text = self._render(messages, tools, generation_prompt=True)
-            self._sampled_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-            return ChatTurn(message, gen, extends)
+            if self._last_request == (messages, tools, params):   # a retry: answer from the record
+                return self._last_turn
+            turn = self._generate_and_commit(messages, tools, params)
+            self._last_request, self._last_turn = (copy.deepcopy(messages), copy.deepcopy(tools), params), turn
+            return turn
+
+    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams) -> ChatTurn:
+        prompt_ids, extends = self._prompt_ids(messages, tools)
+        room = self.max_length - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
+                             f"of {self.max_length}; shorten the conversation")
+        gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)))[0]
+        # commit: only now does the ledger change (a failed generate leaves the session as it was)
+        self.ledger.extend_or_seal(gen.prompt_ids)
+        self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+        if gen.routes is not None:
+            self.ledger.absorb_routes(gen.routes)
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self._turns}")
+        self._turns += 1
+        self._expected = [*messages, message]
+        self._expected_prompt_text = self._render(messages, tools, generation_prompt=True)
+        self._sampled_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        return ChatTurn(message, gen, extends)
 
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
@@ -549,17 +565,20 @@ class SessionInfo:
     session_id: str
     api_key: str                   # send as `Authorization: Bearer <key>` (OpenAI) or `x-api-key` (Anthropic)
     base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
-    session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); /trace lives here
+    session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it to close
+    trace_url: str                 # http://HOST:PORT/s/<id>/trace — the session's segments, token by token
 
 
 class LoopbackServer:
     """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
-    engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates."""
+    engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates.
+    The engine is used as given: wrap it in a BatchingEngine to batch concurrent sessions' turns."""
 
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
-                 host: str = "127.0.0.1", port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, max_length: int = 4096):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.model_name, self.host, self.port = model_name, host, port
+        self.max_length = max_length               # context of a session that does not ask for less
         self._sessions: dict[str, tuple[ChatSession, str]] = {}   # id -> (session, api key)
         self._registry_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
@@ -585,7 +604,9 @@ class LoopbackServer:
         for wire, method, path, handler in [("openai", "GET", "/s/{sid}/v1/models", self._models),
                                             ("openai", "POST", "/s/{sid}/v1/chat/completions", self._chat),
                                             ("anthropic", "POST", "/s/{sid}/v1/messages", self._messages),
-                                            ("openai", "GET", "/s/{sid}/trace", self._trace)]:
+                                            ("openai", "GET", "/s/{sid}/trace", self._trace),
+                                            ("openai", "POST", "/sessions", self._open),
+                                            ("openai", "DELETE", "/s/{sid}", self._close)]:
             app.router.add_route(method, path, self._endpoint(wire, handler))
         runner = web.AppRunner(app)
         try:
@@ -611,17 +632,17 @@ class LoopbackServer:
     # -- the session registry --
 
     def create_session(self, rollout_id: str | None = None, group_id: str = "", sampling: SamplingParams | None = None,
-                       max_length: int = 4096) -> SessionInfo:
+                       max_length: int | None = None) -> SessionInfo:
         if self._thread is None:
             raise RuntimeError("start() the server before creating sessions: their URLs carry the bound port")
         session_id = secrets.token_hex(8)
         api_key = f"sk-loopback-{secrets.token_urlsafe(24)}"
         session = ChatSession(self.engine, self.tokenizer, rollout_id or session_id, group_id, self.template,
-                              sampling, max_length)
+                              sampling, max_length or self.max_length)
         with self._registry_lock:
             self._sessions[session_id] = (session, api_key)
         session_url = f"http://{self.host}:{self.port}/s/{session_id}"
-        return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url)
+        return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace")
 
     def close_session(self, session_id: str) -> ChatSession:
         """Forget the session (its URLs answer 404 from now on) and hand back its ChatSession and ledger."""
@@ -635,7 +656,7 @@ class LoopbackServer:
     def _endpoint(self, wire: str, handler):
         async def serve(request: web.Request) -> web.StreamResponse:
             try:
-                return await handler(request, self._authorize(request))
+                return await handler(request)
             except WireError as error:
                 return error.response(wire)
         return serve
@@ -646,7 +667,7 @@ class LoopbackServer:
             entry = self._sessions.get(session_id)
         if entry is None:
             raise WireError(404, f"no session {session_id!r} on this server (closed, or never created); "
-                                 "create one with LoopbackServer.create_session", "not_found_error")
+                                 "create one with POST /sessions or LoopbackServer.create_session", "not_found_error")
         bearer = request.headers.get("Authorization", "")
         key = bearer[len("Bearer "):] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(key.encode(), entry[1].encode()):
@@ -654,8 +675,10 @@ class LoopbackServer:
                                  "as 'Authorization: Bearer <key>' or 'x-api-key: <key>'", "authentication_error")
         return entry[0]
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, optional: bool = False) -> dict:
         raw = await request.read()
+        if optional and not raw.strip():
+            return {}
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -675,22 +698,27 @@ class LoopbackServer:
 
     async def _sse(self, request: web.Request, events: list[tuple[str | None, dict]], done: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for name, event in events:
-            head = f"event: {name}\n" if name else ""
-            await response.write(f"{head}data: {json.dumps(event)}\n\n".encode())
-        if done:
-            await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            for name, event in events:
+                head = f"event: {name}\n" if name else ""
+                await response.write(f"{head}data: {json.dumps(event)}\n\n".encode())
+            if done:
+                await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:        # the client hung up; the turn is committed and a retry returns it
+            pass
         return response
 
     # -- endpoints --
 
-    async def _models(self, request: web.Request, session: ChatSession) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                               "owned_by": "tracerl"}]})
 
-    async def _chat(self, request: web.Request, session: ChatSession) -> web.StreamResponse:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = self._authorize(request)
         wire_request = decode_openai(await self._body(request), session.sampling)
         turn = await self._turn(session, wire_request)
         reply_id = f"chatcmpl-{secrets.token_hex(8)}"
@@ -699,7 +727,8 @@ class LoopbackServer:
             return await self._sse(request, [(None, c) for c in chunks], done=True)
         return web.json_response(openai_reply(turn, wire_request, self.tokenizer, self.model_name, reply_id))
 
-    async def _messages(self, request: web.Request, session: ChatSession) -> web.StreamResponse:
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        session = self._authorize(request)
         wire_request = decode_anthropic(await self._body(request), session.sampling)
         turn = await self._turn(session, wire_request)
         reply_id = f"msg_{secrets.token_hex(12)}"
@@ -708,7 +737,59 @@ class LoopbackServer:
             return await self._sse(request, [(e["type"], e) for e in events], done=False)
         return web.json_response(anthropic_reply(turn, self.model_name, reply_id))
 
-    async def _trace(self, request: web.Request, session: ChatSession) -> web.Response:
+    async def _trace(self, request: web.Request) -> web.Response:
+        session = self._authorize(request)
         trace = await asyncio.get_running_loop().run_in_executor(self._executor, session_trace, session, self.tokenizer)
         return web.json_response(trace)
 
+
+    async def _open(self, request: web.Request) -> web.Response:
+        """POST /sessions (loopback needs no auth): an optional {temperature, max_tokens, max_length} body
+        sets the session's defaults; the reply carries its id, key and URLs."""
+        body = await self._body(request, optional=True)
+        _unknown_keys(body, {"temperature", "max_tokens", "max_length"})
+        max_length = _number(body, "max_length", integer=True)
+        _require(max_length is None or 1 < max_length <= self.max_length,
+                 f"'max_length' must be an integer in [2, {self.max_length}] (the server's --max-length), "
+                 f"got {max_length}")
+        sampling = _sampling(SamplingParams(), temperature=_number(body, "temperature"),
+                             max_tokens=_number(body, "max_tokens", integer=True))
+        return web.json_response(asdict(self.create_session(sampling=sampling, max_length=max_length)))
+
+    async def _close(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        self.close_session(request.match_info["sid"])
+        return web.json_response({"session_id": request.match_info["sid"], "closed": True})
+
+
+# ---- standalone: serve one model until interrupted ---------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Serve a model on token-exact OpenAI and Anthropic wires. Open a session with "
+                    "`POST /sessions`, point an SDK at its base_url with its api_key, read what the trainer "
+                    "would see at its trace_url, close it with `DELETE /s/<id>`.")
+    parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
+    parser.add_argument("--template", choices=["chatml", "model"], default="model",
+                        help="chat template: the model's own (default) or tracerl's ChatML")
+    parser.add_argument("--max-length", type=int, default=4096, help="most tokens a session's context may hold")
+    args = parser.parse_args()
+    path = models.resolve_model(args.model)
+    engine = BatchingEngine(EmbeddedEngine(models.load_model(path)))      # concurrent sessions share batches
+    template = data.CHATML_TEMPLATE if args.template == "chatml" else None
+    server = LoopbackServer(engine, models.load_tokenizer(path), template, args.model, args.host, args.port,
+                            args.max_length)
+    port = server.start()
+    print(f"tracerl loopback serving {args.model} at http://{args.host}:{port}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -145,6 +145,33 @@ def test_edited_history_seals_and_an_identical_append_extends(tok):
     assert len(session.ledger.rows()) == 2 and session.ledger.rows()[0].seal_reason == "non_extension"
 
 
+class CountingEngine(EmbeddedEngine):
+    """The real engine, counting how often it is asked to generate."""
+    calls = 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        return super().generate(prompts, params)
+
+
+def test_an_identical_retry_is_answered_from_the_record_without_generating(tok):
+    engine = CountingEngine(models.tiny_model("qwen3", seed=1))
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=SamplingParams(max_tokens=6))
+    messages = [{"role": "user", "content": "hi"}]
+    first = session.turn(messages)
+    def record():
+        return [(s.token_ids[:], s.trainable[:], s.behavior_logprobs[:]) for s in session.ledger.segments]
+    before = record()
+    assert session.turn([{"role": "user", "content": "hi"}], sampling=SamplingParams(max_tokens=6)) is first
+    assert engine.calls == 1 and record() == before                            # nothing generated or appended
+    # armed: the same messages with other sampling, or the caller's list grown in place, are new turns
+    session.turn(messages, sampling=SamplingParams(max_tokens=6, seed=3))
+    assert engine.calls == 2 and len(session.ledger.segments) == 2
+    messages += [first.message, {"role": "user", "content": "more"}]
+    session.turn(messages, sampling=SamplingParams(max_tokens=6, seed=3))
+    assert engine.calls == 3
+
+
 def test_failed_generation_commits_nothing_and_overlong_prompts_are_refused(tok):
     engine = EmbeddedEngine(models.tiny_model("qwen3", seed=1))
     session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=SamplingParams(max_tokens=4, seed=0),

@@ -1,11 +1,21 @@
 # The loopback wire server over real HTTP, driven by the real `openai` and `anthropic` SDKs, over a real
 # EmbeddedEngine on a tiny Qwen3 (taught one tool call so tool use reaches the wire): both wires decode
 # to the same token-exact ChatSession turns, streamed replies equal non-streamed ones, the trace shows
-# exactly the returned token ids, bad input is a 4xx in the wire's own format and records nothing.
+# exactly the returned token ids, bad input is a 4xx in the wire's own format and records nothing, a retry
+# is answered from the record, a client that hangs up mid-stream leaves one committed turn, and the
+# standalone `python loopback.py --model ...` serves sessions opened with POST /sessions.
 import asyncio
 import dataclasses
 import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import anthropic
@@ -14,9 +24,9 @@ import pytest
 
 import data
 import models
-from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
-from test_loopback import teach
+from loopback import LoopbackServer, SessionInfo
+from rollout import SamplingParams
+from test_loopback import CountingEngine, teach
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
 OPENAI_TOOLS = [{"type": "function",
@@ -34,7 +44,7 @@ def server():
     prompt = data.render_prompt_ids(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}],
                                     OPENAI_TOOLS, data.CHATML_TEMPLATE)
     teach(student, [(prompt, tok.encode(TOOL_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")])])
-    loopback = LoopbackServer(EmbeddedEngine(student.eval()), tok, template=data.CHATML_TEMPLATE)
+    loopback = LoopbackServer(CountingEngine(student.eval()), tok, template=data.CHATML_TEMPLATE)
     loopback.start()
     yield loopback
     loopback.stop()
@@ -48,8 +58,9 @@ def anthropic_client(info):
     return anthropic.Anthropic(base_url=info.session_url, api_key=info.api_key, max_retries=0)
 
 
-def raw_post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+def raw_post(url: str, body: bytes, headers: dict, method: str = "POST") -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers},
+                                     method=method)
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -250,3 +261,85 @@ def test_sixteen_concurrent_sessions_have_no_cross_talk(server):
         assert text.count(f"session-{k:02d}") == 2                 # its own prompts: the armed check
         assert not any(f"session-{j:02d}" in text for j in range(16) if j != k)
         assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
+
+
+def test_an_identical_retry_is_answered_from_the_record_over_the_wire(server):
+    info = server.create_session(sampling=SamplingParams(max_tokens=8))
+    client, ask = openai_client(info), [{"role": "user", "content": "hi there"}]
+    first = client.chat.completions.create(model="policy", messages=ask, extra_body={"return_token_ids": True})
+    calls, record = server.engine.calls, trace(info)
+    again = client.chat.completions.create(model="policy", messages=ask, extra_body={"return_token_ids": True})
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.model_extra["token_ids"] == first.model_extra["token_ids"] == trainable_ids(record)
+    assert server.engine.calls == calls and trace(info) == record       # not generated, not recorded twice
+    client.chat.completions.create(model="policy", messages=ask, seed=1)   # armed: other sampling generates
+    assert server.engine.calls == calls + 1 and len(trace(info)["segments"]) == 2
+
+
+@pytest.mark.parametrize("hang_up", ["during generation", "after the first chunk"])
+def test_a_client_that_disconnects_mid_stream_leaves_one_committed_turn(server, hang_up):
+    info = server.create_session(sampling=SamplingParams(max_tokens=16, seed=2))
+    ask = [{"role": "user", "content": "Tell me a long story."}]
+    url = urllib.parse.urlparse(info.base_url)
+    body = json.dumps({"model": "policy", "messages": ask, "stream": True}).encode()
+    head = (f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {info.api_key}\r\nContent-Length: {len(body)}\r\n\r\n")
+    calls = server.engine.calls
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(head.encode() + body)
+        received = b""
+        while hang_up == "after the first chunk" and b"data: " not in received:
+            received += sock.recv(256)
+        if received:                                    # reset the connection on a reply already under way
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 30
+    while not trace(info)["segments"]:                  # the hung-up request still generates and commits
+        assert time.monotonic() < deadline, "the request whose client hung up never committed its turn"
+        time.sleep(0.02)
+    # the client's retry (not streamed this time) gets the whole committed reply from the record
+    client = openai_client(info)
+    reply = client.chat.completions.create(model="policy", messages=ask, extra_body={"return_token_ids": True})
+    assert server.engine.calls == calls + 1 and trainable_ids(trace(info)) == reply.model_extra["token_ids"]
+    follow = client.chat.completions.create(model="policy", extra_body={"return_token_ids": True},
+                                            messages=ask + [reply.choices[0].message.model_dump(),
+                                                            {"role": "user", "content": "go on"}])
+    record = trace(info)
+    assert len(record["segments"]) == 1 and record["segments"][0]["seal_reason"] == ""       # it extended
+    assert trainable_ids(record) == reply.model_extra["token_ids"] + follow.model_extra["token_ids"]
+
+
+def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "loopback.py", "--model", "tiny-qwen3", "--port", "0"], cwd=root,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, serving = [], None
+        while serving is None:                                  # model loading first, then the address line
+            output.append(process.stdout.readline())
+            assert output[-1], f"the server exited before serving: {''.join(output)}"
+            serving = re.search(r"tracerl loopback serving tiny-qwen3 at (http://\S+)", output[-1])
+        address = serving.group(1)
+        for bad, message in [({"temperature": 0}, "temperature"), ({"max_length": 10**9}, "max_length"),
+                             ({"seed": 1}, "unsupported parameter")]:
+            status, refusal = raw_post(address + "/sessions", json.dumps(bad).encode(), {})
+            assert status == 400 and message in refusal["error"]["message"]
+        status, opened = raw_post(address + "/sessions", json.dumps({"max_tokens": 8}).encode(), {})
+        assert status == 200 and set(opened) == {"session_id", "api_key", "base_url", "session_url", "trace_url"}
+        client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
+        messages, sampled = [{"role": "user", "content": "hi"}], []
+        for k in range(2):
+            reply = client.chat.completions.create(model="tiny-qwen3", messages=messages,
+                                                   extra_body={"return_token_ids": True})
+            sampled += reply.model_extra["token_ids"]
+            messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "again"}]
+        info = SessionInfo(**opened)
+        record = trace(info)
+        assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
+        key = {"Authorization": f"Bearer {info.api_key}"}
+        assert raw_post(info.session_url, b"", {"Authorization": "Bearer nope"}, "DELETE")[0] == 401
+        assert raw_post(info.session_url, b"", key, "DELETE") == (200, {"session_id": info.session_id, "closed": True})
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            trace(info)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
