@@ -238,8 +238,11 @@ def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server
     assert len(trace(info)["segments"]) == 1                       # and the record still extends
 
 
-def test_sixteen_concurrent_sessions_have_no_cross_talk(server):
-    infos = [server.create_session(sampling=SamplingParams(max_tokens=6, seed=k)) for k in range(16)]
+SESSIONS = 64
+
+
+def test_sixty_four_concurrent_sessions_have_no_cross_talk(server):
+    infos = [server.create_session(sampling=SamplingParams(max_tokens=6, seed=k)) for k in range(SESSIONS)]
 
     async def converse(info, k: int) -> list[int]:
         client = openai.AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
@@ -257,10 +260,13 @@ def test_sixteen_concurrent_sessions_have_no_cross_talk(server):
 
     for k, (info, sampled) in enumerate(zip(infos, asyncio.run(everyone()))):
         record = trace(info)
-        text = "".join(t for s in record["segments"] for t in s["tokens"])
-        assert text.count(f"session-{k:02d}") == 2                 # its own prompts: the armed check
-        assert not any(f"session-{j:02d}" in text for j in range(16) if j != k)
-        assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
+        # the context (what the session was asked, not what the model wrote) holds its own prompts only
+        text = "".join(t for s in record["segments"] for t, m in zip(s["tokens"], s["trainable"]) if not m)
+        assert text.count(f"session-{k:02d}") >= 2                 # its own prompts: the armed check
+        assert not any(f"session-{j:02d}" in text for j in range(SESSIONS) if j != k)
+        # a random reply whose bytes do not survive decoding may seal (then the prompt is re-rendered in
+        # the new segment); either way the trained ids are exactly what this session was sent
+        assert trainable_ids(record) == sampled
 
 
 def test_an_identical_retry_is_answered_from_the_record_over_the_wire(server):
