@@ -47,6 +47,17 @@ def make_batch(lengths: list[int], prompt_len: int, vocab: int, seed: int = 0, v
     return invariants.build_batch(rows, advantages, pad_id=0)
 
 
+def rows_from(generations) -> list[invariants.Segment]:
+    """One single-turn rollout per engine generation, recorded through the ledger as a runner would."""
+    rows = []
+    for i, gen in enumerate(generations):
+        ledger = invariants.TokenLedger(f"r{i}", "g")
+        ledger.extend_or_seal(gen.prompt_ids)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+        rows += ledger.rows()
+    return rows
+
+
 def on_policy(batch: invariants.TrainBatch, policy: actor.Actor) -> torch.Tensor:
     """Recompute pi_old and make it the behavior logprob too (what an exact engine would have reported)."""
     old = policy.recompute_logprobs(batch, TEMPERATURE)
@@ -113,13 +124,7 @@ def test_recompute_matches_the_engines_behavior_logprobs(qwen3_dir):
     engine = rollout.EmbeddedEngine(models.load_model(qwen3_dir))
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
     generations = engine.generate(prompts, rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
-    rows = []
-    for i, gen in enumerate(generations):
-        ledger = invariants.TokenLedger(f"r{i}", "g")
-        ledger.extend_or_seal(gen.prompt_ids)
-        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
-        rows += ledger.rows()
-    batch = invariants.build_batch(rows, [1.0, -1.0], pad_id=0)
+    batch = invariants.build_batch(rows_from(generations), [1.0, -1.0], pad_id=0)
     recomputed = policy.recompute_logprobs(batch, TEMPERATURE)
     diff = ((recomputed - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
     assert diff < 1e-4, f"trainer and engine disagree on behavior logprobs by {diff} nats"

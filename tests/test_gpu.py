@@ -14,7 +14,7 @@ import invariants
 import models
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
-    on_policy, select_rows
+    on_policy, rows_from, select_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TEMPERATURE = 0.7
@@ -24,13 +24,7 @@ def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs():
     path = models.tiny_model_dir("qwen3")
     gens = EmbeddedEngine(models.load_model(path)).generate(
         [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]], SamplingParams(temperature=TEMPERATURE, max_tokens=12, seed=0))
-    rows = []
-    for i, g in enumerate(gens):
-        ledger = invariants.TokenLedger(f"r{i}", "g")
-        ledger.extend_or_seal(g.prompt_ids)
-        ledger.append_sampled(g.token_ids, g.behavior_logprobs, g.policy_versions)
-        rows += ledger.rows()
-    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
+    batch = invariants.build_batch(rows_from(gens), [1.0] * len(gens), pad_id=0)
     policy = actor.Actor(path, actor.ActorConfig(), total_steps=1)
     assert next(policy.model.parameters()).is_cuda
     gap = (policy.recompute_logprobs(batch, TEMPERATURE) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
