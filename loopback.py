@@ -98,7 +98,8 @@ class ChatSession:
         self._expected: list[dict] | None = None
         self._expected_prompt_text = ""
         self._sampled_text = ""                # the last reply decoded with its special tokens (e.g. "...<|im_end|>")
-        self._turns = 0
+        self.turns = 0                         # generations committed to the ledger
+        self.clipped_turns = 0                 # of those, replies that hit max_tokens before a stop token
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
         self._last_turn: ChatTurn | None = None
 
@@ -125,8 +126,9 @@ class ChatSession:
         if gen.routes is not None:
             self.ledger.absorb_routes(gen.routes)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self._turns}")
-        self._turns += 1
+        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
+        self.turns += 1
+        self.clipped_turns += gen.finish_reason == "length"
         self._expected = [*messages, message]
         self._expected_prompt_text = self._render(messages, tools, generation_prompt=True)
         self._sampled_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)

@@ -293,11 +293,10 @@ class ChatAgentRunner:
             self.failures[failure] = self.failures.get(failure, 0) + 1
             return None
         rows = session.ledger.rows()
-        # each turn's reply is one run of trainable tokens (a turn's prompt delta is never empty)
-        turns = sum(row.trainable[t] and not row.trainable[t - 1] for row in rows for t in range(1, len(row.trainable)))
         score = result.score if result.score is not None else float(result.reward)
         return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
-                       turns, bool(result.truncated), 0, {k: float(v) for k, v in result.info.items()})
+                       session.turns, bool(result.truncated), session.clipped_turns,
+                       {k: float(v) for k, v in result.info.items()})
 
 
 # ---- loading a recipe's agent ------------------------------------------------------------------------

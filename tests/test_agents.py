@@ -370,6 +370,7 @@ from openai import AsyncOpenAI  # noqa: E402
 from agents import ChatAgent, ChatAgentRunner  # noqa: E402
 
 SDK_REPLIES: dict[str, list[int]] = {}     # api key -> token ids the SDK was handed, in turn order
+SDK_CLIPPED: dict[tuple, int] = {}         # those ids -> replies cut at max_tokens (finish_reason "length")
 
 
 class TwoTurnChatAgent(ChatAgent):
@@ -381,14 +382,16 @@ class TwoTurnChatAgent(ChatAgent):
         if ctx.prompt.endswith("hang."):
             await asyncio.sleep(30)
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        messages, got = list(ctx.messages), []
+        messages, got, clipped = list(ctx.messages), [], 0
         for _ in range(2):
             reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
                                                          extra_body={"return_token_ids": True})
             got += reply.model_extra["token_ids"]
+            clipped += reply.choices[0].finish_reason == "length"
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": "Once more."}]
         SDK_REPLIES[ctx.api_key] = got
+        SDK_CLIPPED[tuple(got)] = clipped
         return Result(reward=float(len(got)), score=1.0)
 
 
@@ -405,6 +408,7 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
         row = r.rows[0]
         trained = [t for t, keep in zip(row.token_ids, row.trainable) if keep]
         assert trained in sampled and r.reward == len(trained)
+        assert r.clipped_turns == SDK_CLIPPED[tuple(trained)]
         check_token_identity(build_batch(r.rows, [1.0], pad_id=0), r.rows)
     assert len({r.rollout_id for r in rollouts}) == 3 and [r.group_id for r in rollouts] == ["g1", "g1", "g2"]
     # concurrent sessions shared batched engine calls: fewer calls than the 6 turns they made
