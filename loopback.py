@@ -34,6 +34,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
@@ -43,7 +44,8 @@ from jinja2 import TemplateError
 import data
 import invariants
 import models
-from rollout import BatchingEngine, EmbeddedEngine, Generation, SamplingParams, validate_sampling
+from rollout import (MAX_TOP_LOGPROBS, BatchingEngine, EmbeddedEngine, Generation, IncrementalText, SamplingParams,
+                     find_stop, validate_sampling)
 
 
 @dataclass
@@ -79,8 +81,17 @@ def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
     if not calls:       # the reply is returned byte for byte, so an echo of it extends the record
         return {"role": "assistant", "content": text}
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    # only trailing whitespace goes (the template writes its own separator before a call); the start is kept
+    content = "".join(kept).rstrip()
     return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def reply_text(tokenizer, gen: Generation) -> str:
+    """The reply as the agent reads it: the sampled ids decoded (special tokens skipped), cut before the stop
+    string that ended it (OpenAI and Anthropic both leave it out)."""
+    text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    hit = find_stop(text, (gen.stop_string,)) if gen.stop_string else None
+    return text[:hit[0]] if hit else text
 
 
 class ChatSession:
@@ -97,41 +108,48 @@ class ChatSession:
         # plus the reply as we returned it, and their rendering up to the generation prompt.
         self._expected: list[dict] | None = None
         self._expected_prompt_text = ""
-        self._sampled_text = ""                # the last reply decoded with its special tokens (e.g. "...<|im_end|>")
+        self._echo_text = ""                   # how the last reply must open its echoed assistant block
         self.turns = 0                         # generations committed to the ledger
         self.clipped_turns = 0                 # of those, replies that hit max_tokens before a stop token
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
         self._last_turn: ChatTurn | None = None
 
-    def turn(self, messages: list[dict], tools: list[dict] | None = None,
-             sampling: SamplingParams | None = None) -> ChatTurn:
+    def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
+             on_token: Callable[[list[int], int], None] | None = None) -> ChatTurn:
+        """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id)` is
+        called as each token is sampled (a streaming server's hook); a retry answered from the record never
+        calls it."""
         params = sampling or self.sampling
         with self.lock:
             if self._last_request == (messages, tools, params):   # a retry: answer from the record
                 return self._last_turn
-            turn = self._generate_and_commit(messages, tools, params)
+            turn = self._generate_and_commit(messages, tools, params, on_token)
             self._last_request, self._last_turn = (copy.deepcopy(messages), copy.deepcopy(tools), params), turn
             return turn
 
-    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams) -> ChatTurn:
+    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams, on_token) -> ChatTurn:
         prompt_ids, extends = self._prompt_ids(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
                              f"of {self.max_length}; shorten the conversation")
-        gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)))[0]
+        relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
+        gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)), relay)[0]
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
         self.ledger.extend_or_seal(gen.prompt_ids)
         self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
         if gen.routes is not None:
             self.ledger.absorb_routes(gen.routes)
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        text = reply_text(self.tokenizer, gen)
         message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
         self.turns += 1
         self.clipped_turns += gen.finish_reason == "length"
         self._expected = [*messages, message]
         self._expected_prompt_text = self._render(messages, tools, generation_prompt=True)
-        self._sampled_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a
+        # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
+        # (the model did write them) and the template's closing follows them as context.
+        self._echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         return ChatTurn(message, gen, extends)
 
     def _render(self, messages, tools, generation_prompt: bool) -> str:
@@ -150,17 +168,18 @@ class ChatSession:
         Three checks, each of which must hold: (1) the messages start with the last request plus our
         reply, unedited; (2) rendering that prefix is a string prefix of the new rendering (a template
         that strips earlier <think> fails here); (3) the prefix's assistant block starts with exactly the
-        sampled text (re-serialized tool JSON fails here). What the template writes after the sampled text
-        (the '\\n' after <|im_end|>, or a closing <|im_end|> when the reply hit max_tokens) is context."""
+        reply as sampled (re-serialized tool JSON fails here). What the template writes after the sampled text
+        (the '\\n' after <|im_end|>, or a closing <|im_end|> when the reply hit max_tokens or a stop string)
+        is context."""
         if self._expected is None or messages[:len(self._expected)] != self._expected:
             return None
         prefix = self._render(self._expected, tools, generation_prompt=False)
         if not full.startswith(prefix) or not prefix.startswith(self._expected_prompt_text):
             return None
         assistant_block = prefix[len(self._expected_prompt_text):]
-        if not assistant_block.startswith(self._sampled_text):
+        if not assistant_block.startswith(self._echo_text):
             return None
-        return assistant_block[len(self._sampled_text):] + full[len(prefix):]
+        return assistant_block[len(self._echo_text):] + full[len(prefix):]
 
 
 # ---- wire decoding: OpenAI / Anthropic requests -> canonical messages ---------------------------------
@@ -176,11 +195,14 @@ class WireError(Exception):
         super().__init__(message)
         self.status, self.kind = status, kind
 
-    def response(self, wire: str) -> web.Response:
+    def body(self, wire: str) -> dict:
         """The error in the wire's own format (what the SDKs parse into their exception classes)."""
-        body = {"type": "error", "error": {"type": self.kind, "message": str(self)}} if wire == "anthropic" else \
-            {"error": {"message": str(self), "type": self.kind, "param": None, "code": None}}
-        return web.json_response(body, status=self.status)
+        if wire == "anthropic":
+            return {"type": "error", "error": {"type": self.kind, "message": str(self)}}
+        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": None}}
+
+    def response(self, wire: str) -> web.Response:
+        return web.json_response(self.body(wire), status=self.status)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -258,6 +280,16 @@ def _flag(body: dict, key: str) -> bool:
     return bool(value)
 
 
+def _stop_strings(value, key: str) -> tuple[str, ...] | None:
+    """OpenAI `stop` (a string or a list) or Anthropic `stop_sequences` (a list) -> a tuple of stop strings."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    _require(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
+             f"'{key}' must be a non-empty string or a list of them, got {value!r:.60}")
+    return tuple(stops)
+
+
 def _sampling(base: SamplingParams, **overrides) -> SamplingParams:
     params = replace(base, **{k: v for k, v in overrides.items() if v is not None})
     try:
@@ -324,10 +356,11 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     _unknown_keys(body, OPENAI_PARAMS)
     _require(body.get("n") in (None, 1), f"n must be 1 (got {body.get('n')!r}): a session samples one completion "
                                         "per request; send n separate requests (or sessions) for n samples")
-    _require(body.get("stop") in (None, [], ""), f"stop strings are not supported (got {body.get('stop')!r:.60}); "
-                                                 "the engine stops only at its stop token ids; drop 'stop'")
-    _require(body.get("top_logprobs") in (None, 0), "top_logprobs > 0 is not supported; the engine returns the "
-                                                    "logprob of each sampled token only (logprobs=true)")
+    top_logprobs = _number(body, "top_logprobs", integer=True)
+    _require(top_logprobs in (None, 0) or body.get("logprobs") is True,
+             "'top_logprobs' needs 'logprobs': true (as on the OpenAI API)")
+    _require(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
+             f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     _require(body.get("tool_choice") in (None, "auto"), f"tool_choice must be 'auto', got "
                                                         f"{body.get('tool_choice')!r:.60}; the model decides")
     messages = body.get("messages")
@@ -343,7 +376,8 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     max_tokens = _number(body, "max_completion_tokens", integer=True)
     max_tokens = _number(body, "max_tokens", integer=True) if max_tokens is None else max_tokens
     sampling = _sampling(base, temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
-                         max_tokens=max_tokens, seed=_number(body, "seed", integer=True))
+                         max_tokens=max_tokens, seed=_number(body, "seed", integer=True),
+                         stop=_stop_strings(body.get("stop"), "stop"), top_logprobs=top_logprobs)
     return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)],
                        canonical_tools or None, sampling, _flag(body, "stream"), _flag(body, "logprobs"),
                        _flag(body, "return_token_ids"))
@@ -411,9 +445,7 @@ def _anthropic_messages(message, where: str) -> list[dict]:
 def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
     """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError."""
     _unknown_keys(body, ANTHROPIC_PARAMS)
-    _require(body.get("stop_sequences") in (None, []), f"stop_sequences are not supported (got "
-                                                       f"{body.get('stop_sequences')!r:.60}); the engine stops only "
-                                                       "at its stop token ids; drop 'stop_sequences'")
+    _require(not isinstance(body.get("stop_sequences"), str), "'stop_sequences' must be a list of strings")
     _require(body.get("tool_choice") in (None, {"type": "auto"}), "tool_choice must be {'type': 'auto'}; "
                                                                  "the model decides whether to call a tool")
     max_tokens = _number(body, "max_tokens", integer=True)
@@ -430,34 +462,22 @@ def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
     canonical_tools = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
                        for i, t in enumerate(tools or [])]
     sampling = _sampling(base, temperature=_number(body, "temperature"), top_p=_number(body, "top_p"),
-                         top_k=_number(body, "top_k", integer=True), max_tokens=max_tokens)
+                         top_k=_number(body, "top_k", integer=True), max_tokens=max_tokens,
+                         stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"))
     return WireRequest(canonical, canonical_tools or None, sampling, _flag(body, "stream"))
 
 
-# ---- wire encoding: a ChatTurn -> OpenAI / Anthropic replies --------------------------------------
+# ---- wire encoding: a ChatTurn -> OpenAI / Anthropic replies, whole or streamed ----------------------
 
-OPENAI_FINISH = {"stop": "stop", "length": "length", "tool": "tool_calls"}
-ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool": "tool_use"}
+OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length", "tool": "tool_calls"}
+ANTHROPIC_STOP = {"stop": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool": "tool_use"}
 
 
 def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
-    called = turn.message.get("tool_calls") and turn.generation.finish_reason == "stop"
-    return names["tool" if called else turn.generation.finish_reason]
-
-
-def _text_pieces(tokenizer, token_ids: list[int]) -> list[str]:
-    """Per-token deltas of the decoded reply, each decoded in a short window after the last emitted token
-    (a piece that ends inside a multi-byte character waits for the next token). Their concatenation is the
-    non-streamed text, or the text is returned as one piece."""
-    pieces, prefix, read = [], 0, 0
-    for end in range(1, len(token_ids) + 1):
-        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True)
-        after = tokenizer.decode(token_ids[prefix:end], skip_special_tokens=True)
-        if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before):])
-            prefix, read = read, end
-    full = tokenizer.decode(token_ids, skip_special_tokens=True)
-    return pieces if "".join(pieces) == full else [full]
+    gen = turn.generation
+    if turn.message.get("tool_calls") and gen.finish_reason == "stop":
+        return names["tool"]
+    return names["stop_string" if gen.stop_string is not None else gen.finish_reason]
 
 
 def _openai_tool_calls(message: dict) -> list[dict]:
@@ -467,11 +487,13 @@ def _openai_tool_calls(message: dict) -> list[dict]:
 
 
 def _openai_logprobs(tokenizer, gen: Generation) -> dict:
-    content = []
-    for token_id, logprob in zip(gen.token_ids, gen.behavior_logprobs):
+    """Each sampled token's behavior logprob (the distribution it was drawn from), with the top alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
-    return {"content": content}
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    tops = gen.top_logprobs or [[] for _ in gen.token_ids]
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                        for t, lp, top in zip(gen.token_ids, gen.behavior_logprobs, tops)]}
 
 
 def _openai_extras(turn: ChatTurn, request: WireRequest) -> dict:
@@ -493,25 +515,6 @@ def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, re
             "choices": [choice], **_openai_extras(turn, request)}
 
 
-def openai_chunks(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> list[dict]:
-    """chat.completion.chunk events: role, content deltas, one delta per tool call, then the finish chunk
-    (with usage, and token ids / logprobs when asked)."""
-    def chunk(delta: dict, finish_reason=None, **extra) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": extra.pop("logprobs", None)}
-        return {"id": reply_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "choices": [choice], **extra}
-    calls = _openai_tool_calls(turn.message)
-    pieces = ([turn.message["content"]] if turn.message["content"] else []) if calls else \
-        _text_pieces(tokenizer, turn.generation.token_ids)
-    events = [chunk({"role": "assistant", "content": ""})]
-    events += [chunk({"content": piece}) for piece in pieces]
-    events += [chunk({"tool_calls": [{"index": i, **call}]}) for i, call in enumerate(calls)]
-    logprobs = _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None
-    events.append(chunk({}, _finish_reason(turn, OPENAI_FINISH),
-                        logprobs=logprobs, **_openai_extras(turn, request)))
-    return events
-
-
 def _anthropic_blocks(message: dict) -> list[dict]:
     calls = message.get("tool_calls") or []
     text = [{"type": "text", "text": message["content"]}] if message["content"] or not calls else []
@@ -523,30 +526,113 @@ def anthropic_reply(turn: ChatTurn, model: str, reply_id: str) -> dict:
     gen = turn.generation
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(turn.message), "stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
-            "stop_sequence": None, "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(gen.token_ids)}}
+            "stop_sequence": gen.stop_string, "usage": {"input_tokens": len(gen.prompt_ids),
+                                                        "output_tokens": len(gen.token_ids)}}
 
 
-def anthropic_events(turn: ChatTurn, tokenizer, model: str, reply_id: str) -> list[dict]:
-    """message_start, content_block_start/delta/stop per block (text_delta, input_json_delta), message_delta
-    with the stop reason, message_stop."""
-    gen = turn.generation
-    start = {**anthropic_reply(turn, model, reply_id), "content": [], "stop_reason": None}
-    start["usage"] = {"input_tokens": len(gen.prompt_ids), "output_tokens": 0}
-    events = [{"type": "message_start", "message": start}]
-    for index, block in enumerate(_anthropic_blocks(turn.message)):
-        if block["type"] == "text":
-            opening = {"type": "text", "text": ""}
-            pieces = _text_pieces(tokenizer, gen.token_ids) if not turn.message.get("tool_calls") else [block["text"]]
-            deltas = [{"type": "text_delta", "text": piece} for piece in pieces]
-        else:
-            opening = {**block, "input": {}}
-            deltas = [{"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}]
-        events.append({"type": "content_block_start", "index": index, "content_block": opening})
-        events += [{"type": "content_block_delta", "index": index, "delta": delta} for delta in deltas]
-        events.append({"type": "content_block_stop", "index": index})
-    events.append({"type": "message_delta", "usage": {"output_tokens": len(gen.token_ids)},
-                   "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": None}})
-    return events + [{"type": "message_stop"}]
+# Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
+# with: never past a stop string (or the start of one), never into a `<tool_call>` (or what may become
+# one: the call is parsed into structure when the reply is done), never trailing whitespace (a reply with
+# tool calls drops it). The finished turn then sends the rest, the tool calls and the finish reason, so
+# the streamed text always equals the non-streamed reply.
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+class LiveText:
+    """The part of a reply, as it is sampled, that can be sent now (see above)."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.decoded, self.stops, self.sent = IncrementalText(tokenizer), stops, ""
+
+    def push(self, token_id: int) -> str:
+        """Add a sampled id; returns the newly sendable text ('' when it must wait)."""
+        self.decoded.push(token_id)
+        text = self.decoded.text
+        hit = find_stop(text, self.stops) if self.stops else None
+        safe = text[:hit[0]] if hit else text
+        safe = safe[:len(safe) - _partial_suffix(safe, (*self.stops, "<tool_call>"))]
+        call = safe.find("<tool_call>")
+        safe = (safe[:call] if call >= 0 else safe).rstrip()
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        piece, self.sent = safe[len(self.sent):], safe
+        return piece
+
+    def rest(self, content: str | None) -> str:
+        """What the finished reply's content adds to the text already sent."""
+        return (content or "")[len(self.sent):]
+
+
+class OpenAIStream:
+    """chat.completion.chunk events: the role, content deltas as tokens arrive, then the rest of the content,
+    one delta per tool call, and the finish chunk (usage, and token ids / logprobs when asked)."""
+    wire, done_marker = "openai", True
+
+    def __init__(self, request: WireRequest, tokenizer, model: str, reply_id: str):
+        self.request, self.tokenizer, self.model, self.reply_id = request, tokenizer, model, reply_id
+
+    def _chunk(self, delta: dict, finish_reason=None, logprobs=None, **extra) -> tuple[None, dict]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        return None, {"id": self.reply_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                      "model": self.model, "choices": [choice], **extra}
+
+    def start(self, prompt_ids: list[int]) -> list:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, piece: str) -> list:
+        return [self._chunk({"content": piece})]
+
+    def finish(self, turn: ChatTurn, rest: str) -> list:
+        events = self.text(rest) if rest else []
+        events += [self._chunk({"tool_calls": [{"index": i, **call}]})
+                   for i, call in enumerate(_openai_tool_calls(turn.message))]
+        logprobs = _openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
+        return events + [self._chunk({}, _finish_reason(turn, OPENAI_FINISH), logprobs,
+                                     **_openai_extras(turn, self.request))]
+
+
+class AnthropicStream:
+    """message_start, a text block whose deltas arrive as tokens do, a tool_use block per call
+    (input_json_delta), message_delta with the stop reason, message_stop."""
+    wire, done_marker = "anthropic", False
+
+    def __init__(self, request: WireRequest, tokenizer, model: str, reply_id: str):
+        self.model, self.reply_id = model, reply_id
+        self.text_open = False
+
+    def start(self, prompt_ids: list[int]) -> list:
+        message = {"id": self.reply_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def text(self, piece: str) -> list:
+        events = [] if self.text_open else \
+            [("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}})]
+        self.text_open = True
+        return events + [("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                  "delta": {"type": "text_delta", "text": piece}})]
+
+    def finish(self, turn: ChatTurn, rest: str) -> list:
+        blocks = _anthropic_blocks(turn.message)
+        events = self.text(rest) if rest or (blocks[0]["type"] == "text" and not self.text_open) else []
+        for index, block in enumerate(blocks):
+            if block["type"] == "tool_use":
+                json_delta = {"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}
+                events += [("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {**block, "input": {}}}),
+                           ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": json_delta})]
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        gen = turn.generation
+        return events + [("message_delta", {"type": "message_delta", "usage": {"output_tokens": len(gen.token_ids)},
+                                            "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
+                                                      "stop_sequence": gen.stop_string}}),
+                         ("message_stop", {"type": "message_stop"})]
 
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
@@ -569,6 +655,9 @@ class SessionInfo:
     base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
     session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it to close
     trace_url: str                 # http://HOST:PORT/s/<id>/trace — the session's segments, token by token
+
+
+MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
 
 
 class LoopbackServer:
@@ -602,7 +691,7 @@ class LoopbackServer:
     def _serve(self, ready: threading.Event, failure: list) -> None:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
-        app = web.Application(client_max_size=32 * 2**20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         for wire, method, path, handler in [("openai", "GET", "/s/{sid}/v1/models", self._models),
                                             ("openai", "POST", "/s/{sid}/v1/chat/completions", self._chat),
                                             ("anthropic", "POST", "/s/{sid}/v1/messages", self._messages),
@@ -678,7 +767,11 @@ class LoopbackServer:
         return entry[0]
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise WireError(413, f"the request body is over this server's limit of {MAX_BODY_BYTES // 2**20} MiB; "
+                                 "send smaller images or a shorter conversation", "request_too_large") from None
         if optional and not raw.strip():
             return {}
         try:
@@ -688,29 +781,70 @@ class LoopbackServer:
         _require(isinstance(body, dict), f"the request body must be a JSON object, got {type(body).__name__}")
         return body
 
-    async def _turn(self, session: ChatSession, request: WireRequest) -> ChatTurn:
+    async def _turn(self, session: ChatSession, request: WireRequest, on_token=None) -> ChatTurn:
         for message in request.messages:
             _require(not isinstance(message["content"], list), "this server's engine is text-only; "
                                                                "remove the image parts from the conversation")
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor, session.turn, request.messages, request.tools, request.sampling)
+                self._executor, session.turn, request.messages, request.tools, request.sampling, on_token)
         except (ValueError, TemplateError) as error:   # an overlong prompt, a template that refuses the messages
             raise WireError(400, str(error)) from None
 
-    async def _sse(self, request: web.Request, events: list[tuple[str | None, dict]], done: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, session: ChatSession, wire_request: WireRequest,
+                      stream: OpenAIStream | AnthropicStream) -> web.StreamResponse:
+        """Serve one turn as server-sent events, text sent as its tokens are sampled. Nothing is sent before
+        the first token, so a request refused by the session is still a plain 4xx. A client that hangs up
+        does not stop the turn: it is committed, and a retry gets it from the record."""
+        loop = asyncio.get_running_loop()
+        sampled: asyncio.Queue = asyncio.Queue()
+
+        def on_token(prompt_ids: list[int], token_id: int) -> None:     # runs on the engine's thread
+            loop.call_soon_threadsafe(sampled.put_nowait, (prompt_ids, token_id))
+
+        job = asyncio.ensure_future(self._turn(session, wire_request, on_token))
+        job.add_done_callback(lambda done: done.cancelled() or done.exception())   # retrieved even if we hang up
+        live, response = LiveText(self.tokenizer, wire_request.sampling.stop), None
         try:
-            await response.prepare(request)
-            for name, event in events:
-                head = f"event: {name}\n" if name else ""
-                await response.write(f"{head}data: {json.dumps(event)}\n\n".encode())
-            if done:
+            while not (job.done() and sampled.empty()):
+                arrival = asyncio.ensure_future(sampled.get())
+                await asyncio.wait({arrival, job}, return_when=asyncio.FIRST_COMPLETED)
+                if not arrival.done():
+                    arrival.cancel()
+                    continue
+                prompt_ids, token_id = arrival.result()
+                if response is None:
+                    response = await self._open_stream(request, stream.start(prompt_ids))
+                if piece := live.push(token_id):
+                    await self._send(response, stream.text(piece))
+            try:
+                turn = job.result()
+            except WireError as error:
+                if response is None:
+                    raise
+                await self._send(response, [("error", error.body(stream.wire))])
+                return response
+            if response is None:          # a retry answered from the record: no token was sampled live
+                response = await self._open_stream(request, stream.start(turn.generation.prompt_ids))
+            await self._send(response, stream.finish(turn, live.rest(turn.message["content"])))
+            if stream.done_marker:
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:        # the client hung up; the turn is committed and a retry returns it
+        except ConnectionResetError:      # the client hung up; the turn still commits and a retry returns it
             pass
         return response
+
+    async def _open_stream(self, request: web.Request, first_events: list) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await self._send(response, first_events)
+        return response
+
+    @staticmethod
+    async def _send(response: web.StreamResponse, events: list[tuple[str | None, dict]]) -> None:
+        for name, event in events:
+            head = f"event: {name}\n" if name else ""
+            await response.write(f"{head}data: {json.dumps(event)}\n\n".encode())
 
     # -- endpoints --
 
@@ -722,21 +856,21 @@ class LoopbackServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session = self._authorize(request)
         wire_request = decode_openai(await self._body(request), session.sampling)
-        turn = await self._turn(session, wire_request)
         reply_id = f"chatcmpl-{secrets.token_hex(8)}"
         if wire_request.stream:
-            chunks = openai_chunks(turn, wire_request, self.tokenizer, self.model_name, reply_id)
-            return await self._sse(request, [(None, c) for c in chunks], done=True)
+            stream = OpenAIStream(wire_request, self.tokenizer, self.model_name, reply_id)
+            return await self._stream(request, session, wire_request, stream)
+        turn = await self._turn(session, wire_request)
         return web.json_response(openai_reply(turn, wire_request, self.tokenizer, self.model_name, reply_id))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         session = self._authorize(request)
         wire_request = decode_anthropic(await self._body(request), session.sampling)
-        turn = await self._turn(session, wire_request)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
-            events = anthropic_events(turn, self.tokenizer, self.model_name, reply_id)
-            return await self._sse(request, [(e["type"], e) for e in events], done=False)
+            stream = AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
+            return await self._stream(request, session, wire_request, stream)
+        turn = await self._turn(session, wire_request)
         return web.json_response(anthropic_reply(turn, self.model_name, reply_id))
 
     async def _trace(self, request: web.Request) -> web.Response:
@@ -779,10 +913,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=4096, help="most tokens a session's context may hold")
     args = parser.parse_args()
     path = models.resolve_model(args.model)
-    engine = BatchingEngine(EmbeddedEngine(models.load_model(path)))      # concurrent sessions share batches
+    tokenizer = models.load_tokenizer(path)
+    engine = BatchingEngine(EmbeddedEngine(models.load_model(path), tokenizer=tokenizer))   # sessions share batches
     template = data.CHATML_TEMPLATE if args.template == "chatml" else None
-    server = LoopbackServer(engine, models.load_tokenizer(path), template, args.model, args.host, args.port,
-                            args.max_length)
+    server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length)
     port = server.start()
     print(f"tracerl loopback serving {args.model} at http://{args.host}:{port}", flush=True)
     try:

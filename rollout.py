@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,10 @@ class SamplingParams:
     top_k: int = -1                    # -1 = whole vocabulary; 1 = greedy (a point mass, logprob 0)
     max_tokens: int = 64               # new tokens at most
     stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos ids; a stop token is kept and trainable
+    stop: tuple[str, ...] = ()         # stop strings: sampling ends at the token that completes one (kept,
+                                       # trainable); matched in the decoded text, so the engine needs a tokenizer
     seed: int | None = None            # per-request seed; None draws from the engine's generator
+    top_logprobs: int = 0              # also report the k most likely tokens of each step (0..20)
 
 
 @dataclass
@@ -44,7 +48,9 @@ class Generation:
     behavior_logprobs: list[float]     # log p(token) under the distribution it was sampled from
     policy_versions: list[int]         # weight version that produced each token's logits
     routes: np.ndarray | None          # int16 [len(prompt)+len(tokens)-1, layers, top_k]; None for dense models
-    finish_reason: str                 # "stop" (a stop id was sampled) | "length" (max_tokens reached)
+    finish_reason: str                 # "stop" (a stop id or stop string was sampled) | "length" (max_tokens reached)
+    stop_string: str | None = None     # the stop string that ended sampling; the tokens that wrote it are kept
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the k best (id, logprob), best first
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -56,6 +62,13 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if not all(isinstance(s, str) and s for s in params.stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {params.stop!r:.80}")
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 # ---- the processed distribution (what "behavior logprob" means) -----------------------------------
@@ -78,6 +91,39 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(scaled, dim=-1)
 
 
+# ---- text: what the sampled ids read as, while they are being sampled ----------------------------------
+
+class IncrementalText:
+    """Decodes a growing list of sampled ids piece by piece (special tokens skipped), each piece decoded in a
+    short window after the last emitted token, so the cost per token stays constant. A token that ends inside
+    a multi-byte character emits nothing until the character is complete. Only text is produced: the ids
+    themselves are never re-encoded (invariant 1)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0      # window start, and the end of what has been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one sampled id; returns the new text it completes ('' while a character is still partial)."""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or not after.startswith(before) or after.endswith("\ufffd"):
+            return ""
+        piece = after[len(before):]
+        self.text += piece
+        self._prefix, self._read = self._read, len(self.ids)
+        return piece
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in text[start:] as (index, stop string), or None."""
+    hits = [(at, stop) for stop in stops if (at := text.find(stop, start)) >= 0]
+    return min(hits) if hits else None
+
+
 # ---- the embedded engine ----------------------------------------------------------------------------
 
 @dataclass
@@ -87,20 +133,25 @@ class _Row:
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
+    text: IncrementalText | None       # the reply decoded so far, kept only when stop strings are asked for
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     routes: list[np.ndarray] = field(default_factory=list)   # one [n_positions, L, k] block per forward
     finish_reason: str = ""
+    stop_string: str | None = None
 
 
 class EmbeddedEngine:
     """Batched sampling with a KV cache over a transformers causal LM (left-padded prefill, then one
     token per step). Thread-safe: `update_weights`, `pause` and `resume` may be called from another
-    thread while `generate` runs; they take effect between decode steps."""
+    thread while `generate` runs; they take effect between decode steps. The tokenizer is needed only to
+    match stop strings."""
 
-    def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None):
         self.model = model.eval()
+        self.tokenizer = tokenizer
         self.version = version
         self.pad_id = _pad_id(model)
         self.eos_ids = _eos_ids(model)
@@ -135,25 +186,34 @@ class EmbeddedEngine:
 
     # -- the data plane --
 
+    def check(self, params: SamplingParams) -> None:
+        """Refuse sampling parameters this engine cannot honour (ValueError saying why)."""
+        validate_sampling(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings are matched in decoded text: build the engine with "
+                             "EmbeddedEngine(model, tokenizer=...)")
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
-        """Sample a completion for every prompt. Token ids in, token ids out."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
+        """Sample a completion for every prompt. Token ids in, token ids out. `on_token(index, token_id)` is
+        called as each token is sampled (index into `prompts`), from the decoding thread; it must not raise."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         rows = []
         for prompt, p in zip(prompts, params_list):
-            validate_sampling(p)
+            self.check(p)
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
-            rows.append(_Row(list(prompt), p, stop, generator))
+            rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None))
         if rows:
-            self._decode(rows)
+            self._decode(rows, on_token)
         return [self._finish(row) for row in rows]
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row], on_token) -> None:
         cache, last_logits, cache_version = None, None, None
         attention = None
         while True:
@@ -169,6 +229,8 @@ class EmbeddedEngine:
                     cache_version = self.version
                 for i in active:
                     self._sample_one(rows[i], last_logits[i])
+                    if on_token is not None:
+                        on_token(i, rows[i].token_ids[-1])
                 if all(r.finish_reason for r in rows):
                     return
                 last_logits, attention = self._step(rows, cache, attention)
@@ -221,17 +283,34 @@ class EmbeddedEngine:
         row.token_ids.append(token)
         row.logprobs.append(float(logprobs[token]))
         row.versions.append(self.version)
+        if row.params.top_logprobs:
+            best = torch.topk(logprobs, row.params.top_logprobs)
+            row.top.append(list(zip(best.indices.tolist(), best.values.tolist())))
         if token in row.stop_ids:
+            row.finish_reason = "stop"
+        elif row.text is not None and self._wrote_stop_string(row, token):
             row.finish_reason = "stop"
         elif len(row.token_ids) >= row.params.max_tokens:
             row.finish_reason = "length"
+
+    @staticmethod
+    def _wrote_stop_string(row: _Row, token: int) -> bool:
+        """Did this token complete a stop string? Only the new text, plus the tail a stop could straddle, is searched."""
+        piece = row.text.push(token)
+        if not piece:
+            return False
+        longest = max(len(s) for s in row.params.stop)
+        hit = find_stop(row.text.text, row.params.stop, max(0, len(row.text.text) - len(piece) - longest + 1))
+        row.stop_string = hit[1] if hit else None
+        return hit is not None
 
     def _finish(self, row: _Row) -> Generation:
         routes = None
         if self.is_moe:
             # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
-        return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason)
+        return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
+                          row.stop_string, row.top if row.params.top_logprobs else None)
 
 
 # ---- batching: many callers, one batched engine call ---------------------------------------------------
@@ -240,6 +319,7 @@ class EmbeddedEngine:
 class _Pending:
     prompts: list[list[int]]
     params: list[SamplingParams]
+    on_token: Callable[[int, int], None] | None
     done: threading.Event = field(default_factory=threading.Event)
     result: list[Generation] | None = None
     error: BaseException | None = None
@@ -260,13 +340,14 @@ class BatchingEngine:
     def version(self) -> int:
         return self.engine.version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         for p in params_list:       # a bad request is refused here, never inside a shared batch
-            validate_sampling(p)
-        pending = _Pending([list(p) for p in prompts], params_list)
+            self.engine.check(p)
+        pending = _Pending([list(p) for p in prompts], params_list, on_token)
         with self._cond:
             self._queue.append(pending)
             self._cond.notify()
@@ -274,6 +355,9 @@ class BatchingEngine:
         if pending.error is not None:
             raise pending.error
         return pending.result
+
+    def check(self, params: SamplingParams) -> None:
+        self.engine.check(params)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state, version)
@@ -292,8 +376,15 @@ class BatchingEngine:
             time.sleep(self.gather_s)                 # let concurrent callers join this batch
             with self._cond:
                 batch, self._queue = self._queue, []
+            owners = [(b, i) for b in batch for i in range(len(b.prompts))]   # batch row -> (caller, its index)
+
+            def on_token(row: int, token_id: int) -> None:
+                caller, index = owners[row]
+                if caller.on_token is not None:
+                    caller.on_token(index, token_id)
             try:
-                outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params])
+                outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params],
+                                            on_token)
             except BaseException as exc:
                 for b in batch:
                     b.error = exc

@@ -11,11 +11,13 @@ import threading
 import zlib
 from collections import defaultdict
 
+from collections.abc import Callable
+
 from rollout import Generation, SamplingParams
 
 
 class Router:
-    """Same interface as an engine (`generate`, `update_weights`, `pause`, `resume`), over several."""
+    """Same interface as an engine (`generate`, `check`, `update_weights`, `pause`, `resume`), over several."""
 
     def __init__(self, engines: list):
         if not engines:
@@ -36,8 +38,10 @@ class Router:
         return min(range(len(self.engines)), key=self.in_flight.__getitem__)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None,
                  session_ids: list[str | None] | None = None) -> list[Generation]:
-        """Group the requests by engine, run each group as one batch, return results in request order."""
+        """Group the requests by engine, run each group as one batch, return results in request order
+        (`on_token` is called with the request's own index)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         session_ids = session_ids or [None] * len(prompts)
         groups: dict[int, list[int]] = defaultdict(list)
@@ -49,8 +53,10 @@ class Router:
         results: list[Generation | None] = [None] * len(prompts)
         try:
             for engine_index, indices in groups.items():
+                relay = None if on_token is None else \
+                    (lambda row, token_id, indices=indices: on_token(indices[row], token_id))
                 outs = self.engines[engine_index].generate([prompts[i] for i in indices],
-                                                           [params_list[i] for i in indices])
+                                                           [params_list[i] for i in indices], relay)
                 for i, out in zip(indices, outs):
                     results[i] = out
         finally:
@@ -58,6 +64,10 @@ class Router:
                 for engine_index, indices in groups.items():
                     self.in_flight[engine_index] -= len(indices)
         return results
+
+    def check(self, params: SamplingParams) -> None:
+        for e in self.engines:
+            e.check(params)
 
     def pause(self) -> None:
         for e in self.engines:

@@ -208,7 +208,8 @@ def main(argv: list[str]) -> None:
     if tr.resume:
         policy.load_checkpoint(tr.resume)
         start_step = policy.version // tr.minibatches
-    engine = Router([EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed)])
+    engine = Router([EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed,
+                                    tokenizer=tokenizer)])
     engine.update_weights(policy.export_weights(), policy.version)
     reference = _reference_model(cfg, model_path)
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,

@@ -41,8 +41,8 @@ class RecordingEngine(EmbeddedEngine):
         super().__init__(model, version=version)
         self.calls: list[Call] = []
 
-    def generate(self, prompts, params):
-        gens = super().generate(prompts, params)
+    def generate(self, prompts, params, on_token=None):
+        gens = super().generate(prompts, params, on_token)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         self.calls.append(Call([list(p) for p in prompts], list(params_list), gens))
         return gens

@@ -149,9 +149,9 @@ class CountingEngine(EmbeddedEngine):
     """The real engine, counting how often it is asked to generate."""
     calls = 0
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, on_token=None):
         self.calls += 1
-        return super().generate(prompts, params)
+        return super().generate(prompts, params, on_token)
 
 
 def test_an_identical_retry_is_answered_from_the_record_without_generating(tok):

@@ -201,9 +201,9 @@ def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(
     class Counting(EmbeddedEngine):
         batch_sizes: list[int] = []
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, on_token=None):
             self.batch_sizes.append(len(prompts))
-            return super().generate(prompts, params)
+            return super().generate(prompts, params, on_token)
 
     engine = Counting(tiny)
     batching = BatchingEngine(engine, gather_s=0.05)
