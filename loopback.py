@@ -60,24 +60,37 @@ class ChatTurn:
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
+def _call_arguments(call: dict) -> dict | None:
+    """A call's arguments as an object: absent means {}; a JSON string holding an object (the way the OpenAI
+    wire carries them, and how some models write them) is that object; anything else is not a call."""
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return arguments if isinstance(arguments, dict) else None
+
+
 def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
     """Hermes/Qwen style: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` becomes an
-    OpenAI-shaped tool call. A block that is not valid JSON with a string name stays in the content as
-    text: the model's error is shown to the agent, never repaired. The token record is not touched."""
+    OpenAI-shaped tool call. A block that is not valid JSON with a string name and object arguments stays in
+    the content as text: the model's error is shown to the agent, never repaired. The token record is not
+    touched."""
     calls, kept = [], []
     last = 0
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match.group(1))
-            valid = isinstance(call, dict) and isinstance(call.get("name"), str)
         except json.JSONDecodeError:
-            valid = False
-        if not valid:
+            continue
+        arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
+        if arguments is None:
             continue
         kept.append(text[last:match.start()])
         last = match.end()
         calls.append({"id": f"{call_prefix}-{len(calls)}", "type": "function",
-                      "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+                      "function": {"name": call["name"], "arguments": arguments}})
     if not calls:       # the reply is returned byte for byte, so an echo of it extends the record
         return {"role": "assistant", "content": text}
     kept.append(text[last:])
@@ -104,6 +117,7 @@ class ChatSession:
         self.max_length = max_length
         self.ledger = invariants.TokenLedger(rollout_id, group_id)
         self.lock = threading.Lock()           # one turn at a time per session
+        self.ledger_lock = threading.Lock()    # held only while a turn commits: the trace never waits on a generation
         # What the next request must start with to count as an extension: the last request's messages
         # plus the reply as we returned it, and their rendering up to the generation prompt.
         self._expected: list[dict] | None = None
@@ -136,10 +150,11 @@ class ChatSession:
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
         gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)), relay)[0]
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
-        self.ledger.extend_or_seal(gen.prompt_ids)
-        self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
-        if gen.routes is not None:
-            self.ledger.absorb_routes(gen.routes)
+        with self.ledger_lock:
+            self.ledger.extend_or_seal(gen.prompt_ids)
+            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+            if gen.routes is not None:
+                self.ledger.absorb_routes(gen.routes)
         text = reply_text(self.tokenizer, gen)
         message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
         self.turns += 1
@@ -637,7 +652,7 @@ class AnthropicStream:
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
     """The session's ledger as JSON: what the trainer will see, token by token."""
-    with session.lock:
+    with session.ledger_lock:
         segments = [{"segment_id": s.segment_id, "token_ids": s.token_ids,
                      "tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in s.token_ids],
                      "trainable": s.trainable, "behavior_logprobs": s.behavior_logprobs,

@@ -188,5 +188,11 @@ def test_failed_generation_commits_nothing_and_overlong_prompts_are_refused(tok)
 def test_unparseable_tool_calls_stay_text():
     message = parse_hermes_tool_calls('x <tool_call>{"name": "f", "arguments": {</tool_call>', "c")
     assert "tool_calls" not in message and message["content"].startswith("x <tool_call>")
-    parsed = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "c")
-    assert parsed["content"] is None and parsed["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    for arguments in ('[1, 2]', '"ls"', '"{not json"'):         # arguments must be an object (or hold one)
+        text = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+        assert parse_hermes_tool_calls(text, "c") == {"role": "assistant", "content": text}
+    parsed = parse_hermes_tool_calls('Let me look.\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n', "c")
+    assert parsed["content"] == "Let me look." and parsed["tool_calls"][0]["function"] == {"name": "f",
+                                                                                          "arguments": {"a": 1}}
+    quoted = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "c")
+    assert quoted["content"] is None and quoted["tool_calls"][0]["function"]["arguments"] == {"a": 1}

@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -25,7 +26,7 @@ import pytest
 import data
 import models
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
-from rollout import SamplingParams
+from rollout import EmbeddedEngine, SamplingParams
 from test_loopback import CountingEngine, teach
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
@@ -162,6 +163,101 @@ def test_tool_calls_round_trip_on_both_wires_and_the_echo_extends(server):
     assert [s["seal_reason"] for s in openai_trace["segments"]] == ["non_extension", ""]   # the streamed restart
     assert openai_trace["segments"][0]["token_ids"] == anthropic_trace["segments"][0]["token_ids"]
     assert TOOL_CALL in "".join(openai_trace["segments"][0]["tokens"])
+
+
+def test_stop_strings_cut_the_reply_but_the_record_keeps_every_sampled_id(server):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
+    cut = TOOL_CALL[:TOOL_CALL.index('"bash"')]                      # the taught reply, up to its stop string
+    openai_info, anthropic_info, streamed_info = (server.create_session(sampling=GREEDY) for _ in range(3))
+    client = openai_client(openai_info)
+    reply = client.chat.completions.create(model="policy", messages=messages, stop=["never", '"bash"'],
+                                           tools=OPENAI_TOOLS, extra_body={"return_token_ids": True})
+    ids = reply.model_extra["token_ids"]
+    assert reply.choices[0].message.content == cut and reply.choices[0].finish_reason == "stop"
+    assert server.tokenizer.decode(ids).startswith(cut + '"bash"')   # trap armed: the ids wrote the stop string
+    assert trainable_ids(trace(openai_info)) == ids                  # ... and all of them are trained on
+    # the echo of the cut reply extends: the next prompt holds the ids as sampled, then the template's closing
+    follow = client.chat.completions.create(model="policy", max_tokens=4, extra_body={"return_token_ids": True},
+                                            tools=OPENAI_TOOLS,
+                                            messages=messages + [reply.choices[0].message.model_dump(),
+                                                                 {"role": "user", "content": "go on"}])
+    assert follow.model_extra["prompt_token_ids"][:len(reply.model_extra["prompt_token_ids"]) + len(ids)] == \
+        reply.model_extra["prompt_token_ids"] + ids
+    assert [s["seal_reason"] for s in trace(openai_info)["segments"]] == [""]
+    # Anthropic: the same cut, reported as stop_sequence, streamed or not
+    claude = anthropic_client(anthropic_info)
+    message = claude.messages.create(model="policy", max_tokens=40, system=SYSTEM, messages=messages[1:],
+                                     tools=ANTHROPIC_TOOLS, stop_sequences=['"bash"'])
+    assert message.content[0].text == cut and message.stop_reason == "stop_sequence"
+    assert message.stop_sequence == '"bash"'
+    with anthropic_client(streamed_info).messages.stream(model="policy", max_tokens=40, system=SYSTEM,
+                                                         messages=messages[1:], tools=ANTHROPIC_TOOLS,
+                                                         stop_sequences=['"bash"']) as s:
+        assert "".join(s.text_stream) == cut
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == '"bash"'
+    assert trainable_ids(trace(anthropic_info)) == trainable_ids(trace(streamed_info)) == ids
+
+
+def test_top_logprobs_list_the_alternatives_of_each_sampled_token(server):
+    info = server.create_session(sampling=SamplingParams(max_tokens=6, seed=4))
+    reply = openai_client(info).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                        logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    segment = trace(info)["segments"][0]
+    sampled = [lp for lp, m in zip(segment["behavior_logprobs"], segment["trainable"]) if m]
+    assert [e.logprob for e in entries] == sampled
+    for entry in entries:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and values[0] >= entry.logprob
+        assert all(t.logprob == entry.logprob for t in entry.top_logprobs if t.token == entry.token)
+
+
+class GatedEngine(EmbeddedEngine):
+    """The real engine, whose decoding thread waits at the `hold_at`-th token until the test opens `gate`."""
+
+    def __init__(self, model, hold_at: int):
+        super().__init__(model)
+        self.hold_at, self.gate = hold_at, threading.Event()
+
+    def generate(self, prompts, params, on_token=None):
+        sampled = []
+
+        def hold(index: int, token_id: int) -> None:
+            on_token(index, token_id)
+            sampled.append(token_id)
+            if len(sampled) == self.hold_at:
+                assert self.gate.wait(60), "the test never opened the gate"
+        return super().generate(prompts, params, hold if on_token else None)
+
+
+def test_streamed_text_arrives_while_the_reply_is_still_being_sampled():
+    engine = GatedEngine(models.tiny_model("qwen3", seed=3), hold_at=10)
+    loopback = LoopbackServer(engine, models.bpe_tokenizer(), template=data.CHATML_TEMPLATE)
+    loopback.start()
+    try:
+        ask = [{"role": "user", "content": "Tell me a long story."}]
+        for wire in ("openai", "anthropic"):
+            engine.gate.clear()
+            info = loopback.create_session(sampling=SamplingParams(max_tokens=24, seed=0, stop_token_ids=(9999,)))
+            if wire == "openai":
+                stream = openai_client(info).chat.completions.create(model="policy", messages=ask, stream=True)
+                pieces = (c.choices[0].delta.content for c in stream if c.choices[0].delta.content)
+            else:
+                stream = anthropic_client(info).messages.create(model="policy", max_tokens=24, messages=ask,
+                                                                stream=True)
+                pieces = (e.delta.text for e in stream if e.type == "content_block_delta" and e.delta.text)
+            first = next(pieces)
+            # the engine is parked mid-reply: nothing is committed yet, but text is already here
+            assert first and trace(info)["segments"] == []
+            engine.gate.set()
+            text = first + "".join(pieces)
+            segment = trace(info)["segments"][0]
+            sampled = [t for t, m in zip(segment["token_ids"], segment["trainable"]) if m]
+            assert len(sampled) == 24 and text == loopback.tokenizer.decode(sampled, skip_special_tokens=True)
+    finally:
+        engine.gate.set()
+        loopback.stop()
 
 
 def test_anthropic_multi_turn_echo_extends_and_an_edited_history_seals(server):

@@ -101,6 +101,51 @@ def test_stop_token_is_kept_and_finish_reasons(tiny):
     assert capped.finish_reason == "length" and len(capped.token_ids) == 2
 
 
+def test_a_stop_string_ends_sampling_at_the_token_that_completes_it(tiny):
+    tok = models.bpe_tokenizer()
+    engine = EmbeddedEngine(tiny, tokenizer=tok)
+    free = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=30, seed=0, stop_token_ids=(9999,)))[0]
+    text = tok.decode(free.token_ids, skip_special_tokens=True)
+    stop = text[len(tok.decode(free.token_ids[:4], skip_special_tokens=True)):][:3]   # spans into token 5 or later
+    assert len(stop) == 3 and text.find(stop) >= len(tok.decode(free.token_ids[:3], skip_special_tokens=True))
+    ended = next(n for n in range(1, 31) if stop in tok.decode(free.token_ids[:n], skip_special_tokens=True))
+    stopped = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=30, seed=0, stop_token_ids=(9999,),
+                                                          stop=("never written", stop)))[0]
+    # the same draws up to the token that wrote the stop string's last character; that token is kept
+    assert stopped.token_ids == free.token_ids[:ended] and ended < len(free.token_ids)
+    assert stopped.finish_reason == "stop" and stopped.stop_string == stop and free.stop_string is None
+    assert stopped.behavior_logprobs == free.behavior_logprobs[:ended]
+    with pytest.raises(ValueError, match="tokenizer"):          # stop strings need text: refused, not ignored
+        EmbeddedEngine(tiny).generate([[5, 6, 7]], SamplingParams(stop=("x",)))
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.generate([[5, 6, 7]], SamplingParams(stop=("",)))
+
+
+def test_top_logprobs_rank_the_distribution_the_token_was_drawn_from(tiny):
+    engine = EmbeddedEngine(tiny)
+    gen = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, seed=1,
+                                                      top_logprobs=5))[0]
+    assert len(gen.top_logprobs) == len(gen.token_ids)
+    for token, logprob, top in zip(gen.token_ids, gen.behavior_logprobs, gen.top_logprobs):
+        values = [v for _, v in top]
+        assert len(top) == 5 and values == sorted(values, reverse=True) and values[0] >= logprob
+        assert dict(top).get(token, logprob) == logprob            # the sampled token, when listed, agrees
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(top_k=1, max_tokens=4, top_logprobs=2))[0]
+    assert [top[0] for top in greedy.top_logprobs] == [(t, 0.0) for t in greedy.token_ids]
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2)).__getitem__(0).top_logprobs is None
+    with pytest.raises(ValueError, match="top_logprobs"):
+        engine.generate([[5, 6, 7]], SamplingParams(top_logprobs=21))
+
+
+def test_each_token_reaches_the_callback_as_it_is_sampled(tiny):
+    engine, seen = EmbeddedEngine(tiny), []
+    gens = engine.generate(PROMPTS, PARAMS, on_token=lambda row, token: seen.append((row, token)))
+    for row, gen in enumerate(gens):
+        assert [t for r, t in seen if r == row] == gen.token_ids
+    # interleaved across rows, one step at a time: row 0's second token comes after row 1's first
+    assert seen.index((1, gens[1].token_ids[0])) < seen.index((0, gens[0].token_ids[1]))
+
+
 def test_bad_requests_are_refused_with_clear_errors(tiny):
     engine = EmbeddedEngine(tiny)
     with pytest.raises(ValueError, match="temperature"):
@@ -209,8 +254,10 @@ def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(
     batching = BatchingEngine(engine, gather_s=0.05)
     prompts = [[3 + i, 40 + i, 7] for i in range(8)]
     results: dict[int, list] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, batching.generate([prompts[i]], SamplingParams(max_tokens=5, seed=i))[0])) for i in range(8)]
+    streamed: dict[int, list] = {i: [] for i in range(8)}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, batching.generate(
+        [prompts[i]], SamplingParams(max_tokens=5, seed=i),
+        on_token=lambda index, token, i=i: streamed[i].append((index, token)))[0])) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -219,6 +266,7 @@ def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(
     for i in range(8):
         alone = EmbeddedEngine(tiny).generate([prompts[i]], SamplingParams(max_tokens=5, seed=i))[0]
         assert results[i].prompt_ids == prompts[i] and results[i].token_ids == alone.token_ids
+        assert streamed[i] == [(0, t) for t in alone.token_ids]   # each caller hears its own tokens, own index
     with pytest.raises(ValueError, match="temperature"):          # refused in its caller, not in a shared batch
         batching.generate([[1, 2]], SamplingParams(temperature=-1))
     assert batching.generate([[1, 2]], SamplingParams(max_tokens=2, seed=0))[0].token_ids
