@@ -7,7 +7,8 @@
 # Invariants kept:
 #   3 (forward consistency): logprobs are log_softmax(logits_fp32 / T) at the engine's temperature, with the
 #     engine's position ids, the model in eval mode for recompute AND training (no dropout/jitter differences), no
-#     autocast, and MoE routes replayed through the forward and the backward (invariants.replay_routes).
+#     autocast, MoE routes replayed through the forward and the backward (invariants.replay_routes), and a VLM
+#     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
 #   2 (policy version): the version gate and the train/infer IS weights come from invariants.gate_sequences and
 #     invariants.correction_weights; this module applies them and normalises by GLOBAL denominators.
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
@@ -35,16 +36,28 @@ POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means re
 
 # ---- logprobs (the trainer side of "behavior logprob") ----
 
+def _forward_inputs(model, input_ids: Tensor, attention_mask: Tensor,
+                    images: list[list[invariants.ImageInput]] | None) -> dict[str, Tensor]:
+    """Position ids (and a VLM's pixel inputs) exactly as the engine builds them, whatever the padding side."""
+    if models.is_vision_model(model):
+        images = images if images is not None else [[] for _ in range(input_ids.shape[0])]
+        return models.vision_inputs(model, input_ids, attention_mask, images)[0]
+    if images is not None and any(images):
+        raise ValueError(f"{type(model).__name__} has no vision tower but the batch carries images; they would be "
+                         f"dropped silently — train a vision-language model on image rows")
+    # 0..len-1 over the real tokens of each row
+    return {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float,
+                    images: list[list[invariants.ImageInput]] | None = None,
                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) and, if asked, the detached
-    [B,T] entropy of the tempered next-token distribution that produced it."""
+    [B,T] entropy of the tempered next-token distribution that produced it. `images`: per row, for a VLM."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; pass the rollout's sampling temperature")
-    # same position ids as the engine: 0..len-1 over the real tokens of each row, whatever the padding side
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   **_forward_inputs(model, input_ids, attention_mask, images)).logits
     # upcast BEFORE dividing by T: a bf16 divide shifted logprobs by ~0.13 nats at T=0.7 (Molt aac0658)
     log_probs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     next_logprob = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -58,14 +71,15 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-                      routes: Tensor | None = None) -> Tensor:
+                      routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None) -> Tensor:
     """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: log_softmax(logits_fp32 / T) at the
     sampled id. [B,T] fp32 aligned to tokens; position 0 and padding are 0.0. `routes` (long [B,T,L,k]) replays
-    the engine's MoE expert choice. Gradients flow unless the caller is under torch.no_grad()."""
+    the engine's MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs.
+    Gradients flow unless the caller is under torch.no_grad()."""
     if routes is None:
-        return _token_logprobs(model, input_ids, attention_mask, temperature)[0]
+        return _token_logprobs(model, input_ids, attention_mask, temperature, images)[0]
     with invariants.replay_routes(model, routes):
-        return _token_logprobs(model, input_ids, attention_mask, temperature)[0]
+        return _token_logprobs(model, input_ids, attention_mask, temperature, images)[0]
 
 
 # ---- config ----
@@ -209,17 +223,20 @@ class Actor:
     def _filler_forward(self) -> Tensor:
         """A forward that keeps this rank in step with the others when it has no rows left; returns 0 * logits."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits.sum() * 0.0
+        mask = torch.ones_like(ids)
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                          **_forward_inputs(self.model, ids, mask, None)).logits.sum() * 0.0
 
     def _cut(self, t: Tensor, rows: slice, width: int) -> Tensor:
         return t[rows, :width].to(self.device)
 
-    def _rows(self, batch: invariants.TrainBatch, rows: slice) -> tuple[Tensor, Tensor, Tensor | None, int]:
-        """input_ids, attention_mask, routes of `rows`, cut to their longest row (right padding), and that width."""
+    def _rows(self, batch: invariants.TrainBatch, rows: slice) -> tuple[Tensor, Tensor, Tensor | None, list, int]:
+        """input_ids, attention_mask, routes and images of `rows`, cut to their longest row (right padding), and
+        that width."""
         width = max(int(batch.attention_mask[rows].sum(-1).max()), 1)
         routes = self._cut(batch.routes, rows, width) if batch.routes is not None else None
         return (self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width), routes,
-                width)
+                batch.images[rows], width)
 
     # -- logprob recompute (pi_old / pi_prox) --
 
@@ -233,8 +250,9 @@ class Actor:
             if rows is None:
                 self._filler_forward()
                 continue
-            input_ids, attention_mask, routes, width = self._rows(batch, rows)
-            out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, temperature, routes).cpu()
+            input_ids, attention_mask, routes, images, width = self._rows(batch, rows)
+            out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, temperature, routes,
+                                                  images).cpu()
         return out
 
     # -- one optimizer step --
@@ -282,11 +300,11 @@ class Actor:
             if rows is None:
                 self._filler_forward().backward()
                 continue
-            input_ids, attention_mask, routes, width = self._rows(batch, rows)
+            input_ids, attention_mask, routes, images, width = self._rows(batch, rows)
             mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
             with replay:
-                logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, temperature,
+                logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, temperature, images,
                                                     with_entropy=True)
                 token_loss, pl_metrics = algo.policy_loss(logprobs, mb["old"], mb["advantages"], mb["mask"],
                                                           algo_cfg, is_weights=mb["w"])

@@ -1,14 +1,26 @@
-# data.py — prompt datasets and chat templates.
+# data.py — prompt datasets, chat templates and images.
 # Owns: the ChatML chat templates (plain and Qwen3-style think-stripping), rendering a conversation to
-# prompt token ids (render once, encode once), the Task record, and the built-in arithmetic dataset.
-# Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network.
+# prompt token ids (render once, encode once), images (data URLs -> PIL -> ImageInput, one pad id -> one pad
+# run per image), the Task record, and the built-in arithmetic dataset.
+# Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network (an image
+# arrives as a PIL image or a data: URL, never fetched).
 # Invariant: CHATML_TEMPLATE is prefix-preserving — for any conversation m and k >= 1,
 #   render(m[:k]) is a string prefix of render(m[:k+1]) (both without generation prompt), and
 #   render(m[:k], add_generation_prompt=True) is a prefix of render(m[:k] + [assistant turn]).
 #   Each message renders to a self-contained block that depends only on itself (and, for the first
 #   block, on `tools`). THINK_STRIPPING_TEMPLATE deliberately breaks this (earlier thoughts vanish).
+import base64
+import binascii
+import io
 import random
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from invariants import ImageInput
 
 # ---- chat templates ----
 # ChatML blocks: "<|im_start|>{role}\n{content}<|im_end|>\n". Tools go into the system preamble as one
@@ -97,6 +109,85 @@ def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     """Render once and encode the text once, adding no special tokens (the template already wrote them)."""
     text = render_prompt_text(tokenizer, messages, tools, template, add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- images ----
+# The template writes one IMAGE_PAD per image; the model needs one per image token. An image's token count is
+# known only after its processor ran (its patch grid), so the prompt is rendered and encoded once, then each
+# single pad id is expanded to its image's n_tokens — the ids are never re-encoded from text.
+
+IMAGE_PAD = "<|image_pad|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"   # what an env writes per image it shows
+_DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
+
+
+def decode_image(url: str) -> Image.Image:
+    """A `data:image/...;base64,...` URL -> a decoded PIL image. Anything else is refused: offline, nothing is
+    fetched."""
+    match = _DATA_URL.fullmatch(url.strip()) if isinstance(url, str) else None
+    if match is None:
+        raise ValueError(f"image {str(url)[:60]!r}: only data URLs (data:image/<type>;base64,<data>) are accepted "
+                         f"offline; embed the image bytes in the URL instead of linking to them")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
+        image.load()   # decode now, so a truncated or corrupt file fails here and not inside the processor
+    except (binascii.Error, OSError, Image.DecompressionBombError) as error:
+        raise ValueError(f"image data URL {url[:40]!r}...: the data does not decode to an image ({error}); send "
+                         f"the base64 of a PNG, JPEG or other PIL-readable file") from None
+    return image
+
+
+def prompt_images(messages: list[dict], images: Sequence | None = None) -> list:
+    """The image of every image part of `messages`, in order: the part's own image (`{"type": "image", "image":
+    PIL image or data URL}` or `{"type": "image_url", "image_url": {"url": ...}}`), else the next of `images` (a
+    Task's images, for parts written as a bare `{"type": "image"}`). Raises ValueError if the counts disagree."""
+    found, spare = [], list(images or [])
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "image_url":
+                url = (part.get("image_url") or {}).get("url")
+                if not isinstance(url, str):
+                    raise ValueError(f"an image_url part needs {{'image_url': {{'url': str}}}}, got {part!r:.80}")
+                found.append(url)
+            elif part.get("type") == "image":
+                if part.get("image") is not None:
+                    found.append(part["image"])
+                elif spare:
+                    found.append(spare.pop(0))
+                else:
+                    raise ValueError("an image part without its own image, and no images left to fill it; pass "
+                                     "the task's images in the order of its image parts")
+    if spare:
+        raise ValueError(f"{len(spare)} images left over after filling every image part of the messages; each image "
+                         f"needs an image part ({{'type': 'image'}}) where the prompt shows it")
+    return found
+
+
+def image_inputs(processor, images: list) -> list[ImageInput]:
+    """Run the model's image processor once per image (a PIL image or a data URL) -> ImageInput each, in order."""
+    out = []
+    for image in images:
+        if isinstance(image, str):
+            image = decode_image(image)
+        processed = processor(images=[image], return_tensors="pt")
+        t, h, w = (int(x) for x in processed["image_grid_thw"][0])
+        out.append(ImageInput(processed["pixel_values"].to(torch.float32), (t, h, w),
+                              t * h * w // processor.merge_size ** 2))
+    return out
+
+
+def expand_image_pads(ids: list[int], images: Sequence[ImageInput], pad_id: int) -> list[int]:
+    """Replace the k-th single pad id of `ids` by images[k].n_tokens pad ids. The rendered prompt must hold
+    exactly one pad per image."""
+    pads = sum(1 for t in ids if t == pad_id)
+    if pads != len(images):
+        raise ValueError(f"the prompt holds {pads} image pad tokens but {len(images)} images were given; write one "
+                         f"{IMAGE_PAD} (inside {IMAGE_PLACEHOLDER}) per image, in the images' order")
+    expanded, next_image = [], iter(images)
+    for t in ids:
+        expanded.extend([t] * next(next_image).n_tokens if t == pad_id else [t])
+    return expanded
 
 
 # ---- tasks ----

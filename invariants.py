@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Iterator, Sequence
 
@@ -30,6 +30,43 @@ log = logging.getLogger(__name__)
 # segment is a bitwise prefix of the new prompt (integer equality, never string equality); otherwise the
 # segment is sealed and a new, all-context segment starts (invariants-math.md §1.3; prime-rl "extension
 # property"; ART issue #883 for why re-rendered sampled text must not stay trainable).
+# Images are part of the prefix: a VLM prompt is its ids plus the images that fill its pad runs, so a segment
+# extends only if its images are the first images of the new prompt (the same objects), and the trainer feeds
+# each row exactly the images its pads were sampled under.
+
+
+@dataclass(eq=False)
+class ImageInput:
+    """One image as the model sees it: the image processor's output, made once and shared by engine and trainer."""
+    pixel_values: Tensor             # float32 [patches, channels * temporal_patch * patch * patch]
+    grid_thw: tuple[int, int, int]   # (t, h, w) in patches
+    n_tokens: int                    # <|image_pad|> tokens it fills in the prompt = t*h*w // merge**2
+
+
+def image_pad_runs(token_ids: Sequence[int], pad_id: int) -> list[int]:
+    """Lengths of the maximal runs of pad_id in token_ids, in order (one run per image)."""
+    runs: list[int] = []
+    previous = None
+    for t in token_ids:
+        if t == pad_id:
+            if previous == pad_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs
+
+
+def check_image_pads(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int, where: str) -> None:
+    """Each image fills exactly one run of pad ids, of its n_tokens, in order; raises ValueError otherwise.
+    (The model places image features by pad position and M-RoPE takes one run per image, so counts that only
+    match in total would still put one image's features or positions on another image's pads.)"""
+    runs = image_pad_runs(token_ids, pad_id)
+    wanted = [image.n_tokens for image in images]
+    if runs != wanted:
+        raise ValueError(f"{where}: the ids hold image pad runs of lengths {runs} but the images fill {wanted} "
+                         f"tokens; expand each image's single pad id to its n_tokens (data.expand_image_pads) and "
+                         f"pass exactly the images of those pads, in order")
 
 
 @dataclass(eq=False)
@@ -45,6 +82,7 @@ class Segment:
     routes: np.ndarray | None = None  # int16 [n, layers, top_k] expert ids; -1 = not routed; None = no routes
     seal_reason: str = ""            # "" while open; why it was sealed
     common_prefix_len: int = -1      # LCP with the prompt that caused the seal (-1 if not sealed by a prompt)
+    images: list[ImageInput] = field(default_factory=list)  # the images of its pad runs, in order (VLMs)
 
     @property
     def is_open(self) -> bool:
@@ -90,6 +128,11 @@ class TokenLedger:
         seg = self._open
         return list(seg.token_ids) if seg is not None else []
 
+    @property
+    def open_images(self) -> list[ImageInput]:
+        seg = self._open
+        return list(seg.images) if seg is not None else []
+
     def _new_segment(self) -> Segment:
         seg = Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [])
         self.segments.append(seg)
@@ -104,24 +147,32 @@ class TokenLedger:
             pad = np.full((len(ids),) + seg.routes.shape[1:], -1, dtype=np.int16)
             seg.routes = np.concatenate([seg.routes, pad])
 
-    def extend_or_seal(self, prompt_ids: Sequence[int]) -> bool:
-        """Record the prompt of a new engine call. Returns True if it extends the open segment (the delta is
-        appended as context); otherwise seals the open segment (reason "non_extension", LCP recorded) and opens
-        a new segment whose tokens are all context. The first call of a rollout opens a segment; returns False."""
+    def extend_or_seal(self, prompt_ids: Sequence[int], images: Sequence[ImageInput] = ()) -> bool:
+        """Record the prompt of a new engine call with ALL its images. Returns True if it extends the open segment
+        (its ids are a prefix of the prompt and its images, as objects, the first images of `images`; the delta
+        is appended as context); otherwise seals the open segment (reason "non_extension", LCP recorded) and
+        opens a new segment whose tokens are all context. The first call of a rollout opens a segment; returns
+        False. The open segment's images become `images`."""
         prompt = _check_ids(prompt_ids, f"extend_or_seal (rollout {self.rollout_id})")
+        images = list(images)
         seg = self._open
-        if seg is not None and prompt[:len(seg.token_ids)] == seg.token_ids:
+        # identity, not equality: a re-processed or replaced image is a different input, even if it looks alike
+        same_images = seg is not None and len(seg.images) <= len(images) and \
+            all(old is new for old, new in zip(seg.images, images))
+        if seg is not None and same_images and prompt[:len(seg.token_ids)] == seg.token_ids:
             delta = prompt[len(seg.token_ids):]
             self._grow(seg, delta, False, [0.0] * len(delta), [-1] * len(delta))
+            seg.images = images
             return True
         if seg is not None:
             lcp = common_prefix_len(seg.token_ids, prompt)
             seg.common_prefix_len = lcp
             self.seal("non_extension")
             log.info("rollout %s: segment %d sealed (reason non_extension, LCP %d of %d open tokens, new prompt "
-                     "%d tokens); the new segment is all context", self.rollout_id, seg.segment_id, lcp,
-                     len(seg.token_ids), len(prompt))
+                     "%d tokens, images %s); the new segment is all context", self.rollout_id, seg.segment_id, lcp,
+                     len(seg.token_ids), len(prompt), "kept" if same_images else "changed")
         self.append_context(prompt)
+        self._open.images = images
         return False
 
     def append_context(self, token_ids: Sequence[int]) -> None:
@@ -217,6 +268,7 @@ class TrainBatch:
     routes: Tensor | None      # long [B, T, L, k]; -1 where unknown; None if no row has routes
     rollout_ids: list[str]
     group_ids: list[str]
+    images: list[list[ImageInput]]  # per row, the images of its pad runs in order; [] for a text row
 
 
 def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequence[float]],
@@ -262,16 +314,20 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         if row.routes is not None:
             routes[b, :n] = torch.from_numpy(row.routes.astype(np.int64))
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, routes,
-                      [r.rollout_id for r in rows], [r.group_id for r in rows])
+                      [r.rollout_id for r in rows], [r.group_id for r in rows], [list(r.images) for r in rows])
 
 
-def check_token_identity(batch: TrainBatch, rows: list[Segment]) -> None:
+def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: int | None = None) -> None:
     """Prove the trainer's input equals what was sampled: every id of every row (sampled ids and the prefix they
-    were sampled under) sits unchanged at its position, loss_mask == trainable mask, padding is masked out.
+    were sampled under) sits unchanged at its position, loss_mask == trainable mask, padding is masked out, and
+    each row carries the very images (same objects, same order) it was sampled with. With `image_pad_id` (the
+    model's image token, for a VLM) also checks each image fills exactly its run of pads.
     Raises ValueError naming the first bad (row, position)."""
     B, T = batch.input_ids.shape
     if B != len(rows):
         raise ValueError(f"token identity: batch has {B} rows but {len(rows)} segments were given")
+    if len(batch.images) != B:
+        raise ValueError(f"token identity: batch has {B} rows but images for {len(batch.images)}; one list per row")
     for b, row in enumerate(rows):
         n = len(row.token_ids)
         if n > T:
@@ -297,6 +353,13 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment]) -> None:
         if (batch.attention_mask[b, :n] != 1).any() or (batch.attention_mask[b, n:] != 0).any():
             raise ValueError(f"token identity violated: row {b} attention_mask must be 1 on its {n} tokens and 0 "
                              f"on the right padding")
+        images = batch.images[b]
+        if len(images) != len(row.images) or any(x is not y for x, y in zip(images, row.images)):
+            raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) carries {len(images)} "
+                             f"images that are not the {len(row.images)} it was sampled with; the trainer must "
+                             f"feed the ledger's images, never re-processed ones")
+        if image_pad_id is not None:
+            check_image_pads(row.token_ids, images, image_pad_id, f"token identity violated: row {b}")
 
 
 def check_sampled_once(rows: list[Segment], completions: Sequence[Sequence[int]]) -> None:

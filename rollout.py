@@ -10,13 +10,15 @@
 #   invariant 2 (policy version) - each token carries the logprob of the distribution it was actually drawn
 #     from (post temperature/top-k/top-p, fp32) and the version of the weights that drew it; a weight swap
 #     in the middle of a request discards the KV cache and re-prefills (a stale cache is Molt bug 9);
-#   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay.
-# Never: computes rewards, touches the ledger, or trains.
+#   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay, and
+#     a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the trainer
+#     does (decode steps continue each row from its own next position, kept here, not in the model).
+# Never: computes rewards, touches the ledger, or trains; never drops an image (a text model refuses them).
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 import invariants
+import models
 
 
 # ---- records that cross the engine boundary --------------------------------------------------------
@@ -69,6 +72,16 @@ def validate_sampling(params: SamplingParams) -> None:
 
 
 MAX_TOP_LOGPROBS = 20
+
+
+def _images_per_prompt(images: list[Sequence[invariants.ImageInput]] | None,
+                       n_prompts: int) -> list[list[invariants.ImageInput]]:
+    if images is None:
+        return [[] for _ in range(n_prompts)]
+    if len(images) != n_prompts:
+        raise ValueError(f"got {n_prompts} prompts but images for {len(images)}; pass one (possibly empty) list "
+                         f"of images per prompt")
+    return [list(x) for x in images]
 
 
 # ---- the processed distribution (what "behavior logprob" means) -----------------------------------
@@ -134,6 +147,7 @@ class _Row:
     stop_ids: frozenset[int]
     generator: torch.Generator
     text: IncrementalText | None       # the reply decoded so far, kept only when stop strings are asked for
+    images: list[invariants.ImageInput]  # the images of the prompt's pad runs, in order (VLMs; [] for text)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -144,7 +158,7 @@ class _Row:
 
 
 class EmbeddedEngine:
-    """Batched sampling with a KV cache over a transformers causal LM (left-padded prefill, then one
+    """Batched sampling with a KV cache over a transformers causal LM or VLM (left-padded prefill, then one
     token per step). Thread-safe: `update_weights`, `pause` and `resume` may be called from another
     thread while `generate` runs; they take effect between decode steps. The tokenizer is needed only to
     match stop strings."""
@@ -156,6 +170,7 @@ class EmbeddedEngine:
         self.pad_id = _pad_id(model)
         self.eos_ids = _eos_ids(model)
         self.is_moe = bool(invariants.moe_routers(model))
+        self.is_vision = models.is_vision_model(model)
         self._generator = torch.Generator().manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
         self._running = threading.Event()        # cleared by pause(): generate waits at a step boundary
@@ -193,29 +208,46 @@ class EmbeddedEngine:
             raise ValueError("stop strings are matched in decoded text: build the engine with "
                              "EmbeddedEngine(model, tokenizer=...)")
 
+    def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
+        """Refuse images this engine cannot place (ValueError saying why): any image on a text-only model (it
+        would be dropped silently), or, on a VLM, images that do not fill the prompt's image pad runs one to one."""
+        if not self.is_vision:
+            if images:
+                raise ValueError(f"{type(self.model).__name__} has no vision tower, so it cannot see the "
+                                 f"{len(images)} images it was given; serve a vision-language model or leave the "
+                                 f"images out of the prompt")
+            return
+        invariants.check_image_pads(prompt, images, self.model.config.image_token_id, "prompt")
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
+                 on_token: Callable[[int, int], None] | None = None,
+                 images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
         """Sample a completion for every prompt. Token ids in, token ids out. `on_token(index, token_id)` is
-        called as each token is sampled (index into `prompts`), from the decoding thread; it must not raise."""
+        called as each token is sampled (index into `prompts`), from the decoding thread; it must not raise.
+        `images[i]` are the images of prompt i, one per run of image pad ids, already expanded to their
+        n_tokens (data.expand_image_pads); only a vision-language model takes them."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        images_list = _images_per_prompt(images, len(prompts))
         rows = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, row_images in zip(prompts, params_list, images_list):
             self.check(p)
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
+            self.check_images(prompt, row_images)
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
-            rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None))
+            rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None,
+                             row_images))
         if rows:
             self._decode(rows, on_token)
         return [self._finish(row) for row in rows]
 
     def _decode(self, rows: list[_Row], on_token) -> None:
         cache, last_logits, cache_version = None, None, None
-        attention = None
+        attention = next_positions = None
         while True:
             active = [i for i, r in enumerate(rows) if not r.finish_reason]
             if not active:
@@ -225,7 +257,7 @@ class EmbeddedEngine:
                 if cache is None or cache_version != self.version:
                     # (re-)prefill everything seen so far with the current weights: after a weight swap
                     # the old KV cache belongs to the old policy and must not be reused (Molt bug 9)
-                    cache, last_logits, attention = self._prefill(rows)
+                    cache, last_logits, attention, next_positions = self._prefill(rows)
                     cache_version = self.version
                 for i in active:
                     self._sample_one(rows[i], last_logits[i])
@@ -233,11 +265,12 @@ class EmbeddedEngine:
                         on_token(i, rows[i].token_ids[-1])
                 if all(r.finish_reason for r in rows):
                     return
-                last_logits, attention = self._step(rows, cache, attention)
+                last_logits, attention, next_positions = self._step(rows, cache, attention, next_positions)
 
     def _prefill(self, rows: list[_Row]):
-        """Forward prompt + tokens so far for every row, left-padded. Returns the cache, the logits of
-        the last position of each row [B, vocab] and the attention mask [B, S]."""
+        """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
+        re-prefill after a weight swap). Returns the cache, the logits of the last position of each row
+        [B, vocab], the attention mask [B, S] and each row's next position [B]."""
         seqs = [r.prompt_ids + r.token_ids for r in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -245,34 +278,39 @@ class EmbeddedEngine:
         for b, s in enumerate(seqs):
             ids[b, width - len(s):] = torch.tensor(s)
             mask[b, width - len(s):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self.is_vision:
+            extra, next_positions = models.vision_inputs(self.model, ids, mask, [r.images for r in rows])
+        else:
+            extra, next_positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, mask.sum(-1)
         cache = DynamicCache()
-        logits, routes = self._forward(ids, mask, positions, cache)
+        logits, routes = self._forward(ids, mask, cache, extra)
         if routes is not None:      # a re-prefill replaces this request's routes: latest weights win
             for b, (r, s) in enumerate(zip(rows, seqs)):
                 r.routes = [routes[b, width - len(s):]]
-        return cache, logits[:, -1], mask
+        return cache, logits[:, -1], mask, next_positions
 
-    def _step(self, rows: list[_Row], cache, attention: torch.Tensor):
-        """Feed each row's newest token (finished rows keep feeding theirs; nobody reads those logits)."""
+    def _step(self, rows: list[_Row], cache, attention: torch.Tensor, next_positions: torch.Tensor):
+        """Feed each row's newest token at its own next position (finished rows keep feeding theirs; nobody
+        reads those logits). For a VLM the three M-RoPE axes of a text token are equal."""
         last = torch.tensor([[r.token_ids[-1]] for r in rows])
         attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        positions = attention.sum(-1, keepdim=True) - 1
-        logits, routes = self._forward(last, attention, positions, cache)
+        positions = next_positions[:, None]                                    # [B, 1]
+        if self.is_vision:
+            positions = positions[None].expand(3, -1, -1)                      # [3, B, 1]
+        logits, routes = self._forward(last, attention, cache, {"position_ids": positions})
         if routes is not None:
             for b, r in enumerate(rows):
                 if not r.finish_reason:
                     r.routes.append(routes[b])
-        return logits[:, -1], attention
+        return logits[:, -1], attention, next_positions + 1
 
-    def _forward(self, ids, mask, positions, cache):
+    def _forward(self, ids, mask, cache, extra: dict[str, torch.Tensor]):
+        """One model forward; `extra` holds position_ids and, for a VLM prefill, the pixel inputs."""
         if not self.is_moe:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
             return out.logits, None
         with invariants.capture_routes(self.model) as captured:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
         b, s = ids.shape
         routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).numpy().astype(np.int16)
         return out.logits, routes
@@ -320,6 +358,7 @@ class _Pending:
     prompts: list[list[int]]
     params: list[SamplingParams]
     on_token: Callable[[int, int], None] | None
+    images: list[list[invariants.ImageInput]]
     done: threading.Event = field(default_factory=threading.Event)
     result: list[Generation] | None = None
     error: BaseException | None = None
@@ -341,13 +380,17 @@ class BatchingEngine:
         return self.engine.version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 on_token: Callable[[int, int], None] | None = None) -> list[Generation]:
+                 on_token: Callable[[int, int], None] | None = None,
+                 images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        images_list = _images_per_prompt(images, len(prompts))
         for p in params_list:       # a bad request is refused here, never inside a shared batch
             self.engine.check(p)
-        pending = _Pending([list(p) for p in prompts], params_list, on_token)
+        for prompt, row_images in zip(prompts, images_list):
+            self.engine.check_images(prompt, row_images)
+        pending = _Pending([list(p) for p in prompts], params_list, on_token, images_list)
         with self._cond:
             self._queue.append(pending)
             self._cond.notify()
@@ -358,6 +401,9 @@ class BatchingEngine:
 
     def check(self, params: SamplingParams) -> None:
         self.engine.check(params)
+
+    def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
+        self.engine.check_images(prompt, images)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state, version)
@@ -384,7 +430,7 @@ class BatchingEngine:
                     caller.on_token(index, token_id)
             try:
                 outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params],
-                                            on_token)
+                                            on_token, images=[x for b in batch for x in b.images])
             except BaseException as exc:
                 for b in batch:
                     b.error = exc
@@ -399,14 +445,14 @@ class BatchingEngine:
 
 def _eos_ids(model) -> frozenset[int]:
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    eos = eos if eos is not None else model.config.eos_token_id
+    eos = eos if eos is not None else model.config.get_text_config().eos_token_id   # a VLM keeps ids in its text config
     if eos is None:
         raise ValueError("the model declares no eos_token_id; pass SamplingParams.stop_token_ids")
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
 def _pad_id(model) -> int:
-    pad = model.config.pad_token_id
+    pad = model.config.get_text_config().pad_token_id
     return pad if pad is not None else min(_eos_ids(model))
 
 

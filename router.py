@@ -11,13 +11,15 @@ import threading
 import zlib
 from collections import defaultdict
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from invariants import ImageInput
 from rollout import Generation, SamplingParams
 
 
 class Router:
-    """Same interface as an engine (`generate`, `check`, `update_weights`, `pause`, `resume`), over several."""
+    """Same interface as an engine (`generate`, `check`, `check_images`, `update_weights`, `pause`, `resume`),
+    over several."""
 
     def __init__(self, engines: list):
         if not engines:
@@ -39,11 +41,15 @@ class Router:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
-                 session_ids: list[str | None] | None = None) -> list[Generation]:
+                 session_ids: list[str | None] | None = None,
+                 images: list[Sequence[ImageInput]] | None = None) -> list[Generation]:
         """Group the requests by engine, run each group as one batch, return results in request order
-        (`on_token` is called with the request's own index)."""
+        (`on_token` is called with the request's own index; `images[i]` go with prompt i)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         session_ids = session_ids or [None] * len(prompts)
+        images = images if images is not None else [[] for _ in prompts]
+        if len(images) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but images for {len(images)}; pass one list per prompt")
         groups: dict[int, list[int]] = defaultdict(list)
         with self._lock:
             for i, session in enumerate(session_ids):
@@ -56,7 +62,8 @@ class Router:
                 relay = None if on_token is None else \
                     (lambda row, token_id, indices=indices: on_token(indices[row], token_id))
                 outs = self.engines[engine_index].generate([prompts[i] for i in indices],
-                                                           [params_list[i] for i in indices], relay)
+                                                           [params_list[i] for i in indices], relay,
+                                                           images=[images[i] for i in indices])
                 for i, out in zip(indices, outs):
                     results[i] = out
         finally:
@@ -68,6 +75,10 @@ class Router:
     def check(self, params: SamplingParams) -> None:
         for e in self.engines:
             e.check(params)
+
+    def check_images(self, prompt: list[int], images: Sequence[ImageInput]) -> None:
+        for e in self.engines:
+            e.check_images(prompt, images)
 
     def pause(self) -> None:
         for e in self.engines:

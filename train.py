@@ -212,8 +212,9 @@ def main(argv: list[str]) -> None:
                                     tokenizer=tokenizer)])
     engine.update_weights(policy.export_weights(), policy.version)
     reference = _reference_model(cfg, model_path)
+    image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
-                                step_timeout_s=ro.step_timeout_s)
+                                step_timeout_s=ro.step_timeout_s, image_processor=image_processor)
     tasks = recipe.tasks("train", run.seed)
     sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
     logger = MetricsLogger(out)
@@ -280,7 +281,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
                                              [r.rollout_id for r, _ in rows], a.estimator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batch = invariants.build_batch(segs, advantages, pad_id=pad_id)
-    invariants.check_token_identity(batch, segs)        # invariant 1, at the last moment before the loss
+    # invariant 1, at the last moment before the loss (a VLM's rows: also each image on exactly its pad run)
+    invariants.check_token_identity(batch, segs, image_pad_id=getattr(policy.model.config, "image_token_id", None))
 
     t0 = time.time()
     trainer_version = policy.version
@@ -288,7 +290,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask, ro.temperature)
+            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask, ro.temperature,
+                                                   images=batch.images)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:

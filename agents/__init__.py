@@ -8,7 +8,9 @@
 #
 # Keeps invariant 1: the runner never re-tokenizes an action. Sampled ids go from the engine straight
 # into the rollout's `TokenLedger`; the action text handed to `step()` is a decoding for the env's eyes
-# only. Observations are tokenized once and appended as context (never trainable).
+# only. Observations are tokenized once and appended as context (never trainable). Images (a task's, or an
+# observation's) are processed once into `ImageInput`s, their single pad ids expanded to the images' tokens,
+# and the same objects go to the engine and into the ledger (hence to the trainer).
 # Never: computes advantages or touches weights. A failing or hanging env loses only its own rollout:
 # the failure is counted and logged, and the group goes on.
 from __future__ import annotations
@@ -24,6 +26,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import data
 import invariants
 from rollout import SamplingParams, validate_sampling
 
@@ -38,11 +41,13 @@ class Result:
     reward: float                              # this turn's reward; an episode's reward is the sum over turns
     observation: str = ""                      # text appended as context before the next turn; the env
                                                # writes its own chat glue (e.g. "\n<|im_start|>user\n...")
+                                               # and one data.IMAGE_PLACEHOLDER per image of `images`
     terminated: bool = True                    # the episode reached an end state
     truncated: bool = False                    # the episode was cut short (turn or length budget)
     info: dict[str, float] = field(default_factory=dict)   # numeric extras, logged per step
     score: float | None = None                 # the metric to report (accuracy); defaults to reward
-    images: list | None = None                 # images shown with the observation (VLM recipes)
+    images: list | None = None                 # images shown with the observation, in placeholder order
+                                               # (PIL images or data: URLs; a VLM only)
     sampling_params: dict[str, Any] | None = None  # per-turn overrides of SamplingParams for later turns
 
 
@@ -108,19 +113,22 @@ def _start(fn, arg) -> Future:
 
 class EnvRunner:
     """Runs a group of Env episodes in lockstep: every turn, all live episodes sample together in one
-    batched engine call. Subclass with `env_cls = MyEnv` and export it as `AgentRunner`."""
+    batched engine call. Subclass with `env_cls = MyEnv` and export it as `AgentRunner`. A VLM's runner gets
+    the model's `image_processor` (models.load_image_processor); without one, an episode that shows an image
+    fails (a text model would drop it silently)."""
 
     env_cls: type[Env] = Env
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
-                 step_timeout_s: float = 60.0):
+                 step_timeout_s: float = 60.0, image_processor=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.max_length, self.step_timeout_s = max_turns, max_length, step_timeout_s
+        self.image_processor = image_processor
+        self.image_pad_id = tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) if image_processor is not None else None
         self.failures: dict[str, int] = {}     # reason -> count, over the runner's life
 
     def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list[Rollout]:
         """One rollout per (task, group id). Failed episodes are counted and left out of the result."""
-        import data   # the chat template lives with the data; imported here so agents/ stays light
         if len(tasks) != len(group_ids):
             raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
         episodes = []
@@ -129,14 +137,31 @@ class EnvRunner:
             own = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             episodes.append(_Episode(self.env_cls(), task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
         for ep, messages in zip(episodes, self._call_all(episodes, "reset", [(ep.env.reset, ep.task) for ep in episodes])):
-            if not ep.failed:
-                ep.ledger.extend_or_seal(data.render_prompt_ids(self.tokenizer, messages))
+            if ep.failed:
+                continue
+            try:
+                images = data.prompt_images(messages, ep.task.images)
+                ep.ledger.extend_or_seal(*self._with_images(data.render_prompt_ids(self.tokenizer, messages), images))
+            except ValueError as exc:          # images the model cannot see, or parts without their images
+                self._fail(ep, "reset_error", f"{type(exc).__name__}: {exc}")
         while live := [ep for ep in episodes if not (ep.done or ep.failed)]:
             self._turn(live)
         return [self._to_rollout(ep) for ep in episodes if not ep.failed]
 
+    def _with_images(self, ids: list[int], images: list) -> tuple[list[int], list[invariants.ImageInput]]:
+        """Process `images` once and expand each single image pad of `ids` to its image's tokens. Raises
+        ValueError for images without an image processor, or pads and images that do not pair up."""
+        if self.image_processor is None:
+            if images:
+                raise ValueError(f"{len(images)} images but the runner has no image processor: the model is "
+                                 f"text-only (or the runner was built without image_processor="
+                                 f"models.load_image_processor(path)), so the images would be dropped silently")
+            return ids, []
+        inputs = data.image_inputs(self.image_processor, images)
+        return data.expand_image_pads(ids, inputs, self.image_pad_id), inputs
+
     def _turn(self, live: list[_Episode]) -> None:
-        prompts, params = [], []
+        prompts, params, images = [], [], []
         for ep in live:
             room = self.max_length - len(ep.ledger.open_token_ids)
             if room < 1:
@@ -144,19 +169,25 @@ class EnvRunner:
                 continue
             prompts.append(ep.ledger.open_token_ids)
             params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens, room)))
+            images.append(ep.ledger.open_images)
         live = [ep for ep in live if not ep.done]
         if not live:
             return
-        actions = []
-        for ep, gen in zip(live, self.engine.generate(prompts, params)):
+        stepping, actions = [], []
+        for ep, gen in zip(live, self.engine.generate(prompts, params, images=images)):
+            if self.image_pad_id is not None and self.image_pad_id in gen.token_ids:
+                # a VLM puts image features on every pad id, so this row could never be forwarded again
+                self._fail(ep, "sampled_image_pad", f"the model sampled the image placeholder {data.IMAGE_PAD}")
+                continue
             ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
             ep.turns += 1
             ep.clipped_turns += gen.finish_reason == "length"
+            stepping.append(ep)
             actions.append((ep.env.step, self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
         # every env steps at once (one slow env does not delay the others), all under one deadline
-        for ep, result in zip(live, self._call_all(live, "step", actions)):
+        for ep, result in zip(stepping, self._call_all(stepping, "step", actions)):
             if not ep.failed:
                 try:
                     self._apply(ep, result)
@@ -166,13 +197,11 @@ class EnvRunner:
     def _apply(self, ep: _Episode, result: Result) -> None:
         if not isinstance(result, Result):
             raise TypeError(f"Env.step must return agents.Result, got {type(result).__name__}")
-        if result.images:
-            raise ValueError("Result.images needs an engine that takes images; the embedded engine is text-only, "
-                             "so the images would be silently dropped")
         info = {k: float(v) for k, v in result.info.items()}
         next_sampling = replace(ep.sampling, **(result.sampling_params or {}))
         validate_sampling(next_sampling)
-        observation = self.tokenizer.encode(result.observation, add_special_tokens=False)
+        observation, images = self._with_images(self.tokenizer.encode(result.observation, add_special_tokens=False),
+                                                list(result.images or []))
         ep.reward += float(result.reward)
         ep.score = result.score if result.score is not None else ep.reward
         ep.info.update(info)
@@ -182,7 +211,8 @@ class EnvRunner:
         ep.truncated = ep.done and not result.terminated
         if not ep.done:
             ep.sampling = next_sampling
-            ep.ledger.append_context(observation)
+            # the next prompt is the open record plus the observation, its images after the record's own
+            ep.ledger.extend_or_seal(ep.ledger.open_token_ids + observation, ep.ledger.open_images + images)
 
     def _call_all(self, episodes: list[_Episode], what: str, calls: list) -> list:
         """Run agent code for every episode concurrently, each with `step_timeout_s`. An exception or a
@@ -254,12 +284,14 @@ class ChatAgentRunner:
     template: str | None = None        # None = the model's own chat template
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
-                 step_timeout_s: float = 60.0):
+                 step_timeout_s: float = 60.0, image_processor=None):
         import loopback
         from rollout import BatchingEngine
         self.max_length, self.timeout_s = max_length, step_timeout_s * max_turns
         self.failures: dict[str, int] = {}
-        self.server = loopback.LoopbackServer(BatchingEngine(engine), tokenizer, template=self.template)
+        # the sessions turn the images an agent sends into ImageInputs with the model's image processor
+        self.server = loopback.LoopbackServer(BatchingEngine(engine), tokenizer, template=self.template,
+                                              image_processor=image_processor)
         self.server.start()
 
     def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list[Rollout]:
@@ -288,6 +320,8 @@ class ChatAgentRunner:
         except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
             failure, detail = "agent_error", f"{type(exc).__name__}: {exc}"
         session = self.server.close_session(info.session_id)
+        if not failure and session.image_pad_turns:   # a pad no image fills: the row could never be forwarded
+            failure, detail = "sampled_image_pad", f"{data.IMAGE_PAD} sampled in {session.image_pad_turns} turns"
         if failure:
             log.warning("rollout %s dropped: %s (%s)", session.ledger.rollout_id, failure, detail)
             self.failures[failure] = self.failures.get(failure, 0) + 1

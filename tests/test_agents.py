@@ -41,8 +41,8 @@ class RecordingEngine(EmbeddedEngine):
         super().__init__(model, version=version)
         self.calls: list[Call] = []
 
-    def generate(self, prompts, params, on_token=None):
-        gens = super().generate(prompts, params, on_token)
+    def generate(self, prompts, params, on_token=None, images=None):
+        gens = super().generate(prompts, params, on_token, images=images)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         self.calls.append(Call([list(p) for p in prompts], list(params_list), gens))
         return gens
@@ -413,3 +413,32 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
     assert len({r.rollout_id for r in rollouts}) == 3 and [r.group_id for r in rollouts] == ["g1", "g1", "g2"]
     # concurrent sessions shared batched engine calls: fewer calls than the 6 turns they made
     assert len(engine.calls) < 6
+
+
+class OneTurnChatAgent(ChatAgent):
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return Result(reward=1.0)
+
+
+def test_a_vlm_that_samples_its_image_placeholder_loses_only_that_rollout(tokenizer):
+    # no image fills a sampled <|image_pad|>, so its row could never be forwarded again: both runners drop it
+    from test_loopback import teach
+    pad, im_end = (tokenizer.convert_tokens_to_ids(t) for t in (data.IMAGE_PAD, "<|im_end|>"))
+    tasks = make_tasks("pad", "fine")
+    vlm = models.tiny_model("qwen2_5_vl", seed=0).train()
+    teach(vlm, [(data.render_prompt_ids(tokenizer, tasks[0].messages, template=data.CHATML_TEMPLATE), [pad, im_end]),
+                (data.render_prompt_ids(tokenizer, tasks[1].messages, template=data.CHATML_TEMPLATE), [im_end])])
+    engine, greedy = RecordingEngine(vlm.eval()), SamplingParams(top_k=1, max_tokens=3)
+    env_runner = runner_for(TwoTurnEnv, engine, tokenizer, image_processor=models.tiny_image_processor())
+    assert [r.task_id for r in env_runner.run(tasks, ["g", "g"], greedy)] == ["fine"]
+    assert env_runner.failures == {"sampled_image_pad": 1}
+    assert engine.calls[0].gens[0].token_ids == [pad, im_end]            # armed: the pad really was sampled
+    chat_runner = type("Runner", (ChatAgentRunner,), {"agent_cls": OneTurnChatAgent, "template": data.CHATML_TEMPLATE})(
+        engine, tokenizer, image_processor=models.tiny_image_processor())
+    try:
+        assert [r.task_id for r in chat_runner.run(tasks, ["g", "g"], greedy)] == ["fine"]
+        assert chat_runner.failures == {"sampled_image_pad": 1}
+    finally:
+        chat_runner.server.stop()

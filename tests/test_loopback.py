@@ -65,7 +65,7 @@ def run_script(tok, template: str):
     messages = [{"role": "system", "content": "You can run bash."}, {"role": "user", "content": "List files."}]
     taught, turns = [], []
     for k, reply in enumerate(replies):
-        prompt, _ = session._prompt_ids(messages, None)
+        prompt, _, _ = session._prompt(messages, None)
         taught.append((prompt, reply))
         teach(student, taught)
         engine.update_weights(student.state_dict(), version=k + 1)
@@ -149,9 +149,9 @@ class CountingEngine(EmbeddedEngine):
     """The real engine, counting how often it is asked to generate."""
     calls = 0
 
-    def generate(self, prompts, params, on_token=None):
+    def generate(self, prompts, params, on_token=None, images=None):
         self.calls += 1
-        return super().generate(prompts, params, on_token)
+        return super().generate(prompts, params, on_token, images=images)
 
 
 def test_an_identical_retry_is_answered_from_the_record_without_generating(tok):

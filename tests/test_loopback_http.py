@@ -5,7 +5,9 @@
 # is answered from the record, a client that hangs up mid-stream leaves one committed turn, and the
 # standalone `python loopback.py --model ...` serves sessions opened with POST /sessions.
 import asyncio
+import base64
 import dataclasses
+import io
 import json
 import os
 import re
@@ -22,9 +24,13 @@ import urllib.request
 import anthropic
 import openai
 import pytest
+import torch
+from PIL import Image
 
 import data
+import invariants
 import models
+from actor import sequence_logprobs
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
 from rollout import EmbeddedEngine, SamplingParams
 from test_loopback import CountingEngine, teach
@@ -220,7 +226,7 @@ class GatedEngine(EmbeddedEngine):
         super().__init__(model)
         self.hold_at, self.gate = hold_at, threading.Event()
 
-    def generate(self, prompts, params, on_token=None):
+    def generate(self, prompts, params, on_token=None, images=None):
         sampled = []
 
         def hold(index: int, token_id: int) -> None:
@@ -228,7 +234,7 @@ class GatedEngine(EmbeddedEngine):
             sampled.append(token_id)
             if len(sampled) == self.hold_at:
                 assert self.gate.wait(60), "the test never opened the gate"
-        return super().generate(prompts, params, hold if on_token else None)
+        return super().generate(prompts, params, hold if on_token else None, images)
 
 
 def test_streamed_text_arrives_while_the_reply_is_still_being_sampled():
@@ -451,3 +457,79 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def data_url(color: tuple[int, int, int], size: int = 56) -> str:
+    """A PNG as a data URL: a square of `color` with a white diagonal (so its patches differ)."""
+    image = Image.new("RGB", (size, size), color)
+    for i in range(size):
+        image.putpixel((i, i), (255, 255, 255))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_images_reach_a_vision_language_model_on_both_wires_and_train_with_their_pixels():
+    tok, vlm = models.bpe_tokenizer(), models.tiny_model("qwen2_5_vl", seed=0)
+    loopback = LoopbackServer(EmbeddedEngine(vlm, tokenizer=tok), tok, template=data.CHATML_TEMPLATE,
+                              image_processor=models.tiny_image_processor())
+    loopback.start()
+    try:
+        red, blue = data_url((200, 30, 30)), data_url((30, 30, 200), size=84)
+        sampling = SamplingParams(max_tokens=6, seed=5, stop_token_ids=(9999,))
+        ask = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                            {"type": "image_url", "image_url": {"url": red}}]}]
+        runs = {}
+        for picture in (red, blue):       # trap armed: the picture changes what the model says, token by token
+            info = loopback.create_session(sampling=sampling)
+            conversation = [{"role": "user", "content": [ask[0]["content"][0],
+                                                         {"type": "image_url", "image_url": {"url": picture}}]}]
+            reply = openai_client(info).chat.completions.create(model="policy", messages=conversation, logprobs=True,
+                                                                extra_body={"return_token_ids": True})
+            runs[picture] = [c.logprob for c in reply.choices[0].logprobs.content]
+        assert runs[red] != runs[blue]
+        # multi-turn on the OpenAI wire: a second image in a later turn extends the record
+        info = loopback.create_session(sampling=sampling)
+        client = openai_client(info)
+        first = client.chat.completions.create(model="policy", messages=ask, extra_body={"return_token_ids": True})
+        pad = tok.convert_tokens_to_ids(data.IMAGE_PAD)
+        assert first.model_extra["prompt_token_ids"].count(pad) == 4           # 56x56 -> 2x2 merged patches
+        later = ask + [first.choices[0].message.model_dump(),
+                       {"role": "user", "content": [{"type": "image_url", "image_url": {"url": blue}},
+                                                    {"type": "text", "text": "And this?"}]}]
+        second = client.chat.completions.create(model="policy", messages=later, extra_body={"return_token_ids": True})
+        record = trace(info)
+        assert len(record["segments"]) == 1 and record["segments"][0]["seal_reason"] == ""
+        assert [image["n_tokens"] for image in record["segments"][0]["images"]] == [4, 9]   # 84x84 -> 3x3
+        assert trainable_ids(record) == first.model_extra["token_ids"] + second.model_extra["token_ids"]
+        # the Anthropic wire: the same picture as a base64 block gives the same prompt and the same tokens
+        anthropic_info = loopback.create_session(sampling=sampling)
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": red.split(",", 1)[1]}}
+        message = anthropic_client(anthropic_info).messages.create(
+            model="policy", max_tokens=6, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, block]}])
+        assert trainable_ids(trace(anthropic_info)) == first.model_extra["token_ids"]
+        assert message.usage.input_tokens == len(first.model_extra["prompt_token_ids"])
+        # forward consistency: the trainer, fed the row's own images, recomputes the engine's logprobs
+        rows = loopback.close_session(info.session_id).ledger.rows()
+        batch = invariants.build_batch(rows, [1.0], pad_id=0)
+        invariants.check_token_identity(batch, rows)
+        with torch.no_grad():
+            recomputed = sequence_logprobs(vlm, batch.input_ids, batch.attention_mask, 1.0, images=batch.images)
+            green = data.image_inputs(models.tiny_image_processor(),
+                                      [data_url((30, 200, 30)), data_url((30, 200, 30), size=84)])
+            blind = sequence_logprobs(vlm, batch.input_ids, batch.attention_mask, 1.0, images=[green])
+        mask = batch.loss_mask.bool()
+        assert (recomputed[mask] - batch.behavior_logprobs[mask]).abs().max() < 1e-5
+        assert (blind[mask] - batch.behavior_logprobs[mask]).abs().max() > 1e-3      # other pixels: other logprobs
+        # refused, nothing recorded: a link instead of data, bytes that are no image, images for a text model
+        bad = loopback.create_session(sampling=sampling)
+        for url, message in [("https://example.com/cat.png", "only data URLs"),
+                             ("data:image/png;base64,aGVsbG8=", "does not decode to an image")]:
+            with pytest.raises(openai.BadRequestError, match=message):
+                openai_client(bad).chat.completions.create(model="policy", messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}]}])
+        assert trace(bad)["segments"] == []
+    finally:
+        loopback.stop()

@@ -246,9 +246,9 @@ def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(
     class Counting(EmbeddedEngine):
         batch_sizes: list[int] = []
 
-        def generate(self, prompts, params, on_token=None):
+        def generate(self, prompts, params, on_token=None, images=None):
             self.batch_sizes.append(len(prompts))
-            return super().generate(prompts, params, on_token)
+            return super().generate(prompts, params, on_token, images=images)
 
     engine = Counting(tiny)
     batching = BatchingEngine(engine, gather_s=0.05)

@@ -27,9 +27,9 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params, on_token=None):
+    def generate(self, prompts, params, on_token=None, images=None):
         self.served.extend(tuple(p) for p in prompts)
-        return self.engine.generate(prompts, params, on_token)
+        return self.engine.generate(prompts, params, on_token, images=images)
 
 
 def test_a_session_always_lands_on_the_same_engine(two_engines):
