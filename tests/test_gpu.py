@@ -1,6 +1,6 @@
 # GPU claims, checked on a CUDA machine (the CPU suite covers the same logic with gloo): the actor on a GPU
-# recomputes the CPU engine's behavior logprobs, and FSDP2 over NCCL on two GPUs takes the same optimizer
-# step as one GPU on the whole batch.
+# recomputes the CPU engine's behavior logprobs (text rows, and a VLM's rows with their images), and FSDP2
+# over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch.
 import os
 
 import pytest
@@ -10,11 +10,14 @@ import torch.multiprocessing as mp
 
 import actor
 import algo
+import data
 import invariants
 import models
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
+from test_vlm import TEMPERATURE as VLM_TEMPERATURE
+from test_vlm import mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TEMPERATURE = 0.7
@@ -29,6 +32,18 @@ def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs():
     assert next(policy.model.parameters()).is_cuda
     gap = (policy.recompute_logprobs(batch, TEMPERATURE) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
     print(f"GPU actor vs CPU engine: max |logprob diff| {gap.max().item():.2e}")
+    assert gap.max() <= 1e-4
+
+
+def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs_with_images():
+    vl_dir, tok = models.tiny_model_dir("qwen2_5_vl"), models.bpe_tokenizer()
+    # sampled on CPU under 16-, 6- and 1-token images, and a text row
+    _, _, batch = mixed_batch(models.load_model(vl_dir), tok, models.load_image_processor(vl_dir),
+                              tok.convert_tokens_to_ids(data.IMAGE_PAD))
+    policy = actor.Actor(vl_dir, actor.ActorConfig(), total_steps=1)
+    assert next(policy.model.parameters()).is_cuda
+    gap = (policy.recompute_logprobs(batch, VLM_TEMPERATURE) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
+    print(f"GPU actor vs CPU engine, Qwen2.5-VL rows with images: max |logprob diff| {gap.max().item():.2e}")
     assert gap.max() <= 1e-4
 
 

@@ -104,6 +104,10 @@ def forward_logprobs(model, batch: invariants.TrainBatch, **inputs) -> torch.Ten
 
 @pytest.fixture(scope="module")
 def mixed(vl, tok, processor, pad):
+    return mixed_batch(vl, tok, processor, pad)
+
+
+def mixed_batch(vl, tok, processor, pad):
     """A left-padded engine batch: a 112x112 image (16 tokens), two images of other sizes (84x56 -> 6, 28x28
     -> 1), and a longer text-only prompt. Returns the prompts, their images and the TrainBatch of the samples."""
     prompts = [
@@ -352,13 +356,15 @@ def test_an_env_rollout_with_image_observations_trains_on_what_was_sampled(vl_di
     invariants.check_token_identity(batch, rows, image_pad_id=pad)
 
     policy = actor.Actor(vl_dir, actor.ActorConfig(lr=1e-3, micro_batch_size=1), total_steps=1)
+    # the engine ran on CPU; an actor on a GPU (where there is one) computes the same fp32 math with other kernels
+    tol = TOL if policy.device.type == "cpu" else 1e-4
     old = policy.recompute_logprobs(batch, 1.0)
     gap = ((old - batch.behavior_logprobs).abs() * batch.loss_mask).max().item()
     print(f"EnvRunner rollout with 2 images per row: recompute vs behavior max |diff| {gap:.2e}")
-    assert gap <= TOL
+    assert gap <= tol
     metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
                                 1.0, trainer_version=0)
-    assert metrics["actor/logprob_diff_max"] <= TOL and metrics["actor/version"] == 1.0
+    assert metrics["actor/logprob_diff_max"] <= tol and metrics["actor/version"] == 1.0
     vision_grad = sum(float(p.grad.abs().sum()) for p in policy.model.model.visual.parameters() if p.grad is not None)
     assert vision_grad > 0                                     # the images reach the loss through the vision tower
     # without an image processor the same env is refused, never run blind
