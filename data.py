@@ -164,6 +164,29 @@ def prompt_images(messages: list[dict], images: Sequence | None = None) -> list:
     return found
 
 
+def image_data_url(image) -> str:
+    """A PIL image as a lossless PNG data URL, the way a stock SDK carries it (a data URL is returned as is)."""
+    if isinstance(image, str):
+        return image
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def sdk_messages(messages: list[dict], images: Sequence | None = None) -> list[dict]:
+    """The messages as an OpenAI SDK sends them: every image part (a bare one filled from `images`, in order)
+    becomes {"type": "image_url", "image_url": {"url": <data URL>}}; everything else is unchanged."""
+    urls = iter([image_data_url(image) for image in prompt_images(messages, images)])
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image_url", "image_url": {"url": next(urls)}}
+                       if part.get("type") in ("image", "image_url") else part for part in content]
+        out.append({**message, "content": content})
+    return out
+
+
 def image_inputs(processor, images: list) -> list[ImageInput]:
     """Run the model's image processor once per image (a PIL image or a data URL) -> ImageInput each, in order."""
     out = []

@@ -82,6 +82,12 @@ class Rollout:
 
 # ---- the Env runner ----------------------------------------------------------------------------------
 
+def own_stream(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of the index-th rollout of a run: a seeded run still gives every rollout (so every sample
+    of a group) its own random stream, or the group's samples would be identical and its advantages zero."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index)
+
+
 @dataclass
 class _Episode:
     env: Env
@@ -133,8 +139,7 @@ class EnvRunner:
             raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
         episodes = []
         for i, (task, group_id) in enumerate(zip(tasks, group_ids)):
-            # a seeded run must still give every sample of a group its own random stream
-            own = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            own = own_stream(sampling, i)
             episodes.append(_Episode(self.env_cls(), task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
         for ep, messages in zip(episodes, self._call_all(episodes, "reset", [(ep.env.reset, ep.task) for ep in episodes])):
             if ep.failed:
@@ -258,10 +263,10 @@ class ChatContext:
     session_url: str                   # http://127.0.0.1:PORT/s/<session>
     api_key: str                       # this rollout's key; every other session refuses it
     model_name: str                    # pass as `model=`; the server serves exactly one policy
-    messages: list[dict]               # the task's prompt as chat messages
+    messages: list[dict]               # the task's prompt as chat messages, images as data-URL image_url parts
     prompt: str                        # the last user message's text
     label: str                         # the ground truth the agent's reward is computed against
-    images: list | None                # the task's images (VLM recipes)
+    images: list | None                # the task's images (VLM recipes), as given (PIL images or data URLs)
     sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
 
 
@@ -301,24 +306,34 @@ class ChatAgentRunner:
         return [r for r in done if r is not None]
 
     async def _run_all(self, tasks, group_ids, sampling) -> list[Rollout | None]:
-        return await asyncio.gather(*(self._one(t, g, sampling) for t, g in zip(tasks, group_ids)))
+        return await asyncio.gather(*(self._one(t, g, own_stream(sampling, i))
+                                      for i, (t, g) in enumerate(zip(tasks, group_ids))))
+
+    def _context(self, info, task, sampling: SamplingParams) -> ChatContext:
+        users = [m["content"] for m in task.messages if m["role"] == "user"]
+        prompt = "" if not users else users[-1] if isinstance(users[-1], str) else \
+            "".join(part.get("text", "") for part in users[-1] if part.get("type") == "text")
+        return ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name,
+                           data.sdk_messages(task.messages, task.images), prompt, task.label, task.images,
+                           {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                            "max_tokens": sampling.max_tokens})
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
-        user_texts = [m["content"] for m in task.messages if m["role"] == "user" and isinstance(m["content"], str)]
-        ctx = ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name, task.messages,
-                          user_texts[-1] if user_texts else "", task.label, task.images,
-                          {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                           "max_tokens": sampling.max_tokens})
+        failure = ""
         try:
-            result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
-            if not isinstance(result, Result):
-                raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
-            failure = ""
-        except asyncio.TimeoutError:
-            failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
-        except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
-            failure, detail = "agent_error", f"{type(exc).__name__}: {exc}"
+            ctx = self._context(info, task, sampling)
+        except ValueError as exc:           # image parts and task images that do not pair up
+            failure, detail = "task_error", f"{type(exc).__name__}: {exc}"
+        if not failure:
+            try:
+                result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
+                if not isinstance(result, Result):
+                    raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
+            except asyncio.TimeoutError:
+                failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
+            except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
+                failure, detail = "agent_error", f"{type(exc).__name__}: {exc}"
         session = self.server.close_session(info.session_id)
         if not failure and session.image_pad_turns:   # a pad no image fills: the row could never be forwarded
             failure, detail = "sampled_image_pad", f"{data.IMAGE_PAD} sampled in {session.image_pad_turns} turns"

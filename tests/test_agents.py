@@ -9,8 +9,10 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import data
 import models
@@ -442,3 +444,42 @@ def test_a_vlm_that_samples_its_image_placeholder_loses_only_that_rollout(tokeni
         assert chat_runner.failures == {"sampled_image_pad": 1}
     finally:
         chat_runner.server.stop()
+
+
+class ImageChatAgent(ChatAgent):
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return Result(reward=1.0)
+
+
+def test_a_vlm_chat_agent_sends_the_tasks_images_and_trains_on_what_an_env_rollout_would(tokenizer):
+    vl_dir = models.tiny_model_dir("qwen2_5_vl")
+    processor, pad = models.load_image_processor(vl_dir), tokenizer.convert_tokens_to_ids(data.IMAGE_PAD)
+    pictures = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (56, 56, 3), dtype=np.uint8)) for i in (0, 1)]
+    tasks = [data.Task(f"t{i}", [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Shape?"}]}],
+                       label="", images=[pictures[i]]) for i in (0, 1)]
+    tasks.append(data.Task("no picture", [{"role": "user", "content": [{"type": "image"}]}], label=""))
+    sampling = SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,))
+    engine = RecordingEngine(models.load_model(vl_dir))
+    chat = type("Runner", (ChatAgentRunner,), {"agent_cls": ImageChatAgent})(engine, tokenizer,
+                                                                              image_processor=processor)
+    try:
+        chat_rollouts = chat.run(tasks, ["g"] * 3, sampling)
+    finally:
+        chat.server.stop()
+    assert [r.task_id for r in chat_rollouts] == ["t0", "t1"] and chat.failures == {"task_error": 1}
+    # the same tasks as Env rollouts: the data-URL PNG the SDK carried decodes to the same pixels, so the
+    # prompt, the images and (same seed) the sampled ids are the same
+    env_rollouts = runner_for(type("OneTurnEnv", (TurnEnv,), {"turns": 1}), engine, tokenizer,
+                              image_processor=processor).run(tasks[:2], ["g", "g"], sampling)
+    for chat_rollout, env_rollout in zip(chat_rollouts, env_rollouts):
+        (chat_row,), (env_row,) = chat_rollout.rows, env_rollout.rows
+        assert chat_row.token_ids == env_row.token_ids and chat_row.token_ids.count(pad) == 4
+        assert torch.equal(chat_row.images[0].pixel_values, env_row.images[0].pixel_values)
+    rows = [r.rows[0] for r in chat_rollouts]
+    batch = build_batch(rows, [1.0, -1.0], pad_id=tokenizer.pad_token_id)
+    check_token_identity(batch, rows, image_pad_id=pad)
+    with torch.no_grad():
+        recomputed = sequence_logprobs(engine.model, batch.input_ids, batch.attention_mask, 1.0, images=batch.images)
+    assert ((recomputed - batch.behavior_logprobs).abs() * batch.loss_mask).max() <= 1e-5
