@@ -366,11 +366,14 @@ class _Pending:
 
 class BatchingEngine:
     """Coalesces `generate` calls from many threads (one per chat session, say) into batched calls of the
-    wrapped engine: a worker thread takes everything queued, waits `gather_s` for more, and runs it as one
-    batch. Each caller gets exactly its own results; an error fails only the calls of that batch."""
+    wrapped engine: a worker thread takes everything queued once callers stop arriving (no new call for
+    `gather_s`, or `max_gather_s` after the first), and runs it as one batch. A batch runs to completion, so
+    a caller that just missed it waits for all of it: gathering until arrivals pause lets a burst of sessions
+    (an agent group starting together) share one batch. Each caller gets exactly its own results; an error
+    fails only the calls of that batch."""
 
-    def __init__(self, engine, gather_s: float = 0.005):
-        self.engine, self.gather_s = engine, gather_s
+    def __init__(self, engine, gather_s: float = 0.02, max_gather_s: float = 0.2):
+        self.engine, self.gather_s, self.max_gather_s = engine, gather_s, max_gather_s
         self._queue: list[_Pending] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._serve, daemon=True, name="batching-engine").start()
@@ -419,8 +422,10 @@ class BatchingEngine:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-            time.sleep(self.gather_s)                 # let concurrent callers join this batch
-            with self._cond:
+                first, seen = time.monotonic(), 0
+                while len(self._queue) > seen and time.monotonic() - first < self.max_gather_s:
+                    seen = len(self._queue)           # let concurrent callers join while they keep arriving
+                    self._cond.wait(self.gather_s)
                 batch, self._queue = self._queue, []
             owners = [(b, i) for b in batch for i in range(len(b.prompts))]   # batch row -> (caller, its index)
 

@@ -3,7 +3,9 @@
 # The same requests (one chat turn per session, fixed seeds, so both sides sample the same tokens) go
 # (a) straight to the engine, one thread per session through a BatchingEngine, and (b) through the stock
 # AsyncOpenAI SDK over HTTP to loopback sessions backed by the same kind of engine. Reported per concurrency
-# level: throughput ratio (loopback / direct) and the added latency per request at p50 and p99.
+# level: throughput ratio (loopback / direct), the added latency per request at p50 and p99, and the time to
+# the first token at p50: the engine's first per-token callback (direct) against the first streamed chunk
+# through the SDK (loopback streams each token as it is sampled).
 #
 #   python bench/loopback_overhead.py [--model tiny-qwen3] [--sessions 1 64] [--max-tokens 16] [--rounds 3]
 import argparse
@@ -30,13 +32,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def direct(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
-    """Every session's request from its own thread, straight into the batching engine."""
-    latencies = [0.0] * len(prompts)
+def direct(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], list[float]]:
+    """Every session's request from its own thread, straight into the batching engine. Returns the wall time,
+    each request's latency and each request's time to its first token."""
+    latencies, first = [0.0] * len(prompts), [0.0] * len(prompts)
 
     def one(i):
         t = time.perf_counter()
-        engine.generate([prompts[i]], SamplingParams(max_tokens=max_tokens, seed=i, stop_token_ids=(-1,)))
+
+        def on_token(_, token_id):
+            first[i] = first[i] or time.perf_counter() - t
+        engine.generate([prompts[i]], SamplingParams(max_tokens=max_tokens, seed=i, stop_token_ids=(-1,)), on_token)
         latencies[i] = time.perf_counter() - t
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     start = time.perf_counter()
@@ -44,19 +50,28 @@ def direct(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, li
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - start, latencies
+    return time.perf_counter() - start, latencies, first
 
 
-async def through_loopback(server, messages: list[list[dict]], max_tokens: int) -> tuple[float, list[float]]:
-    """Every session's request through the OpenAI SDK, all sessions concurrently."""
+async def through_loopback(server, messages: list[list[dict]], max_tokens: int,
+                           stream: bool) -> tuple[float, list[float], list[float]]:
+    """Every session's request through the OpenAI SDK, all sessions concurrently; with `stream`, the first
+    times are those of each stream's first chunk (sent when the first token is sampled)."""
     sessions = [server.create_session(sampling=SamplingParams(max_tokens=max_tokens, seed=i, stop_token_ids=(-1,)))
                 for i in range(len(messages))]
-    latencies = [0.0] * len(messages)
+    latencies, first = [0.0] * len(messages), [0.0] * len(messages)
+    clients = [AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0) for s in sessions]
+    # each client connects before the clock starts (an agent's first request also pays for its connection and
+    # the SDK's set-up, which is the agent's cost, not the server's)
+    await asyncio.gather(*(client.models.list() for client in clients))
 
     async def one(i):
-        client = AsyncOpenAI(base_url=sessions[i].base_url, api_key=sessions[i].api_key, max_retries=0)
+        client = clients[i]
         t = time.perf_counter()
-        await client.chat.completions.create(model=server.model_name, messages=messages[i])
+        reply = await client.chat.completions.create(model=server.model_name, messages=messages[i], stream=stream)
+        if stream:
+            async for _ in reply:
+                first[i] = first[i] or time.perf_counter() - t
         latencies[i] = time.perf_counter() - t
         await client.close()
     start = time.perf_counter()
@@ -64,7 +79,7 @@ async def through_loopback(server, messages: list[list[dict]], max_tokens: int) 
     elapsed = time.perf_counter() - start
     for s in sessions:
         server.close_session(s.session_id)
-    return elapsed, latencies
+    return elapsed, latencies, first
 
 
 def main() -> None:
@@ -82,19 +97,22 @@ def main() -> None:
     server.start()
     print(f"loopback overhead on {args.model}: {args.max_tokens} tokens per reply, median of {args.rounds} rounds")
     print(f"{'sessions':>8} {'direct req/s':>13} {'loopback req/s':>15} {'ratio':>6} "
-          f"{'added p50 ms':>13} {'added p99 ms':>13}")
+          f"{'added p50 ms':>13} {'added p99 ms':>13} {'first token p50 ms: direct':>27} {'streamed':>9}")
     for n in args.sessions:
         messages = [[{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}] for i in range(n)]
         prompts = [data.render_prompt_ids(tokenizer, m) for m in messages]
         rows = []
         for _ in range(args.rounds):
-            direct_s, direct_lat = direct(engine, prompts, args.max_tokens)
-            loop_s, loop_lat = asyncio.run(through_loopback(server, messages, args.max_tokens))
+            direct_s, direct_lat, direct_first = direct(engine, prompts, args.max_tokens)
+            loop_s, loop_lat, _ = asyncio.run(through_loopback(server, messages, args.max_tokens, stream=False))
+            _, _, streamed_first = asyncio.run(through_loopback(server, messages, args.max_tokens, stream=True))
             rows.append((n / direct_s, n / loop_s,
                          1e3 * (percentile(loop_lat, 0.5) - percentile(direct_lat, 0.5)),
-                         1e3 * (percentile(loop_lat, 0.99) - percentile(direct_lat, 0.99))))
-        d, lo, p50, p99 = (statistics.median(col) for col in zip(*rows))
-        print(f"{n:>8} {d:>13.1f} {lo:>15.1f} {lo / d:>6.2f} {p50:>13.1f} {p99:>13.1f}")
+                         1e3 * (percentile(loop_lat, 0.99) - percentile(direct_lat, 0.99)),
+                         1e3 * percentile(direct_first, 0.5), 1e3 * percentile(streamed_first, 0.5)))
+        d, lo, p50, p99, first_direct, first_streamed = (statistics.median(col) for col in zip(*rows))
+        print(f"{n:>8} {d:>13.1f} {lo:>15.1f} {lo / d:>6.2f} {p50:>13.1f} {p99:>13.1f} "
+              f"{first_direct:>27.1f} {first_streamed:>9.1f}")
     server.stop()
 
 
