@@ -270,3 +270,27 @@ def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(
     with pytest.raises(ValueError, match="temperature"):          # refused in its caller, not in a shared batch
         batching.generate([[1, 2]], SamplingParams(temperature=-1))
     assert batching.generate([[1, 2]], SamplingParams(max_tokens=2, seed=0))[0].token_ids
+
+
+def test_batching_engine_waits_until_a_staggered_burst_has_arrived(tiny):
+    sizes = []
+
+    class Sizes(EmbeddedEngine):
+        def generate(self, prompts, params, on_token=None, images=None):
+            sizes.append(len(prompts))
+            return super().generate(prompts, params, on_token, images)
+
+    def burst(batching: BatchingEngine) -> list[int]:
+        sizes.clear()
+        threads = [threading.Thread(target=batching.generate, args=([[3 + i, 7]], SamplingParams(max_tokens=2, seed=i)))
+                   for i in range(6)]
+        for t in threads:                 # callers arrive 10 ms apart, as HTTP requests of one agent group do
+            t.start()
+            time.sleep(0.01)
+        for t in threads:
+            t.join(timeout=60)
+        return list(sizes)
+
+    assert burst(BatchingEngine(Sizes(tiny), gather_s=0.05)) == [6]            # one batch: arrivals kept coming
+    assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.001))) > 1         # armed: a short pause splits it
+    assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.05, max_gather_s=0.02))) > 1   # and so does the cap
