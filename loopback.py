@@ -1,8 +1,8 @@
 # loopback.py — token-exact chat sessions, and the OpenAI / Anthropic wire server that wraps them.
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
-# ids, generates, and commits the turn to the rollout's TokenLedger; `ChatTurn`, what a turn returns;
-# the Hermes/Qwen `<tool_call>` parser that gives the reply its structure.
+# ids, generates, and commits the turn to the rollout's TokenLedger (returning a `wires.ChatTurn`); the
+# Hermes/Qwen `<tool_call>` parser that gives the reply its structure; `LoopbackServer`.
 #
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids
@@ -45,13 +45,6 @@ import invariants
 import models
 import wires
 from rollout import BatchingEngine, EmbeddedEngine, Generation, SamplingParams, find_stop
-
-
-@dataclass
-class ChatTurn:
-    message: dict                  # the assistant message returned to the agent (structured tool calls parsed)
-    generation: Generation         # ids, behavior logprobs, versions and routes, exactly as sampled
-    extended: bool                 # False when this request did not extend the record (a seal, or the first turn)
 
 
 # ---- tool calls: read structure out of the sampled text, never write it back ------------------------
@@ -131,10 +124,10 @@ class ChatSession:
         self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
                                                # no image fills that pad, so the row cannot be trained on
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
-        self._last_turn: ChatTurn | None = None
+        self._last_turn: wires.ChatTurn | None = None
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
-             on_token: Callable[[list[int], int], None] | None = None) -> ChatTurn:
+             on_token: Callable[[list[int], int], None] | None = None) -> wires.ChatTurn:
         """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id)` is
         called as each token is sampled (a streaming server's hook); a retry answered from the record never
         calls it."""
@@ -146,7 +139,8 @@ class ChatSession:
             self._last_request, self._last_turn = (copy.deepcopy(messages), copy.deepcopy(tools), params), turn
             return turn
 
-    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams, on_token) -> ChatTurn:
+    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams,
+                             on_token) -> wires.ChatTurn:
         prompt_ids, images, extends = self._prompt(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
@@ -173,7 +167,7 @@ class ChatSession:
         # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
         # (the model did write them) and the template's closing follows them as context.
         self._echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-        return ChatTurn(message, gen, extends)
+        return wires.ChatTurn(message, gen, extends)
 
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
@@ -375,7 +369,7 @@ class LoopbackServer:
         wires.require(isinstance(body, dict), f"the request body must be a JSON object, got {type(body).__name__}")
         return body
 
-    async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> ChatTurn:
+    async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> wires.ChatTurn:
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 self._executor, session.turn, request.messages, request.tools, request.sampling, on_token)

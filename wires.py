@@ -2,8 +2,9 @@
 #
 # Owns: decoding an OpenAI chat.completions or Anthropic messages request into canonical messages, tools and
 # sampling parameters (`WireRequest`), refusing what cannot be honoured (`WireError`, in each wire's own error
-# format), and encoding a finished `loopback.ChatTurn` as each wire's reply, whole or as server-sent events
-# whose text goes out token by token as it is sampled (`LiveText`, `OpenAIStream`, `AnthropicStream`).
+# format), and encoding a finished `ChatTurn` (what a loopback.ChatSession returns) as each wire's reply,
+# whole or as server-sent events whose text goes out token by token as it is sampled (`LiveText`,
+# `OpenAIStream`, `AnthropicStream`).
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
@@ -16,12 +17,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from rollout import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
 
-if TYPE_CHECKING:
-    from loopback import ChatTurn
+
+@dataclass
+class ChatTurn:
+    """What a chat session's turn hands to the wire: the reply as the agent reads it, and the tokens behind it."""
+    message: dict                  # the assistant message (structured tool calls parsed), canonical form
+    generation: Generation         # ids, behavior logprobs, versions and routes, exactly as sampled
+    extended: bool                 # False when this request did not extend the record (a seal, or the first turn)
 
 
 # ---- decoding: OpenAI / Anthropic requests -> one canonical request ----------------------------------

@@ -418,6 +418,8 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
 
 
 class OneTurnChatAgent(ChatAgent):
+    """Sends the task's messages (images included) as they are, once."""
+
     async def run(self, ctx):
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
@@ -446,13 +448,6 @@ def test_a_vlm_that_samples_its_image_placeholder_loses_only_that_rollout(tokeni
         chat_runner.server.stop()
 
 
-class ImageChatAgent(ChatAgent):
-    async def run(self, ctx):
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
-        return Result(reward=1.0)
-
-
 def test_a_vlm_chat_agent_sends_the_tasks_images_and_trains_on_what_an_env_rollout_would(tokenizer):
     vl_dir = models.tiny_model_dir("qwen2_5_vl")
     processor, pad = models.load_image_processor(vl_dir), tokenizer.convert_tokens_to_ids(data.IMAGE_PAD)
@@ -462,7 +457,7 @@ def test_a_vlm_chat_agent_sends_the_tasks_images_and_trains_on_what_an_env_rollo
     tasks.append(data.Task("no picture", [{"role": "user", "content": [{"type": "image"}]}], label=""))
     sampling = SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,))
     engine = RecordingEngine(models.load_model(vl_dir))
-    chat = type("Runner", (ChatAgentRunner,), {"agent_cls": ImageChatAgent})(engine, tokenizer,
+    chat = type("Runner", (ChatAgentRunner,), {"agent_cls": OneTurnChatAgent})(engine, tokenizer,
                                                                               image_processor=processor)
     try:
         chat_rollouts = chat.run(tasks, ["g"] * 3, sampling)
