@@ -141,7 +141,7 @@ class ChatSession:
 
     def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams,
                              on_token) -> wires.ChatTurn:
-        prompt_ids, images, extends = self._prompt(messages, tools)
+        prompt_ids, images, extends, prompt_text = self._prompt(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
@@ -162,7 +162,7 @@ class ChatSession:
         self.image_pad_turns += self.image_processor is not None and \
             self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
         self._expected = [*messages, message]
-        self._expected_prompt_text = self._render(messages, tools, generation_prompt=True)
+        self._expected_prompt_text = prompt_text
         # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a
         # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
         # (the model did write them) and the template's closing follows them as context.
@@ -172,16 +172,17 @@ class ChatSession:
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
 
-    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], bool]:
-        """The engine prompt for this request (ids, and every image its pads stand for), and whether it extends
-        the record. On an extension only the new messages are encoded, and only their images are new."""
+    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], bool, str]:
+        """The engine prompt for this request (ids, and every image its pads stand for), whether it extends
+        the record, and the request rendered up to the generation prompt. On an extension only the new
+        messages are encoded, and only their images are new."""
         images = self._prompt_images(messages)
         full = self._render(messages, tools, generation_prompt=True)
         delta = self._delta_text(messages, tools, full)
         if delta is None:
-            return self._encode(full, images), images, False
+            return self._encode(full, images), images, False, full
         fresh = images[len(self.ledger.open_images):]
-        return self.ledger.open_token_ids + self._encode(delta, fresh), images, True
+        return self.ledger.open_token_ids + self._encode(delta, fresh), images, True, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import logging
 import sys
@@ -306,8 +307,14 @@ class ChatAgentRunner:
         return [r for r in done if r is not None]
 
     async def _run_all(self, tasks, group_ids, sampling) -> list[Rollout | None]:
-        return await asyncio.gather(*(self._one(t, g, own_stream(sampling, i))
+        done = await asyncio.gather(*(self._one(t, g, own_stream(sampling, i))
                                       for i, (t, g) in enumerate(zip(tasks, group_ids))))
+        # An agent that never closed its SDK client leaves it to the garbage collector, whose close needs this
+        # event loop: collect now, while the loop runs, and let those closes finish (after asyncio.run returns
+        # they would only log 'Event loop is closed').
+        gc.collect()
+        await asyncio.sleep(0.01)
+        return done
 
     def _context(self, info, task, sampling: SamplingParams) -> ChatContext:
         users = [m["content"] for m in task.messages if m["role"] == "user"]

@@ -11,8 +11,8 @@ from recipes.math import DEFAULTS, tasks  # noqa: F401  (train.py reads both fro
 
 class MathChatAgent(ChatAgent):
     async def run(self, ctx) -> Result:
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-        reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
         reward = grade(reply.choices[0].message.content or "", ctx.label)
         return Result(reward=reward, score=reward)
 

@@ -4,16 +4,19 @@
 # failing or hanging env loses only its own rollout; recipes load from a file path; the math recipe grades.
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+import agents
 import data
 import models
 from actor import sequence_logprobs
@@ -478,3 +481,32 @@ def test_a_vlm_chat_agent_sends_the_tasks_images_and_trains_on_what_an_env_rollo
     with torch.no_grad():
         recomputed = sequence_logprobs(engine.model, batch.input_ids, batch.attention_mask, 1.0, images=batch.images)
     assert ((recomputed - batch.behavior_logprobs).abs() * batch.loss_mask).max() <= 1e-5
+
+
+class CollectingChatAgent(ChatAgent):
+    """Collects garbage as it starts (inside this run's event loop), then makes one turn and never closes its
+    client: any client an earlier run left unclosed is finalized here, on a loop it does not belong to."""
+
+    async def run(self, ctx):
+        gc.collect()
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return Result(reward=1.0)
+
+
+def test_sdk_clients_an_agent_never_closed_are_closed_on_their_own_event_loop(engine, tokenizer, caplog,
+                                                                              monkeypatch):
+    def closes_failed(runs: int) -> int:
+        runner = type("Runner", (ChatAgentRunner,), {"agent_cls": CollectingChatAgent})(engine, tokenizer)
+        try:
+            caplog.clear()
+            for _ in range(runs):              # each run is one asyncio loop
+                assert len(runner.run(make_tasks("a", "b", "c"), ["g"] * 3, SamplingParams(max_tokens=3))) == 3
+            return sum("Event loop is closed" in str(r.exc_info) for r in caplog.records)
+        finally:
+            runner.server.stop()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        assert closes_failed(runs=3) == 0
+        monkeypatch.setattr(agents, "gc", SimpleNamespace(collect=lambda: 0))   # armed: the runner does not collect
+        assert closes_failed(runs=3) > 0

@@ -65,7 +65,7 @@ def run_script(tok, template: str):
     messages = [{"role": "system", "content": "You can run bash."}, {"role": "user", "content": "List files."}]
     taught, turns = [], []
     for k, reply in enumerate(replies):
-        prompt, _, _ = session._prompt(messages, None)
+        prompt = session._prompt(messages, None)[0]
         taught.append((prompt, reply))
         teach(student, taught)
         engine.update_weights(student.state_dict(), version=k + 1)
