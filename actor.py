@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import algo
@@ -49,6 +50,26 @@ def _forward_inputs(model, input_ids: Tensor, attention_mask: Tensor,
     return {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
 
 
+def _with_blank_image(model, input_ids: Tensor, attention_mask: Tensor,
+                      images: list[list[invariants.ImageInput]] | None):
+    """Under FSDP2 each vision block is its own shard unit, all-gathered only when it runs: a rank whose
+    micro-batch holds no image would skip those collectives while a rank with images waits in them forever.
+    So a sharded VLM's image-less micro-batch carries one blank image (the smallest grid: one token) in three
+    extra columns after row 0's last column. Causal attention keeps it out of every real token's logits, which
+    the caller cuts back to the original width; the vision tower still runs, forward and backward (zero
+    gradients), in step with the other ranks. Returns the (possibly widened) ids, mask and images."""
+    if not (models.is_vision_model(model) and isinstance(model, FSDPModule)) or any(images or []):
+        return input_ids, attention_mask, images
+    config, vision = model.config, model.config.vision_config
+    merge = vision.spatial_merge_size
+    pixels = torch.zeros((merge * merge, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2))
+    blank = invariants.ImageInput(pixels, (1, merge, merge), 1)
+    ids, mask = F.pad(input_ids, (0, 3)), F.pad(attention_mask, (0, 3))
+    ids[0, -3:] = torch.tensor([config.vision_start_token_id, config.image_token_id, config.vision_end_token_id])
+    mask[0, -3:] = 1
+    return ids, mask, [[blank]] + [[] for _ in range(input_ids.shape[0] - 1)]
+
+
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float,
                     images: list[list[invariants.ImageInput]] | None = None,
                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -56,8 +77,9 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
     [B,T] entropy of the tempered next-token distribution that produced it. `images`: per row, for a VLM."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}; pass the rollout's sampling temperature")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   **_forward_inputs(model, input_ids, attention_mask, images)).logits
+    ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                   **_forward_inputs(model, ids, mask, images)).logits[:, :input_ids.shape[1]]
     # upcast BEFORE dividing by T: a bf16 divide shifted logprobs by ~0.13 nats at T=0.7 (Molt aac0658)
     log_probs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     next_logprob = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -223,9 +245,9 @@ class Actor:
     def _filler_forward(self) -> Tensor:
         """A forward that keeps this rank in step with the others when it has no rows left; returns 0 * logits."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        mask = torch.ones_like(ids)
+        ids, mask, images = _with_blank_image(self.model, ids, torch.ones_like(ids), None)
         return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
-                          **_forward_inputs(self.model, ids, mask, None)).logits.sum() * 0.0
+                          **_forward_inputs(self.model, ids, mask, images)).logits.sum() * 0.0
 
     def _cut(self, t: Tensor, rows: slice, width: int) -> Tensor:
         return t[rows, :width].to(self.device)

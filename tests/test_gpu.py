@@ -17,7 +17,7 @@ from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
 from test_vlm import TEMPERATURE as VLM_TEMPERATURE
-from test_vlm import mixed_batch
+from test_vlm import check_fsdp_vlm_step, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TEMPERATURE = 0.7
@@ -78,3 +78,11 @@ def test_fsdp2_over_nccl_on_two_gpus_equals_one_gpu(tmp_path):
     print(f"FSDP2/NCCL vs one GPU: max |grad diff| {max_abs_diff(sharded['grads'], single_grads):.2e}")
     assert max_abs_diff(sharded["grads"], single_grads) <= 1e-5
     assert max_abs_diff(sharded["export"], single.export_weights()) <= 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_fsdp2_over_nccl_ranks_with_and_without_images_take_the_one_gpu_step(tmp_path):
+    vl_dir, tok = models.tiny_model_dir("qwen2_5_vl"), models.bpe_tokenizer()
+    _, _, batch = mixed_batch(models.load_model(vl_dir), tok, models.load_image_processor(vl_dir),
+                              tok.convert_tokens_to_ids(data.IMAGE_PAD))
+    check_fsdp_vlm_step(vl_dir, batch, tmp_path, "nccl")

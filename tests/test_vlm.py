@@ -8,12 +8,16 @@
 # reaches the vision tower.
 import base64
 import copy
+import datetime
 import io
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from PIL import Image
 
@@ -26,6 +30,7 @@ import train
 from agents import Env, EnvRunner, Result
 from rollout import BatchingEngine, EmbeddedEngine, SamplingParams
 from router import Router
+from test_actor import free_port, max_abs_diff, select_rows
 
 TOL = 1e-5                    # fp32 engine vs trainer, as tests/test_rollout.py
 TEMPERATURE = 0.9
@@ -380,3 +385,58 @@ def test_train_runs_a_text_recipe_on_a_vlm(tmp_path):
                 "--out", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1 and record["mismatch/logprob_diff_max"] <= TOL
+
+
+# ---- FSDP2: a rank whose rows hold no image keeps in step with a rank whose rows do ----
+
+FSDP_VLM_CONFIG = actor.ActorConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
+
+
+def fsdp_vlm_worker(rank: int, world_size: int, port: int, vl_dir: str, batch, rows: list[list[int]],
+                    out_dir: str, backend: str = "gloo") -> None:
+    """One rank: pi_old and one train_step on its rows; rank 0 saves the full gradients (gloo on CPU, or NCCL
+    with one GPU per rank)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    # a rank that skips the vision blocks' collectives breaks the others (gloo aborts on the size mismatch;
+    # NCCL may wait forever): fail after 2 minutes, not never
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        policy = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
+        mine = select_rows(batch, rows[rank])
+        old = policy.recompute_logprobs(mine, TEMPERATURE)
+        policy.train_step(mine, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+                          TEMPERATURE, 0)
+        full_grads = {name: p.grad.full_tensor().cpu() for name, p in policy.model.named_parameters()}
+        if rank == 0:
+            torch.save({"grads": full_grads, "old": old}, os.path.join(out_dir, "fsdp_vlm.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fsdp_vlm_step(vl_dir: str, batch, tmp_path, backend: str) -> None:
+    """Two ranks, rank 0 with the image rows and rank 1 with only the text row (no image in its forward),
+    take the step one process takes on the whole batch."""
+    rows = [[0, 1], [2]]
+    assert all(batch.images[r] for r in rows[0]) and not any(batch.images[r] for r in rows[1])
+    mp.spawn(fsdp_vlm_worker, args=(2, free_port(), vl_dir, batch, rows, str(tmp_path), backend), nprocs=2,
+             join=True)
+    sharded = torch.load(tmp_path / "fsdp_vlm.pt", weights_only=True)
+    single = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
+    old = single.recompute_logprobs(batch, TEMPERATURE)
+    single.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+                      TEMPERATURE, 0)
+    width = sharded["old"].shape[1]                                              # rank 0's rows, trimmed
+    assert (sharded["old"] - old[rows[0], :width]).abs().max() <= TOL            # the same pi_old
+    single_grads = {name: p.grad.cpu() for name, p in single.model.named_parameters()}
+    gap = max_abs_diff(sharded["grads"], single_grads)
+    print(f"FSDP2 ({backend}), ranks with and without images vs one process: max |grad diff| {gap:.2e}")
+    assert gap <= 1e-5
+    assert sum(float(g.abs().sum()) for name, g in sharded["grads"].items() if ".visual." in name) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU; tests/test_gpu.py runs this over NCCL")
+def test_fsdp2_ranks_with_and_without_images_take_the_one_process_step(vl_dir, mixed, tmp_path):
+    check_fsdp_vlm_step(vl_dir, mixed[2], tmp_path, "gloo")
