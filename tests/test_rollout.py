@@ -291,6 +291,6 @@ def test_batching_engine_waits_until_a_staggered_burst_has_arrived(tiny):
             t.join(timeout=60)
         return list(sizes)
 
-    assert burst(BatchingEngine(Sizes(tiny), gather_s=0.05)) == [6]            # one batch: arrivals kept coming
+    assert burst(BatchingEngine(Sizes(tiny), gather_s=0.1)) == [6]             # one batch: arrivals kept coming
     assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.001))) > 1         # armed: a short pause splits it
     assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.05, max_gather_s=0.02))) > 1   # and so does the cap
