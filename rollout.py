@@ -74,8 +74,17 @@ def validate_sampling(params: SamplingParams) -> None:
 MAX_TOP_LOGPROBS = 20
 
 
-def _images_per_prompt(images: list[Sequence[invariants.ImageInput]] | None,
-                       n_prompts: int) -> list[list[invariants.ImageInput]]:
+def params_per_prompt(params: SamplingParams | list[SamplingParams], n_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a single one is shared, a list must match the prompts."""
+    params_list = params if isinstance(params, list) else [params] * n_prompts
+    if len(params_list) != n_prompts:
+        raise ValueError(f"got {n_prompts} prompts but {len(params_list)} sampling params")
+    return params_list
+
+
+def images_per_prompt(images: list[Sequence[invariants.ImageInput]] | None,
+                      n_prompts: int) -> list[list[invariants.ImageInput]]:
+    """One (possibly empty) image list per prompt; None means no images anywhere."""
     if images is None:
         return [[] for _ in range(n_prompts)]
     if len(images) != n_prompts:
@@ -227,10 +236,8 @@ class EmbeddedEngine:
         called as each token is sampled (index into `prompts`), from the decoding thread; it must not raise.
         `images[i]` are the images of prompt i, one per run of image pad ids, already expanded to their
         n_tokens (data.expand_image_pads); only a vision-language model takes them."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        images_list = _images_per_prompt(images, len(prompts))
+        params_list = params_per_prompt(params, len(prompts))
+        images_list = images_per_prompt(images, len(prompts))
         rows = []
         for prompt, p, row_images in zip(prompts, params_list, images_list):
             self.check(p)
@@ -333,7 +340,8 @@ class EmbeddedEngine:
 
     @staticmethod
     def _wrote_stop_string(row: _Row, token: int) -> bool:
-        """Did this token complete a stop string? Only the new text, plus the tail a stop could straddle, is searched."""
+        """Did this token complete a stop string? Only the new text, plus the tail a stop could straddle, is
+        searched."""
         piece = row.text.push(token)
         if not piece:
             return False
@@ -385,10 +393,8 @@ class BatchingEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
                  images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        images_list = _images_per_prompt(images, len(prompts))
+        params_list = params_per_prompt(params, len(prompts))
+        images_list = images_per_prompt(images, len(prompts))
         for p in params_list:       # a bad request is refused here, never inside a shared batch
             self.engine.check(p)
         for prompt, row_images in zip(prompts, images_list):
@@ -433,9 +439,11 @@ class BatchingEngine:
                 caller, index = owners[row]
                 if caller.on_token is not None:
                     caller.on_token(index, token_id)
+            streaming = any(b.on_token is not None for b in batch)          # no per-token call when none listens
             try:
                 outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params],
-                                            on_token, images=[x for b in batch for x in b.images])
+                                            on_token if streaming else None,
+                                            images=[x for b in batch for x in b.images])
             except BaseException as exc:
                 for b in batch:
                     b.error = exc

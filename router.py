@@ -10,11 +10,10 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import defaultdict
-
 from collections.abc import Callable, Sequence
 
 from invariants import ImageInput
-from rollout import Generation, SamplingParams
+from rollout import Generation, SamplingParams, images_per_prompt, params_per_prompt
 
 
 class Router:
@@ -45,11 +44,9 @@ class Router:
                  images: list[Sequence[ImageInput]] | None = None) -> list[Generation]:
         """Group the requests by engine, run each group as one batch, return results in request order
         (`on_token` is called with the request's own index; `images[i]` go with prompt i)."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        params_list = params_per_prompt(params, len(prompts))
+        images = images_per_prompt(images, len(prompts))
         session_ids = session_ids or [None] * len(prompts)
-        images = images if images is not None else [[] for _ in prompts]
-        if len(images) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but images for {len(images)}; pass one list per prompt")
         groups: dict[int, list[int]] = defaultdict(list)
         with self._lock:
             for i, session in enumerate(session_ids):
