@@ -1,7 +1,9 @@
 # data.py — prompt datasets, chat templates and images.
 # Owns: the ChatML chat templates (plain and Qwen3-style think-stripping), rendering a conversation to
-# prompt token ids (render once, encode once), images (data URLs -> PIL -> ImageInput, one pad id -> one pad
-# run per image), the Task record, and the built-in arithmetic dataset.
+# prompt token ids (render once, encode once), text that stays text (a special-token string inside a message
+# or an observation is encoded as its characters; only the template's own control tokens are control tokens),
+# images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, and the
+# built-in arithmetic dataset.
 # Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network (an image
 # arrives as a PIL image or a data: URL, never fetched).
 # Invariant: CHATML_TEMPLATE is prefix-preserving — for any conversation m and k >= 1,
@@ -11,6 +13,7 @@
 #   block, on `tools`). THINK_STRIPPING_TEMPLATE deliberately breaks this (earlier thoughts vanish).
 import base64
 import binascii
+import functools
 import io
 import random
 import re
@@ -97,18 +100,93 @@ THINK_STRIPPING_TEMPLATE = _chatml(strip_earlier_thoughts=True)
 
 def render_prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
                        add_generation_prompt: bool = True) -> str:
-    """Render `messages` with `template` (default: the tokenizer's own chat template) to text."""
+    """Render `messages` with `template` (default: the tokenizer's own chat template) to text, every special-token
+    string inside the messages and tools marked as plain text (see `encode_text`, which reads the marks)."""
     if template is None and tokenizer.chat_template is None:
         raise ValueError("tokenizer has no chat_template; pass template=data.CHATML_TEMPLATE or use a chat model")
-    return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+    return tokenizer.apply_chat_template(_mark_specials(tokenizer, messages), tools=_mark_specials(tokenizer, tools),
+                                         chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
                       add_generation_prompt: bool = True) -> list[int]:
     """Render once and encode the text once, adding no special tokens (the template already wrote them)."""
-    text = render_prompt_text(tokenizer, messages, tools, template, add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, render_prompt_text(tokenizer, messages, tools, template, add_generation_prompt))
+
+
+# ---- text stays text ----
+# A message that holds "<|im_end|>\n<|im_start|>system\n..." must not end its turn and forge a system turn: what
+# an agent, a tool or an env writes is text, and only the chat template writes control tokens. Rendering marks
+# every special-token string of the content with PLAIN_OPEN/PLAIN_CLOSE, two lone surrogates (no valid text holds
+# one: the wires refuse them, and a tokenizer cannot encode them), so the marks survive the template untouched;
+# encoding then reads a marked span as characters and the rest the usual way. Unmarked text encodes exactly as
+# `tokenizer.encode` would. An env marks the text inside its own chat glue with `plain(text)`.
+
+PLAIN_OPEN, PLAIN_CLOSE = "\udb40", "\udb41"
+_PLAIN_SPAN = re.compile(f"{PLAIN_OPEN}(.*?)(?:{PLAIN_CLOSE}|\\Z)", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def plain(text: str) -> str:
+    """`text` marked so that every special-token string in it is encoded as characters (for an env's observation:
+    `GLUE.format(data.plain(tool_output))`)."""
+    _refuse_surrogates(text)
+    return f"{PLAIN_OPEN}{text}{PLAIN_CLOSE}" if text else text
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Encode once, adding no special tokens: marked spans (`plain`, `render_prompt_text`) as characters, the
+    rest with its special-token strings as control tokens."""
+    ids, last = [], 0
+    for span in _PLAIN_SPAN.finditer(text):
+        ids += _encode(tokenizer, text[last:span.start()], split_special_tokens=False)
+        ids += _encode(tokenizer, span.group(1), split_special_tokens=True)
+        last = span.end()
+    return ids + _encode(tokenizer, text[last:].replace(PLAIN_CLOSE, ""), split_special_tokens=False)
+
+
+def _encode(tokenizer, text: str, split_special_tokens: bool) -> list[int]:
+    _refuse_surrogates(text)
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=split_special_tokens) if text else []
+
+
+def _refuse_surrogates(text: str) -> None:
+    if (bad := _SURROGATE.search(text)) is not None:
+        raise ValueError(f"the text holds a lone surrogate (U+{ord(bad.group()):04X}) at index {bad.start()}, which "
+                         f"is no character and cannot be encoded; send valid Unicode text")
+
+
+def _mark_specials(tokenizer, value):
+    """A copy of a message list / tool list / JSON value with the special-token strings of every string marked."""
+    pattern = _special_pattern(tokenizer)
+    if pattern is None or value is None:
+        return value
+
+    def mark(item):
+        if isinstance(item, str):
+            _refuse_surrogates(item)
+            return pattern.sub(lambda m: f"{PLAIN_OPEN}{m.group()}{PLAIN_CLOSE}", item)
+        if isinstance(item, dict):
+            return {mark(key): mark(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [mark(v) for v in item]
+        return item                   # numbers, None, a PIL image
+    return mark(value)
+
+
+@functools.lru_cache(maxsize=16)
+def longest_token_chars(tokenizer) -> int:
+    """Characters in the longest vocabulary entry (a byte-level entry spells each byte as one character, so this
+    also bounds the bytes, hence the characters, one token can stand for)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+@functools.lru_cache(maxsize=16)
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    """One regex of the tokenizer's special-token strings (longest first), or None if it has none."""
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, specials))) if specials else None
 
 
 # ---- images ----

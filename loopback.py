@@ -30,14 +30,16 @@ import asyncio
 import copy
 import hmac
 import json
+import logging
 import re
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 from jinja2 import TemplateError
 
 import data
@@ -45,6 +47,8 @@ import invariants
 import models
 import wires
 from rollout import BatchingEngine, EmbeddedEngine, Generation, SamplingParams, find_stop
+
+log = logging.getLogger("tracerl.loopback")
 
 
 # ---- tool calls: read structure out of the sampled text, never write it back ------------------------
@@ -59,7 +63,8 @@ def _call_arguments(call: dict) -> dict | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            wires.check_json(arguments, "a tool call's arguments")
+        except (ValueError, RecursionError, wires.WireError):
             return None
     return arguments if isinstance(arguments, dict) else None
 
@@ -74,7 +79,8 @@ def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            wires.check_json(call, "a tool call")     # a reply is answered as JSON: it must re-serialize
+        except (ValueError, RecursionError, wires.WireError):
             continue
         arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
         if arguments is None:
@@ -125,6 +131,7 @@ class ChatSession:
                                                # no image fills that pad, so the row cannot be trained on
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
         self._last_turn: wires.ChatTurn | None = None
+        self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
              on_token: Callable[[list[int], int], None] | None = None) -> wires.ChatTurn:
@@ -133,14 +140,20 @@ class ChatSession:
         calls it."""
         params = sampling or self.sampling
         with self.lock:
+            self.last_used = time.monotonic()
             if self._last_request == (messages, tools, params):   # a retry: answer from the record
                 return self._last_turn
+            request = (copy.deepcopy(messages), copy.deepcopy(tools), params)   # copied before anything commits
             turn = self._generate_and_commit(messages, tools, params, on_token)
-            self._last_request, self._last_turn = (copy.deepcopy(messages), copy.deepcopy(tools), params), turn
+            self._last_request, self._last_turn = request, turn
+            self.last_used = time.monotonic()
             return turn
 
     def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams,
                              on_token) -> wires.ChatTurn:
+        """Generate, build the reply, then commit. Nothing that can fail runs after the ledger changes: a client
+        answered with an error must find the session as it was, or its retry would sample the turn twice."""
+        self._bound_prompt(messages, tools)
         prompt_ids, images, extends, prompt_text = self._prompt(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
@@ -149,25 +162,37 @@ class ChatSession:
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
         gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)), relay,
                                    images=[images] if images else None)[0]
+        text = reply_text(self.tokenizer, gen)
+        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
+        # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a
+        # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
+        # (the model did write them) and the template's closing follows them as context.
+        echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        sampled_pad = self.image_processor is not None and \
+            self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
         with self.ledger_lock:
             self.ledger.extend_or_seal(gen.prompt_ids, images)
             self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
             if gen.routes is not None:
                 self.ledger.absorb_routes(gen.routes)
-        text = reply_text(self.tokenizer, gen)
-        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
         self.turns += 1
         self.clipped_turns += gen.finish_reason == "length"
-        self.image_pad_turns += self.image_processor is not None and \
-            self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
+        self.image_pad_turns += sampled_pad
         self._expected = [*messages, message]
         self._expected_prompt_text = prompt_text
-        # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a
-        # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
-        # (the model did write them) and the template's closing follows them as context.
-        self._echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        self._echo_text = echo_text
         return wires.ChatTurn(message, gen, extends)
+
+    def _bound_prompt(self, messages: list[dict], tools) -> None:
+        """Refuse a request whose text cannot fit the context before rendering or encoding any of it: no token
+        spans more characters than the longest vocabulary entry, so more characters than max_length times that
+        can only be more than max_length tokens. (A 20 MB message would otherwise be encoded in full first.)"""
+        chars = _text_chars(messages) + _text_chars(tools)
+        limit = self.max_length * data.longest_token_chars(self.tokenizer)
+        if chars > limit:
+            raise ValueError(f"the request holds {chars} characters of text, more than a context of "
+                             f"{self.max_length} tokens can hold (at most {limit}); shorten the conversation")
 
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
@@ -194,8 +219,9 @@ class ChatSession:
         return [self._images[url] for url in urls]
 
     def _encode(self, text: str, images: list[invariants.ImageInput]) -> list[int]:
-        """Encode rendered text once; for a VLM each image's single pad becomes its run of n_tokens pads."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        """Encode rendered text once (the messages' text as text, data.encode_text); for a VLM each image's single
+        pad becomes its run of n_tokens pads."""
+        ids = data.encode_text(self.tokenizer, text)
         if self.image_processor is None:
             return ids
         return data.expand_image_pads(ids, images, self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD))
@@ -217,6 +243,17 @@ class ChatSession:
         if not assistant_block.startswith(self._echo_text):
             return None
         return assistant_block[len(self._echo_text):] + full[len(prefix):]
+
+
+def _text_chars(value) -> int:
+    """Characters in every string of a JSON-like value (the wires bound its depth)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(k) + _text_chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
@@ -246,18 +283,46 @@ class SessionInfo:
 MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
 
 
+def _wire_of(request: web.BaseRequest) -> str:
+    """Which wire's error format a request gets: Anthropic's on its messages route, OpenAI's everywhere else."""
+    return "anthropic" if request.path.endswith("/v1/messages") else "openai"
+
+
+def _error_response(wire: str, error: wires.WireError, headers=None) -> web.Response:
+    return web.json_response(error.body(wire), status=error.status, headers=headers)
+
+
+class _JsonErrorPages(web_protocol.RequestHandler):
+    """aiohttp's connection handler, whose own error pages (a request it cannot parse: a bad request line, header
+    or chunk) are JSON in the wire's error format instead of text/plain."""
+
+    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        page = super().handle_error(request, status, exc, message)      # logs, and refuses once a reply started
+        kind = "invalid_request_error" if status < 500 else "api_error"
+        response = _error_response(_wire_of(request), wires.WireError(status, f"{message or page.text}".strip(), kind))
+        response.force_close()
+        return response
+
+
 class LoopbackServer:
     """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
     engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates.
     The engine is used as given: wrap it in a BatchingEngine to batch concurrent sessions' turns."""
 
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
-                 host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None):
+                 host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None,
+                 body_timeout_s: float = 60.0, session_ttl_s: float = 3600.0, max_open_sessions: int = 1024):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.image_processor = image_processor     # a VLM's (models.load_image_processor); None = text only
         self.model_name, self.host, self.port = model_name, host, port
         self.max_length = max_length               # context of a session that does not ask for less
+        self.body_timeout_s = body_timeout_s       # a request body that takes longer to arrive is refused (408)
+        # Sessions opened over HTTP (POST /sessions) have no owner in this process to close them: they expire
+        # after session_ttl_s without a request, and at most max_open_sessions are open at once (429 beyond).
+        # Sessions made by create_session() belong to their caller (a runner), which closes them for the ledger.
+        self.session_ttl_s, self.max_open_sessions = session_ttl_s, max_open_sessions
         self._sessions: dict[str, tuple[ChatSession, str]] = {}   # id -> (session, api key)
+        self._http_sessions: set[str] = set()      # the ids opened over HTTP
         self._registry_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -278,25 +343,27 @@ class LoopbackServer:
     def _serve(self, ready: threading.Event, failure: list) -> None:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        for wire, method, path, handler in [("openai", "GET", "/s/{sid}/v1/models", self._models),
-                                            ("openai", "POST", "/s/{sid}/v1/chat/completions", self._chat),
-                                            ("anthropic", "POST", "/s/{sid}/v1/messages", self._messages),
-                                            ("openai", "GET", "/s/{sid}/trace", self._trace),
-                                            ("openai", "POST", "/sessions", self._open),
-                                            ("openai", "DELETE", "/s/{sid}", self._close)]:
-            app.router.add_route(method, path, self._endpoint(wire, handler))
-        runner = web.AppRunner(app)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        for method, path, handler in [("GET", "/s/{sid}/v1/models", self._models),
+                                      ("POST", "/s/{sid}/v1/chat/completions", self._chat),
+                                      ("POST", "/s/{sid}/v1/messages", self._messages),
+                                      ("GET", "/s/{sid}/trace", self._trace),
+                                      ("POST", "/sessions", self._open),
+                                      ("DELETE", "/s/{sid}", self._close)]:
+            app.router.add_route(method, path, handler)
+        runner, listening = web.AppRunner(app), None
         try:
             self._loop.run_until_complete(runner.setup())
-            self._loop.run_until_complete(web.TCPSite(runner, self.host, self.port).start())
-            self.port = runner.addresses[0][1]
+            protocol = lambda: _JsonErrorPages(runner.server, loop=self._loop)   # noqa: E731
+            listening = self._loop.run_until_complete(self._loop.create_server(protocol, self.host, self.port))
+            self.port = listening.sockets[0].getsockname()[1]
         except Exception as error:        # reported by start(), which would otherwise wait forever
             failure.append(error)
         ready.set()
         if failure:
             return
         self._loop.run_forever()
+        listening.close()
         self._loop.run_until_complete(runner.cleanup())
         self._loop.close()
 
@@ -311,6 +378,11 @@ class LoopbackServer:
 
     def create_session(self, rollout_id: str | None = None, group_id: str = "", sampling: SamplingParams | None = None,
                        max_length: int | None = None) -> SessionInfo:
+        """Open a session for its caller, who closes it (close_session hands back its ledger); it never expires."""
+        return self._new_session(rollout_id, group_id, sampling, max_length, over_http=False)
+
+    def _new_session(self, rollout_id: str | None, group_id: str, sampling: SamplingParams | None,
+                     max_length: int | None, over_http: bool) -> SessionInfo:
         if self._thread is None:
             raise RuntimeError("start() the server before creating sessions: their URLs carry the bound port")
         session_id = secrets.token_hex(8)
@@ -318,6 +390,13 @@ class LoopbackServer:
         session = ChatSession(self.engine, self.tokenizer, rollout_id or session_id, group_id, self.template,
                               sampling, max_length or self.max_length, self.image_processor)
         with self._registry_lock:
+            if over_http:
+                self._expire_idle()
+                if len(self._http_sessions) >= self.max_open_sessions:
+                    raise wires.WireError(429, f"{len(self._http_sessions)} sessions are open, this server's limit; "
+                                               f"close one (DELETE /s/<id>) or wait for idle ones to expire after "
+                                               f"{self.session_ttl_s:.0f} s", "rate_limit_error")
+                self._http_sessions.add(session_id)
             self._sessions[session_id] = (session, api_key)
         session_url = f"http://{self.host}:{self.port}/s/{session_id}"
         return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace")
@@ -327,28 +406,57 @@ class LoopbackServer:
         with self._registry_lock:
             if session_id not in self._sessions:
                 raise KeyError(f"no open session {session_id!r}; open sessions: {sorted(self._sessions)[:5]}")
+            self._http_sessions.discard(session_id)
             return self._sessions.pop(session_id)[0]
+
+    def _expire_idle(self) -> None:
+        """Forget HTTP-opened sessions idle for longer than session_ttl_s (call with the registry lock held)."""
+        now = time.monotonic()
+        for session_id in [s for s in self._http_sessions if self._idle(self._sessions[s][0], now)]:
+            self._http_sessions.discard(session_id)
+            del self._sessions[session_id]
+
+    def _idle(self, session: ChatSession, now: float) -> bool:
+        return not session.lock.locked() and now - session.last_used > self.session_ttl_s
 
     # -- request plumbing --
 
-    def _endpoint(self, wire: str, handler):
-        async def serve(request: web.Request) -> web.StreamResponse:
-            try:
-                return await handler(request)
-            except wires.WireError as error:
-                return web.json_response(error.body(wire), status=error.status)
-        return serve
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every refusal in the wire's own JSON error format: ours (WireError), the router's (404, 405) and, as a
+        last resort, an unexpected error (500, logged with its traceback)."""
+        try:
+            return await handler(request)
+        except wires.WireError as error:
+            return _error_response(_wire_of(request), error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(error.status, "api_error")
+            headers = {k: v for k, v in error.headers.items() if k in ("Allow",)}
+            message = f"{error.reason}: {request.method} {request.path}" + \
+                (f" (allowed: {headers['Allow']})" if "Allow" in headers else "")
+            return _error_response(_wire_of(request), wires.WireError(error.status, message, kind), headers)
+        except Exception as error:
+            log.exception("loopback: unexpected error serving %s %s", request.method, request.path)
+            return _error_response(_wire_of(request), wires.WireError(500, f"internal error: {type(error).__name__}: "
+                                                                           f"{str(error)[:200]}", "api_error"))
 
     def _authorize(self, request: web.Request) -> ChatSession:
         session_id = request.match_info["sid"]
         with self._registry_lock:
             entry = self._sessions.get(session_id)
+            if entry is not None and session_id in self._http_sessions and self._idle(entry[0], time.monotonic()):
+                self._expire_idle()
+                entry = None
         if entry is None:
-            raise wires.WireError(404, f"no session {session_id!r} on this server (closed, or never created); create "
-                                       "one with POST /sessions or LoopbackServer.create_session", "not_found_error")
-        bearer = request.headers.get("Authorization", "")
-        key = bearer[len("Bearer "):] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(key.encode(), entry[1].encode()):
+            raise wires.WireError(404, f"no session {session_id!r} on this server (closed, expired, or never "
+                                       "created); create one with POST /sessions or LoopbackServer.create_session",
+                                  "not_found_error")
+        # RFC 7235: the scheme is case-insensitive. A key that is not ASCII text is no key of ours.
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        key = credentials.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not key.isascii() or not hmac.compare_digest(key.encode(), entry[1].encode()):
             raise wires.WireError(401, f"wrong or missing API key for session {session_id!r}; send this session's "
                                        "key as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                   "authentication_error")
@@ -356,19 +464,22 @@ class LoopbackServer:
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.body_timeout_s):     # in this task: a body already here is read at once
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise wires.WireError(413, f"the request body is over this server's limit of {MAX_BODY_BYTES // 2**20} "
                                        "MiB; send smaller images or a shorter conversation",
                                   "request_too_large") from None
+        except asyncio.TimeoutError:
+            raise wires.WireError(408, f"the request body did not arrive within {self.body_timeout_s:.0f} s; send it "
+                                       "whole", "timeout_error") from None
+        except web.RequestPayloadError as error:       # a corrupt Content-Encoding, a broken chunk
+            raise wires.WireError(400, f"the request body could not be read: {str(error).strip()}") from None
+        except ConnectionResetError:                    # the client hung up mid-body: nobody is left to answer
+            raise wires.WireError(400, "the client closed the connection before sending the whole body") from None
         if optional and not raw.strip():
             return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise wires.WireError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
-        wires.require(isinstance(body, dict), f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+        return wires.parse_body(raw)
 
     async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> wires.ChatTurn:
         try:
@@ -405,9 +516,12 @@ class LoopbackServer:
                     await self._send(response, stream.text(piece))
             try:
                 turn = job.result()
-            except wires.WireError as error:
-                if response is None:
+            except Exception as error:
+                if response is None:      # nothing sent yet: a plain error reply (the middleware formats it)
                     raise
+                if not isinstance(error, wires.WireError):
+                    log.error("loopback: a streamed turn failed after its first token", exc_info=error)
+                    error = wires.WireError(500, f"internal error: {type(error).__name__}", "api_error")
                 await self._send(response, [("error", error.body(stream.wire))])
                 return response
             if response is None:          # a retry answered from the record: no token was sampled live
@@ -418,7 +532,8 @@ class LoopbackServer:
             await response.write_eof()
         except ConnectionResetError:      # the client hung up; the turn still commits and a retry returns it
             pass
-        return response
+        # aiohttp needs a response even when nobody is left to read it (it is never sent on a closed connection)
+        return response if response is not None else web.Response(status=499)
 
     async def _open_stream(self, request: web.Request, first_events: list) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -475,11 +590,15 @@ class LoopbackServer:
                       f"got {max_length}")
         sampling = wires.sampling_from(SamplingParams(), temperature=wires.number_field(body, "temperature"),
                                        max_tokens=wires.number_field(body, "max_tokens", integer=True))
-        return web.json_response(asdict(self.create_session(sampling=sampling, max_length=max_length)))
+        return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 
     async def _close(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        self.close_session(request.match_info["sid"])
+        try:
+            self.close_session(request.match_info["sid"])
+        except KeyError:                  # closed by a concurrent DELETE since it was authorized
+            raise wires.WireError(404, f"session {request.match_info['sid']!r} is already closed",
+                                  "not_found_error") from None
         return web.json_response({"session_id": request.match_info["sid"], "closed": True})
 
 

@@ -57,20 +57,37 @@ class Generation:
 
 
 def validate_sampling(params: SamplingParams) -> None:
-    if not params.temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {params.temperature}; use top_k=1 for greedy decoding")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k == 0 or params.top_k < -1:
-        raise ValueError(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if not all(isinstance(s, str) and s for s in params.stop):
-        raise ValueError(f"stop strings must be non-empty strings, got {params.stop!r:.80}")
-    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}")
+    """Refuse what the sampler cannot honour (ValueError saying why). Each bound is where the fp32 sampler breaks:
+    logits / T overflows or T rounds to 0 in fp32 below MIN_TEMPERATURE or for huge integers; a top_p that rounds
+    to 0 in fp32 drops every token; torch seeds live in [-2**63, 2**64)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if not (number(params.temperature) and MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got "
+                         f"{params.temperature!r:.40}; use top_k=1 for greedy decoding")
+    if not (number(params.top_p) and MIN_TOP_P <= params.top_p <= 1):
+        raise ValueError(f"top_p must be a number in [{MIN_TOP_P}, 1] (at or below {MIN_TOP_P} it keeps only the "
+                         f"most likely token: use top_k=1), got {params.top_p!r:.40}")
+    if not integer(params.top_k) or params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {params.top_k!r:.40}")
+    if not integer(params.max_tokens) or params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r:.40}")
+    if params.seed is not None and not (integer(params.seed) and -2**63 <= params.seed < 2**64):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64) or null, got {params.seed!r:.40}")
+    if len(params.stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                               for s in params.stop):
+        raise ValueError(f"stop must be at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                         f"characters each, got {len(params.stop)} of lengths {[len(s) for s in params.stop][:8]}")
+    if not integer(params.top_logprobs) or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r:.40}")
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+MIN_TOP_P = 1e-6
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000   # each sampled token is checked against every stop string
 MAX_TOP_LOGPROBS = 20
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -51,6 +52,37 @@ def require(condition: bool, message: str) -> None:
         raise WireError(400, message)
 
 
+MAX_JSON_DEPTH = 64        # deeper is refused: copying, rendering and re-serializing a value recurse once per level
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body -> its JSON object, or a WireError saying why not: invalid JSON or UTF-8, an integer of more
+    than 4,300 digits (Python refuses to convert it), nesting deeper than MAX_JSON_DEPTH, a lone surrogate escape
+    (\\ud800: no character, and no tokenizer can encode it)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as error:     # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise WireError(400, f"the request body is not valid JSON ({str(error)[:200]}); send a JSON object") from None
+    require(isinstance(body, dict), f"the request body must be a JSON object, got {type(body).__name__}")
+    check_json(body, "the request body")
+    return body
+
+
+def check_json(value, where: str) -> None:
+    """Refuse a JSON value nested deeper than MAX_JSON_DEPTH or holding a lone surrogate (iterative: any depth)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str) and (bad := _SURROGATE.search(item)):
+            raise WireError(400, f"{where} holds a lone surrogate (U+{ord(bad.group()):04X}), which is no character; "
+                                 f"send valid Unicode text")
+        if isinstance(item, (dict, list)):
+            require(depth < MAX_JSON_DEPTH, f"{where} is nested deeper than {MAX_JSON_DEPTH} levels; flatten it")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
 @dataclass
 class WireRequest:
     messages: list[dict]           # canonical messages
@@ -64,9 +96,11 @@ class WireRequest:
 def _arguments_from_json(text: str):
     """OpenAI carries tool arguments as a JSON string, the template and parser the object; non-JSON stays text."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        arguments = json.loads(text)
+    except (ValueError, RecursionError):
         return text
+    check_json(arguments, "a tool call's 'arguments'")
+    return arguments
 
 
 def _arguments_to_json(arguments) -> str:
@@ -137,7 +171,8 @@ def sampling_from(base: SamplingParams, **overrides) -> SamplingParams:
         validate_sampling(params)
     except ValueError as error:
         raise WireError(400, str(error)) from None
-    return params
+    # in range, so an integer temperature or top_p converts exactly as the sampler will use it
+    return replace(params, temperature=float(params.temperature), top_p=float(params.top_p))
 
 
 def refuse_unknown_keys(body: dict, allowed: set[str]) -> None:
@@ -159,7 +194,8 @@ def _openai_content(content, where: str):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
-        elif kind == "image_url" and isinstance(url := (part.get("image_url") or {}).get("url"), str):
+        elif kind == "image_url" and isinstance(part.get("image_url"), dict) \
+                and isinstance(url := part["image_url"].get("url"), str):
             parts.append({"type": "image", "image": url})
         else:
             raise WireError(400, f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} or "
@@ -378,8 +414,19 @@ def anthropic_reply(turn: ChatTurn, model: str, reply_id: str) -> dict:
 # the streamed text always equals the non-streamed reply.
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is a proper prefix of one of `markers`."""
-    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`. Called once per sampled
+    token, so only the prefixes that end in text's last character are compared (a 1,000-character stop string
+    costs a few comparisons per token, not a thousand)."""
+    best = 0
+    for marker in markers:
+        k = min(len(marker) - 1, len(text))
+        while k > best:
+            k = marker.rfind(text[-1], 0, k) + 1          # the longest prefix up to k ending in text[-1]
+            if k > best and text.endswith(marker[:k]):
+                best = k
+                break
+            k -= 1
+    return best
 
 
 class LiveText:

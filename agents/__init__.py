@@ -42,7 +42,9 @@ class Result:
     reward: float                              # this turn's reward; an episode's reward is the sum over turns
     observation: str = ""                      # text appended as context before the next turn; the env
                                                # writes its own chat glue (e.g. "\n<|im_start|>user\n...")
-                                               # and one data.IMAGE_PLACEHOLDER per image of `images`
+                                               # and one data.IMAGE_PLACEHOLDER per image of `images`, and
+                                               # wraps text it did not write (a tool's output) in data.plain()
+                                               # so that a "<|im_start|>" in it stays characters
     terminated: bool = True                    # the episode reached an end state
     truncated: bool = False                    # the episode was cut short (turn or length budget)
     info: dict[str, float] = field(default_factory=dict)   # numeric extras, logged per step
@@ -206,7 +208,7 @@ class EnvRunner:
         info = {k: float(v) for k, v in result.info.items()}
         next_sampling = replace(ep.sampling, **(result.sampling_params or {}))
         validate_sampling(next_sampling)
-        observation, images = self._with_images(self.tokenizer.encode(result.observation, add_special_tokens=False),
+        observation, images = self._with_images(data.encode_text(self.tokenizer, result.observation),
                                                 list(result.images or []))
         ep.reward += float(result.reward)
         ep.score = result.score if result.score is not None else ep.reward
