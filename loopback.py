@@ -10,7 +10,8 @@
 # that only appends messages is served as: the ledger's exact tokens + the encoded *delta* text. Anything
 # else (edited history, a template that rewrote an earlier turn, compaction) is re-rendered from scratch
 # and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
-# A turn is committed only after generation succeeds (Molt bug 41); the sampled text is never re-encoded.
+# A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
+# context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
 # A retried request (identical messages, tools and sampling to the last one) is answered from the record:
 # the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
 #
@@ -127,6 +128,8 @@ class ChatSession:
         self._echo_text = ""                   # how the last reply must open its echoed assistant block
         self.turns = 0                         # generations committed to the ledger
         self.clipped_turns = 0                 # of those, replies that hit max_tokens before a stop token
+        self.generations: list[Generation] = []  # the engine's output of every committed turn, in order: the
+                                               # run-time check that the ledger trains each sampled token once
         self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
                                                # no image fills that pad, so the row cannot be trained on
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
@@ -154,7 +157,7 @@ class ChatSession:
         """Generate, build the reply, then commit. Nothing that can fail runs after the ledger changes: a client
         answered with an error must find the session as it was, or its retry would sample the turn twice."""
         self._bound_prompt(messages, tools)
-        prompt_ids, images, extends, prompt_text = self._prompt(messages, tools)
+        prompt_ids, images, prompt_text = self._prompt(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
@@ -172,17 +175,18 @@ class ChatSession:
             self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
         with self.ledger_lock:
-            self.ledger.extend_or_seal(gen.prompt_ids, images)
-            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+            extended = self.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
+            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
             if gen.routes is not None:
                 self.ledger.absorb_routes(gen.routes)
+            self.generations.append(gen)
         self.turns += 1
         self.clipped_turns += gen.finish_reason == "length"
         self.image_pad_turns += sampled_pad
         self._expected = [*messages, message]
         self._expected_prompt_text = prompt_text
         self._echo_text = echo_text
-        return wires.ChatTurn(message, gen, extends)
+        return wires.ChatTurn(message, gen, extended)
 
     def _bound_prompt(self, messages: list[dict], tools) -> None:
         """Refuse a request whose text cannot fit the context before rendering or encoding any of it: no token
@@ -197,17 +201,18 @@ class ChatSession:
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
 
-    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], bool, str]:
-        """The engine prompt for this request (ids, and every image its pads stand for), whether it extends
-        the record, and the request rendered up to the generation prompt. On an extension only the new
-        messages are encoded, and only their images are new."""
+    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], str]:
+        """The engine prompt for this request (ids, and every image its pads stand for) and the request rendered
+        up to the generation prompt. When the request only appends messages, the prompt is the record's exact
+        tokens plus the new messages encoded (and only their images are new); otherwise it is encoded whole,
+        and the ledger will seal."""
         images = self._prompt_images(messages)
         full = self._render(messages, tools, generation_prompt=True)
         delta = self._delta_text(messages, tools, full)
         if delta is None:
-            return self._encode(full, images), images, False, full
+            return self._encode(full, images), images, full
         fresh = images[len(self.ledger.open_images):]
-        return self.ledger.open_token_ids + self._encode(delta, fresh), images, True, full
+        return self.ledger.open_token_ids + self._encode(delta, fresh), images, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)

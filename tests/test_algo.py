@@ -52,7 +52,7 @@ def expected_bandit_loss(theta, theta_old, estimator: str, group_size: int, arm_
     cfg = AlgoConfig(estimator=estimator, **cfg_kw)
     token_loss, _ = algo.policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg)
     weighted = token_loss * weight[:, None]
-    return algo.aggregate_loss(weighted, loss_mask, "token_mean", global_tokens=group_size, global_seqs=1, max_len=2)
+    return (weighted * algo.loss_weights(loss_mask, "token_mean", global_tokens=group_size, global_seqs=1)).sum()
 
 
 def grad_of(fn, theta: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
     def ppo(lg):
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask,
                                          AlgoConfig(), is_weights)
-        return algo.aggregate_loss(token_loss, loss_mask, "token_mean", n_tokens, 6, 7)
+        return (token_loss * algo.loss_weights(loss_mask, "token_mean", n_tokens, 6)).sum()
 
     def reinforce(lg):  # -(1/N) sum_t w_t A_t grad log pi(y_t)
         return -(is_weights * advantages * token_logprobs(lg, input_ids) * loss_mask).sum() / n_tokens
@@ -247,7 +247,7 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
 
     def gspo_token(lg):
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
-        return algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_mean", 36.0, 6, 7)
+        return (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 36.0, 6)).sum()
 
     def seq_ratio(lg):  # s_i = exp(mean_t log(pi / pi_old)), differentiable
         log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
@@ -388,32 +388,38 @@ def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     global_tokens, global_seqs, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
     splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches with different token counts
 
-    def loss(lg, rows, tokens):
+    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_seqs, max_len)   # once per step
+
+    def loss(lg, rows, weights):
         token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), old_logprobs[rows],
                                          advantages[rows], loss_mask[rows], AlgoConfig())
-        return algo.aggregate_loss(token_loss, loss_mask[rows], mode, tokens, global_seqs, max_len)
+        return (token_loss * weights).sum()
 
-    full = grad_of(lambda lg: loss(lg, slice(0, 6), global_tokens), logits)
-    accumulated = sum(grad_of(lambda lg: loss(lg, rows, global_tokens), logits) for rows in splits)
+    full = grad_of(lambda lg: loss(lg, slice(0, 6), step_weights), logits)
+    accumulated = sum(grad_of(lambda lg: loss(lg, rows, step_weights[rows]), logits) for rows in splits)
     torch.testing.assert_close(accumulated, full, rtol=0, atol=1e-12)
     if mode == "token_mean":  # trap armed: a per-micro-batch token mean (averaged over micro-batches) is wrong
-        local = sum(grad_of(lambda lg: loss(lg, rows, loss_mask[rows].sum().item()), logits) for rows in splits)
+        local = sum(grad_of(lambda lg: loss(lg, rows, algo.loss_weights(loss_mask[rows], mode,
+                                                                        loss_mask[rows].sum().item(), 1.0)), logits)
+                    for rows in splits)
         assert (local / len(splits) - full).abs().max() > 1e-4
 
 
 def test_dr_grpo_aggregation_weights_every_token_equally_regardless_of_length():
     loss_mask = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
     token_loss = torch.ones(2, 4, requires_grad=True)
-    algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_sum_norm", 4.0, 2.0, 4).backward()
+    (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_sum_norm", 4.0, 2.0, token_budget=4)).sum().backward()
     torch.testing.assert_close(token_loss.grad, loss_mask / 8, rtol=0, atol=0)
     token_loss.grad = None  # contrast: the GRPO per-sequence mean up-weights the short sequence's token
-    algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_mean", 4.0, 2.0, 4).backward()
+    (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 4.0, 2.0)).sum().backward()
     torch.testing.assert_close(token_loss.grad[:, 1], torch.tensor([0.5, 1 / 6]), rtol=0, atol=1e-15)
 
 
 def test_aggregation_refuses_a_non_positive_global_count():
     with pytest.raises(ValueError, match="global_tokens must be > 0"):
-        algo.aggregate_loss(torch.zeros(1, 2), torch.zeros(1, 2), "token_mean", 0.0, 1.0, 2)
+        algo.loss_weights(torch.zeros(1, 2), "token_mean", 0.0, 1.0)
+    with pytest.raises(ValueError, match="pass token_budget"):   # Dr.GRPO's constant is the run's, never guessed
+        algo.loss_weights(torch.ones(1, 2), "seq_mean_token_sum_norm", 2.0, 1.0)
 
 
 # ---- config validation ----

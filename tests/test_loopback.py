@@ -82,7 +82,7 @@ def check_rows(session, turns):
     rows = session.ledger.rows()
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     invariants.check_token_identity(batch, rows)                 # trainer ids == sampled ids
-    invariants.check_sampled_once(rows, [t.generation.token_ids for t in turns])
+    invariants.check_sampled_once(rows, [t.generation for t in turns])
     # ART #883: each sampled token is trainable only in a row whose prefix is the one it was sampled under
     for turn in turns:
         gen = turn.generation

@@ -12,7 +12,8 @@ from transformers import DynamicCache
 import invariants
 import models
 from actor import sequence_logprobs
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams, processed_logprobs
+from invariants import processed_logprobs
+from rollout import BatchingEngine, EmbeddedEngine, SamplingParams
 
 
 def _padded(seqs: list[list[int]], pad: int):
@@ -82,9 +83,9 @@ def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
 
 def test_greedy_is_a_point_mass_and_top_p_renormalises():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
-    greedy = processed_logprobs(logits, SamplingParams(top_k=1))
+    greedy = processed_logprobs(logits, 1.0, top_k=1)
     assert greedy[0] == 0 and torch.isinf(greedy[1:]).all()
-    nucleus = processed_logprobs(logits, SamplingParams(top_p=0.7))
+    nucleus = processed_logprobs(logits, 1.0, top_p=0.7)
     kept = torch.isfinite(nucleus)
     assert kept.tolist() == [True, True, False, False]
     assert torch.allclose(nucleus.exp().sum(), torch.tensor(1.0))

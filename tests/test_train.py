@@ -77,7 +77,7 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path):
 
 @pytest.mark.parametrize("flags, reason", [
     (["--no.such_flag", "1"], "unrecognized arguments"),
-    (["--rollout.top_p", "0.9"], "top_p must be 1"),
+    (["--rollout.top_p", "1.5"], r"top_p must be in \(0, 1\]"),
     (["--rollout.samples_per_prompt", "1"], "samples_per_prompt"),
     (["--algo.kl_in_reward", "true", "--algo.kl_coef", "0.1"], "silently ignored"),
     (["--correction.level", "token", "--correction.high", "0.9"], "high"),
@@ -106,8 +106,9 @@ def test_minibatches_hold_whole_groups():
     groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
     parts = train.minibatch_indices(groups, 2)
     assert parts == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    rows = [invariants.Segment("r", g, 0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [-1, 0, 0])
-            for g in groups]
+    rows = [invariants.Segment(f"r{i}", g, 0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [-1, 0, 0],
+                               [invariants.UNSAMPLED] * 3)
+            for i, g in enumerate(groups)]
     batch = invariants.build_batch(rows, [float(i) for i in range(8)], pad_id=0)
     sub = train.select_rows(batch, parts[1])
     assert sub.group_ids == ["c", "c", "d", "d"] and torch.equal(sub.input_ids, batch.input_ids[4:])
