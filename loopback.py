@@ -22,7 +22,7 @@
 # so nothing is recorded. Streaming sends each token's text as it is sampled; a client that disconnects
 # mid-stream does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
-# --model ...`) it serves one model behind a BatchingEngine and opens sessions on `POST /sessions`, so an
+# --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions`, so an
 # agent author can check token capture before training. Never: computes rewards or trains.
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import data
 import invariants
 import models
 import wires
-from rollout import BatchingEngine, EmbeddedEngine, Generation, SamplingParams, find_stop
+from rollout import EmbeddedEngine, Generation, SamplingParams, find_stop
 
 log = logging.getLogger("tracerl.loopback")
 
@@ -312,7 +312,7 @@ class _JsonErrorPages(web_protocol.RequestHandler):
 class LoopbackServer:
     """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
     engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates.
-    The engine is used as given: wrap it in a BatchingEngine to batch concurrent sessions' turns."""
+    Concurrent sessions' turns share the engine's batch (EmbeddedEngine batches concurrent callers)."""
 
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
                  host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None,
@@ -623,7 +623,7 @@ def main() -> None:
     args = parser.parse_args()
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
-    engine = BatchingEngine(EmbeddedEngine(models.load_model(path), tokenizer=tokenizer))   # sessions share batches
+    engine = EmbeddedEngine(models.load_model(path), tokenizer=tokenizer)   # sessions share its batch
     template = data.CHATML_TEMPLATE if args.template == "chatml" else None
     server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length,
                             models.load_image_processor(path))

@@ -1,9 +1,9 @@
 # rollout.py — the engines that sample tokens, behind one interface.
 #
-# Owns: `SamplingParams` and `Generation` (the records that leave an engine), `EmbeddedEngine`, a
-# batched, KV-cached sampler over any transformers causal LM, and `BatchingEngine`, which merges the
-# calls of many concurrent callers into batched engine calls. The vLLM engine implements the same four
-# calls (generate, update_weights, pause, resume) and is tested against this one.
+# Owns: `SamplingParams` and `Generation` (the records that leave an engine) and `EmbeddedEngine`, a
+# continuously batched, KV-cached sampler over any transformers causal LM: concurrent callers' requests
+# join the running batch between decode steps and each leaves when it finishes, as in vLLM. The vLLM engine
+# implements the same four calls (generate, update_weights, pause, resume) and is tested against this one.
 #
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 import invariants
 import models
@@ -152,13 +153,14 @@ def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, s
 
 @dataclass
 class _Row:
-    """One request in flight inside `generate`."""
+    """One request in flight: from `generate` until it finishes (or fails) on the decoding thread."""
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
     text: IncrementalText | None       # the reply decoded so far, kept only when stop strings are asked for
     images: list[invariants.ImageInput]  # the images of the prompt's pad runs, in order (VLMs; [] for text)
+    on_token: Callable[[int], None] | None   # the caller's listener for this row's tokens
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -166,13 +168,29 @@ class _Row:
     routes: list[np.ndarray] = field(default_factory=list)   # one [n_positions, L, k] block per forward
     finish_reason: str = ""
     stop_string: str | None = None
+    error: Exception | None = None     # what failed this row (and only this row)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Batch:
+    """The rows decoded together and their shared KV cache, left-padded: row b's tokens sit at the right end of
+    cache row b, and attention[b] marks them. Rows join after their own prefill and leave as they finish."""
+    rows: list[_Row]
+    cache: DynamicCache | None
+    attention: torch.Tensor | None     # [B, S] long, 1 on real positions
+    next_positions: torch.Tensor | None  # [B] the position of each row's next token
+    logits: torch.Tensor | None        # [B, vocab] each row's next-token logits, not yet sampled
+    version: int                       # the weights that filled the cache
 
 
 class EmbeddedEngine:
-    """Batched sampling with a KV cache over a transformers causal LM or VLM (left-padded prefill, then one
-    token per step). Thread-safe: `update_weights`, `pause` and `resume` may be called from another
-    thread while `generate` runs; they take effect between decode steps. The tokenizer is needed only to
-    match stop strings."""
+    """Continuous batching with a KV cache over a transformers causal LM or VLM. Any number of threads may call
+    `generate`; their requests join the running batch between two decode steps (after a prefill of their own)
+    and each leaves as soon as it finishes, so a long reply never holds a short one. One decoding thread runs
+    while there is work. A request fails alone: bad input is refused in its caller, and an error while
+    prefilling or sampling one row fails that row only. `update_weights`, `pause` and `resume` may be called
+    from any thread; they take effect between decode steps. The tokenizer is needed only for stop strings."""
 
     def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None):
         self.model = model.eval()
@@ -184,8 +202,11 @@ class EmbeddedEngine:
         self.is_vision = models.is_vision_model(model)
         self._generator = torch.Generator().manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
-        self._running = threading.Event()        # cleared by pause(): generate waits at a step boundary
+        self._running = threading.Event()        # cleared by pause(): decoding waits at a step boundary
         self._running.set()
+        self._admission = threading.Lock()       # guards _waiting and _decoding
+        self._waiting: list[_Row] = []           # submitted, not yet in the batch
+        self._decoding = False                   # a decoding thread is running
 
     # -- the control plane used by the trainer and the async runtime --
 
@@ -238,56 +259,114 @@ class EmbeddedEngine:
             return
         invariants.check_image_pads(prompt, images, self.model.config.image_token_id, "prompt")
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
                  images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
         """Sample a completion for every prompt. Token ids in, token ids out. `on_token(index, token_id)` is
-        called as each token is sampled (index into `prompts`), from the decoding thread; it must not raise.
-        `images[i]` are the images of prompt i, one per run of image pad ids, already expanded to their
-        n_tokens (data.expand_image_pads); only a vision-language model takes them."""
+        called as each token is sampled (index into `prompts`), from the decoding thread; it must not block
+        for long (every request in the batch waits for it). `images[i]` are the images of prompt i, one per
+        run of image pad ids, already expanded to their n_tokens (data.expand_image_pads); only a
+        vision-language model takes them. Raises the first error of its own rows; other callers never see it."""
         params_list = params_per_prompt(params, len(prompts))
         images_list = images_per_prompt(images, len(prompts))
         rows = []
-        for prompt, p, row_images in zip(prompts, params_list, images_list):
+        for index, (prompt, p, row_images) in enumerate(zip(prompts, params_list, images_list)):
             self.check(p)
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
             generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
+            listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
             rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None,
-                             row_images))
+                             row_images, listener))
         if rows:
-            self._decode(rows, on_token)
+            with self._admission:
+                self._waiting += rows
+                if not self._decoding:
+                    self._decoding = True
+                    threading.Thread(target=self._decode, name="embedded-engine", daemon=True).start()
+            for row in rows:
+                row.done.wait()
+        for row in rows:
+            if row.error is not None:
+                raise row.error
         return [self._finish(row) for row in rows]
 
-    def _decode(self, rows: list[_Row], on_token) -> None:
-        cache, last_logits, cache_version = None, None, None
-        attention = next_positions = None
-        while True:
-            active = [i for i, r in enumerate(rows) if not r.finish_reason]
-            if not active:
-                return
-            self._running.wait()                 # pause(): hold the requests until resume()
-            with self._step_lock:
-                if cache is None or cache_version != self.version:
-                    # (re-)prefill everything seen so far with the current weights: after a weight swap
-                    # the old KV cache belongs to the old policy and must not be reused
-                    cache, last_logits, attention, next_positions = self._prefill(rows)
-                    cache_version = self.version
-                for i in active:
-                    self._sample_one(rows[i], last_logits[i])
-                    if on_token is not None:
-                        on_token(i, rows[i].token_ids[-1])
-                if all(r.finish_reason for r in rows):
-                    return
-                last_logits, attention, next_positions = self._step(rows, cache, attention, next_positions)
+    # -- the decoding thread --
 
-    def _prefill(self, rows: list[_Row]):
+    @torch.no_grad()
+    def _decode(self) -> None:
+        """Admit, sample, drop the finished, step; until no request is left (a later generate starts a new
+        thread). An error no row can be blamed for fails the rows in flight, and decoding goes on."""
+        batch = _Batch([], None, None, None, None, self.version)
+        while True:
+            self._running.wait()                 # pause(): hold the requests until resume()
+            with self._admission:
+                arrived, self._waiting = self._waiting, []
+                if not arrived and not batch.rows:
+                    self._decoding = False
+                    return
+            with self._step_lock:
+                try:
+                    batch = self._admit(batch, arrived)
+                    self._sample_all(batch)
+                    batch = self._leave(batch)
+                    if batch.rows:
+                        self._step(batch)
+                except Exception as error:       # the model itself failed: fail what is in flight, keep serving
+                    for row in batch.rows + arrived:
+                        if not row.done.is_set():
+                            row.error = error
+                            row.done.set()
+                    batch = _Batch([], None, None, None, None, self.version)
+
+    def _admit(self, batch: _Batch, arrived: list[_Row]) -> _Batch:
+        """Bring the batch to the current weights and add the new rows. After a weight swap the cache belongs to
+        the old policy and must not be reused: every row is re-prefilled (prompt + tokens so far). New rows are
+        prefilled together and merged in; if that prefill fails, each is tried alone, so only a row that fails
+        by itself is refused."""
+        if batch.rows and batch.version != self.version:
+            batch = self._prefill(batch.rows)
+        if not arrived:
+            return batch
+        if batch.rows and not _mergeable(batch.cache):   # a cache kind whose rows cannot be stacked: start over
+            return self._prefill(batch.rows + arrived)
+        try:
+            joined = [self._prefill(arrived)]
+        except Exception:
+            joined = []
+            for row in arrived:
+                try:
+                    joined.append(self._prefill([row]))
+                except Exception as error:
+                    row.error = error
+                    row.done.set()
+        for new in joined:
+            batch = _merge(batch, new)
+        return batch
+
+    def _sample_all(self, batch: _Batch) -> None:
+        for b, row in enumerate(batch.rows):
+            try:
+                self._sample_one(row, batch.logits[b])
+                if row.on_token is not None:
+                    row.on_token(row.token_ids[-1])
+            except Exception as error:           # this row's sampling or its listener: this row fails
+                row.error = error
+
+    def _leave(self, batch: _Batch) -> _Batch:
+        """Hand back every finished or failed row, and keep the others' cache rows."""
+        left = [row for row in batch.rows if row.finish_reason or row.error]
+        if left:
+            batch = _select(batch, [b for b, row in enumerate(batch.rows) if not (row.finish_reason or row.error)])
+        for row in left:
+            row.done.set()
+        return batch
+
+    def _prefill(self, rows: list[_Row]) -> _Batch:
         """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
-        re-prefill after a weight swap). Returns the cache, the logits of the last position of each row
-        [B, vocab], the attention mask [B, S] and each row's next position [B]."""
+        re-prefill after a weight swap), into a fresh cache."""
         seqs = [r.prompt_ids + r.token_ids for r in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -308,22 +387,22 @@ class EmbeddedEngine:
             for b, (r, s) in enumerate(zip(rows, seqs)):
                 routed = sum(len(block) for block in r.routes)
                 r.routes.append(routes[b, width - len(s) + routed:])
-        return cache, logits[:, -1], mask, next_positions
+        return _Batch(list(rows), cache, mask, next_positions, logits[:, -1], self.version)
 
-    def _step(self, rows: list[_Row], cache, attention: torch.Tensor, next_positions: torch.Tensor):
-        """Feed each row's newest token at its own next position (finished rows keep feeding theirs; nobody
-        reads those logits). For a VLM the three M-RoPE axes of a text token are equal."""
+    def _step(self, batch: _Batch) -> None:
+        """Feed each row's newest token at its own next position. For a VLM the three M-RoPE axes of a text
+        token are equal."""
+        rows = batch.rows
         last = torch.tensor([[r.token_ids[-1]] for r in rows])
-        attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        positions = next_positions[:, None]                                    # [B, 1]
+        batch.attention = torch.cat([batch.attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        positions = batch.next_positions[:, None]                              # [B, 1]
         if self.is_vision:
             positions = positions[None].expand(3, -1, -1)                      # [3, B, 1]
-        logits, routes = self._forward(last, attention, cache, {"position_ids": positions})
+        logits, routes = self._forward(last, batch.attention, batch.cache, {"position_ids": positions})
         if routes is not None:
             for b, r in enumerate(rows):
-                if not r.finish_reason:
-                    r.routes.append(routes[b])
-        return logits[:, -1], attention, next_positions + 1
+                r.routes.append(routes[b])
+        batch.logits, batch.next_positions = logits[:, -1], batch.next_positions + 1
 
     def _forward(self, ids, mask, cache, extra: dict[str, torch.Tensor]):
         """One model forward; `extra` holds position_ids and, for a VLM prefill, the pixel inputs."""
@@ -375,105 +454,49 @@ class EmbeddedEngine:
                           invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
 
 
-# ---- batching: many callers, one batched engine call ---------------------------------------------------
+# ---- the batch's KV cache: rows join and leave between steps ----------------------------------------------
 
-@dataclass
-class _Pending:
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    on_token: Callable[[int, int], None] | None
-    images: list[list[invariants.ImageInput]]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: list[Generation] | None = None
-    error: BaseException | None = None
+def _mergeable(cache: DynamicCache) -> bool:
+    """Plain full-attention layers ([B, heads, S, dim] keys and values) can be stacked and sliced by row."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-class BatchingEngine:
-    """Coalesces `generate` calls from many threads (one per chat session, say) into batched calls of the
-    wrapped engine: a worker thread takes everything queued once callers stop arriving (no new call for
-    `gather_s`, or `max_gather_s` after the first), and runs it as one batch. A batch runs to completion, so
-    a caller that just missed it waits for all of it: gathering until arrivals pause lets a burst of sessions
-    (an agent group starting together) share one batch. Each caller gets exactly its own results; an error
-    fails only the calls of that batch."""
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-    def __init__(self, engine, gather_s: float = 0.02, max_gather_s: float = 0.2):
-        self.engine, self.gather_s, self.max_gather_s = engine, gather_s, max_gather_s
-        self._queue: list[_Pending] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._serve, daemon=True, name="batching-engine").start()
 
-    @property
-    def version(self) -> int:
-        return self.engine.version
+def _merge(batch: _Batch, new: _Batch) -> _Batch:
+    """`new`'s rows appended to `batch`'s: both left-padded to the longer length (a padded position is masked
+    out, so its zero keys are never attended), caches stacked row-wise. Both hold the same weights' cache."""
+    if not batch.rows:
+        return new
+    width = max(batch.attention.shape[1], new.attention.shape[1])
+    for layer, joining in zip(batch.cache.layers, new.cache.layers):
+        layer.keys = torch.cat([_pad_left(layer.keys, width, 2), _pad_left(joining.keys, width, 2)])
+        layer.values = torch.cat([_pad_left(layer.values, width, 2), _pad_left(joining.values, width, 2)])
+    return _Batch(batch.rows + new.rows, batch.cache,
+                  torch.cat([_pad_left(batch.attention, width, 1), _pad_left(new.attention, width, 1)]),
+                  torch.cat([batch.next_positions, new.next_positions]), torch.cat([batch.logits, new.logits]),
+                  batch.version)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 on_token: Callable[[int, int], None] | None = None,
-                 images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
-        params_list = params_per_prompt(params, len(prompts))
-        images_list = images_per_prompt(images, len(prompts))
-        for p in params_list:       # a bad request is refused here, never inside a shared batch
-            self.engine.check(p)
-        for prompt, row_images in zip(prompts, images_list):
-            self.engine.check_images(prompt, row_images)
-        pending = _Pending([list(p) for p in prompts], params_list, on_token, images_list)
-        with self._cond:
-            self._queue.append(pending)
-            self._cond.notify()
-        pending.done.wait()
-        if pending.error is not None:
-            raise pending.error
-        return pending.result
 
-    def check(self, params: SamplingParams) -> None:
-        self.engine.check(params)
-
-    def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
-        self.engine.check_images(prompt, images)
-
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.update_weights(state, version)
-
-    def pause(self) -> None:
-        self.engine.pause()
-
-    def resume(self) -> None:
-        self.engine.resume()
-
-    def sampler_state(self) -> torch.Tensor:
-        return self.engine.sampler_state()
-
-    def load_sampler_state(self, state: torch.Tensor) -> None:
-        self.engine.load_sampler_state(state)
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                first, seen = time.monotonic(), 0
-                while len(self._queue) > seen and time.monotonic() - first < self.max_gather_s:
-                    seen = len(self._queue)           # let concurrent callers join while they keep arriving
-                    self._cond.wait(self.gather_s)
-                batch, self._queue = self._queue, []
-            owners = [(b, i) for b in batch for i in range(len(b.prompts))]   # batch row -> (caller, its index)
-
-            def on_token(row: int, token_id: int) -> None:
-                caller, index = owners[row]
-                if caller.on_token is not None:
-                    caller.on_token(index, token_id)
-            streaming = any(b.on_token is not None for b in batch)          # no per-token call when none listens
-            try:
-                outs = self.engine.generate([p for b in batch for p in b.prompts], [q for b in batch for q in b.params],
-                                            on_token if streaming else None,
-                                            images=[x for b in batch for x in b.images])
-            except BaseException as exc:
-                for b in batch:
-                    b.error = exc
-                    b.done.set()
-                continue
-            for b in batch:
-                b.result, outs = outs[:len(b.prompts)], outs[len(b.prompts):]
-                b.done.set()
+def _select(batch: _Batch, keep: list[int]) -> _Batch:
+    """Only the rows `keep`, and only the cache columns one of them still attends (padding that every
+    remaining row has on its left goes, so a long finished row does not widen everybody's steps)."""
+    if not keep:
+        return _Batch([], None, None, None, None, batch.version)
+    rows = torch.tensor(keep)
+    attention = batch.attention[rows]
+    start = int(attention.any(0).long().argmax())          # the first column some row attends
+    for layer in batch.cache.layers:
+        layer.keys, layer.values = layer.keys[rows, :, start:], layer.values[rows, :, start:]
+    return _Batch([batch.rows[b] for b in keep], batch.cache, attention[:, start:], batch.next_positions[rows],
+                  batch.logits[rows], batch.version)
 
 
 # ---- model facts the engine needs -------------------------------------------------------------------

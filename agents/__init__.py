@@ -298,11 +298,11 @@ class ChatAgentRunner:
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
                  step_timeout_s: float = 60.0, image_processor=None):
         import loopback
-        from rollout import BatchingEngine
         self.max_length, self.timeout_s = max_length, step_timeout_s * max_turns
         self.failures: dict[str, int] = {}
-        # the sessions turn the images an agent sends into ImageInputs with the model's image processor
-        self.server = loopback.LoopbackServer(BatchingEngine(engine), tokenizer, template=self.template,
+        # the sessions turn the images an agent sends into ImageInputs with the model's image processor; their
+        # turns share the engine's batch (the engine admits concurrent callers between decode steps)
+        self.server = loopback.LoopbackServer(engine, tokenizer, template=self.template,
                                               image_processor=image_processor)
         self.server.start()
 

@@ -20,7 +20,7 @@ from openai import AsyncOpenAI  # noqa: E402
 
 import models  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams  # noqa: E402
+from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -69,7 +69,7 @@ def main() -> None:
 
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
-    server = LoopbackServer(BatchingEngine(EmbeddedEngine(models.load_model(path), tokenizer=tokenizer)), tokenizer)
+    server = LoopbackServer(EmbeddedEngine(models.load_model(path), tokenizer=tokenizer), tokenizer)
     server.start()
     asyncio.run(run(server, 4, args.max_tokens, 1, 1))       # warm-up: first forwards, first connections
     others, hog = asyncio.run(run(server, args.sessions, args.max_tokens, args.hog, args.turns))

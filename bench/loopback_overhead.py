@@ -1,7 +1,7 @@
 # bench/loopback_overhead.py — what the loopback server costs over calling the engine directly.
 #
 # The same requests (one chat turn per session, fixed seeds, so both sides sample the same tokens) go
-# (a) straight to the engine, one thread per session through a BatchingEngine, and (b) through the stock
+# (a) straight to the engine, one thread per session into one EmbeddedEngine, and (b) through the stock
 # AsyncOpenAI SDK over HTTP to loopback sessions backed by the same kind of engine. Reported per concurrency
 # level: throughput ratio (loopback / direct), the added latency per request at p50 and p99, and the time to
 # the first token at p50: the engine's first per-token callback (direct) against the first streamed chunk
@@ -24,7 +24,7 @@ from openai import AsyncOpenAI  # noqa: E402
 import data  # noqa: E402
 import models  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams  # noqa: E402
+from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -33,7 +33,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def direct(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], list[float]]:
-    """Every session's request from its own thread, straight into the batching engine. Returns the wall time,
+    """Every session's request from its own thread, straight into the engine. Returns the wall time,
     each request's latency and each request's time to its first token."""
     latencies, first = [0.0] * len(prompts), [0.0] * len(prompts)
 
@@ -92,7 +92,7 @@ def main() -> None:
 
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
-    engine = BatchingEngine(EmbeddedEngine(models.load_model(path)))
+    engine = EmbeddedEngine(models.load_model(path))
     server = LoopbackServer(engine, tokenizer)
     server.start()
     print(f"loopback overhead on {args.model}: {args.max_tokens} tokens per reply, median of {args.rounds} rounds")

@@ -13,7 +13,7 @@ import invariants
 import models
 from actor import sequence_logprobs
 from invariants import processed_logprobs
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine, SamplingParams
 
 
 def _padded(seqs: list[list[int]], pad: int):
@@ -243,55 +243,112 @@ def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
     assert _max_gap(gens, _recompute(moe, gens, 0.7, routes=True)) <= 1e-5
 
 
-def test_batching_engine_merges_concurrent_callers_and_each_gets_its_own_result(tiny):
-    class Counting(EmbeddedEngine):
-        batch_sizes: list[int] = []
+def _in_threads(calls: list) -> list:
+    """Run each zero-argument call on its own thread, started 10 ms apart; their results (or errors), in order."""
+    out: list = [None] * len(calls)
 
-        def generate(self, prompts, params, on_token=None, images=None):
-            self.batch_sizes.append(len(prompts))
-            return super().generate(prompts, params, on_token, images=images)
-
-    engine = Counting(tiny)
-    batching = BatchingEngine(engine, gather_s=0.05)
-    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
-    results: dict[int, list] = {}
-    streamed: dict[int, list] = {i: [] for i in range(8)}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, batching.generate(
-        [prompts[i]], SamplingParams(max_tokens=5, seed=i),
-        on_token=lambda index, token, i=i: streamed[i].append((index, token)))[0])) for i in range(8)]
+    def run(i):
+        try:
+            out[i] = calls[i]()
+        except Exception as error:
+            out[i] = error
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
+        time.sleep(0.01)
     for t in threads:
-        t.join(timeout=60)
-    assert len(engine.batch_sizes) < 8 and sum(engine.batch_sizes) == 8      # merged into fewer engine calls
+        t.join(timeout=120)
+    return out
+
+
+class StepSizes(EmbeddedEngine):
+    """The real engine, recording how many rows each decode step forwards."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.sizes: list[int] = []
+
+    def _step(self, batch):
+        self.sizes.append(len(batch.rows))
+        super()._step(batch)
+
+
+def test_concurrent_callers_share_decode_steps_and_each_gets_its_own_result(tiny):
+    engine = StepSizes(tiny)
+    prompts = [[3 + i, 40 + i, 7] for i in range(8)]
+    streamed: dict[int, list] = {i: [] for i in range(8)}
+    results = _in_threads([lambda i=i: engine.generate([prompts[i]], SamplingParams(max_tokens=5, seed=i),
+                                                       on_token=lambda index, token: streamed[i].append((index, token)))[0]
+                           for i in range(8)])
+    assert max(engine.sizes) > 1                                   # callers shared forwards
     for i in range(8):
         alone = EmbeddedEngine(tiny).generate([prompts[i]], SamplingParams(max_tokens=5, seed=i))[0]
         assert results[i].prompt_ids == prompts[i] and results[i].token_ids == alone.token_ids
         assert streamed[i] == [(0, t) for t in alone.token_ids]   # each caller hears its own tokens, own index
-    with pytest.raises(ValueError, match="temperature"):          # refused in its caller, not in a shared batch
-        batching.generate([[1, 2]], SamplingParams(temperature=-1))
-    assert batching.generate([[1, 2]], SamplingParams(max_tokens=2, seed=0))[0].token_ids
+    with pytest.raises(ValueError, match="temperature"):          # refused in its caller, never inside the batch
+        engine.generate([[1, 2]], SamplingParams(temperature=-1))
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2, seed=0))[0].token_ids
 
 
-def test_batching_engine_waits_until_a_staggered_burst_has_arrived(tiny):
-    sizes = []
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_a_short_request_joins_mid_batch_and_is_not_held_by_a_long_one(kind):
+    """Continuous batching: a request that arrives while a long one decodes joins at the next step and leaves
+    when it is done; both sample exactly what they sample alone (seeded), and MoE routes still cover every
+    forwarded position of each, although their caches were merged and trimmed."""
+    model = models.tiny_model(kind, seed=0)
+    engine = EmbeddedEngine(model)
+    long_params = SamplingParams(temperature=0.7, max_tokens=120, seed=1, stop_token_ids=(9999,))
+    short_params = SamplingParams(temperature=0.7, max_tokens=4, seed=2, stop_token_ids=(9999,))
+    long_prompt, short_prompt = [5, 17, 33, 2, 91], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    progress, seen_at_short_end = [], []
+    started = threading.Event()
 
-    class Sizes(EmbeddedEngine):
-        def generate(self, prompts, params, on_token=None, images=None):
-            sizes.append(len(prompts))
-            return super().generate(prompts, params, on_token, images)
+    def on_long(_, token):
+        progress.append(token)
+        if len(progress) == 5:
+            started.set()
+    long_job = threading.Thread(target=lambda: progress.append(engine.generate([long_prompt], long_params, on_long)))
+    long_job.start()
+    assert started.wait(60)
+    short = engine.generate([short_prompt], short_params)[0]
+    seen_at_short_end.append(len(progress))
+    long_job.join(timeout=120)
+    long = progress[-1][0]
+    assert seen_at_short_end[0] < 60                 # the short reply was done long before the long one
+    for gen, prompt, params in [(long, long_prompt, long_params), (short, short_prompt, short_params)]:
+        alone = EmbeddedEngine(model).generate([prompt], params)[0]
+        assert gen.token_ids == alone.token_ids and len(gen.token_ids) == params.max_tokens
+        assert gen.behavior_logprobs == pytest.approx(alone.behavior_logprobs, abs=1e-5)
+        if kind == "qwen3_moe":
+            seq = prompt + gen.token_ids
+            assert gen.routes.shape[0] == len(seq) - 1 and gen.routes.min() >= 0
+            with invariants.capture_routes(model) as captured, torch.no_grad():
+                model(input_ids=torch.tensor([seq]))
+            assert (captured[-1][:-1].numpy() == gen.routes).all()
 
-    def burst(batching: BatchingEngine) -> list[int]:
-        sizes.clear()
-        threads = [threading.Thread(target=batching.generate, args=([[3 + i, 7]], SamplingParams(max_tokens=2, seed=i)))
-                   for i in range(6)]
-        for t in threads:                 # callers arrive 10 ms apart, as HTTP requests of one agent group do
-            t.start()
-            time.sleep(0.01)
-        for t in threads:
-            t.join(timeout=60)
-        return list(sizes)
 
-    assert burst(BatchingEngine(Sizes(tiny), gather_s=0.1)) == [6]             # one batch: arrivals kept coming
-    assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.001))) > 1         # armed: a short pause splits it
-    assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.05, max_gather_s=0.02))) > 1   # and so does the cap
+def test_a_failing_row_fails_alone_and_the_rest_of_its_batch_finishes(tiny):
+    """A request the sampler or its prefill cannot serve fails in its own caller; every other request in the
+    same batch gets exactly the reply it gets alone (with run-to-completion batching, one error failed all)."""
+    class Poisoned(EmbeddedEngine):
+        def _prefill(self, rows):
+            if any(r.prompt_ids == [66, 66] for r in rows):
+                raise RuntimeError("this prompt breaks the forward")
+            return super()._prefill(rows)
+
+    engine = Poisoned(tiny)
+    params = SamplingParams(max_tokens=6, seed=4, stop_token_ids=(9999,))
+
+    def shouting(index, token):
+        raise RuntimeError("the listener failed")
+    calls = [lambda i=i: engine.generate([[3 + i, 40 + i, 7]], params)[0] for i in range(6)]
+    calls[2] = lambda: engine.generate([[66, 66]], params)                   # fails in its prefill
+    calls[4] = lambda: engine.generate([[9, 9, 9]], params, on_token=shouting)   # fails at its first token
+    engine.pause()                   # everybody queues, then all are admitted into one batch
+    results = _in_threads([*calls, lambda: engine.resume()])[:-1]
+    assert isinstance(results[2], RuntimeError) and "breaks the forward" in str(results[2])
+    assert isinstance(results[4], RuntimeError) and "listener" in str(results[4])
+    for i in (0, 1, 3, 5):
+        alone = EmbeddedEngine(tiny).generate([[3 + i, 40 + i, 7]], params)[0]
+        assert results[i].token_ids == alone.token_ids
+    assert engine.generate([[1, 2]], params)[0].token_ids                 # and the engine keeps serving

@@ -12,6 +12,8 @@ import datetime
 import io
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +30,7 @@ import invariants
 import models
 import train
 from agents import Env, EnvRunner, Result
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine, SamplingParams
 from router import Router
 from test_actor import free_port, max_abs_diff, select_rows
 
@@ -219,13 +221,27 @@ def test_engines_refuse_images_they_cannot_place(vl, mixed, pad):
         engine.generate([prompts[0][0]], SAMPLING)                       # the pads without their image
     with pytest.raises(ValueError, match="images for 1"):
         engine.generate([prompts[0][0], prompts[2][0]], SAMPLING, images=[images[0]])
-    batching = BatchingEngine(engine)
-    with pytest.raises(ValueError, match=r"\[16\] but the images fill \[6, 1\]"):   # refused before any batch
-        batching.generate([prompts[0][0]], SAMPLING, images=[images[1]])
-    # BatchingEngine and Router pass images through: the same samples as the engine itself
+    with pytest.raises(ValueError, match=r"\[16\] but the images fill \[6, 1\]"):   # refused in its caller
+        engine.generate([prompts[0][0]], SAMPLING, images=[images[1]])
+    # the Router passes images through: the same samples as the engine itself
     direct = engine.generate([ids for ids, _ in prompts], SAMPLING, images=images)
-    routed = Router([BatchingEngine(engine)]).generate([ids for ids, _ in prompts], SAMPLING, images=images)
+    routed = Router([engine]).generate([ids for ids, _ in prompts], SAMPLING, images=images)
     assert [g.token_ids for g in routed] == [g.token_ids for g in direct]
+    # requests that join the running batch one by one, each with its own images and M-RoPE positions, sample
+    # what they sample together (continuous batching merges their caches; positions stay per row)
+    joined: list = [None] * len(prompts)
+
+    def alone(i: int) -> None:
+        joined[i] = engine.generate([prompts[i][0]], SAMPLING, images=[images[i]])[0]
+    threads = [threading.Thread(target=alone, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(timeout=120)
+    assert [g.token_ids for g in joined] == [g.token_ids for g in direct]
+    assert [lp for g in joined for lp in g.behavior_logprobs] == \
+        pytest.approx([lp for g in direct for lp in g.behavior_logprobs], abs=1e-5)
 
 
 # ---- token identity: pads, images and the ledger ----
