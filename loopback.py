@@ -286,6 +286,7 @@ class SessionInfo:
 
 
 MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
+BODY_ABANDONED = web.RequestKey("body_abandoned", bool)   # set when the rest of a body will never be read
 
 
 def _wire_of(request: web.BaseRequest) -> str:
@@ -433,7 +434,9 @@ class LoopbackServer:
         try:
             return await handler(request)
         except wires.WireError as error:
-            return _error_response(_wire_of(request), error)
+            response = _error_response(_wire_of(request), error)
+            if request.get(BODY_ABANDONED):
+                response.force_close()    # the connection's byte stream is unusable: close it after this reply
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -441,11 +444,12 @@ class LoopbackServer:
             headers = {k: v for k, v in error.headers.items() if k in ("Allow",)}
             message = f"{error.reason}: {request.method} {request.path}" + \
                 (f" (allowed: {headers['Allow']})" if "Allow" in headers else "")
-            return _error_response(_wire_of(request), wires.WireError(error.status, message, kind), headers)
+            response = _error_response(_wire_of(request), wires.WireError(error.status, message, kind), headers)
         except Exception as error:
             log.exception("loopback: unexpected error serving %s %s", request.method, request.path)
-            return _error_response(_wire_of(request), wires.WireError(500, f"internal error: {type(error).__name__}: "
-                                                                           f"{str(error)[:200]}", "api_error"))
+            response = _error_response(_wire_of(request), wires.WireError(
+                500, f"internal error: {type(error).__name__}: {str(error)[:200]}", "api_error"))
+        return response
 
     def _authorize(self, request: web.Request) -> ChatSession:
         session_id = request.match_info["sid"]
@@ -476,15 +480,24 @@ class LoopbackServer:
                                        "MiB; send smaller images or a shorter conversation",
                                   "request_too_large") from None
         except asyncio.TimeoutError:
+            self._abandon_body(request)
             raise wires.WireError(408, f"the request body did not arrive within {self.body_timeout_s:.0f} s; send it "
                                        "whole", "timeout_error") from None
         except web.RequestPayloadError as error:       # a corrupt Content-Encoding, a broken chunk
+            self._abandon_body(request)
             raise wires.WireError(400, f"the request body could not be read: {str(error).strip()}") from None
         except ConnectionResetError:                    # the client hung up mid-body: nobody is left to answer
             raise wires.WireError(400, "the client closed the connection before sending the whole body") from None
         if optional and not raw.strip():
             return {}
         return wires.parse_body(raw)
+
+    @staticmethod
+    def _abandon_body(request: web.Request) -> None:
+        """Give up on the rest of a body that stalled or cannot be decoded: mark it ended, so aiohttp does not
+        wait for (or re-raise on) it after the reply, and have the reply close the connection."""
+        request.content.feed_eof()
+        request[BODY_ABANDONED] = True
 
     async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> wires.ChatTurn:
         try:

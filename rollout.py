@@ -77,8 +77,8 @@ def validate_sampling(params: SamplingParams) -> None:
     if not (number(params.top_p) and MIN_TOP_P <= params.top_p <= 1):
         raise ValueError(f"top_p must be a number in [{MIN_TOP_P}, 1] (at or below {MIN_TOP_P} it keeps only the "
                          f"most likely token: use top_k=1), got {params.top_p!r:.40}")
-    if not integer(params.top_k) or params.top_k == 0 or params.top_k < -1:
-        raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {params.top_k!r:.40}")
+    if not integer(params.top_k) or not (params.top_k == -1 or 1 <= params.top_k < 2**63):
+        raise ValueError(f"top_k must be -1 (off) or an integer in [1, 2**63), got {params.top_k!r:.40}")
     if not integer(params.max_tokens) or params.max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r:.40}")
     if params.seed is not None and not (integer(params.seed) and -2**63 <= params.seed < 2**64):
@@ -347,9 +347,20 @@ class EmbeddedEngine:
         return batch
 
     def _sample_all(self, batch: _Batch) -> None:
-        for b, row in enumerate(batch.rows):
+        """One token for every row, each from its own processed distribution (computed for all rows at once)
+        and with its own generator, so a seeded row draws the same ids whatever else is in the batch."""
+        rows = batch.rows
+        try:
+            logprobs = invariants.processed_logprobs(batch.logits, torch.tensor([r.params.temperature for r in rows]),
+                                                     torch.tensor([r.params.top_p for r in rows]),
+                                                     torch.tensor([r.params.top_k for r in rows]))   # [B, vocab]
+        except Exception:                        # some row's parameters: find it below, row by row
+            logprobs = [None] * len(rows)
+        for b, row in enumerate(rows):
             try:
-                self._sample_one(row, batch.logits[b])
+                row_logprobs = logprobs[b] if logprobs[b] is not None else invariants.processed_logprobs(
+                    batch.logits[b], row.params.temperature, row.params.top_p, row.params.top_k)
+                self._sample_one(row, row_logprobs)
                 if row.on_token is not None:
                     row.on_token(row.token_ids[-1])
             except Exception as error:           # this row's sampling or its listener: this row fails
@@ -415,8 +426,8 @@ class EmbeddedEngine:
         routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).numpy().astype(np.int16)
         return out.logits, routes
 
-    def _sample_one(self, row: _Row, logits: torch.Tensor) -> None:
-        logprobs = invariants.processed_logprobs(logits, row.params.temperature, row.params.top_p, row.params.top_k)
+    def _sample_one(self, row: _Row, logprobs: torch.Tensor) -> None:
+        """Draw the row's next token from its processed distribution [vocab] and record it."""
         token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
         row.token_ids.append(token)
         row.logprobs.append(float(logprobs[token]))

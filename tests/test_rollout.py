@@ -187,8 +187,8 @@ def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
     n_before = 4
     original = engine._sample_one
 
-    def sample_then_swap(row, logits):       # swap the weights right after the 4th token is drawn
-        original(row, logits)
+    def sample_then_swap(row, logprobs):     # swap the weights right after the 4th token is drawn
+        original(row, logprobs)
         if len(row.token_ids) == n_before:
             engine.update_weights(new.state_dict(), version=8)
     engine._sample_one = sample_then_swap
