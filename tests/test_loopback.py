@@ -196,3 +196,19 @@ def test_unparseable_tool_calls_stay_text():
                                                                                           "arguments": {"a": 1}}
     quoted = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "c")
     assert quoted["content"] is None and quoted["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_a_request_that_fails_commits_nothing_however_deep_its_tools(tok):
+    """A tool schema nested 700 levels deep renders fine but used to fail copying the request after the turn had
+    committed: the client got a 500 with the turn already in the ledger, retried, and sampled again. Whatever
+    fails now fails before the commit (the wires refuse such depth anyway)."""
+    engine = CountingEngine(models.tiny_model("qwen3", seed=1))
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=SamplingParams(max_tokens=4))
+    schema: dict = {}
+    for _ in range(700):
+        schema = {"a": schema}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(RecursionError):
+        session.turn([{"role": "user", "content": "hi"}], tools=tools)
+    assert session.ledger.segments == [] and session.turns == 0 and engine.calls == 0
+    assert session.turn([{"role": "user", "content": "hi"}]).generation.token_ids       # and it still serves

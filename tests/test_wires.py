@@ -3,12 +3,15 @@
 # and live streaming never sends text that the finished reply takes back (a stop string, a tool call, the
 # whitespace a tool call drops) over thousands of random replies.
 import random
+import time
 
 import pytest
+import torch
 
 import models
+from invariants import processed_logprobs
 from loopback import parse_hermes_tool_calls
-from rollout import SamplingParams, find_stop
+from rollout import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, find_stop
 from wires import LiveText, WireError, decode_anthropic, decode_openai
 
 BASE = SamplingParams(max_tokens=16)
@@ -91,3 +94,37 @@ def test_live_text_never_sends_what_the_finished_reply_takes_back():
     tok = models.bpe_tokenizer()
     assert first_take_back(EagerText, tok) is not None       # armed: a stream that holds nothing back is caught
     assert first_take_back(LiveText, tok) is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"temperature": 1e-300}, "temperature"), ({"temperature": 2**63}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": 1e-46}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"stop": ["x" * 200_000]}, "stop"),
+    ({"stop": ["a"] * 17}, "stop")])
+def test_sampling_the_fp32_sampler_cannot_honour_is_refused(body, message):
+    with pytest.raises(WireError, match=message) as refused:
+        decode_openai({"messages": [{"role": "user", "content": "hi"}], **body}, BASE)
+    assert refused.value.status == 400
+
+
+def test_the_sampling_bounds_are_honoured_by_the_sampler():
+    """At each bound the processed distribution is finite and sums to one (armed: just past them it is not)."""
+    logits = torch.randn(2, 300) * 40
+    for temperature, top_p in [(MIN_TEMPERATURE, 1.0), (MAX_TEMPERATURE, 1.0), (1.0, MIN_TOP_P), (MIN_TEMPERATURE,
+                                                                                                   MIN_TOP_P)]:
+        params = decode_openai({"messages": [{"role": "user", "content": "x"}], "temperature": temperature,
+                                "top_p": top_p}, BASE).sampling
+        probs = processed_logprobs(logits, params.temperature, params.top_p).exp()
+        assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert not torch.isfinite(processed_logprobs(logits, 1e-300).exp()).all()
+    assert not torch.isfinite(processed_logprobs(logits, 1.0, 1e-46).exp()).all()
+
+
+def test_live_text_checks_a_long_stop_string_in_constant_time_per_token():
+    tok = models.bpe_tokenizer()
+    live = LiveText(tok, ("ab" * 500,))
+    ids = tok.encode("ab" * 300 + "a", add_special_tokens=False)
+    start = time.perf_counter()
+    for token in ids * 3:
+        live.push(token)
+    assert time.perf_counter() - start < 2.0
