@@ -47,7 +47,7 @@ RECIPES = os.path.join(ROOT, "recipes")
 
 @dataclass
 class RunConfig:
-    recipe: str = "math"        # recipes/<name>.py: its DEFAULTS, its tasks and its AgentRunner
+    recipe: str = "math"        # recipes/<name>.py or a recipe file's path: its DEFAULTS, tasks and AgentRunner
     steps: int = 30             # RL steps (rollout batch -> optimizer step(s) -> weight push)
     model: str = "smollm2"      # a model folder or a packaged name (models.resolve_model)
     ref_model: str = ""         # frozen reference for KL (teacher for on_policy_distill); "" = initial policy
@@ -89,11 +89,12 @@ SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run
 # ---- command line ---------------------------------------------------------------------------------------
 
 def load_recipe(name: str):
-    path = os.path.join(RECIPES, f"{name}.py")
+    """recipes/<name>.py, or any recipe file given by its path (a fork's own recipe needs no copy in recipes/)."""
+    path = name if name.endswith(".py") else os.path.join(RECIPES, f"{name}.py")
     if not os.path.exists(path):
         known = sorted(f[:-3] for f in os.listdir(RECIPES) if f.endswith(".py") and not f.startswith("_"))
         raise SystemExit(f"error: unknown recipe {name!r}; known recipes: {', '.join(known)}")
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"recipe_{os.path.basename(path)[:-3]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -192,7 +193,8 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(run.threads)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
-    out = run.out or os.path.join(ROOT, "runs", f"{run.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]
+    out = run.out or os.path.join(ROOT, "runs", f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "traces"), exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
@@ -503,14 +505,15 @@ def trace_main(argv: list[str]) -> None:
     r = records[args.row]
     print(f"step {r['step']} rollout {r['rollout_id']} group {r['group_id']} segment {r['segment_id']} "
           f"trainer version {r['trainer_version']}")
-    print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
+    print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'temp':>5} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
           f"{'advantage':>9} {'loss':>10}  reason")
     for t, token in enumerate(r["token_ids"]):
         text = f"{t:>4} {token:>6} {json.dumps(r['text'][t])[:16]:<16}"
         if r["mask_reason"][t] == "context":      # prompt, tool output, template: the trainer's logprob only
-            print(f"{text} {'':>4} {'':>9} {r['trainer_logprob'][t]:>9.4f} {'':>6} {'':>9} {'':>10}  context")
+            print(f"{text} {'':>4} {'':>5} {'':>9} {r['trainer_logprob'][t]:>9.4f} {'':>6} {'':>9} {'':>10}  context")
             continue
-        print(f"{text} {r['policy_version'][t]:>4} {r['behavior_logprob'][t]:>9.4f} {r['trainer_logprob'][t]:>9.4f} "
+        print(f"{text} {r['policy_version'][t]:>4} {r['temperature'][t]:>5.2f} {r['behavior_logprob'][t]:>9.4f} "
+              f"{r['trainer_logprob'][t]:>9.4f} "
               f"{r['is_weight'][t]:>6.3f} {r['advantage'][t]:>+9.4f} {r['loss_contribution'][t]:>+10.2e}  "
               f"{r['mask_reason'][t]}")
 

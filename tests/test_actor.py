@@ -106,7 +106,7 @@ def test_temperature_is_applied_in_fp32_not_in_the_model_dtype():
         bf16_divide = torch.log_softmax((logits / TEMPERATURE).float(), -1).gather(-1, targets).squeeze(-1)
     assert got.dtype == torch.float32
     assert torch.allclose(got[0, 1:], fp32, atol=1e-6)
-    # the trap is armed: dividing in bf16 (Molt aac0658: 0.13 nats on a real model) misses by 100x the tolerance
+    # the trap is armed: dividing in bf16 (about 0.1 nats off on a real model at T=0.7) misses by 100x the tolerance
     assert (bf16_divide - fp32).abs().max() > 1e-4
 
 
@@ -164,6 +164,25 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
         loss.backward()
     if loss_agg == "token_mean":
         assert max_abs_diff(whole, grads(model)) > 1e-3 * scale
+
+
+def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_dir):
+    """Rejection is removal: the masked step equals the plain step on the batch without that token."""
+    algo_cfg = algo.AlgoConfig(estimator="reinforce")
+    masked = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    batch = make_batch([12, 8, 10], prompt_len=3, vocab=masked.model.config.vocab_size)
+    old = on_policy(batch, masked)
+    batch.behavior_logprobs[1, 5] -= math.log(10.0)           # rho = 10 on one token: outside the band [0.5, 5]
+    icepop = invariants.CorrectionConfig(level="token", mode="mask", low=0.5, high=5.0)
+    report = masked.train_step(batch, old, algo_cfg, icepop, 0)
+    assert report.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1
+    assert not report.mask[1, 5] and report.loss_contribution[1, 5] == 0.0
+
+    plain = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    without = make_batch([12, 8, 10], prompt_len=3, vocab=plain.model.config.vocab_size)
+    without.loss_mask[1, 5] = 0.0
+    plain.train_step(without, on_policy(without, plain), algo_cfg, invariants.CorrectionConfig(), 0)
+    assert max_abs_diff(grads(masked.model), grads(plain.model)) <= 1e-7
 
 
 def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import algo
+import invariants
 from algo import AlgoConfig
 
 
@@ -260,6 +261,53 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
     s = seq_ratio(logits)
     assert ((s < 0.9) | (s > 1.1)).any() and ((s > 0.9) & (s < 1.1)).any()  # both branches exercised
     torch.testing.assert_close(grad_of(gspo_token, logits), grad_of(gspo_sequence, logits), rtol=0, atol=1e-12)
+
+
+def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
+    # rows 0+1 are one rollout sealed in two (its context was rewritten), rows 2..5 one row each
+    logits, input_ids, loss_mask, gen = random_sequence_batch(seed=3)
+    old_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
+    seq_index = invariants.sequence_index(["r0", "r0", "r1", "r2", "r3", "r4"])
+    seq_advantage = torch.tensor([1.0, 1.0, -0.5, 0.8, -1.2, 0.3])           # a rollout's rows share its advantage
+    advantages = seq_advantage[:, None] * loss_mask
+    cfg = AlgoConfig(estimator="gspo", clip_low=0.1, clip_high=0.1)
+    global_seqs = 5.0
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), global_seqs,
+                                seq_index=seq_index)
+
+    def gspo_token(lg):
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg,
+                                         seq_index=seq_index)
+        return (token_loss * weights).sum()
+
+    def gspo_sequence(lg):  # the rollout's ratio over the tokens of both its rows, then the mean over rollouts
+        log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
+        s = torch.exp(torch.stack([log_ratio[:2].sum() / loss_mask[:2].sum()] +
+                                  [log_ratio[b].sum() / loss_mask[b].sum() for b in range(2, 6)]))
+        a = torch.cat([seq_advantage[:1], seq_advantage[2:]])
+        return -torch.minimum(s * a, s.clamp(0.9, 1.1) * a).mean()
+
+    torch.testing.assert_close(grad_of(gspo_token, logits), grad_of(gspo_sequence, logits), rtol=0, atol=1e-12)
+    # armed: one ratio per ROW (the rows as separate sequences) is another gradient
+    per_row = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 6.0)
+
+    def gspo_rows(lg):
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
+        return (token_loss * per_row).sum()
+    assert (grad_of(gspo_rows, logits) - grad_of(gspo_sequence, logits)).abs().max() > 1e-3
+
+
+def test_a_rollout_sealed_into_three_rows_weighs_once_in_the_sequence_mean():
+    loss_mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0],
+                              [0.0, 1.0, 1.0, 0.0]])
+    seq_index = invariants.sequence_index(["sealed", "sealed", "sealed", "plain"])
+    assert invariants.count_sequences(loss_mask, seq_index) == 2
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 2.0, seq_index=seq_index)
+    per_rollout = [weights[:3].sum().item(), weights[3].sum().item()]
+    assert per_rollout == pytest.approx([0.5, 0.5], abs=1e-7)          # each rollout is half of the loss
+    torch.testing.assert_close(weights[:3][loss_mask[:3] > 0], torch.full((6,), 1 / 12))  # its 6 tokens alike
+    rows_as_sequences = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 4.0)
+    assert rows_as_sequences[:3].sum().item() == pytest.approx(0.75)    # armed: per row it weighs three times
 
 
 def test_gspo_ratio_is_one_at_theta_old():

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import invariants
+
 from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
                         check_sampled_once, check_token_identity, correction_weights, gate_sequences, staleness,
                         validate_correction)
@@ -268,6 +270,53 @@ def test_seq_and_geo_bands_drop_sequences_outside_the_band():
     assert keep.tolist() == [False, True]  # sums 0.8 and 0.03: exp(0.8) = 2.23 > 2 drops the first
     keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.5))
     assert keep.tolist() == [True, True]
+
+
+def test_a_veto_below_the_log_ratio_clamp_still_fires():
+    mask = torch.tensor([[0, 1, 1]], dtype=torch.float32)
+    log_ratio = torch.tensor([[0.0, 0.0, -40.0]])             # rho = e^-40, below the clamp at e^-30
+    keep, counts = gate_sequences(log_ratio, mask, torch.zeros(1, dtype=torch.long), CorrectionConfig(veto=1e-15))
+    assert keep.tolist() == [False] and counts["drop_veto"] == 1
+
+
+def test_a_sealed_rollout_is_one_sequence_for_staleness_and_every_gate():
+    # rows 0 and 1: one rollout sealed in two; row 1 was sampled a version later. Row 2: another rollout.
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+    versions = torch.tensor([[-1, 3, 3, -1], [-1, -1, 4, 4], [-1, 4, 4, 4]])
+    seq_index = invariants.sequence_index(["a", "a", "b"])
+    s = staleness(versions, mask, trainer_version=4, seq_index=seq_index)
+    assert s.tolist() == [1, 1, 0]                            # the rollout's oldest token decides, for both rows
+    assert staleness(versions, mask, trainer_version=4).tolist() == [1, 0, 0]   # armed: per row, row 1 looks fresh
+    zero = torch.zeros(3, 4)
+    keep, counts = gate_sequences(zero, mask, s, CorrectionConfig(max_staleness=0), seq_index)
+    assert keep.tolist() == [False, False, True] and counts == {"drop_stale": 1, "drop_ratio_band": 0,
+                                                                 "drop_veto": 0, "kept": 1}
+    # the seq ratio multiplies over both rows: 0.5 + 0.5 nats is out of [1/2, 2], each row alone is inside
+    log_ratio = torch.tensor([[0, 0.25, 0.25, 0], [0, 0, 0.25, 0.25], [0, 0, 0, 0]])
+    cfg = CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0)
+    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg, seq_index)[0].tolist() == \
+        [False, False, True]
+    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg)[0].all()
+    w, _ = correction_weights(log_ratio, torch.zeros(3, 4), mask, CorrectionConfig(level="seq", mode="trunc",
+                                                                                 high=10.0), seq_index)
+    assert torch.allclose(w[:2][mask[:2] > 0], torch.full((4,), math.exp(1.0)))   # one weight for the rollout
+    veto = torch.tensor([[0, 0, 0, 0], [0, 0, -20.0, 0], [0, 0, 0, 0]])
+    keep, _ = gate_sequences(veto, mask, torch.zeros(3, dtype=torch.long), CorrectionConfig(veto=1e-6), seq_index)
+    assert keep.tolist() == [False, False, True]              # a vetoed row takes its whole rollout with it
+
+
+def test_mismatch_k3_estimates_kl_of_the_behavior_policy_to_the_trainer():
+    # exact enumeration over a 4-token vocabulary: E_{y ~ mu}[k3(rho_y)] = KL(mu || pi), rho = pi / mu
+    mu = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    pi = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    mask = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    expected = 0.0
+    for y in range(4):
+        metrics = invariants.mismatch_metrics(torch.tensor([[0.0, pi[y].log()]]), torch.tensor([[0.0, mu[y].log()]]),
+                                              mask)
+        expected += mu[y].item() * metrics["k3_kl"]
+    assert expected == pytest.approx((mu * (mu / pi).log()).sum().item(), abs=1e-12)
+    assert expected != pytest.approx((pi * (pi / mu).log()).sum().item(), abs=1e-3)   # not the other direction
 
 
 # ---- policy version: IS weights ----

@@ -69,7 +69,7 @@ def test_engine_logprobs_equal_trainer_recompute_in_fp32(tiny):
 
 def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
     gens = EmbeddedEngine(tiny).generate(PROMPTS, PARAMS)
-    # wrong temperature (forgot to divide, Molt bug 15/16)
+    # wrong temperature (the logits never divided by it)
     assert _max_gap(gens, _recompute(tiny, gens, temperature=1.0)) > 1e-3
     # off-by-one: the logprob of token t read from position t instead of t-1
     shifted = [r.roll(1) for r in _recompute(tiny, gens, temperature=0.7)]
@@ -169,7 +169,7 @@ def test_update_weights_requires_every_key_and_a_forward_version(tiny):
         engine.update_weights(partial, version=4)
     with pytest.raises(ValueError, match="unexpected keys"):
         engine.update_weights({**state, "extra.weight": torch.zeros(1)}, version=4)
-    # a tied model's export may leave out lm_head.weight (Molt bug 2)
+    # a tied model's export may leave out lm_head.weight (it is the embedding)
     engine.update_weights({k: v for k, v in state.items() if k != "lm_head.weight"}, version=4)
     assert engine.version == 4
     gen = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, seed=0))[0]
@@ -352,3 +352,34 @@ def test_a_failing_row_fails_alone_and_the_rest_of_its_batch_finishes(tiny):
         alone = EmbeddedEngine(tiny).generate([[3 + i, 40 + i, 7]], params)[0]
         assert results[i].token_ids == alone.token_ids
     assert engine.generate([[1, 2]], params)[0].token_ids                 # and the engine keeps serving
+
+
+def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
+    """First writer wins, as in the ledger and a prefix cache: positions forwarded before the swap keep the
+    routes the tokens sampled so far were conditioned on; only positions forwarded after take the new routes."""
+    old = models.tiny_model("qwen3_moe", seed=0)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for router in invariants.moe_routers(new):
+            router.weight.add_(2.0 * torch.randn_like(router.weight))
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    n_before, original = 4, engine._sample_one
+
+    def sample_then_swap(row, logits):
+        original(row, logits)
+        if len(row.token_ids) == n_before:
+            engine.update_weights(new.state_dict(), version=1)
+    engine._sample_one = sample_then_swap
+    prompt = [11, 12, 13, 14, 15]
+    gen = engine.generate([prompt], SamplingParams(max_tokens=8, seed=1, stop_token_ids=(9999,)))[0]
+    assert gen.policy_versions == [0] * n_before + [1] * (8 - n_before)
+
+    def routes_of(model):
+        with invariants.capture_routes(model) as captured, torch.no_grad():
+            model(input_ids=torch.tensor([prompt + gen.token_ids]))
+        return captured[-1][:-1].numpy()
+    before_swap = len(prompt) + n_before - 1               # positions forwarded by the old weights
+    old_routes, new_routes = routes_of(old), routes_of(new)
+    assert (old_routes[:before_swap] != new_routes[:before_swap]).any()    # armed: the swap moves routes
+    assert (gen.routes[:before_swap] == old_routes[:before_swap]).all()    # kept, not overwritten
+    assert (gen.routes[before_swap:] == new_routes[before_swap:]).all()

@@ -34,6 +34,17 @@ def gap(recomputed: torch.Tensor, batch: invariants.TrainBatch) -> float:
     return (recomputed - batch.behavior_logprobs)[batch.loss_mask.bool()].abs().max().item()
 
 
+def assert_recomputed_at_the_recorded_sampling(policy, batch: invariants.TrainBatch, what: str) -> None:
+    """The actor's recompute matches the behavior logprobs; the run's sampling over the full vocabulary (a
+    trainer that ignores the record) does not: the trap is armed."""
+    recorded_gap = gap(policy.recompute_logprobs(batch), batch)
+    with torch.no_grad():
+        at_run_sampling = actor.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, RUN_TEMPERATURE)
+    print(f"{what}: max |logprob gap| at the recorded sampling {recorded_gap:.2e}, at the run's sampling "
+          f"{gap(at_run_sampling, batch):.2f}")
+    assert recorded_gap < 1e-5 and gap(at_run_sampling, batch) > 0.5
+
+
 def batch_of(rollouts: list[agents.Rollout]) -> tuple[invariants.TrainBatch, list]:
     rows = [(r, row) for r in rollouts for row in r.rows]
     batch = invariants.build_batch([row for _, row in rows], [1.0] * len(rows), pad_id=0)
@@ -76,11 +87,7 @@ def test_sdk_requests_with_their_own_sampling_are_recomputed_at_it(tiny_dir, pol
                                                                     batch.top_k.flatten().tolist(),
                                                                     batch.loss_mask.flatten().tolist()) if m}
     assert recorded == {(0.3, 1.0, -1), (0.7, 0.8, -1), (1.6, 0.5, -1), (0.5, 1.0, 5)}   # each token's own
-    assert gap(policy.recompute_logprobs(batch), batch) < 1e-5
-    # armed: the run's temperature over the full vocabulary is far from what these tokens were drawn from
-    with torch.no_grad():
-        at_run_sampling = actor.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, RUN_TEMPERATURE)
-    assert gap(at_run_sampling, batch) > 0.5
+    assert_recomputed_at_the_recorded_sampling(policy, batch, "SDK per-request sampling")
     # and the trainer's own metric, through the real training path, reads the exact agreement
     cfg = train.parse_config(["--recipe", "math", "--model", tiny_dir, "--rollout.temperature", str(RUN_TEMPERATURE),
                               "--train.trace_rows", "0"])
@@ -122,10 +129,7 @@ def test_env_sampling_overrides_are_recomputed_at_each_turns_sampling(tiny_dir, 
                                                        invariants.Sampling(0.2, 0.6, 7)]   # overrides add up
         invariants.check_sampled_once(r.rows, r.generations)
     batch, _ = batch_of(rollouts)
-    assert gap(policy.recompute_logprobs(batch), batch) < 1e-5
-    with torch.no_grad():
-        at_run_sampling = actor.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, RUN_TEMPERATURE)
-    assert gap(at_run_sampling, batch) > 0.5
+    assert_recomputed_at_the_recorded_sampling(policy, batch, "Env sampling overrides")
 
 
 def test_a_sampled_token_outside_the_trainers_nucleus_keeps_a_finite_logprob():
