@@ -19,7 +19,11 @@
 # key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
 # same canonical messages and go through the same ChatSession.turn, so token accounting does not depend on
 # the wire. Bad input is refused with a 4xx in the wire's own format before anything reaches the session,
-# so nothing is recorded. Streaming sends each token's text as it is sampled; a client that disconnects
+# so nothing is recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
+# Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
+# against the context before it is rendered; sessions opened over HTTP expire when idle and are capped.
+# Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
+# Streaming sends each token's text as it is sampled; a client that disconnects
 # mid-stream does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
 # --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions`, so an
@@ -416,14 +420,14 @@ class LoopbackServer:
             return self._sessions.pop(session_id)[0]
 
     def _expire_idle(self) -> None:
-        """Forget HTTP-opened sessions idle for longer than session_ttl_s (call with the registry lock held)."""
+        """Forget HTTP-opened sessions idle (no request, no turn running) for longer than session_ttl_s. Call
+        with the registry lock held."""
         now = time.monotonic()
-        for session_id in [s for s in self._http_sessions if self._idle(self._sessions[s][0], now)]:
-            self._http_sessions.discard(session_id)
-            del self._sessions[session_id]
-
-    def _idle(self, session: ChatSession, now: float) -> bool:
-        return not session.lock.locked() and now - session.last_used > self.session_ttl_s
+        for session_id in list(self._http_sessions):
+            session = self._sessions[session_id][0]
+            if not session.lock.locked() and now - session.last_used > self.session_ttl_s:
+                self._http_sessions.discard(session_id)
+                del self._sessions[session_id]
 
     # -- request plumbing --
 
@@ -454,10 +458,8 @@ class LoopbackServer:
     def _authorize(self, request: web.Request) -> ChatSession:
         session_id = request.match_info["sid"]
         with self._registry_lock:
+            self._expire_idle()
             entry = self._sessions.get(session_id)
-            if entry is not None and session_id in self._http_sessions and self._idle(entry[0], time.monotonic()):
-                self._expire_idle()
-                entry = None
         if entry is None:
             raise wires.WireError(404, f"no session {session_id!r} on this server (closed, expired, or never "
                                        "created); create one with POST /sessions or LoopbackServer.create_session",
@@ -469,6 +471,7 @@ class LoopbackServer:
             raise wires.WireError(401, f"wrong or missing API key for session {session_id!r}; send this session's "
                                        "key as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                   "authentication_error")
+        entry[0].last_used = time.monotonic()      # any authorized request keeps a session alive
         return entry[0]
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict:

@@ -10,6 +10,9 @@
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
 # message is built in exactly the shape the tool-call parser returns, so an echoed reply compares equal and
 # the session can tell an append from an edit.
+# Refuses at the boundary what would fail later, where it could hurt others: JSON nested past MAX_JSON_DEPTH,
+# lone surrogates, integers Python will not convert, sampling values the fp32 sampler cannot honour
+# (rollout.validate_sampling), images and parts in the wrong shape.
 # Keeps invariant 1 at the edge: both wires decode to the same canonical request, so token accounting does
 # not depend on the wire; nothing here encodes text into ids. Never: holds state, generates, or records.
 from __future__ import annotations
