@@ -361,6 +361,9 @@ class EmbeddedEngine:
                 row_logprobs = logprobs[b] if logprobs[b] is not None else invariants.processed_logprobs(
                     batch.logits[b], row.params.temperature, row.params.top_p, row.params.top_k)
                 self._sample_one(row, row_logprobs)
+                # the version of the weights that computed these logits, even if a listener (on this thread)
+                # has loaded newer ones since: the rows after it in this pass still sample from the old logits
+                row.versions.append(batch.version)
                 if row.on_token is not None:
                     row.on_token(row.token_ids[-1])
             except Exception as error:           # this row's sampling or its listener: this row fails
@@ -431,7 +434,6 @@ class EmbeddedEngine:
         token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
         row.token_ids.append(token)
         row.logprobs.append(float(logprobs[token]))
-        row.versions.append(self.version)
         if row.params.top_logprobs:
             best = torch.topk(logprobs, row.params.top_logprobs)
             row.top.append(list(zip(best.indices.tolist(), best.values.tolist())))

@@ -383,3 +383,39 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
     assert (old_routes[:before_swap] != new_routes[:before_swap]).any()    # armed: the swap moves routes
     assert (gen.routes[:before_swap] == old_routes[:before_swap]).all()    # kept, not overwritten
     assert (gen.routes[before_swap:] == new_routes[before_swap:]).all()
+
+
+def test_a_weight_swap_reprefills_every_row_of_a_merged_batch_at_its_own_progress(tiny):
+    """Two requests that joined the batch at different steps see one weight swap: each carries [v]*n1 + [v+1]*n2
+    with its own n1, and each token's logprob is the one its own version's weights give (no row decodes on from
+    a cache the old weights filled)."""
+    new = copy.deepcopy(tiny)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = EmbeddedEngine(copy.deepcopy(tiny), version=3)
+    params = SamplingParams(temperature=0.9, max_tokens=16, seed=6, stop_token_ids=(9999,))
+    joined, long_tokens = threading.Event(), []
+
+    def on_long(_, token):
+        long_tokens.append(token)
+        if len(long_tokens) == 3:
+            joined.set()
+        if len(long_tokens) == 10:          # on the decoding thread, between two steps
+            engine.update_weights(new.state_dict(), version=4)
+    results = {}
+    long_job = threading.Thread(target=lambda: results.setdefault(
+        "long", engine.generate([[5, 17, 33, 2]], params, on_long)[0]))
+    long_job.start()
+    assert joined.wait(60)
+    results["short"] = engine.generate([[7, 8, 9]], params)[0]
+    long_job.join(timeout=60)
+    n1s = []
+    for gen in (results["long"], results["short"]):
+        n1 = gen.policy_versions.count(3)
+        assert gen.policy_versions == [3] * n1 + [4] * (len(gen.token_ids) - n1) and 0 < n1 < len(gen.token_ids)
+        behavior = torch.tensor(gen.behavior_logprobs)
+        assert (behavior[:n1] - _recompute(tiny, [gen], 0.9)[0][:n1]).abs().max() <= 1e-5
+        assert (behavior[n1:] - _recompute(new, [gen], 0.9)[0][n1:]).abs().max() <= 1e-5
+        n1s.append(n1)
+    assert n1s[0] == 10 and n1s[1] < 10          # the short one joined later: fewer tokens before the swap
