@@ -75,8 +75,8 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"temperature must be a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got "
                          f"{params.temperature!r:.40}; use top_k=1 for greedy decoding")
     if not (number(params.top_p) and MIN_TOP_P <= params.top_p <= 1):
-        raise ValueError(f"top_p must be a number in [{MIN_TOP_P}, 1] (at or below {MIN_TOP_P} it keeps only the "
-                         f"most likely token: use top_k=1), got {params.top_p!r:.40}")
+        raise ValueError(f"top_p must be in (0, 1] and at least {MIN_TOP_P} (below that it keeps only the most "
+                         f"likely token: use top_k=1), got {params.top_p!r:.40}")
     if not integer(params.top_k) or not (params.top_k == -1 or 1 <= params.top_k < 2**63):
         raise ValueError(f"top_k must be -1 (off) or an integer in [1, 2**63), got {params.top_k!r:.40}")
     if not integer(params.max_tokens) or params.max_tokens < 1:
