@@ -434,3 +434,64 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     assert len(routers) == policy.model.config.num_hidden_layers
     for router in routers:
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+# ---- GPU-speed knobs, proven on the CPU: chunked output projection, bf16, activation checkpointing, tokens ----
+
+def test_the_chunked_output_projection_changes_no_logprob_and_no_gradient(qwen3_dir, monkeypatch):
+    """The [positions, vocab] logits are made LOGPROB_CHUNK positions at a time (and recomputed in backward); a
+    chunk of 3 positions must give what one chunk of everything gives."""
+    results = []
+    for chunk in (10**6, 3):
+        monkeypatch.setattr(actor, "LOGPROB_CHUNK", chunk)
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+        batch = make_batch([12, 6, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
+        old = on_policy(batch, policy)
+        report = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+                                   0)
+        results.append((old, grads(policy.model), report.metrics["actor/entropy"]))
+    (old_one, grads_one, entropy_one), (old_chunked, grads_chunked, entropy_chunked) = results
+    assert (old_one - old_chunked).abs().max() <= 1e-6
+    scale = max(g.abs().max().item() for g in grads_one.values())
+    assert max_abs_diff(grads_one, grads_chunked) <= 1e-5 * scale         # fp32 summation order only
+    assert entropy_one == pytest.approx(entropy_chunked, rel=1e-6)
+
+
+def test_activation_checkpointing_and_a_token_cap_change_no_gradient(moe_dir):
+    """Recomputing each decoder layer in backward, with MoE routes replayed through the recompute, and
+    micro-batches capped by padded tokens give the plain step's gradients; the export keeps its keys."""
+    results = []
+    for cfg in (actor.ActorConfig(max_grad_norm=1e9),
+                actor.ActorConfig(max_grad_norm=1e9, activation_checkpointing=True, micro_batch_tokens=12)):
+        policy = actor.Actor(moe_dir, cfg, total_steps=1)
+        engine = rollout.EmbeddedEngine(models.load_model(moe_dir))
+        gens = engine.generate([[5, 6, 7], [8, 9]], rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=5,
+                                                                              seed=0))
+        batch = invariants.build_batch(rows_from(gens), [1.0, -0.5], pad_id=0)      # rows of 8 and 7 tokens
+        assert policy._micro_batches(batch) == ([slice(0, 2)] if not cfg.micro_batch_tokens   # 2 x 8 > 12
+                                                else [slice(0, 1), slice(1, 2)])
+        policy.train_step(batch, policy.recompute_logprobs(batch), algo.AlgoConfig(estimator="reinforce"),
+                          invariants.CorrectionConfig(), 0)
+        unwrapped = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads(policy.model).items()}
+        results.append((unwrapped, set(policy.export_weights())))
+    (plain, keys), (checkpointed, checkpointed_keys) = results
+    assert checkpointed_keys == keys                           # the wrapper does not rename what the engine loads
+    assert max_abs_diff(plain, checkpointed) <= 1e-5 * max(g.abs().max().item() for g in plain.values())
+
+
+def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
+    exact = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    fast = actor.Actor(qwen3_dir, actor.ActorConfig(precision="bf16"), total_steps=1)
+    assert exact.precision == "fp32" and fast.precision == "bf16"   # "auto" on a CPU is the exact mode
+    batch = make_batch([12, 6, 9], prompt_len=3, vocab=fast.model.config.vocab_size)
+    reference, old = exact.recompute_logprobs(batch), fast.recompute_logprobs(batch)
+    trainable = batch.loss_mask.bool()
+    gap = (old - reference)[trainable].abs()
+    assert 0 < gap.max() < 0.1                 # bf16 products: close to fp32, and visibly not the exact mode
+    batch.behavior_logprobs = reference * batch.loss_mask
+    report = fast.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
+    assert report.metrics["actor/bf16"] == 1.0 and report.metrics["actor/skipped"] == 0.0
+    assert all(p.dtype == torch.float32 for p in fast.model.parameters())
+    assert all(v.dtype == torch.float32 for state in fast.optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.is_floating_point())
+    assert all(w.dtype == torch.float32 for w in fast.export_weights().values())
