@@ -44,6 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
+import torch
 from aiohttp import web, web_protocol
 from jinja2 import TemplateError
 
@@ -639,7 +640,8 @@ def main() -> None:
     args = parser.parse_args()
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
-    engine = EmbeddedEngine(models.load_model(path), tokenizer=tokenizer)   # sessions share its batch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = EmbeddedEngine(models.load_model(path).to(device), tokenizer=tokenizer)   # sessions share its batch
     template = data.CHATML_TEMPLATE if args.template == "chatml" else None
     server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length,
                             models.load_image_processor(path))

@@ -199,7 +199,8 @@ class EmbeddedEngine:
         self.eos_ids = _eos_ids(model)
         self.is_moe = bool(invariants.moe_routers(model))
         self.is_vision = models.is_vision_model(model)
-        self._generator = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
+        self._generator = torch.Generator(self.device).manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
         self._running = threading.Event()        # cleared by pause(): decoding waits at a step boundary
         self._running.set()
@@ -274,7 +275,7 @@ class EmbeddedEngine:
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
-            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
+            generator = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
             rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None,
@@ -346,20 +347,26 @@ class EmbeddedEngine:
         return batch
 
     def _sample_all(self, batch: _Batch) -> None:
-        """One token for every row, each from its own processed distribution (computed for all rows at once)
-        and with its own generator, so a seeded row draws the same ids whatever else is in the batch."""
+        """One token for every row, each from its own processed distribution, all computed and drawn at once on
+        the model's device: the rows drawing from the engine's stream in one multinomial call, each seeded row
+        from its own generator, so a seeded row draws the same ids whatever else is in the batch. If the batch
+        call fails (some row's parameters), each row is tried alone and only the one at fault fails."""
         rows = batch.rows
         try:
             logprobs = invariants.processed_logprobs(batch.logits, torch.tensor([r.params.temperature for r in rows]),
                                                      torch.tensor([r.params.top_p for r in rows]),
                                                      torch.tensor([r.params.top_k for r in rows]))   # [B, vocab]
-        except Exception:                        # some row's parameters: find it below, row by row
-            logprobs = [None] * len(rows)
+            drawn = self._draw(rows, logprobs)
+        except Exception:
+            logprobs, drawn = None, [None] * len(rows)
         for b, row in enumerate(rows):
             try:
-                row_logprobs = logprobs[b] if logprobs[b] is not None else invariants.processed_logprobs(
-                    batch.logits[b], row.params.temperature, row.params.top_p, row.params.top_k)
-                self._sample_one(row, row_logprobs)
+                if drawn[b] is None:              # alone: this row's own distribution and draw
+                    row_logprobs = invariants.processed_logprobs(batch.logits[b], row.params.temperature,
+                                                                 row.params.top_p, row.params.top_k)
+                    token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
+                    drawn[b] = (token, float(row_logprobs[token]))
+                self._record(row, *drawn[b], logprobs[b] if logprobs is not None else row_logprobs)
                 # the version of the weights that computed these logits, even if a listener (on this thread)
                 # has loaded newer ones since: the rows after it in this pass still sample from the old logits
                 row.versions.append(batch.version)
@@ -367,6 +374,19 @@ class EmbeddedEngine:
                     row.on_token(row.token_ids[-1])
             except Exception as error:           # this row's sampling or its listener: this row fails
                 row.error = error
+
+    def _draw(self, rows: list[_Row], logprobs: torch.Tensor) -> list[tuple[int, float]]:
+        """(token, its logprob) per row, with one device-to-host copy for the whole batch."""
+        probs = logprobs.exp()
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logprobs.device)
+        shared = [b for b, row in enumerate(rows) if row.generator is self._generator]
+        if shared:
+            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(-1)
+        for b, row in enumerate(rows):
+            if row.generator is not self._generator:
+                tokens[b] = torch.multinomial(probs[b], 1, generator=row.generator)[0]
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return list(zip(tokens.tolist(), chosen.tolist()))
 
     def _leave(self, batch: _Batch) -> _Batch:
         """Hand back every finished or failed row, and keep the others' cache rows."""
@@ -387,6 +407,7 @@ class EmbeddedEngine:
         for b, s in enumerate(seqs):
             ids[b, width - len(s):] = torch.tensor(s)
             mask[b, width - len(s):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         if self.is_vision:
             extra, next_positions = models.vision_inputs(self.model, ids, mask, [r.images for r in rows])
         else:
@@ -406,8 +427,8 @@ class EmbeddedEngine:
         """Feed each row's newest token at its own next position. For a VLM the three M-RoPE axes of a text
         token are equal."""
         rows = batch.rows
-        last = torch.tensor([[r.token_ids[-1]] for r in rows])
-        batch.attention = torch.cat([batch.attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        last = torch.tensor([[r.token_ids[-1]] for r in rows], device=self.device)
+        batch.attention = torch.cat([batch.attention, batch.attention.new_ones((len(rows), 1))], dim=1)
         positions = batch.next_positions[:, None]                              # [B, 1]
         if self.is_vision:
             positions = positions[None].expand(3, -1, -1)                      # [3, B, 1]
@@ -425,14 +446,14 @@ class EmbeddedEngine:
         with invariants.capture_routes(self.model) as captured:
             out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
         b, s = ids.shape
-        routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).numpy().astype(np.int16)
+        routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).cpu().numpy().astype(np.int16)
         return out.logits, routes
 
-    def _sample_one(self, row: _Row, logprobs: torch.Tensor) -> None:
-        """Draw the row's next token from its processed distribution [vocab] and record it."""
-        token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
+    def _record(self, row: _Row, token: int, logprob: float, logprobs: torch.Tensor) -> None:
+        """Append the drawn token and its logprob to the row (with the distribution's k best when asked), and
+        finish the row at a stop token, a stop string or max_tokens."""
         row.token_ids.append(token)
-        row.logprobs.append(float(logprobs[token]))
+        row.logprobs.append(logprob)
         if row.params.top_logprobs:
             best = torch.topk(logprobs, row.params.top_logprobs)
             row.top.append(list(zip(best.indices.tolist(), best.values.tolist())))
@@ -502,7 +523,7 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch:
     remaining row has on its left goes, so a long finished row does not widen everybody's steps)."""
     if not keep:
         return _Batch([], None, None, None, None, batch.version)
-    rows = torch.tensor(keep)
+    rows = torch.tensor(keep, device=batch.attention.device)
     attention = batch.attention[rows]
     start = int(attention.any(0).long().argmax())          # the first column some row attends
     for layer in batch.cache.layers:

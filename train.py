@@ -204,8 +204,9 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    engine = Router([EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed,
-                                    tokenizer=tokenizer)])
+    # the engine shares the actor's device (one GPU holds both; weights move by a state dict copy)
+    engine = Router([EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version,
+                                    seed=run.seed, tokenizer=tokenizer)])
     engine.update_weights(policy.export_weights(), policy.version)
     start_step = resume_run(run_state, engine) if tr.resume else 0
     reference = _reference_model(cfg, model_path)

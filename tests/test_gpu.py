@@ -48,6 +48,34 @@ def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs_with_images():
     assert gap.max() <= 1e-4
 
 
+def test_the_embedded_engine_samples_on_the_gpu_and_the_actor_recomputes_it():
+    """Inputs, caches and sampling on the model's device; a seeded request draws the same ids alone and in a
+    mixed batch; the actor on the same GPU recomputes every token at its own sampling; MoE routes come back."""
+    for kind in ("qwen3", "qwen3_moe"):
+        path = models.tiny_model_dir(kind)
+        engine = EmbeddedEngine(models.load_model(path).cuda(), seed=0)
+        seeded = SamplingParams(temperature=0.8, max_tokens=12, seed=3, stop_token_ids=(9999,))
+        alone = engine.generate([[5, 6, 7]], seeded)[0]
+        mixed = engine.generate([[5, 6, 7], [9, 10], [11, 12, 13, 14]],
+                                [seeded, SamplingParams(max_tokens=12), SamplingParams(temperature=0.5, top_k=5,
+                                                                                       max_tokens=12)])
+        assert mixed[0].token_ids == alone.token_ids
+        policy = actor.Actor(path, actor.ActorConfig(precision="fp32"), total_steps=1)
+        rows = []
+        for i, gen in enumerate(mixed):              # recorded as a runner records them, routes included
+            ledger = invariants.TokenLedger(f"r{i}", "g")
+            ledger.extend_or_seal(gen.prompt_ids)
+            ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+            if gen.routes is not None:
+                ledger.absorb_routes(gen.routes)
+            rows += ledger.rows()
+        batch = invariants.build_batch(rows, [1.0] * 3, pad_id=0)
+        assert (batch.routes is not None) == (kind == "qwen3_moe")
+        gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs().max()
+        print(f"{kind} engine on GPU vs actor on GPU: max |logprob diff| {gap.item():.2e}")
+        assert gap <= 1e-4
+
+
 def _nccl_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str,
                  cfg: actor.ActorConfig = FSDP_CONFIG) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))

@@ -185,13 +185,13 @@ def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
             p.add_(0.05 * torch.randn_like(p))
     engine = EmbeddedEngine(copy.deepcopy(tiny), version=7)
     n_before = 4
-    original = engine._sample_one
+    original = engine._record
 
-    def sample_then_swap(row, logprobs):     # swap the weights right after the 4th token is drawn
-        original(row, logprobs)
+    def record_then_swap(row, *drawn):       # swap the weights right after the 4th token is drawn
+        original(row, *drawn)
         if len(row.token_ids) == n_before:
             engine.update_weights(new.state_dict(), version=8)
-    engine._sample_one = sample_then_swap
+    engine._record = record_then_swap
     prompt = [11, 12, 13, 14]
     gen = engine.generate([prompt], SamplingParams(temperature=0.9, max_tokens=10, seed=5, stop_token_ids=(9999,)))[0]
     assert gen.policy_versions == [7] * n_before + [8] * (10 - n_before)
@@ -277,6 +277,13 @@ def test_concurrent_callers_share_decode_steps_and_each_gets_its_own_result(tiny
     engine = StepSizes(tiny)
     prompts = [[3 + i, 40 + i, 7] for i in range(8)]
     streamed: dict[int, list] = {i: [] for i in range(8)}
+    engine.pause()        # hold decoding until every caller has submitted, however fast the machine is
+
+    def resume_once_all_wait():
+        while len(engine._waiting) < 8:
+            time.sleep(0.001)
+        engine.resume()
+    threading.Thread(target=resume_once_all_wait, daemon=True).start()
     results = _in_threads([lambda i=i: engine.generate([prompts[i]], SamplingParams(max_tokens=5, seed=i),
                                                        on_token=lambda index, token: streamed[i].append((index, token)))[0]
                            for i in range(8)])
@@ -363,13 +370,13 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
         for router in invariants.moe_routers(new):
             router.weight.add_(2.0 * torch.randn_like(router.weight))
     engine = EmbeddedEngine(copy.deepcopy(old), version=0)
-    n_before, original = 4, engine._sample_one
+    n_before, original = 4, engine._record
 
-    def sample_then_swap(row, logits):
-        original(row, logits)
+    def record_then_swap(row, *drawn):
+        original(row, *drawn)
         if len(row.token_ids) == n_before:
             engine.update_weights(new.state_dict(), version=1)
-    engine._sample_one = sample_then_swap
+    engine._record = record_then_swap
     prompt = [11, 12, 13, 14, 15]
     gen = engine.generate([prompt], SamplingParams(max_tokens=8, seed=1, stop_token_ids=(9999,)))[0]
     assert gen.policy_versions == [0] * n_before + [1] * (8 - n_before)
