@@ -554,8 +554,9 @@ class Actor:
     # -- weights out --
 
     @torch.no_grad()
-    def export_weights(self) -> dict[str, Tensor]:
-        """Full (unsharded) weights on CPU for the engine: EVERY state_dict entry (a refit that filters by name can
+    def export_weights(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """Full (unsharded) weights for the engine, copied to `device` (the CPU, or the GPU an engine shares with
+        the actor, where the copy never crosses PCIe): EVERY state_dict entry (a refit that filters by name can
         silently ship a handful of a model's parameters), each in its own dtype (an fp32 router or norm cast to bf16
         changes the engine's model), minus the tied output embedding by its exact key (tied_output_key).
         Collective under FSDP2; every rank gets the full dict."""
@@ -566,7 +567,7 @@ class Actor:
                 continue
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            weights[name] = value.detach().to("cpu", copy=True)
+            weights[name] = value.detach().to(device, copy=True)
         return weights
 
     # -- checkpoints --

@@ -204,10 +204,11 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    # the engine shares the actor's device (one GPU holds both; weights move by a state dict copy)
-    engine = Router([EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version,
+    # the engine shares the actor's device (one GPU holds both; weights move by a copy that stays on the device)
+    engine_device = policy.device
+    engine = Router([EmbeddedEngine(models.load_model(model_path).to(engine_device), version=policy.version,
                                     seed=run.seed, tokenizer=tokenizer)])
-    engine.update_weights(policy.export_weights(), policy.version)
+    engine.update_weights(policy.export_weights(engine_device), policy.version)
     start_step = resume_run(run_state, engine) if tr.resume else 0
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
@@ -248,7 +249,7 @@ def main(argv: list[str]) -> None:
 
         # 3. push the new weights to the engine; every later token carries the new version
         t1 = time.time()
-        engine.update_weights(policy.export_weights(), policy.version)
+        engine.update_weights(policy.export_weights(engine_device), policy.version)
         m["time/weight_push_s"] = time.time() - t1
         m["time/step_s"] = time.time() - t0
         logger.log(step + 1, m)

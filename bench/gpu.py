@@ -7,7 +7,10 @@
 #   tokens/s, the ratio to the baseline, peak memory, and model-FLOPs utilisation against the H200's bf16 dense
 #   peak (6 x parameters x tokens, plus causal attention, per second, over 790 TFLOP/s).
 #
-#   python bench/gpu.py [--parts actor] [--out gpu-summary.json] [--steps 5]
+# refit: a weight update of the same shape from the actor to the embedded engine on the same GPU: seconds and
+#   bytes per update, the engine's outputs before and after, the versions of a request that straddles one.
+#
+#   python bench/gpu.py [--parts actor refit] [--out gpu-summary.json] [--steps 5]
 import argparse
 import json
 import os
@@ -24,6 +27,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 import actor  # noqa: E402
 import algo  # noqa: E402
 import invariants  # noqa: E402
+import models  # noqa: E402
+import rollout  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12      # H200 dense bf16, as measured on the lent machine
 ROWS, LENGTH = 8, 2048
@@ -33,7 +38,8 @@ def qwen3_06b_shape() -> Qwen3Config:
     """Qwen3-0.6B's architecture (random weights: no hub here)."""
     return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                       eos_token_id=151645, pad_token_id=151643)
 
 
 def train_flops_per_token(config: Qwen3Config) -> float:
@@ -134,9 +140,50 @@ def bench_actor(steps: int) -> dict:
     return results
 
 
+def bench_refit() -> dict:
+    """A weight update of the Qwen3-0.6B shape with the actor and the embedded engine on one GPU: the actor's
+    export copied on the device and loaded by the engine (seconds per update, bytes moved); the engine's seeded
+    reply before and after (its logprobs must change); and a request that straddles an update, loaded by a listener when
+    its 8th token is drawn: its tokens' versions must read [v] * 8 + [v + 1] * (n - 8)."""
+    config = qwen3_06b_shape()
+    with tempfile.TemporaryDirectory() as folder:
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+        policy = actor.Actor(folder, actor.ActorConfig(precision="bf16"), total_steps=10**6)
+        engine = rollout.EmbeddedEngine(models.load_model(folder).to(policy.device), seed=0)
+    prompt, seeded = list(range(100, 164)), rollout.SamplingParams(max_tokens=24, seed=0,
+                                                                   stop_token_ids=(config.vocab_size - 1,))
+    before = engine.generate([prompt], seeded)[0]
+    with torch.no_grad():                       # stands in for an optimizer step: every weight moves
+        for p in policy.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    seconds = []
+    for version in (1, 2, 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        state = policy.export_weights(policy.device)
+        engine.update_weights(state, version)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    after = engine.generate([prompt], seeded)[0]
+    logprob_shift = max(abs(x - y) for x, y in zip(before.behavior_logprobs, after.behavior_logprobs))
+    drawn = []
+
+    def update_at_the_8th_token(index: int, token_id: int) -> None:   # runs on the decoding thread
+        drawn.append(token_id)
+        if len(drawn) == 8:
+            engine.update_weights(state, 4)
+    straddling = engine.generate([prompt], seeded, on_token=update_at_the_8th_token)[0]
+    return {"shape": "Qwen3-0.6B", "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "update_s": seconds, "tokens_changed": before.token_ids != after.token_ids,
+            "max_logprob_shift": logprob_shift, "outputs_changed": before.token_ids != after.token_ids or
+            logprob_shift > 1e-3,
+            "straddling_versions": straddling.policy_versions,
+            "straddling_ok": straddling.policy_versions == [3] * 8 + [4] * (len(straddling.token_ids) - 8)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="tracerl's GPU benchmarks; writes a JSON summary")
-    parser.add_argument("--parts", nargs="+", default=["actor"], choices=["actor"])
+    parser.add_argument("--parts", nargs="+", default=["actor", "refit"], choices=["actor", "refit"])
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
     parser.add_argument("--out", default="gpu-summary.json")
     args = parser.parse_args()
@@ -145,6 +192,8 @@ def main() -> None:
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "actor" in args.parts:
         summary["actor"] = bench_actor(args.steps)
+    if "refit" in args.parts:
+        summary["refit"] = bench_refit()
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary, indent=2))
