@@ -312,7 +312,9 @@ class EmbeddedEngine:
                     batch = self._admit(batch, arrived)
                     self._sample_all(batch)
                     batch = self._leave(batch)
-                    if batch.rows:
+                    # a listener on this thread may have loaded new weights during the pass: then the cache is
+                    # stale, and stepping on it would record routes no weights produce; the next pass re-prefills
+                    if batch.rows and batch.version == self.version:
                         self._step(batch)
                 except Exception as error:       # the model itself failed: fail what is in flight, keep serving
                     for row in batch.rows + arrived:
@@ -525,9 +527,13 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch:
         return _Batch([], None, None, None, None, batch.version)
     rows = torch.tensor(keep, device=batch.attention.device)
     attention = batch.attention[rows]
-    start = int(attention.any(0).long().argmax())          # the first column some row attends
-    for layer in batch.cache.layers:
-        layer.keys, layer.values = layer.keys[rows, :, start:], layer.values[rows, :, start:]
+    if _mergeable(batch.cache):
+        start = int(attention.any(0).long().argmax())      # the first column some row attends
+        for layer in batch.cache.layers:
+            layer.keys, layer.values = layer.keys[rows, :, start:], layer.values[rows, :, start:]
+    else:                                                   # a cache kind with its own layout: rows only
+        start = 0
+        batch.cache.batch_select_indices(rows)
     return _Batch([batch.rows[b] for b in keep], batch.cache, attention[:, start:], batch.next_positions[rows],
                   batch.logits[rows], batch.version)
 
