@@ -50,6 +50,7 @@ class RunConfig:
     steps: int = 30             # RL steps (rollout batch -> optimizer step(s) -> weight push)
     model: str = "smollm2"      # a model folder or a packaged name (models.resolve_model)
     ref_model: str = ""         # frozen reference for KL (teacher for on_policy_distill); "" = initial policy
+    data: str = ""              # the recipe's data source (geo3k: "synthetic", a hub name or a local copy); "" = its default
     out: str = ""               # run folder; "" = runs/<recipe>-<timestamp>
     seed: int = 0
     threads: int = 0            # torch CPU threads; 0 = all cores
@@ -215,7 +216,9 @@ def main(argv: list[str]) -> None:
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
                                 step_timeout_s=ro.step_timeout_s, image_processor=image_processor)
-    tasks = recipe.tasks("train", run.seed)
+    tasks = recipe_tasks(recipe, "train", run)
+    if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
+        print(recipe.notice(cfg), flush=True)
     sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
     logger = MetricsLogger(out)
     print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
@@ -229,6 +232,7 @@ def main(argv: list[str]) -> None:
         rollouts = runner.run(group_tasks, group_ids, sampling)
         t_rollout = time.time() - t0
         m = rollout_metrics(rollouts, runner.failures)
+        m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
 
@@ -370,6 +374,22 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
     for reason, count in failures.items():
         m[f"rollout/failed_{reason}_total"] = float(count)
     return m
+
+
+def agent_metrics(rollouts) -> dict[str, float]:
+    """The agents' own numbers (Result.info, e.g. tool calls), as per-rollout means under agent/."""
+    keys = sorted({key for r in rollouts for key in r.info})
+    return {f"agent/{key}": sum(r.info.get(key, 0.0) for r in rollouts) / max(len(rollouts), 1) for key in keys}
+
+
+def recipe_tasks(recipe, split: str, run: RunConfig) -> list:
+    """The recipe's tasks of `split`; --run.data goes to a recipe that takes a source, and is refused by one that
+    does not."""
+    if not run.data:
+        return recipe.tasks(split, run.seed)
+    if "source" not in inspect.signature(recipe.tasks).parameters:
+        raise SystemExit(f"error: --run.data {run.data!r}: recipe {run.recipe!r} has built-in data and takes no source")
+    return recipe.tasks(split, run.seed, source=run.data)
 
 
 def progress_line(step: int, steps: int, m: dict) -> str:

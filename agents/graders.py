@@ -209,6 +209,15 @@ class _Parser:
         raise ValueError(f"unknown name {token!r}")
 
 
+def to_sympy(answer: str):
+    """An answer ("2\\sqrt{13}", "18\\pi", "\\frac{7}{2}") as a sympy expression, through normalize_answer and the
+    whitelisted parser above; ValueError if it is not a small expression."""
+    text = normalize_answer(answer)
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"answer longer than {MAX_EXPRESSION_CHARS} characters")
+    return _Parser(_latex_to_infix(text)).parse()
+
+
 def _symbolically_equal(first: str, second: str) -> bool:
     if max(len(first), len(second)) > MAX_EXPRESSION_CHARS:
         return False

@@ -46,10 +46,9 @@ def test_an_exception_is_a_tool_error_with_its_message():
 
 
 def test_an_infinite_loop_ends_at_the_cpu_time_limit():
-    start = time.monotonic()
-    done = run_python("while True:\n    pass", FAST)
-    assert done.error == "exceeded the CPU-time limit of 2 s"
-    assert time.monotonic() - start < FAST.wall_s
+    # a generous deadline: on a loaded machine 2 CPU seconds can take several wall-clock seconds
+    done = run_python("while True:\n    pass", SandboxLimits(wall_s=30.0, cpu_s=2))
+    assert done.error == "exceeded the CPU-time limit of 2 s" and done.seconds < 30.0
 
 
 def test_a_sleeper_is_killed_at_the_wall_clock_deadline():
@@ -173,11 +172,11 @@ def test_the_caller_goes_on_after_every_escape_and_isolation_says_what_holds():
 
 
 @pytest.mark.parametrize("code, error", [
-    ("while True:\n    pass", "exceeded the CPU-time limit of 2 s"),
+    ("while True:\n    pass", "exceeded the CPU-time limit of 1 s"),
     ("x = bytearray(4 * 1024 ** 3)", "ran out of memory (limit 1024 MB)"),
     ("while True:\n    print('x' * 1000)", "output exceeded 8192 bytes; the process was killed"),
 ])
 def test_without_namespaces_the_limits_still_hold(code, error):
     """The fallback of a machine without namespaces: no jail, but the same limits, deadline and output cap."""
-    done = sandbox._run(code, FAST, namespaces=False)
+    done = sandbox._run(code, SandboxLimits(wall_s=30.0, cpu_s=1), namespaces=False)
     assert done.error == error
