@@ -1,7 +1,8 @@
 # Every workload recipe runs two RL steps on this CPU through the real command line (train.py), on the model it
 # would use here or a tiny one, with its real agent: geo3k with a VLM, the python tool and the sandbox (Env and
 # OpenAI-SDK forms), multi-turn tool use, code execution graded by hidden tests (a gymnasium env), LLM-as-judge with
-# a frozen judge, and on-policy distillation from a frozen teacher.
+# a frozen judge, and on-policy distillation from a frozen teacher. Held-out evaluation (--eval.every, and
+# `train.py eval CHECKPOINT`) runs through the same command line.
 import json
 import os
 import subprocess
@@ -14,12 +15,13 @@ SMALL = ["--rollout.prompts_per_step", "2", "--rollout.samples_per_prompt", "2",
          "--steps", "2"]
 
 
-def train(out: str, *args: str, timeout: int = 900) -> list[dict]:
+def train(out: str, *args: str, timeout: int = 900) -> tuple[list[dict], str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, "train.py", *args, *SMALL, "--out", out], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    records = [r for r in records if r["step"] > 0]          # step 0: the held-out evaluation before training
     assert [r["step"] for r in records] == [1, 2], done.stdout[-2000:]
     return records, done.stdout
 
@@ -76,3 +78,29 @@ def test_each_workload_recipe_runs_two_steps_on_a_tiny_model(recipe, key, tmp_pa
 def test_distillation_runs_two_steps_against_the_teacher_without_reward(tmp_path):
     records, stdout = train(str(tmp_path / "out"), "--recipe", "distill")
     assert all(r["rollout/reward"] == 0.0 and r["kl/k3_to_reference"] > 0 for r in records)
+
+
+def test_eval_every_logs_held_out_pass_at_k_before_and_during_training_and_eval_reads_a_checkpoint(tmp_path):
+    out = str(tmp_path / "out")
+    flags = ["--recipe", "math", "--model", "tiny-qwen3", "--rollout.max_tokens", "6", "--eval.every", "2",
+             "--eval.prompts", "3", "--eval.samples", "2", "--eval.top_k", "-1"]
+    records, stdout = train(out, *flags)
+    assert "eval at step 0: pass@1" in stdout and "eval at step 2: pass@1" in stdout
+    before = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][0]
+    assert before["step"] == 0 and {"eval/pass@1", "eval/pass@2"} <= set(before)
+    assert "eval/pass@1" in records[-1] and 0.0 <= records[-1]["eval/pass@1"] <= records[-1]["eval/pass@2"] <= 1.0
+    done = subprocess.run([sys.executable, "train.py", "eval", os.path.join(out, "checkpoints", "final"),
+                           "--recipe", "math", "--eval.prompts", "3", "--rollout.max_tokens", "6"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["eval/prompts"] == 3.0
+    refused = subprocess.run([sys.executable, "train.py", "--recipe", "math", "--eval.samples", "0"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "eval.samples" in refused.stderr
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    import train
+    assert train.pass_at_k(4, 0, 1) == 0.0 and train.pass_at_k(4, 4, 1) == 1.0
+    assert train.pass_at_k(4, 1, 1) == 0.25 and train.pass_at_k(4, 1, 4) == 1.0
+    assert abs(train.pass_at_k(5, 2, 2) - (1 - 3 / 10)) < 1e-12          # 1 - C(3,2)/C(5,2)
