@@ -5,12 +5,14 @@
 # atomic checkpoints.
 # Never does: compute rewards or advantages, sample tokens, talk to an engine, or decide correction math itself.
 # Invariants kept:
-#   3 (forward consistency): logprobs are log_softmax(logits_fp32 / T) at the engine's temperature, with the
-#     engine's position ids, the model in eval mode for recompute AND training (no dropout/jitter differences), no
-#     autocast, MoE routes replayed through the forward and the backward (invariants.replay_routes), and a VLM
-#     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
+#   3 (forward consistency): logprobs are the engine's processed distribution (invariants.processed_logprobs:
+#     fp32 logits / T, top-k, top-p) at each token's own recorded sampling, with the engine's position ids, the
+#     model in eval mode for recompute AND training (no dropout/jitter differences), no autocast, MoE routes
+#     replayed through the forward and the backward (invariants.replay_routes), and a VLM row fed the very
+#     images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
 #   2 (policy version): the version gate and the train/infer IS weights come from invariants.gate_sequences and
-#     invariants.correction_weights; this module applies them and normalises by GLOBAL denominators.
+#     invariants.correction_weights, over whole rollouts; this module applies them, drops what they reject from
+#     the mask, and weighs each token by algo.loss_weights over the step's GLOBAL counts.
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
 import contextlib
 import math
@@ -30,9 +32,21 @@ import algo
 import invariants
 import models
 
-CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last; a folder without it is half-written (Molt bug 50)
+CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder without it was cut off mid-save
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
+RUN_STATE = "run_state.pt"                       # the training loop's own state (train.py), for an exact resume
 POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means reported by algo.policy_loss
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step did, overall and to each token of this rank's rows ([B, T] / [B], on CPU)."""
+    metrics: dict[str, float]
+    loss_contribution: Tensor   # token_loss * weight: the token's exact share of the step's loss (0 if not trained)
+    is_weights: Tensor          # the detached IS weight its loss was multiplied by (1 off the trainable tokens)
+    kept: Tensor                # bool [B]: the row's rollout passed the sequence gate
+    staleness: Tensor           # long [B]: trainer version - the oldest version of the row's rollout
+    mask: Tensor                # the final loss mask: trainable, in a kept rollout, not rejected by the IS mask
 
 
 # ---- logprobs (the trainer side of "behavior logprob") ----
@@ -70,38 +84,53 @@ def _with_blank_image(model, input_ids: Tensor, attention_mask: Tensor,
     return ids, mask, [[blank]] + [[] for _ in range(input_ids.shape[0] - 1)]
 
 
-def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-                    images: list[list[invariants.ImageInput]] | None = None,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) and, if asked, the detached
-    [B,T] entropy of the tempered next-token distribution that produced it. `images`: per row, for a VLM."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}; pass the rollout's sampling temperature")
+def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
+                    images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
+                    top_p: Tensor | float = 1.0, top_k: Tensor | int = -1) -> tuple[Tensor, Tensor | None]:
+    """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) under the distribution that
+    drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k: scalars, or
+    [B,T] tensors aligned to tokens (TrainBatch.temperature/top_p/top_k: each token's own recorded sampling).
+    `images`: per row, for a VLM."""
+    if not bool((torch.as_tensor(temperature) > 0).all()):
+        raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
+                         "(TrainBatch.temperature)")
     ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
                    **_forward_inputs(model, ids, mask, images)).logits[:, :input_ids.shape[1]]
-    # upcast BEFORE dividing by T: a bf16 divide shifted logprobs by ~0.13 nats at T=0.7 (Molt aac0658)
-    log_probs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+
+    def drawing(x):   # token t was drawn from the logits at t - 1, with token t's own sampling
+        return x[:, 1:] if isinstance(x, Tensor) and x.dim() == 2 else x
+    # the engine's own processing (fp32 upcast before the temperature, top-k, top-p), at the sampled ids
+    log_probs = invariants.processed_logprobs(logits[:, :-1], drawing(temperature), drawing(top_p), drawing(top_k),
+                                              keep=input_ids[:, 1:])
     next_logprob = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     real = attention_mask[:, 1:].bool()
     token_logprobs = F.pad(torch.where(real, next_logprob, 0.0), (1, 0))
     if not with_entropy:
         return token_logprobs, None
-    with torch.no_grad():  # H = -sum_v p log p on the same tempered logits (Molt: entropy uses them too)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    with torch.no_grad():  # H = -sum_v p log p of the same processed distribution (entr(0) = 0 off the nucleus)
+        entropy = torch.special.entr(log_probs.exp()).sum(-1)
         return token_logprobs, F.pad(torch.where(real, entropy, 0.0), (1, 0))
 
 
-def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: float,
-                      routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None) -> Tensor:
-    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: log_softmax(logits_fp32 / T) at the
-    sampled id. [B,T] fp32 aligned to tokens; position 0 and padding are 0.0. `routes` (long [B,T,L,k]) replays
-    the engine's MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs.
-    Gradients flow unless the caller is under torch.no_grad()."""
-    if routes is None:
-        return _token_logprobs(model, input_ids, attention_mask, temperature, images)[0]
-    with invariants.replay_routes(model, routes):
-        return _token_logprobs(model, input_ids, attention_mask, temperature, images)[0]
+def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
+                      routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None,
+                      top_p: Tensor | float = 1.0, top_k: Tensor | int = -1) -> Tensor:
+    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits,
+    temperature, top_p, top_k) at the sampled id. [B,T] fp32 aligned to tokens; position 0 and padding are 0.0.
+    The sampling arguments are scalars or [B,T] per-token tensors (a batch's recorded sampling). `routes` (long
+    [B,T,L,k]) replays the engine's MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad
+    runs. Gradients flow unless the caller is under torch.no_grad()."""
+    replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    with replay:
+        return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k)[0]
+
+
+def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:
+    """sequence_logprobs of a whole TrainBatch at each token's recorded sampling, without routes (a frozen
+    reference or teacher model, which has no routes of its own to replay)."""
+    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature, images=batch.images,
+                             top_p=batch.top_p, top_k=batch.top_k)
 
 
 # ---- config ----
@@ -156,7 +185,8 @@ def lr_factor(step: int, cfg: ActorConfig, total_steps: int) -> float:
 
 def tied_output_key(model) -> str | None:
     """The EXACT state_dict key of the output embedding when it shares the input embedding's tensor, else None.
-    Only this key may be left out of an export (Molt bug 2: `mtp.lm_head.weight` must still be sent)."""
+    Only this key may be left out of an export: matching by suffix would also drop an untied head with a similar
+    name (a multi-token-prediction `mtp.lm_head.weight`), and the engine would keep its stale copy."""
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if output is None or output.weight is not embedding.weight:
         return None
@@ -200,7 +230,8 @@ class Actor:
         self.rank = dist.get_rank() if _is_distributed() else 0
         self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
                        else torch.device("cpu"))
-        # fp32 masters and fp32 forward; no autocast (Molt bug 13: it forced the fp32 router to bf16)
+        # fp32 masters and fp32 forward; no autocast (it would also run the MoE routers, which models keep in fp32,
+        # in bf16, and flip expert choices away from the engine's)
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
         if self.world_size > 1:
             self._shard()
@@ -234,11 +265,20 @@ class Actor:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _micro_batches(self, n_rows: int) -> list[slice | None]:
-        """Row slices of this rank's micro-batches, padded with None up to the most any rank has: FSDP2 runs
-        collectives in every forward/backward, so all ranks must run the same count (Molt bug 36: hangs)."""
-        size = self.cfg.micro_batch_size
-        slices = [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+    def _micro_batches(self, rollout_ids: list[str]) -> list[slice | None]:
+        """Row slices of this rank's micro-batches, about micro_batch_size rows each but never splitting a rollout
+        (GSPO's sequence ratio needs all of a rollout's rows in one forward), padded with None up to the most any
+        rank has: FSDP2 runs collectives in every forward/backward, so a rank that ran fewer would leave the
+        others waiting in a collective forever."""
+        starts = [b for b in range(len(rollout_ids)) if b == 0 or rollout_ids[b] != rollout_ids[b - 1]]
+        if len(starts) != len(set(rollout_ids)):
+            raise ValueError("the rows of a rollout must be adjacent in the batch (build it from each rollout's "
+                             "rows in order, as train.py does)")
+        slices, begin = [], 0
+        for start in starts[1:] + [len(rollout_ids)] if rollout_ids else []:
+            if start - begin >= self.cfg.micro_batch_size or start == len(rollout_ids):
+                slices.append(slice(begin, start))
+                begin = start
         most = int(self._reduce([len(slices)], dist.ReduceOp.MAX)[0])
         return slices + [None] * (most - len(slices))
 
@@ -252,44 +292,48 @@ class Actor:
     def _cut(self, t: Tensor, rows: slice, width: int) -> Tensor:
         return t[rows, :width].to(self.device)
 
-    def _rows(self, batch: invariants.TrainBatch, rows: slice) -> tuple[Tensor, Tensor, Tensor | None, list, int]:
-        """input_ids, attention_mask, routes and images of `rows`, cut to their longest row (right padding), and
-        that width."""
+    def _rows(self, batch: invariants.TrainBatch, rows: slice) -> tuple[Tensor, Tensor, Tensor | None, list, dict, int]:
+        """input_ids, attention_mask, routes, images and the per-token sampling of `rows`, cut to their longest row
+        (right padding), and that width."""
         width = max(int(batch.attention_mask[rows].sum(-1).max()), 1)
         routes = self._cut(batch.routes, rows, width) if batch.routes is not None else None
+        sampling = {name: self._cut(getattr(batch, name), rows, width) for name in ("temperature", "top_p", "top_k")}
         return (self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width), routes,
-                batch.images[rows], width)
+                batch.images[rows], sampling, width)
 
     # -- logprob recompute (pi_old / pi_prox) --
 
     @torch.no_grad()
-    def recompute_logprobs(self, batch: invariants.TrainBatch, temperature: float) -> Tensor:
-        """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, with MoE routes replayed."""
+    def recompute_logprobs(self, batch: invariants.TrainBatch) -> Tensor:
+        """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, each token at its own recorded
+        sampling (temperature, top_p, top_k), with MoE routes replayed."""
         _check_right_padded(batch.attention_mask)
         batch_size, length = batch.input_ids.shape
         out = torch.zeros((batch_size, length), dtype=torch.float32)
-        for rows in self._micro_batches(batch_size):
+        for rows in self._micro_batches(batch.rollout_ids):
             if rows is None:
                 self._filler_forward()
                 continue
-            input_ids, attention_mask, routes, images, width = self._rows(batch, rows)
-            out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, temperature, routes,
-                                                  images).cpu()
+            input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
+            out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, routes=routes, images=images,
+                                                  **sampling).cpu()
         return out
 
     # -- one optimizer step --
 
     def train_step(self, batch: invariants.TrainBatch, old_logprobs: Tensor, algo_cfg: algo.AlgoConfig,
-                   correction_cfg: invariants.CorrectionConfig, temperature: float, trainer_version: int,
-                   ref_logprobs: Tensor | None = None) -> dict[str, float]:
+                   correction_cfg: invariants.CorrectionConfig, trainer_version: int,
+                   ref_logprobs: Tensor | None = None, token_budget: int | None = None) -> "StepReport":
         """ONE optimizer step over this rank's rows of the step's batch (all micro-batches, all ranks).
         old_logprobs: [B,T] recomputed with the weights of `trainer_version` (the proximal policy).
         ref_logprobs: [B,T] of the reference model, needed when the KL is a loss term (algo.kl_loss_coef > 0).
-        Gradients of the step stay on the parameters until the next call (zeroed at the start)."""
+        token_budget: Dr.GRPO's constant (most sampled tokens a rollout can hold), for seq_mean_token_sum_norm.
+        The rows of a rollout must be adjacent and on one rank. Returns the step's metrics and what the step did to
+        each token. Gradients of the step stay on the parameters until the next call (zeroed at the start)."""
         _check_right_padded(batch.attention_mask)
         if old_logprobs.shape != batch.input_ids.shape:
             raise ValueError(f"old_logprobs must be [B,T]={tuple(batch.input_ids.shape)} aligned to tokens, "
-                             f"got {tuple(old_logprobs.shape)}; use recompute_logprobs(batch, temperature)")
+                             f"got {tuple(old_logprobs.shape)}; use recompute_logprobs(batch)")
         kl_coef = algo.kl_loss_coef(algo_cfg)
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
@@ -297,46 +341,61 @@ class Actor:
         loss_mask = batch.loss_mask.float()
         behavior = batch.behavior_logprobs.float()
         old_logprobs = old_logprobs.float()
+        seq_index = invariants.sequence_index(batch.rollout_ids)      # rows -> rollouts: a rollout is the sequence
 
-        # (1) sequence gates: version (staleness <= eta), veto, seq/geo band; dropped rows leave the denominators
-        stale = invariants.staleness(batch.policy_versions, loss_mask, trainer_version)
+        # (1) sequence gates: version (staleness <= eta), veto, seq/geo band, each over a whole rollout
+        stale = invariants.staleness(batch.policy_versions, loss_mask, trainer_version, seq_index)
         keep, gate_counts = invariants.gate_sequences((old_logprobs - behavior) * loss_mask, loss_mask, stale,
-                                                      correction_cfg)
-        mask = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
-        # (2) train/infer IS weights pi_prox / mu per token, each token against its own behavior logprob (detached)
-        is_weights, is_metrics = invariants.correction_weights(old_logprobs, behavior, mask, correction_cfg)
+                                                      correction_cfg, seq_index)
+        gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
+        # (2) train/infer IS weights pi_prox / mu per token, each token against its own behavior logprob (detached);
+        # a token the mask mode rejects (w = 0) leaves the mask, so it leaves every denominator too
+        is_weights, is_metrics = invariants.correction_weights(old_logprobs, behavior, gated, correction_cfg,
+                                                               seq_index)
+        mask = gated * (is_weights > 0).to(gated.dtype)
 
-        # (3) GLOBAL denominators of the whole step, so micro-batch and rank splits change nothing (verl #7321)
-        global_tokens, global_seqs = self._reduce([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
-        max_len = int(self._reduce([float(loss_mask.sum(-1).max())], dist.ReduceOp.MAX)[0])  # Dr.GRPO's L_max
-        sums, maxes = self._gate_sums(loss_mask, mask, stale, old_logprobs - behavior, gate_counts, is_metrics)
+        # (3) GLOBAL denominators of the whole step over the final mask, so micro-batch and rank splits change
+        # nothing (verl #7321); rollouts are rank-local, so their counts add up across ranks
+        global_tokens, global_seqs = self._reduce([float(mask.sum()), float(invariants.count_sequences(mask,
+                                                                                                       seq_index))])
+        sums, maxes = self._gate_sums(loss_mask, gated, stale, old_logprobs - behavior, seq_index, gate_counts,
+                                      is_metrics)
         self.optimizer.zero_grad(set_to_none=True)
-        if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
-            return self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True)
+        contribution = torch.zeros_like(loss_mask)
 
-        # (4) micro-batches: forward with grad (routes replayed through backward too, Molt bug 31), backward
-        per_token = {"old": old_logprobs, "advantages": batch.advantages.float(), "mask": mask, "w": is_weights}
+        def report(metrics: dict[str, float]) -> StepReport:
+            return StepReport(metrics, contribution, is_weights, keep, stale, mask)
+        if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
+            return report(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
+        weights = algo.loss_weights(mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget, seq_index)
+
+        # (4) micro-batches: forward with grad, backward; MoE routes stay replayed through the backward too (an
+        # activation-checkpointed recompute would otherwise route live and disagree with the forward)
+        per_token = {"old": old_logprobs, "advantages": batch.advantages.float(), "mask": mask, "w": is_weights,
+                     "weights": weights}
         if kl_coef > 0:
             per_token["ref"] = ref_logprobs.float()
-        for rows in self._micro_batches(batch.input_ids.shape[0]):
+        for rows in self._micro_batches(batch.rollout_ids):
             if rows is None:
                 self._filler_forward().backward()
                 continue
-            input_ids, attention_mask, routes, images, width = self._rows(batch, rows)
+            input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
             mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
             with replay:
-                logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, temperature, images,
-                                                    with_entropy=True)
+                logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,
+                                                    with_entropy=True, **sampling)
                 token_loss, pl_metrics = algo.policy_loss(logprobs, mb["old"], mb["advantages"], mb["mask"],
-                                                          algo_cfg, is_weights=mb["w"])
-                if kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted (as in Molt)
+                                                          algo_cfg, is_weights=mb["w"],
+                                                          seq_index=seq_index[rows].to(self.device))
+                if kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
                     kl = algo.kl_divergence(logprobs, mb["ref"], algo_cfg.kl_estimator) * mb["mask"]
                     token_loss = token_loss + kl_coef * kl
                     sums["kl_ref"] += float(kl.detach().sum())
-                loss = algo.aggregate_loss(token_loss, mb["mask"], algo_cfg.loss_agg, global_tokens, global_seqs,
-                                           max_len)
+                token_share = token_loss * mb["weights"]      # each token's exact share of the step's loss
+                loss = token_share.sum()
                 loss.backward()
+            contribution[rows, :width] = token_share.detach().cpu()
             mb_tokens = float(mb["mask"].sum())
             sums["loss"] += float(loss.detach())
             sums["entropy"] += float((entropy * mb["mask"]).sum())
@@ -348,28 +407,30 @@ class Actor:
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         if not math.isfinite(grad_norm):  # a NaN/inf gradient would poison AdamW's moments: skip the update
             self.optimizer.zero_grad(set_to_none=True)
-            return self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True)
+            contribution.zero_()
+            return report(self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True))
         metrics = self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=False)
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         metrics["actor/version"] = float(self.version)
-        return metrics
+        return report(metrics)
 
     # -- step metrics (summed over ranks, then divided by global counts) --
 
-    def _gate_sums(self, loss_mask: Tensor, mask: Tensor, stale: Tensor, log_ratio: Tensor, gate_counts: dict,
-                   is_metrics: dict) -> tuple[dict[str, float], dict[str, float]]:
+    def _gate_sums(self, loss_mask: Tensor, gated: Tensor, stale: Tensor, log_ratio: Tensor, seq_index: Tensor,
+                   gate_counts: dict, is_metrics: dict) -> tuple[dict[str, float], dict[str, float]]:
         trainable_rows = loss_mask.sum(-1) > 0
         diff = log_ratio.abs() * loss_mask  # |log pi_old - log mu|: train/infer mismatch before any correction
-        kept_tokens = float(mask.sum())
+        rollout_staleness = {int(i): float(s) for i, s, t in zip(seq_index, stale, trainable_rows) if t}
         sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, **{name: 0.0 for name in POLICY_LOSS_METRICS},
-                "trainable_tokens": float(loss_mask.sum()), "trainable_rows": float(trainable_rows.sum()),
-                "staleness": float(stale[trainable_rows].float().sum()), "logprob_diff": float(diff.sum()),
+                "trainable_tokens": float(loss_mask.sum()), "gated_tokens": float(gated.sum()),
+                "rollouts": float(len(rollout_staleness)), "staleness": sum(rollout_staleness.values()),
+                "logprob_diff": float(diff.sum()),
                 **{f"gate/{k}": float(v) for k, v in gate_counts.items()},
-                # the invariants' IS metrics are means over this rank's kept tokens: weight them back into sums
-                **{f"is/{k}": float(v) * kept_tokens for k, v in is_metrics.items()}}
-        maxes = {"staleness_max": float(stale[trainable_rows].max()) if trainable_rows.any() else 0.0,
+                # the invariants' IS metrics are means over this rank's gated tokens: weight them back into sums
+                **{f"is/{k}": float(v) * float(gated.sum()) for k, v in is_metrics.items()}}
+        maxes = {"staleness_max": max(rollout_staleness.values(), default=0.0),
                  "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0}
         return sums, maxes
 
@@ -384,21 +445,22 @@ class Actor:
                    "actor/kept_tokens": global_tokens, "actor/kept_seqs": global_seqs,
                    "actor/entropy": total["entropy"] / kept, "actor/kl_ref": total["kl_ref"] / kept,
                    **{f"actor/{name}": total[name] / kept for name in POLICY_LOSS_METRICS},
-                   "actor/staleness_mean": total["staleness"] / max(total["trainable_rows"], 1.0),
+                   "actor/staleness_mean": total["staleness"] / max(total["rollouts"], 1.0),   # per rollout
                    "actor/staleness_max": top["staleness_max"],
                    "actor/logprob_diff_mean": total["logprob_diff"] / max(total["trainable_tokens"], 1.0),
                    "actor/logprob_diff_max": top["logprob_diff_max"]}
         metrics.update({k: v for k, v in total.items() if k.startswith("gate/")})
-        metrics.update({k: v / kept for k, v in total.items() if k.startswith("is/")})
+        metrics.update({k: v / max(total["gated_tokens"], 1.0) for k, v in total.items() if k.startswith("is/")})
         return metrics
 
     # -- weights out --
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, Tensor]:
-        """Full (unsharded) weights on CPU for the engine: EVERY state_dict entry (Molt bug 1: a name-filtered
-        refit shipped 3 of 653 params), each in its own dtype (Molt bug 3), minus the tied output embedding by its
-        exact key (Molt bug 2). Collective under FSDP2; every rank gets the full dict."""
+        """Full (unsharded) weights on CPU for the engine: EVERY state_dict entry (a refit that filters by name can
+        silently ship a handful of a model's parameters), each in its own dtype (an fp32 router or norm cast to bf16
+        changes the engine's model), minus the tied output embedding by its exact key (tied_output_key).
+        Collective under FSDP2; every rank gets the full dict."""
         skip = tied_output_key(self.model)
         weights = {}
         for name, value in self.model.state_dict().items():
@@ -411,9 +473,11 @@ class Actor:
 
     # -- checkpoints --
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
         """Write model, optimizer, scheduler, version and RNG states to `path` atomically: everything goes to
-        `path`.tmp, the marker is written last, then the folder is renamed into place (replacing an old one)."""
+        `path`.tmp, the marker is written last, then the folder is renamed into place (replacing an old one).
+        `run_state`: what the training loop needs to continue exactly (its step, the engines' sampler streams,
+        Python's RNG), saved beside the actor's own state and handed back by load_checkpoint."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         path = os.path.normpath(path)
@@ -425,6 +489,7 @@ class Actor:
         if self.rank == 0:
             torch.save({"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
                         "version": self.version, "world_size": self.world_size}, os.path.join(tmp, CHECKPOINT_STATE))
+            torch.save(run_state or {}, os.path.join(tmp, RUN_STATE))
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
         torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
@@ -436,8 +501,9 @@ class Actor:
             os.rename(tmp, path)
         self._barrier()
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore a folder written by save_checkpoint (any world size; RNG states when the rank's file exists)."""
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore a folder written by save_checkpoint (any world size; RNG states when the rank's file exists).
+        Returns the run_state it was saved with ({} if none)."""
         if not os.path.exists(os.path.join(path, CHECKPOINT_MARKER)):
             raise FileNotFoundError(
                 f"{path!r} is not a complete actor checkpoint: the marker file {CHECKPOINT_MARKER} is missing, so the "
@@ -453,6 +519,8 @@ class Actor:
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        run_state = os.path.join(path, RUN_STATE)
+        return torch.load(run_state, weights_only=True) if os.path.exists(run_state) else {}
 
     def _barrier(self) -> None:
         if self.world_size > 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from invariants import MAX_LOG_RATIO
+from invariants import MAX_LOG_RATIO, per_sequence
 
 # ---- config + validation ----
 
@@ -193,17 +193,20 @@ def policy_loss(
     loss_mask: Tensor,
     cfg: AlgoConfig,
     is_weights: Tensor | None = None,
+    seq_index: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token clipped surrogate loss [B, T] (0 off the mask) and monitoring metrics.
     PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_old.
-    GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)),
-    whose gradient equals sequence-level GSPO when advantages are per sequence and loss_agg is seq_mean_token_mean.
-    w = is_weights from invariants.correction_weights, DETACHED here (None -> 1)."""
+    GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)) over
+    every token of the sequence i (a rollout: all its rows, seq_index [B] maps rows to rollouts, None = one row
+    each), whose gradient equals sequence-level GSPO when advantages are per sequence and loss_agg is
+    seq_mean_token_mean. The rows of a sequence must all be in this call. w = is_weights from
+    invariants.correction_weights, DETACHED here (None -> 1)."""
     token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     log_ratio = token_log_ratio
     if cfg.estimator == "gspo":
-        tokens = loss_mask.sum(-1, keepdim=True).clamp_min(1.0)
-        seq_log_ratio = (token_log_ratio.sum(-1, keepdim=True) / tokens).detach()
+        tokens = per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0)
+        seq_log_ratio = (per_sequence(token_log_ratio.sum(-1), seq_index) / tokens).detach().unsqueeze(-1)
         log_ratio = seq_log_ratio + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
@@ -225,26 +228,34 @@ def policy_loss(
 
 
 # ---- loss aggregation ----
-# Every mode is "sum over THIS micro-batch / a GLOBAL denominator" of the whole optimizer step (all micro-batches,
-# all ranks), so summing micro-batch gradients gives the full-batch gradient however the batch is split
-# (verl #7321, prime-rl #2562). Under DDP/FSDP mean-reduce the caller multiplies by the data-parallel world size.
+# The loss of an optimizer step is sum_{b,t} token_loss[b,t] * weight[b,t], with weights built from GLOBAL counts of
+# the whole step (all micro-batches, all ranks), so summing micro-batch gradients gives the full-batch gradient
+# however the batch is split (verl #7321, prime-rl #2562). A "sequence" is a rollout (all its rows, seq_index), and
+# the mask is the FINAL mask of the step: a token or sequence a correction rejected is not counted anywhere
+# (invariants.py, section 2). The weight of a token is also its exact share of the loss: the trace reports
+# token_loss * weight as each token's contribution.
 
 
-def aggregate_loss(
-    token_loss: Tensor, loss_mask: Tensor, mode: str, global_tokens: float, global_seqs: float, max_len: int
+def loss_weights(
+    loss_mask: Tensor, mode: str, global_tokens: float, global_seqs: float, token_budget: int | None = None,
+    seq_index: Tensor | None = None,
 ) -> Tensor:
-    """Scalar loss of one micro-batch.
-    token_mean: sum(loss*mask) / global_tokens (trainable tokens in the step).
-    seq_mean_token_mean (GRPO): sum_b mean_t(loss_b) / global_seqs (rows with >= 1 trainable token in the step).
-    seq_mean_token_sum_norm (Dr.GRPO): sum(loss*mask) / (global_seqs * max_len), max_len a constant per run."""
-    masked = token_loss * loss_mask
+    """[B, T] weight of each token's loss in the step's scalar loss (0 off the mask).
+    token_mean: 1 / global_tokens (kept tokens in the step).
+    seq_mean_token_mean (GRPO): 1 / (global_seqs * tokens of its sequence), i.e. the mean over kept sequences of
+      each sequence's token mean; the sequence is the rollout, so a rollout sealed into three rows weighs once.
+    seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_seqs * token_budget), token_budget a constant of
+      the run (train.py: the most sampled tokens a rollout can hold), so no sequence's length changes any weight."""
     if mode == "token_mean":
-        return masked.sum() / _positive("global_tokens", global_tokens)
+        return loss_mask / _positive("global_tokens", global_tokens)
     if mode == "seq_mean_token_mean":
-        per_seq = masked.sum(-1) / loss_mask.sum(-1).clamp_min(1.0)
-        return per_seq.sum() / _positive("global_seqs", global_seqs)
+        tokens = per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0)
+        return loss_mask / (tokens.unsqueeze(-1) * _positive("global_seqs", global_seqs))
     if mode == "seq_mean_token_sum_norm":
-        return masked.sum() / (_positive("global_seqs", global_seqs) * _positive("max_len", max_len))
+        if token_budget is None:
+            raise ValueError("seq_mean_token_sum_norm divides by a constant token budget per sequence; pass "
+                             "token_budget (the most sampled tokens a rollout can hold)")
+        return loss_mask / (_positive("global_seqs", global_seqs) * _positive("token_budget", token_budget))
     raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
 
 

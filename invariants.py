@@ -1,10 +1,12 @@
 # invariants.py — the three correctness invariants of tracerl, as code.
 # Owns every rule about tokens, versions and routes:
 #   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger,
-#      segment sealing, TrainBatch, check_token_identity);
+#      segment sealing, TrainBatch, check_token_identity, check_sampled_once);
 #   2. policy version: every sampled token keeps the version and behavior logprob it was sampled with;
-#      staleness gate and importance-sampling (IS) corrections;
-#   3. forward consistency: MoE rollout routing replay (R3) — the trainer uses the experts the engine used.
+#      staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a rejection removes;
+#   3. forward consistency: one processed distribution for engine and trainer (processed_logprobs, at each
+#      token's recorded Sampling) and MoE rollout routing replay (R3): the trainer uses the experts the engine
+#      used.
 # Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`.
 # Imported by every stage (engine, actor, algorithms, trainer).
 from __future__ import annotations
@@ -69,6 +71,31 @@ def check_image_pads(token_ids: Sequence[int], images: Sequence[ImageInput], pad
                          f"pass exactly the images of those pads, in order")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the engine drew a token: the processing the trainer must repeat to recompute its behavior logprob
+    (invariant 3). Recorded per token, because an agent may send its own temperature/top_p/top_k per request."""
+    temperature: float = 1.0         # logits / temperature, > 0
+    top_p: float = 1.0               # nucleus mass in (0, 1]; 1 = off
+    top_k: int = -1                  # most likely tokens kept; -1 = off
+
+
+UNSAMPLED = Sampling()  # what context tokens carry: the plain model distribution (they are never trained)
+
+
+def check_sampling(sampling: Sampling, where: str) -> None:
+    """Refuse a Sampling the processed distribution cannot be recomputed from."""
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"{where}: sampling must be an invariants.Sampling (the engine's Generation.sampling), got "
+                         f"{type(sampling).__name__}; a token without its sampling would be trained at a guessed "
+                         f"temperature")
+    t, p, k = sampling.temperature, sampling.top_p, sampling.top_k
+    if not (isinstance(t, Real) and math.isfinite(t) and t > 0 and isinstance(p, Real) and 0 < p <= 1
+            and isinstance(k, Integral) and (k == -1 or k >= 1)):
+        raise ValueError(f"{where}: sampling {sampling} is not a distribution: temperature must be finite and > 0, "
+                         f"top_p in (0, 1], top_k -1 or >= 1")
+
+
 @dataclass(eq=False)
 class Segment:
     """One training row: a token buffer plus per-position arrays, all of length len(token_ids)."""
@@ -79,6 +106,7 @@ class Segment:
     trainable: list[bool]            # [n] True only for engine-sampled tokens
     behavior_logprobs: list[float]   # [n] engine logprob of the sampled token (nats); 0.0 on context tokens
     policy_versions: list[int]       # [n] weight version that sampled the token; -1 on context tokens
+    sampling: list[Sampling]         # [n] how each token was drawn; UNSAMPLED on context tokens
     routes: np.ndarray | None = None  # int16 [n, layers, top_k] expert ids; -1 = not routed; None = no routes
     seal_reason: str = ""            # "" while open; why it was sealed
     common_prefix_len: int = -1      # LCP with the prompt that caused the seal (-1 if not sealed by a prompt)
@@ -134,15 +162,17 @@ class TokenLedger:
         return list(seg.images) if seg is not None else []
 
     def _new_segment(self) -> Segment:
-        seg = Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [])
+        seg = Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], [])
         self.segments.append(seg)
         return seg
 
-    def _grow(self, seg: Segment, ids: list[int], trainable: bool, logprobs: list[float], versions: list[int]):
+    def _grow(self, seg: Segment, ids: list[int], trainable: bool, logprobs: list[float], versions: list[int],
+              sampling: Sampling = UNSAMPLED):
         seg.token_ids.extend(ids)
         seg.trainable.extend([trainable] * len(ids))
         seg.behavior_logprobs.extend(logprobs)
         seg.policy_versions.extend(versions)
+        seg.sampling.extend([sampling] * len(ids))
         if seg.routes is not None:  # new positions are not routed yet
             pad = np.full((len(ids),) + seg.routes.shape[1:], -1, dtype=np.int16)
             seg.routes = np.concatenate([seg.routes, pad])
@@ -183,10 +213,12 @@ class TokenLedger:
         self._grow(seg, ids, False, [0.0] * len(ids), [-1] * len(ids))
 
     def append_sampled(self, token_ids: Sequence[int], behavior_logprobs: Sequence[float],
-                       policy_versions: Sequence[int]) -> None:
-        """Append engine-sampled tokens with the logprob and weight version each was sampled with."""
+                       policy_versions: Sequence[int], sampling: Sampling) -> None:
+        """Append engine-sampled tokens with the logprob and weight version each was sampled with, and the
+        sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it."""
         where = f"append_sampled (rollout {self.rollout_id})"
         ids = _check_ids(token_ids, where)
+        check_sampling(sampling, where)
         logprobs, versions = list(behavior_logprobs), list(policy_versions)
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"{where}: got {len(ids)} token ids, {len(logprobs)} behavior logprobs and "
@@ -210,11 +242,14 @@ class TokenLedger:
                                  f"has version {v} after version {last}; weights only move forward, so the engine "
                                  f"is stamping versions wrongly")
             last = v
-        self._grow(seg, ids, True, [float(x) for x in logprobs], [int(v) for v in versions])
+        self._grow(seg, ids, True, [float(x) for x in logprobs], [int(v) for v in versions], sampling)
 
     def absorb_routes(self, routes: np.ndarray, start: int = 0) -> None:
-        """Store MoE routes [n, L, k] at absolute positions start..start+n of the open segment. First writer wins:
-        a position that already has a route keeps it. Rows of -1 mean "not routed"."""
+        """Store MoE routes [n, L, k] at absolute positions start..start+n of the open segment. Rows of -1 mean
+        "not routed". First writer wins: a position that already has a route keeps it, because the tokens sampled
+        after that position were conditioned on the route it got when it was first forwarded (a prefix cache,
+        vLLM's included, never recomputes it). The embedded engine keeps the same rule inside one request: a
+        re-prefill after a weight swap adds routes only for positions that had none."""
         where = f"absorb_routes (rollout {self.rollout_id})"
         seg = self._open
         if seg is None:
@@ -245,7 +280,8 @@ class TokenLedger:
         if seg is None:
             raise ValueError(f"seal (rollout {self.rollout_id}): no open segment to seal")
         n = len(seg.token_ids)
-        if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == n) or \
+        if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == len(seg.sampling)
+                == n) or \
                 (seg.routes is not None and len(seg.routes) != n):
             raise AssertionError(f"segment {seg.segment_id} of rollout {self.rollout_id}: per-position arrays differ "
                                  f"in length from its {n} tokens; change segments only through the ledger")
@@ -265,6 +301,9 @@ class TrainBatch:
     behavior_logprobs: Tensor  # float32 [B, T]; engine logprobs, 0 on context/padding
     policy_versions: Tensor    # long [B, T]; sampling version, -1 on context/padding
     advantages: Tensor         # float32 [B, T]; 0 on context/padding
+    temperature: Tensor        # float32 [B, T]; the temperature that drew each token (1 on context/padding)
+    top_p: Tensor              # float32 [B, T]; its nucleus mass (1 = off)
+    top_k: Tensor              # long [B, T]; its top-k (-1 = off)
     routes: Tensor | None      # long [B, T, L, k]; -1 where unknown; None if no row has routes
     rollout_ids: list[str]
     group_ids: list[str]
@@ -286,6 +325,8 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     behavior = torch.zeros(B, T, dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
     adv = torch.zeros(B, T, dtype=torch.float32)
+    temperature, top_p = torch.ones(B, T, dtype=torch.float32), torch.ones(B, T, dtype=torch.float32)
+    top_k = torch.full((B, T), -1, dtype=torch.long)
     shapes = {r.routes.shape[1:] for r in rows if r.routes is not None}
     if len(shapes) > 1:
         raise ValueError(f"build_batch: rows carry routes of different [layers, top_k] shapes {sorted(shapes)}")
@@ -301,6 +342,9 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         loss_mask[b, :n] = mask.float()
         behavior[b, :n] = torch.tensor(row.behavior_logprobs, dtype=torch.float32)
         versions[b, :n] = torch.tensor(row.policy_versions, dtype=torch.long)
+        temperature[b, :n] = torch.tensor([x.temperature for x in row.sampling], dtype=torch.float32)
+        top_p[b, :n] = torch.tensor([x.top_p for x in row.sampling], dtype=torch.float32)
+        top_k[b, :n] = torch.tensor([x.top_k for x in row.sampling], dtype=torch.long)
         a = advantages[b]
         if isinstance(a, Real):
             per_token = torch.full((n,), float(a), dtype=torch.float32)
@@ -313,7 +357,7 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         adv[b, :n] = torch.where(mask, per_token, 0.0)
         if row.routes is not None:
             routes[b, :n] = torch.from_numpy(row.routes.astype(np.int64))
-    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, routes,
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, temperature, top_p, top_k, routes,
                       [r.rollout_id for r in rows], [r.group_id for r in rows], [list(r.images) for r in rows])
 
 
@@ -350,6 +394,21 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
                              f"is {float(batch.loss_mask[b, t])} but the token is "
                              f"{'trainable' if expected_mask[t] else 'not trainable'}; the loss mask must equal "
                              f"the sampled-token mask (is it shifted by one?)")
+        # invariants 2 and 3 ride on the same positions: each trainable token keeps its own behavior logprob,
+        # version and sampling (the trainer recomputes its logprob with that temperature/top_p/top_k)
+        t = trainable.nonzero().squeeze(-1)
+        recorded = {"behavior logprob": (batch.behavior_logprobs, torch.tensor(row.behavior_logprobs)),
+                    "policy version": (batch.policy_versions, torch.tensor(row.policy_versions)),
+                    "temperature": (batch.temperature, torch.tensor([x.temperature for x in row.sampling])),
+                    "top_p": (batch.top_p, torch.tensor([x.top_p for x in row.sampling])),
+                    "top_k": (batch.top_k, torch.tensor([x.top_k for x in row.sampling]))}
+        for what, (in_batch, in_row) in recorded.items():
+            bad = (in_batch[b, t].cpu() != in_row[t].to(in_batch.dtype)).nonzero()
+            if len(bad):
+                p = int(t[int(bad[0])])
+                raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {p}: the "
+                                 f"batch's {what} {in_batch[b, p].item()} differs from the one the token was sampled "
+                                 f"with, {in_row[p].item()}; build batches with invariants.build_batch")
         if (batch.attention_mask[b, :n] != 1).any() or (batch.attention_mask[b, n:] != 0).any():
             raise ValueError(f"token identity violated: row {b} attention_mask must be 1 on its {n} tokens and 0 "
                              f"on the right padding")
@@ -362,18 +421,27 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
             check_image_pads(row.token_ids, images, image_pad_id, f"token identity violated: row {b}")
 
 
-def check_sampled_once(rows: list[Segment], completions: Sequence[Sequence[int]]) -> None:
-    """Every sampled id is trainable in exactly one row: the trainable ids of one rollout's rows, read in segment
-    order, equal its engine completions concatenated in call order (invariants-math.md §1.3.5(iii))."""
+def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
+    """Every token the engine sampled for one rollout is trainable in exactly one of its rows, with its own
+    behavior logprob, policy version and sampling: the trainable positions of the rows, read in segment order,
+    equal the rollout's engine generations (rollout.Generation, or anything with token_ids, behavior_logprobs,
+    policy_versions and sampling) concatenated in call order (invariants-math.md §1.3.5(iii)). One pass over the
+    tokens; train.py runs it on every rollout, so a runner or session that loses, duplicates or alters a sampled
+    token fails the run loudly instead of training on it."""
     if len({r.rollout_id for r in rows}) > 1:
         raise ValueError("check_sampled_once: pass the rows of one rollout at a time")
-    trained = [t for r in rows for t, tr in zip(r.token_ids, r.trainable) if tr]
-    sampled = [int(t) for c in completions for t in c]
+    trained = [(t, lp, v, s) for r in rows
+               for t, tr, lp, v, s in zip(r.token_ids, r.trainable, r.behavior_logprobs, r.policy_versions, r.sampling)
+               if tr]
+    sampled = [(int(t), float(lp), int(v), g.sampling) for g in generations
+               for t, lp, v in zip(g.token_ids, g.behavior_logprobs, g.policy_versions)]
     if trained != sampled:
         i = common_prefix_len(trained, sampled)
-        raise ValueError(f"sampled-once violated: {len(sampled)} sampled ids vs {len(trained)} trainable ids; "
-                         f"first difference at sampled index {i}; a sampled token was lost, duplicated or "
-                         f"altered between engine and rows")
+        what = "" if i >= min(len(trained), len(sampled)) else \
+            f": trainable (id, logprob, version, sampling) {trained[i]} vs sampled {sampled[i]}"
+        raise ValueError(f"sampled-once violated (rollout {rows[0].rollout_id if rows else '?'}): {len(sampled)} "
+                         f"sampled tokens vs {len(trained)} trainable ones; first difference at sampled index {i}"
+                         f"{what}; a sampled token was lost, duplicated or altered between engine and rows")
 
 
 # ---- 2. policy version ----
@@ -392,6 +460,18 @@ def check_sampled_once(rows: list[Segment], completions: Sequence[Sequence[int]]
 # (Seq-MIS / Geo-RS / veto, verl rollout_corr_math §3.3-3.5) drop whole sequences. Both bands must contain 1,
 # so when mu == pi_prox and every v_t == V: rho == 1, w == 1 exactly, nothing is dropped, and the corrected
 # loss is the plain loss.
+#
+# What a "sequence" is: one ROLLOUT (the trajectory mu sampled), not one training row. A rollout whose context
+# was rewritten is sealed into several rows, but it is still one sample: its staleness is the oldest version
+# over all its rows, its seq/geo ratio multiplies (averages) rho over all its rows, and a gate drops all its rows
+# together (invariants-math.md §1.3.6: segments are rows, not episodes). `seq_index` [B] maps rows to rollouts
+# (sequence_index(batch.rollout_ids)); None means one row per rollout.
+#
+# One rule for what a rejection does (verl's rollout correction, which rejects through the response mask): a
+# token the mask mode rejects (w = 0) and every token of a sequence the gate drops leave the loss AND every
+# denominator of the step (tokens, sequences, and a sequence's own token count). Rejection means "this sample
+# was not drawn", so the loss is the mean over accepted samples. (IcePop's paper keeps masked tokens in its
+# 1/|y_i|; we do not, so the token mask and the sequence gate cannot disagree about what was trained.)
 
 LEVELS = ("off", "token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
@@ -432,8 +512,39 @@ def validate_correction(cfg: CorrectionConfig) -> None:
         raise ValueError(f"veto must lie in [0, 1) (typical 1e-4..1e-6; 0 = off), got {cfg.veto}")
 
 
-def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int) -> Tensor:
-    """[B] long: trainer_version - oldest version over each row's trainable tokens (0 for a row with none)."""
+def sequence_index(rollout_ids: Sequence[str]) -> Tensor:
+    """[B] long: the rollout (0..S-1, in order of first appearance) each row belongs to."""
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(r, len(first)) for r in rollout_ids], dtype=torch.long)
+
+
+def _seq_index(seq_index: Tensor | None, rows: int) -> Tensor:
+    return torch.arange(rows) if seq_index is None else seq_index
+
+
+def per_sequence(row_values: Tensor, seq_index: Tensor | None, reduce: str = "sum") -> Tensor:
+    """[B] per-row values -> [B] per-row values of their sequence: the sum (or amin/amax) over the rows of each
+    rollout, broadcast back to every one of its rows."""
+    index = _seq_index(seq_index, len(row_values)).to(row_values.device)
+    size = int(index.max()) + 1 if len(index) else 0
+    if reduce == "sum":
+        totals = torch.zeros(size, dtype=row_values.dtype, device=row_values.device).index_add(0, index, row_values)
+    else:
+        totals = torch.zeros(size, dtype=row_values.dtype, device=row_values.device).scatter_reduce(
+            0, index, row_values, reduce, include_self=False)
+    return totals[index]
+
+
+def count_sequences(loss_mask: Tensor, seq_index: Tensor | None) -> int:
+    """Sequences (rollouts) with at least one token in loss_mask [B, T]."""
+    rows = loss_mask.sum(-1) > 0
+    return len(set(_seq_index(seq_index, len(rows))[rows.cpu()].tolist()))
+
+
+def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int,
+              seq_index: Tensor | None = None) -> Tensor:
+    """[B] long per row: trainer_version - the oldest version over the trainable tokens of the row's sequence
+    (every row of a rollout gets the rollout's staleness; 0 for a sequence with no trainable token)."""
     trainable = loss_mask > 0
     v = policy_versions[trainable]
     if len(v) and (v.min() < 0 or v.max() > trainer_version):
@@ -441,8 +552,8 @@ def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int) 
                          f"lie in [0, trainer version {trainer_version}]; an unversioned (-1) or future version "
                          f"means the engine stamped tokens wrongly")
     big = torch.iinfo(torch.long).max
-    oldest = torch.where(trainable, policy_versions.long(), big).min(dim=-1).values
-    return torch.where(trainable.any(-1), trainer_version - oldest, 0)
+    oldest = per_sequence(torch.where(trainable, policy_versions.long(), big).min(dim=-1).values, seq_index, "amin")
+    return torch.where(oldest < big, trainer_version - oldest, 0)
 
 
 def _masked_log_ratio(log_ratio: Tensor, loss_mask: Tensor, where: str) -> Tensor:
@@ -450,22 +561,23 @@ def _masked_log_ratio(log_ratio: Tensor, loss_mask: Tensor, where: str) -> Tenso
     if not torch.isfinite(log_ratio[trainable]).all():
         raise ValueError(f"{where}: log ratio (prox - behavior) is not finite on a trainable token; a logprob is "
                          f"NaN/inf, which must be fixed at its source, not masked")
-    return torch.where(trainable, log_ratio, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.where(trainable, log_ratio, 0.0)
 
 
-def _seq_log_ratio(lr: Tensor, loss_mask: Tensor, level: str) -> Tensor:
-    """[B] log u for level seq (sum over trainable tokens) or geo (mean)."""
-    total = lr.sum(-1)
+def _seq_log_ratio(lr: Tensor, loss_mask: Tensor, level: str, seq_index: Tensor | None) -> Tensor:
+    """[B] log u of each row's sequence for level seq (sum over its trainable tokens) or geo (mean)."""
+    total = per_sequence(lr.sum(-1), seq_index)
     if level == "seq":
         return total.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return total / (loss_mask > 0).sum(-1).clamp_min(1)
+    return total / per_sequence((loss_mask > 0).sum(-1).to(lr.dtype), seq_index).clamp_min(1)
 
 
-def gate_sequences(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor,
-                   cfg: CorrectionConfig) -> tuple[Tensor, dict]:
-    """keep [B] bool and drop counts per reason (a sequence may fail several reasons). log_ratio = prox - behavior
-    [B, T]. Drops: staleness > max_staleness; seq/geo ratio outside [gate_low, gate_high] (Seq-MIS / Geo-RS, verl
-    rollout_corr_math §3.4–3.5); any trainable token with rho_t < veto."""
+def gate_sequences(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: CorrectionConfig,
+                   seq_index: Tensor | None = None) -> tuple[Tensor, dict]:
+    """keep [B] bool per row (all rows of a sequence agree) and drop counts per reason, in sequences (one may fail
+    several reasons). log_ratio = prox - behavior [B, T]. Drops: staleness > max_staleness; seq/geo ratio outside
+    [gate_low, gate_high] (Seq-MIS / Geo-RS, verl rollout_corr_math §3.4–3.5); any trainable token with
+    rho_t < veto (tested on the unclamped ratio, so a veto below e^-30 still fires)."""
     validate_correction(cfg)
     with torch.no_grad():
         lr = _masked_log_ratio(log_ratio, loss_mask, "gate_sequences")
@@ -473,30 +585,50 @@ def gate_sequences(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor,
         stale = staleness > cfg.max_staleness
         band = torch.zeros_like(stale)
         if cfg.seq_gate != "off":
-            s = _seq_log_ratio(lr, loss_mask, cfg.seq_gate)
+            s = _seq_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.seq_gate, seq_index)
             lo = math.log(cfg.gate_low) if cfg.gate_low > 0 else -math.inf
             band = (s < lo) | (s > math.log(cfg.gate_high))
         veto = torch.zeros_like(stale)
         if cfg.veto > 0:
-            veto = (trainable & (lr < math.log(cfg.veto))).any(-1)
+            veto = per_sequence((trainable & (lr < math.log(cfg.veto))).any(-1).long(), seq_index) > 0
         keep = ~(stale | band | veto)
-    counts = {"drop_stale": int(stale.sum()), "drop_ratio_band": int(band.sum()), "drop_veto": int(veto.sum()),
-              "kept": int(keep.sum())}
+    first: dict[int, int] = {}        # count each sequence once, at its first row, if it has a trainable token
+    rows_sequence = _seq_index(seq_index, len(keep)).tolist()
+    first_row = torch.tensor([first.setdefault(i, b) == b for b, i in enumerate(rows_sequence)], dtype=torch.bool)
+    counted = first_row & (per_sequence(trainable.any(-1).long(), seq_index).cpu() > 0)
+    counts = {"drop_stale": int((stale.cpu() & counted).sum()), "drop_ratio_band": int((band.cpu() & counted).sum()),
+              "drop_veto": int((veto.cpu() & counted).sum()), "kept": int((keep.cpu() & counted).sum())}
     return keep, counts
 
 
+def mismatch_metrics(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor) -> dict[str, float]:
+    """Train/infer mismatch over the trainable tokens: mean and max |log pi_prox - log mu|, and the k3 estimate of
+    KL(mu || pi_prox) from samples of mu: E_mu[(rho - 1) - log rho], rho = pi_prox / mu (Schulman, kl-approx)."""
+    with torch.no_grad():
+        trainable = loss_mask > 0
+        lr = _masked_log_ratio(prox_logprobs - behavior_logprobs, loss_mask, "mismatch_metrics")
+        n = trainable.sum().clamp_min(1)
+        k3 = torch.expm1(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) - lr
+        return {"logprob_diff_mean": float(lr.abs().sum() / n),
+                "logprob_diff_max": float(lr.abs().max()) if lr.numel() else 0.0,
+                "k3_kl": float(torch.where(trainable, k3, 0.0).sum() / n)}
+
+
 def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor,
-                       cfg: CorrectionConfig) -> tuple[Tensor, dict]:
-    """Detached IS weights w [B, T] (1 on non-trainable positions) and mismatch metrics; formulas above."""
+                       cfg: CorrectionConfig, seq_index: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Detached IS weights w [B, T] (1 on non-trainable positions) and mismatch metrics; formulas above. In mask
+    mode a rejected token gets w = 0 exactly (u > 0 otherwise); the caller removes it from the loss mask, so it
+    leaves every denominator too (the rejection rule above)."""
     validate_correction(cfg)
     with torch.no_grad():
         trainable = loss_mask > 0
         lr = _masked_log_ratio(prox_logprobs - behavior_logprobs, loss_mask, "correction_weights")
-        rho = lr.exp()
+        rho = lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
         if cfg.level == "token":
             u = rho
         elif cfg.level in ("seq", "geo"):
-            u = _seq_log_ratio(lr, loss_mask, cfg.level).exp()[:, None].expand_as(rho)
+            u = _seq_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.level,
+                               seq_index).exp()[:, None].expand_as(rho)
         else:
             u = torch.ones_like(rho)
         if cfg.level == "off":
@@ -510,13 +642,10 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
         w = torch.where(trainable, w, 1.0)
         n = trainable.sum().clamp_min(1)
         changed = trainable & (w != u)
-        metrics = {
-            "is_masked_frac": float((changed & (w == 0)).sum() / n),
-            "is_clipped_frac": float((changed & (w != 0)).sum() / n),
-            "mismatch_abs_log_ratio": float(lr.abs().sum() / n),
-            # k3 estimate of KL(mu || pi_prox) with samples from mu: E[(rho - 1) - log rho] (Schulman, kl-approx)
-            "mismatch_k3_kl": float(torch.where(trainable, rho - 1 - lr, 0.0).sum() / n),
-        }
+        mismatch = mismatch_metrics(prox_logprobs, behavior_logprobs, loss_mask)
+        metrics = {"is_masked_frac": float((changed & (w == 0)).sum() / n),
+                   "is_clipped_frac": float((changed & (w != 0)).sum() / n),
+                   "mismatch_abs_log_ratio": mismatch["logprob_diff_mean"], "mismatch_k3_kl": mismatch["k3_kl"]}
     return w.detach(), metrics
 
 
@@ -531,6 +660,38 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
 # and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
 # the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
 # model's MoE router order (= decoder layer order when every layer is MoE).
+
+
+def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
+                       top_k: Tensor | int = -1, keep: Tensor | None = None) -> Tensor:
+    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: logits upcast to fp32, divided
+    by the temperature, then top-k (every logit below the k-th largest goes), then top-p (the smallest set of the
+    most likely tokens whose mass reaches top_p; the most likely is always kept), renormalised. The engine samples
+    from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's own recorded
+    Sampling, so pi_prox, pi_theta and mu are the same kind of distribution. temperature, top_p and top_k are
+    scalars or tensors of shape logits.shape[:-1]. `keep` (long ids, shape logits.shape[:-1]), the trainer's
+    sampled ids, is always kept: a sampled token was in the engine's set, and fp32 rounding moving a near-tie
+    across the cut must not give it -inf. Only truncated positions pay for the sort."""
+    lead = logits.shape[:-1]
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(lead)
+    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device).expand(lead)
+    top_k = torch.as_tensor(top_k, dtype=torch.long, device=logits.device).expand(lead)
+    truncated = (top_k > 0) | (top_p < 1)
+    if not truncated.any():
+        return torch.log_softmax(scaled, dim=-1)
+    rows, k, p = scaled[truncated], top_k[truncated], top_p[truncated]    # [N, V], [N], [N]
+    with torch.no_grad():   # which tokens are kept is a choice, not a function to differentiate
+        ordered, order = rows.sort(dim=-1, descending=True)
+        kth = ordered.gather(-1, (k.clamp(1, rows.shape[-1]) - 1).unsqueeze(-1))
+        drop = (k > 0).unsqueeze(-1) & (rows < kth)
+        probs = torch.softmax(rows.masked_fill(drop, float("-inf")), dim=-1).gather(-1, order)
+        drop_sorted = (probs.cumsum(-1) - probs) >= p.unsqueeze(-1)   # mass before a token already reaches p
+        drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
+        if keep is not None:
+            drop.scatter_(-1, keep.expand(lead)[truncated].unsqueeze(-1), False)
+    out = torch.log_softmax(scaled, dim=-1)
+    return out.masked_scatter(truncated.unsqueeze(-1), torch.log_softmax(rows.masked_fill(drop, float("-inf")), -1))
 
 
 def _router_classes() -> tuple[type, type, type]:

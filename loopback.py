@@ -10,7 +10,8 @@
 # that only appends messages is served as: the ledger's exact tokens + the encoded *delta* text. Anything
 # else (edited history, a template that rewrote an earlier turn, compaction) is re-rendered from scratch
 # and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
-# A turn is committed only after generation succeeds (Molt bug 41); the sampled text is never re-encoded.
+# A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
+# context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
 # A retried request (identical messages, tools and sampling to the last one) is answered from the record:
 # the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
 #
@@ -121,6 +122,8 @@ class ChatSession:
         self._echo_text = ""                   # how the last reply must open its echoed assistant block
         self.turns = 0                         # generations committed to the ledger
         self.clipped_turns = 0                 # of those, replies that hit max_tokens before a stop token
+        self.generations: list[Generation] = []  # the engine's output of every committed turn, in order: the
+                                               # run-time check that the ledger trains each sampled token once
         self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
                                                # no image fills that pad, so the row cannot be trained on
         self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
@@ -141,7 +144,7 @@ class ChatSession:
 
     def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams,
                              on_token) -> wires.ChatTurn:
-        prompt_ids, images, extends, prompt_text = self._prompt(messages, tools)
+        prompt_ids, images, prompt_text = self._prompt(messages, tools)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
@@ -151,10 +154,11 @@ class ChatSession:
                                    images=[images] if images else None)[0]
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
         with self.ledger_lock:
-            self.ledger.extend_or_seal(gen.prompt_ids, images)
-            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+            extended = self.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
+            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
             if gen.routes is not None:
                 self.ledger.absorb_routes(gen.routes)
+            self.generations.append(gen)
         text = reply_text(self.tokenizer, gen)
         message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
         self.turns += 1
@@ -167,22 +171,23 @@ class ChatSession:
         # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
         # (the model did write them) and the template's closing follows them as context.
         self._echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-        return wires.ChatTurn(message, gen, extends)
+        return wires.ChatTurn(message, gen, extended)
 
     def _render(self, messages, tools, generation_prompt: bool) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
 
-    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], bool, str]:
-        """The engine prompt for this request (ids, and every image its pads stand for), whether it extends
-        the record, and the request rendered up to the generation prompt. On an extension only the new
-        messages are encoded, and only their images are new."""
+    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], str]:
+        """The engine prompt for this request (ids, and every image its pads stand for) and the request rendered
+        up to the generation prompt. When the request only appends messages, the prompt is the record's exact
+        tokens plus the new messages encoded (and only their images are new); otherwise it is encoded whole,
+        and the ledger will seal."""
         images = self._prompt_images(messages)
         full = self._render(messages, tools, generation_prompt=True)
         delta = self._delta_text(messages, tools, full)
         if delta is None:
-            return self._encode(full, images), images, False, full
+            return self._encode(full, images), images, full
         fresh = images[len(self.ledger.open_images):]
-        return self.ledger.open_token_ids + self._encode(delta, fresh), images, True, full
+        return self.ledger.open_token_ids + self._encode(delta, fresh), images, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)

@@ -8,8 +8,10 @@
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
 #   invariant 2 (policy version) - each token carries the logprob of the distribution it was actually drawn
-#     from (post temperature/top-k/top-p, fp32) and the version of the weights that drew it; a weight swap
-#     in the middle of a request discards the KV cache and re-prefills (a stale cache is Molt bug 9);
+#     from (invariants.processed_logprobs: post temperature/top-k/top-p, fp32), the sampling that defines that
+#     distribution, and the version of the weights that drew it; a weight swap in the middle of a request
+#     discards the KV cache and re-prefills (a cache filled by the old weights would condition new tokens on
+#     the old policy's keys and values, so their logprobs would belong to neither version);
 #   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay, and
 #     a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the trainer
 #     does (decode steps continue each row from its own next position, kept here, not in the model).
@@ -34,7 +36,8 @@ import models
 @dataclass
 class SamplingParams:
     temperature: float = 1.0           # > 0; logprobs are reported for logits / temperature
-    top_p: float = 1.0                 # nucleus; < 1 renormalises the reported logprobs over the nucleus
+    top_p: float = 1.0                 # nucleus; < 1 renormalises the reported logprobs over the nucleus (the
+                                       # trainer repeats it: each token's sampling is recorded in the ledger)
     top_k: int = -1                    # -1 = whole vocabulary; 1 = greedy (a point mass, logprob 0)
     max_tokens: int = 64               # new tokens at most
     stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos ids; a stop token is kept and trainable
@@ -54,6 +57,8 @@ class Generation:
     finish_reason: str                 # "stop" (a stop id or stop string was sampled) | "length" (max_tokens reached)
     stop_string: str | None = None     # the stop string that ended sampling; the tokens that wrote it are kept
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the k best (id, logprob), best first
+    sampling: invariants.Sampling = invariants.UNSAMPLED  # the temperature/top_p/top_k that drew every token: the
+                                                          # trainer recomputes their logprobs with exactly these
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -91,26 +96,6 @@ def images_per_prompt(images: list[Sequence[invariants.ImageInput]] | None,
         raise ValueError(f"got {n_prompts} prompts but images for {len(images)}; pass one (possibly empty) list "
                          f"of images per prompt")
     return [list(x) for x in images]
-
-
-# ---- the processed distribution (what "behavior logprob" means) -----------------------------------
-
-def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probabilities of the distribution a token is drawn from: fp32 logits / T, then top-k, then
-    top-p, renormalised. [vocab] -> [vocab]. The trainer recomputes log_softmax(logits_fp32 / T), which
-    equals this exactly when top_k = -1 and top_p = 1 (the only settings allowed with IS correction)."""
-    scaled = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        probs = torch.softmax(scaled, dim=-1)
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-        drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)
 
 
 # ---- text: what the sampled ids read as, while they are being sampled ----------------------------------
@@ -196,8 +181,8 @@ class EmbeddedEngine:
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load a full state dict from the actor and stamp `version` on every later token.
-        Every key must land (a filtered refit once shipped 3 of 653 params, Molt bug 1); only a tied
-        `lm_head.weight` may be absent from the export (Molt bug 2)."""
+        Every key must land (a refit that filters keys by name can silently ship a handful of a model's
+        parameters); only a tied `lm_head.weight` may be absent from the export (it is the embedding)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
         with self._step_lock:
@@ -207,6 +192,14 @@ class EmbeddedEngine:
                 raise ValueError(f"weight update does not match the engine's model: unexpected keys "
                                  f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
             self.version = version
+
+    def sampler_state(self) -> torch.Tensor:
+        """The engine's own random stream (requests without a seed draw from it). A checkpoint saves it, so a
+        resumed run samples exactly the tokens the uninterrupted run would have."""
+        return self._generator.get_state()
+
+    def load_sampler_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
 
     # -- the data plane --
 
@@ -263,7 +256,7 @@ class EmbeddedEngine:
             with self._step_lock:
                 if cache is None or cache_version != self.version:
                     # (re-)prefill everything seen so far with the current weights: after a weight swap
-                    # the old KV cache belongs to the old policy and must not be reused (Molt bug 9)
+                    # the old KV cache belongs to the old policy and must not be reused
                     cache, last_logits, attention, next_positions = self._prefill(rows)
                     cache_version = self.version
                 for i in active:
@@ -291,9 +284,13 @@ class EmbeddedEngine:
             extra, next_positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, mask.sum(-1)
         cache = DynamicCache()
         logits, routes = self._forward(ids, mask, cache, extra)
-        if routes is not None:      # a re-prefill replaces this request's routes: latest weights win
+        if routes is not None:
+            # first writer wins (as in the ledger, and as a prefix cache does): a re-prefill after a weight swap
+            # adds routes only for positions never forwarded before; those already recorded are the routes the
+            # tokens sampled so far were conditioned on
             for b, (r, s) in enumerate(zip(rows, seqs)):
-                r.routes = [routes[b, width - len(s):]]
+                routed = sum(len(block) for block in r.routes)
+                r.routes.append(routes[b, width - len(s) + routed:])
         return cache, logits[:, -1], mask, next_positions
 
     def _step(self, rows: list[_Row], cache, attention: torch.Tensor, next_positions: torch.Tensor):
@@ -323,7 +320,7 @@ class EmbeddedEngine:
         return out.logits, routes
 
     def _sample_one(self, row: _Row, logits: torch.Tensor) -> None:
-        logprobs = processed_logprobs(logits, row.params)
+        logprobs = invariants.processed_logprobs(logits, row.params.temperature, row.params.top_p, row.params.top_k)
         token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator))
         row.token_ids.append(token)
         row.logprobs.append(float(logprobs[token]))
@@ -355,8 +352,10 @@ class EmbeddedEngine:
         if self.is_moe:
             # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
+        p = row.params
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
-                          row.stop_string, row.top if row.params.top_logprobs else None)
+                          row.stop_string, row.top if p.top_logprobs else None,
+                          invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
 
 
 # ---- batching: many callers, one batched engine call ---------------------------------------------------
@@ -422,6 +421,12 @@ class BatchingEngine:
 
     def resume(self) -> None:
         self.engine.resume()
+
+    def sampler_state(self) -> torch.Tensor:
+        return self.engine.sampler_state()
+
+    def load_sampler_state(self, state: torch.Tensor) -> None:
+        self.engine.load_sampler_state(state)
 
     def _serve(self) -> None:
         while True:

@@ -85,6 +85,17 @@ class Router:
         for e in self.engines:
             e.resume()
 
+    def sampler_state(self) -> list:
+        """Every engine's random stream, in engine order (saved with a checkpoint for an exact resume)."""
+        return [e.sampler_state() for e in self.engines]
+
+    def load_sampler_state(self, states: list) -> None:
+        if len(states) != len(self.engines):
+            raise ValueError(f"sampler states of {len(states)} engines for a router of {len(self.engines)}; resume "
+                             f"with the engine count the checkpoint was written with")
+        for e, state in zip(self.engines, states):
+            e.load_sampler_state(state)
+
     def update_weights(self, state: dict, version: int) -> None:
         """Pause all, load on all, resume all: requests are kept, and tokens after the resume carry
         `version` on every engine. Resume happens even if a load fails (a leaked pause hangs the run)."""

@@ -8,10 +8,11 @@
 # sample token by token.
 #
 # The path of a token through this loop: the engine samples it (rollout.py) inside an agent's episode
-# (agents/), the episode's TokenLedger keeps it with its behavior logprob and policy version
-# (invariants.py), `build_batch` + `check_token_identity` prove the trainer sees exactly that id, the actor
-# recomputes its logprob with the same temperature (actor.py), and the loss weighs it by its advantage and
-# its detached IS weight (algo.py). Never: decodes and re-encodes a sampled token.
+# (agents/), the episode's TokenLedger keeps it with its behavior logprob, policy version and sampling
+# (invariants.py), `check_sampled_once` proves every sampled token is in exactly one row, `build_batch` +
+# `check_token_identity` prove the trainer sees exactly that id, the actor recomputes its logprob with the
+# sampling that drew it (actor.py), and the loss weighs it by its advantage and its detached IS weight
+# (algo.py). Never: decodes and re-encodes a sampled token.
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ RECIPES = os.path.join(ROOT, "recipes")
 
 @dataclass
 class RunConfig:
-    recipe: str = "math"        # recipes/<name>.py: its DEFAULTS, its tasks and its AgentRunner
+    recipe: str = "math"        # recipes/<name>.py or a recipe file's path: its DEFAULTS, tasks and AgentRunner
     steps: int = 30             # RL steps (rollout batch -> optimizer step(s) -> weight push)
     model: str = "smollm2"      # a model folder or a packaged name (models.resolve_model)
     ref_model: str = ""         # frozen reference for KL (teacher for on_policy_distill); "" = initial policy
@@ -61,9 +62,9 @@ class RunConfig:
 class RolloutConfig:
     prompts_per_step: int = 8   # prompt groups per RL step
     samples_per_prompt: int = 4 # rollouts per prompt (the group of GRPO/RLOO)
-    temperature: float = 1.0
-    top_p: float = 1.0          # must stay 1: the trainer's logprobs are over the full vocabulary
-    top_k: int = -1             # must stay -1, for the same reason
+    temperature: float = 1.0    # the run's sampling; an agent may send its own per request (each token's is recorded)
+    top_p: float = 1.0          # nucleus mass (1 = off); the trainer recomputes logprobs over the same nucleus
+    top_k: int = -1             # most likely tokens kept (-1 = off)
     max_tokens: int = 64        # new tokens per turn
     max_turns: int = 1
     max_length: int = 1024      # prompt + all turns, in tokens
@@ -74,7 +75,7 @@ class RolloutConfig:
 class TrainConfig:
     minibatches: int = 1        # optimizer steps per rollout batch (>1 makes the PPO clip matter)
     save_every: int = 0         # checkpoint every N steps (0 = only at the end)
-    resume: str = ""            # a checkpoint folder to resume from
+    resume: str = ""            # a checkpoint folder to continue exactly from (its step, weights, optimizer, RNGs)
     trace_rows: int = 4         # rows per step written to OUT/traces
 
 
@@ -100,11 +101,12 @@ SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run
 # ---- command line ---------------------------------------------------------------------------------------
 
 def load_recipe(name: str):
-    path = os.path.join(RECIPES, f"{name}.py")
+    """recipes/<name>.py, or any recipe file given by its path (a fork's own recipe needs no copy in recipes/)."""
+    path = name if name.endswith(".py") else os.path.join(RECIPES, f"{name}.py")
     if not os.path.exists(path):
         known = sorted(f[:-3] for f in os.listdir(RECIPES) if f.endswith(".py") and not f.startswith("_"))
         raise SystemExit(f"error: unknown recipe {name!r}; known recipes: {', '.join(known)}")
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"recipe_{os.path.basename(path)[:-3]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -173,10 +175,6 @@ def validate_config(cfg: dict) -> None:
     invariants.validate_correction(cfg["correction"])
     actor.validate_actor(cfg["actor"])
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
-    if ro.top_p != 1.0 or ro.top_k != -1:
-        raise ValueError("rollout.top_p must be 1 and rollout.top_k -1: the engine would report logprobs "
-                         "renormalised over a truncated vocabulary while the trainer's cover the full one, so "
-                         "every IS ratio and the logprob-diff check would be biased (Molt bug 18)")
     positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,
                 "rollout.samples_per_prompt": ro.samples_per_prompt, "rollout.max_turns": ro.max_turns,
                 "rollout.max_length": ro.max_length, "train.minibatches": tr.minibatches,
@@ -214,7 +212,8 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(run.threads)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
-    out = run.out or os.path.join(ROOT, "runs", f"{run.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]
+    out = run.out or os.path.join(ROOT, "runs", f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.join(out, "traces"), exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
@@ -223,13 +222,11 @@ def main(argv: list[str]) -> None:
     model_path = models.resolve_model(run.model)
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
-    start_step = 0
-    if tr.resume:
-        policy.load_checkpoint(tr.resume)
-        start_step = policy.version // tr.minibatches
+    run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     engine = Router([EmbeddedEngine(models.load_model(model_path), version=policy.version, seed=run.seed,
                                     tokenizer=tokenizer)])
     engine.update_weights(policy.export_weights(), policy.version)
+    start_step = resume_run(run_state, engine) if tr.resume else 0
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
@@ -251,6 +248,8 @@ def main(argv: list[str]) -> None:
         group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
         group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
         rollouts = runner.run(group_tasks, group_ids, sampling)
+        for r in rollouts:       # invariant 1 at run time: every engine-sampled token trainable exactly once
+            invariants.check_sampled_once(r.rows, r.generations)
         t_rollout = time.time() - t0
         m = rollout_metrics(rollouts, runner.failures)
         m.update(agent_metrics(rollouts))
@@ -281,11 +280,29 @@ def main(argv: list[str]) -> None:
         logger.log(step + 1, m)
         print(progress_line(step + 1, run.steps, m), flush=True)
         if tr.save_every and (step + 1) % tr.save_every == 0:
-            policy.save_checkpoint(os.path.join(out, "checkpoints", f"step_{step + 1:06d}"))
-    policy.save_checkpoint(os.path.join(out, "checkpoints", "final"))
+            policy.save_checkpoint(os.path.join(out, "checkpoints", f"step_{step + 1:06d}"),
+                                   run_state_at(step + 1, engine))
+    policy.save_checkpoint(os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
     logger.close()
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
+
+
+def run_state_at(step: int, engine) -> dict:
+    """What the loop needs, beyond the actor's own state, to continue exactly after `step` RL steps: the step
+    itself (optimizer steps and skipped steps make it underivable from the policy version), the engines' sampler
+    streams and Python's RNG."""
+    return {"step": step, "engine_sampler": engine.sampler_state(), "python_rng": random.getstate()}
+
+
+def resume_run(run_state: dict, engine) -> int:
+    """Restore run_state_at's streams; returns the step to continue from."""
+    if "step" not in run_state:
+        raise SystemExit("error: the checkpoint holds no run state (written by an older tracerl?); it cannot be "
+                         "resumed exactly")
+    engine.load_sampler_state(run_state["engine_sampler"])
+    random.setstate(run_state["python_rng"])
+    return run_state["step"]
 
 
 def _reference_model(cfg, model_path: str):
@@ -313,12 +330,11 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
 
     t0 = time.time()
     trainer_version = policy.version
-    old_logprobs = policy.recompute_logprobs(batch, ro.temperature)           # pi_prox at version V
+    old_logprobs = policy.recompute_logprobs(batch)       # pi_prox at version V, each token at its own sampling
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = actor.sequence_logprobs(reference, batch.input_ids, batch.attention_mask, ro.temperature,
-                                                   images=batch.images)
+            ref_logprobs = actor.batch_logprobs(reference, batch)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:
@@ -326,27 +342,29 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
                                                                          batch.loss_mask, a.kl_coef, a.kl_estimator)
     t_recompute = time.time() - t0
 
+    # Dr.GRPO's constant: the most tokens one rollout can sample in this run
+    token_budget = min(ro.max_turns * ro.max_tokens, ro.max_length - 1)
+    parts = minibatch_indices(batch.group_ids, tr.minibatches)
     metrics: dict[str, float] = {}
-    for part in minibatch_indices(batch.group_ids, tr.minibatches):
-        sub = select_rows(batch, part)
-        step_metrics = policy.train_step(sub, old_logprobs[part], a, cfg["correction"], ro.temperature,
-                                         trainer_version=trainer_version,
-                                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
-        for k, v in step_metrics.items():            # average over minibatches
-            metrics[k] = metrics.get(k, 0.0) + float(v) / tr.minibatches
-    for k in ("actor/version", "actor/lr"):         # states, not averages: the value after the last step
-        metrics[k] = float(step_metrics[k])
+    reports = []
+    for part in parts:
+        report = policy.train_step(select_rows(batch, part), old_logprobs[part], a, cfg["correction"],
+                                   trainer_version=trainer_version, token_budget=token_budget,
+                                   ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
+        reports.append((part, report))
+        for k, v in report.metrics.items():            # averaged over the minibatches that ran
+            metrics[k] = metrics.get(k, 0.0) + float(v) / len(parts)
+    for k in ("actor/version", "actor/lr"):             # states, not averages: the value after the last step
+        metrics[k] = float(report.metrics[k])
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute
-    mask = batch.loss_mask.bool()
-    diff = (old_logprobs - batch.behavior_logprobs)[mask]
-    metrics["mismatch/logprob_diff_mean"] = diff.abs().mean().item()
-    metrics["mismatch/logprob_diff_max"] = diff.abs().max().item()
-    metrics["mismatch/k3_kl"] = (torch.expm1(-diff) + diff).mean().item()   # k3 of KL(behavior || prox)
+    mismatch = invariants.mismatch_metrics(old_logprobs, batch.behavior_logprobs, batch.loss_mask)
+    metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})   # k3_kl: KL(behavior || prox)
     if ref_logprobs is not None:
+        mask = batch.loss_mask.bool()
         metrics["kl/k3_to_reference"] = algo.kl_divergence(old_logprobs, ref_logprobs, "k3")[mask].mean().item()
-    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version)
+    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cfg, tokenizer, trainer_version)
     return metrics
 
 
@@ -440,7 +458,8 @@ def eval_main(argv: list[str]) -> None:
 # ---- metrics and logging -------------------------------------------------------------------------------------
 
 def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
-    """Per-ROLLOUT means (a rollout split into segments counts once; Molt bug 51)."""
+    """Per-ROLLOUT means: a rollout sealed into several segments counts once (averaging over rows would weigh a
+    rollout whose context was rewritten once per segment)."""
     n = max(len(rollouts), 1)
     sampled = [sum(sum(row.trainable) for row in r.rows) for r in rollouts]
     m = {
@@ -528,33 +547,25 @@ def plot_metrics(history: list[dict], path: str) -> None:
 
 # ---- token traces: one sample, token by token ---------------------------------------------------------------
 
-def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokenizer, trainer_version) -> None:
-    """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, behavior and trainer logprob, IS weight,
-    mask reason, advantage and its contribution to the loss at theta_old (ratio 1)."""
-    corr, a = cfg["correction"], cfg["algo"]
-    mask = batch.loss_mask
-    stale = invariants.staleness(batch.policy_versions, mask, trainer_version)
-    keep, _ = invariants.gate_sequences(old_logprobs - batch.behavior_logprobs, mask, stale, corr)
-    weights, _ = invariants.correction_weights(old_logprobs, batch.behavior_logprobs, mask * keep[:, None], corr)
-    token_loss, _ = algo.policy_loss(old_logprobs, old_logprobs, batch.advantages, mask * keep[:, None], a, weights)
-    kept = mask * keep[:, None]
-    if a.loss_agg == "token_mean":
-        scale = 1.0 / kept.sum().clamp_min(1.0) * torch.ones_like(kept)
-    elif a.loss_agg == "seq_mean_token_mean":
-        scale = 1.0 / (keep.sum().clamp_min(1) * kept.sum(-1, keepdim=True).clamp_min(1.0)) * torch.ones_like(kept)
-    else:
-        scale = 1.0 / (keep.sum().clamp_min(1) * kept.shape[1]) * torch.ones_like(kept)
-    contribution = token_loss * scale
+def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cfg, tokenizer, trainer_version) -> None:
+    """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, sampling, behavior and trainer logprob, IS weight,
+    mask reason, advantage and its contribution to the loss, as the optimizer step that trained it computed them
+    (the minibatch's own denominators, the token's actual ratio)."""
+    corr = cfg["correction"]
+    rows = min(cfg["train"].trace_rows, len(segs))
     with open(os.path.join(out, "traces", f"step_{step + 1:06d}.jsonl"), "w") as f:
-        for b in range(min(cfg["train"].trace_rows, len(segs))):
+        for b in range(rows):
+            part, report = next((part, report) for part, report in reports if b in part)
+            r = part.index(b)                          # the row's index inside its minibatch
             n = len(segs[b].token_ids)
             reasons = []
             for t in range(n):
                 if not segs[b].trainable[t]:
                     reasons.append("context")
-                elif not keep[b]:
-                    reasons.append(f"gate (staleness {int(stale[b])})" if stale[b] > corr.max_staleness else "gate")
-                elif weights[b, t] == 0:
+                elif not report.kept[r]:
+                    stale = int(report.staleness[r])
+                    reasons.append(f"gate (staleness {stale})" if stale > corr.max_staleness else "gate")
+                elif not report.mask[r, t]:
                     reasons.append("is_mask")
                 else:
                     reasons.append("trained")
@@ -565,13 +576,14 @@ def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, cfg, tokeni
                 "token_ids": segs[b].token_ids,
                 "text": [tokenizer.decode([i]) for i in segs[b].token_ids],
                 "policy_version": segs[b].policy_versions,
+                "temperature": batch.temperature[b, :n].tolist(),
                 "behavior_logprob": segs[b].behavior_logprobs,
                 "trainer_logprob": old_logprobs[b, :n].tolist(),
                 "reference_logprob": None if ref_logprobs is None else ref_logprobs[b, :n].tolist(),
-                "is_weight": weights[b, :n].tolist(),
+                "is_weight": report.is_weights[r, :n].tolist(),
                 "mask_reason": reasons,
                 "advantage": batch.advantages[b, :n].tolist(),
-                "loss_contribution": contribution[b, :n].tolist(),
+                "loss_contribution": report.loss_contribution[r, :n].tolist(),
             }) + "\n")
 
 
@@ -596,14 +608,15 @@ def trace_main(argv: list[str]) -> None:
     r = records[args.row]
     print(f"step {r['step']} rollout {r['rollout_id']} group {r['group_id']} segment {r['segment_id']} "
           f"trainer version {r['trainer_version']}")
-    print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
+    print(f"{'pos':>4} {'id':>6} {'text':<16} {'ver':>4} {'temp':>5} {'behavior':>9} {'trainer':>9} {'is_w':>6} "
           f"{'advantage':>9} {'loss':>10}  reason")
     for t, token in enumerate(r["token_ids"]):
         text = f"{t:>4} {token:>6} {json.dumps(r['text'][t])[:16]:<16}"
         if r["mask_reason"][t] == "context":      # prompt, tool output, template: the trainer's logprob only
-            print(f"{text} {'':>4} {'':>9} {r['trainer_logprob'][t]:>9.4f} {'':>6} {'':>9} {'':>10}  context")
+            print(f"{text} {'':>4} {'':>5} {'':>9} {r['trainer_logprob'][t]:>9.4f} {'':>6} {'':>9} {'':>10}  context")
             continue
-        print(f"{text} {r['policy_version'][t]:>4} {r['behavior_logprob'][t]:>9.4f} {r['trainer_logprob'][t]:>9.4f} "
+        print(f"{text} {r['policy_version'][t]:>4} {r['temperature'][t]:>5.2f} {r['behavior_logprob'][t]:>9.4f} "
+              f"{r['trainer_logprob'][t]:>9.4f} "
               f"{r['is_weight'][t]:>6.3f} {r['advantage'][t]:>+9.4f} {r['loss_contribution'][t]:>+10.2e}  "
               f"{r['mask_reason'][t]}")
 

@@ -26,7 +26,8 @@ class ChatTurn:
     """What a chat session's turn hands to the wire: the reply as the agent reads it, and the tokens behind it."""
     message: dict                  # the assistant message (structured tool calls parsed), canonical form
     generation: Generation         # ids, behavior logprobs, versions and routes, exactly as sampled
-    extended: bool                 # False when this request did not extend the record (a seal, or the first turn)
+    extended: bool                 # the ledger's answer: False when this request sealed the segment (or was the
+                                   # first turn), True when its prompt extended the record bitwise
 
 
 # ---- decoding: OpenAI / Anthropic requests -> one canonical request ----------------------------------

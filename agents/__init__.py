@@ -30,7 +30,7 @@ from typing import Any
 
 import data
 import invariants
-from rollout import SamplingParams, validate_sampling
+from rollout import Generation, SamplingParams, validate_sampling
 
 log = logging.getLogger("tracerl.agents")
 
@@ -112,6 +112,8 @@ class Rollout:
     truncated: bool
     clipped_turns: int = 0                     # turns whose reply hit max_tokens before a stop token
     info: dict[str, float] = field(default_factory=dict)
+    generations: list[Generation] = field(default_factory=list)  # the engine's output for every turn, in order:
+                                               # train.py checks the rows train each sampled token exactly once
 
 
 # ---- the Env runner ----------------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class _Episode:
     turns: int = 0
     truncated: bool = False
     clipped_turns: int = 0
+    generations: list[Generation] = field(default_factory=list)
     done: bool = False
     failed: str = ""
     info: dict[str, float] = field(default_factory=dict)
@@ -221,7 +224,8 @@ class EnvRunner:
                 # a VLM puts image features on every pad id, so this row could never be forwarded again
                 self._fail(ep, "sampled_image_pad", f"the model sampled the image placeholder {data.IMAGE_PAD}")
                 continue
-            ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+            ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+            ep.generations.append(gen)
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
             ep.turns += 1
@@ -286,7 +290,7 @@ class EnvRunner:
     def _to_rollout(self, ep: _Episode) -> Rollout:
         return Rollout(ep.ledger.rollout_id, ep.ledger.group_id, ep.task.task_id, ep.ledger.rows(),
                        ep.reward, ep.score if ep.score is not None else ep.reward, ep.turns, ep.truncated,
-                       ep.clipped_turns, ep.info)
+                       ep.clipped_turns, ep.info, ep.generations)
 
 
 # ---- the ChatAgent form: the agent owns the loop and talks to a stock SDK ----------------------------
@@ -389,7 +393,7 @@ class ChatAgentRunner:
         score = result.score if result.score is not None else float(result.reward)
         return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
                        session.turns, bool(result.truncated), session.clipped_turns,
-                       {k: float(v) for k, v in result.info.items()})
+                       {k: float(v) for k, v in result.info.items()}, session.generations)
 
 
 # ---- loading a recipe's agent ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import models
 import rollout
 
 TEMPERATURE = 0.7
+SAMPLING = invariants.Sampling(TEMPERATURE)     # how the hand-made batches' tokens were "sampled"
 
 
 # ---- fixtures and builders ----
@@ -41,7 +42,8 @@ def make_batch(lengths: list[int], prompt_len: int, vocab: int, seed: int = 0, v
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         trainable = [t >= prompt_len for t in range(n)]
         rows.append(invariants.Segment(f"r{i}", f"g{i // 2}", 0, ids, trainable, [0.0] * n,
-                                       [version if tr else -1 for tr in trainable]))
+                                       [version if tr else -1 for tr in trainable],
+                                       [SAMPLING if tr else invariants.UNSAMPLED for tr in trainable]))
     if advantages is None:
         advantages = [(-1.0) ** i * (0.5 + 0.25 * i) for i in range(len(lengths))]
     return invariants.build_batch(rows, advantages, pad_id=0)
@@ -53,14 +55,14 @@ def rows_from(generations) -> list[invariants.Segment]:
     for i, gen in enumerate(generations):
         ledger = invariants.TokenLedger(f"r{i}", "g")
         ledger.extend_or_seal(gen.prompt_ids)
-        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
         rows += ledger.rows()
     return rows
 
 
 def on_policy(batch: invariants.TrainBatch, policy: actor.Actor) -> torch.Tensor:
     """Recompute pi_old and make it the behavior logprob too (what an exact engine would have reported)."""
-    old = policy.recompute_logprobs(batch, TEMPERATURE)
+    old = policy.recompute_logprobs(batch)
     batch.behavior_logprobs = old * batch.loss_mask
     return old
 
@@ -104,7 +106,7 @@ def test_temperature_is_applied_in_fp32_not_in_the_model_dtype():
         bf16_divide = torch.log_softmax((logits / TEMPERATURE).float(), -1).gather(-1, targets).squeeze(-1)
     assert got.dtype == torch.float32
     assert torch.allclose(got[0, 1:], fp32, atol=1e-6)
-    # the trap is armed: dividing in bf16 (Molt aac0658: 0.13 nats on a real model) misses by 100x the tolerance
+    # the trap is armed: dividing in bf16 (about 0.1 nats off on a real model at T=0.7) misses by 100x the tolerance
     assert (bf16_divide - fp32).abs().max() > 1e-4
 
 
@@ -126,7 +128,7 @@ def test_recompute_matches_the_engines_behavior_logprobs(qwen3_dir):
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
     generations = engine.generate(prompts, rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
     batch = invariants.build_batch(rows_from(generations), [1.0, -1.0], pad_id=0)
-    recomputed = policy.recompute_logprobs(batch, TEMPERATURE)
+    recomputed = policy.recompute_logprobs(batch)
     diff = ((recomputed - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
     assert diff < 1e-4, f"trainer and engine disagree on behavior logprobs by {diff} nats"
 
@@ -143,7 +145,7 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
                              total_steps=1)
         batch = make_batch(lengths, prompt_len, policy.model.config.vocab_size)
         old = on_policy(batch, policy)
-        metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0)
+        metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0, token_budget=16).metrics
         results.append((grads(policy.model), metrics))
     (whole, m_whole), (split, m_split) = results
     scale = max(g.abs().max().item() for g in whole.values())
@@ -164,6 +166,25 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
         assert max_abs_diff(whole, grads(model)) > 1e-3 * scale
 
 
+def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_dir):
+    """Rejection is removal: the masked step equals the plain step on the batch without that token."""
+    algo_cfg = algo.AlgoConfig(estimator="reinforce")
+    masked = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    batch = make_batch([12, 8, 10], prompt_len=3, vocab=masked.model.config.vocab_size)
+    old = on_policy(batch, masked)
+    batch.behavior_logprobs[1, 5] -= math.log(10.0)           # rho = 10 on one token: outside the band [0.5, 5]
+    icepop = invariants.CorrectionConfig(level="token", mode="mask", low=0.5, high=5.0)
+    report = masked.train_step(batch, old, algo_cfg, icepop, 0)
+    assert report.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1
+    assert not report.mask[1, 5] and report.loss_contribution[1, 5] == 0.0
+
+    plain = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    without = make_batch([12, 8, 10], prompt_len=3, vocab=plain.model.config.vocab_size)
+    without.loss_mask[1, 5] = 0.0
+    plain.train_step(without, on_policy(without, plain), algo_cfg, invariants.CorrectionConfig(), 0)
+    assert max_abs_diff(grads(masked.model), grads(plain.model)) <= 1e-7
+
+
 def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     cfg = actor.ActorConfig(lr=1e-3, weight_decay=0.01)
     correction = invariants.CorrectionConfig(max_staleness=0, level="geo", mode="mask", low=0.99, high=1.01,
@@ -172,7 +193,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     policy = actor.Actor(qwen3_dir, cfg, total_steps=1)
     batch = make_batch([12, 8, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=0)
     old = on_policy(batch, policy)
-    metrics = policy.train_step(batch, old, algo_cfg, correction, TEMPERATURE, trainer_version=policy.version)
+    metrics = policy.train_step(batch, old, algo_cfg, correction, trainer_version=policy.version).metrics
     assert metrics["gate/kept"] == 3 and metrics["actor/logprob_diff_max"] == 0.0
 
     # the plain REINFORCE/PPO step at ratio 1, written out: -sum(A * log pi * m) / N, clip, AdamW (on the
@@ -195,7 +216,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     drifted = actor.Actor(qwen3_dir, cfg, total_steps=1)
     batch.behavior_logprobs = (old - 0.3 * torch.rand_like(old)) * batch.loss_mask
     loose = invariants.CorrectionConfig(max_staleness=0, level="token", mode="trunc", high=2.0)
-    drifted.train_step(batch, old, algo_cfg, loose, TEMPERATURE, trainer_version=0)
+    drifted.train_step(batch, old, algo_cfg, loose, trainer_version=0)
     assert max_abs_diff(grads(drifted.model), plain_grads) > 1e-4
 
 
@@ -205,7 +226,7 @@ def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
     batch.policy_versions[0] = torch.where(batch.loss_mask[0] > 0, 0, -1)  # row 0 was sampled one version earlier
     old = on_policy(batch, policy)
     metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"),
-                                invariants.CorrectionConfig(max_staleness=0), TEMPERATURE, trainer_version=1)
+                                invariants.CorrectionConfig(max_staleness=0), trainer_version=1).metrics
     assert metrics["gate/drop_stale"] == 1 and metrics["actor/kept_seqs"] == 2
     assert metrics["actor/kept_tokens"] == batch.loss_mask[1:].sum().item()
     assert metrics["actor/staleness_max"] == 1
@@ -217,9 +238,9 @@ def test_kl_loss_term_requires_reference_logprobs(qwen3_dir):
     old = on_policy(batch, policy)
     algo_cfg = algo.AlgoConfig(estimator="reinforce", kl_coef=0.1, kl_estimator="k2")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0)
-    metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), TEMPERATURE, 0,
-                                ref_logprobs=old)
+        policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0)
+    metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0,
+                                ref_logprobs=old).metrics
     assert metrics["actor/kl_ref"] == 0.0  # the reference is the policy itself before the step
 
 
@@ -228,7 +249,7 @@ def test_left_padded_batch_is_refused(qwen3_dir):
     batch = make_batch([8, 5], prompt_len=2, vocab=policy.model.config.vocab_size)
     batch.attention_mask[1] = batch.attention_mask[1].flip(0)
     with pytest.raises(ValueError, match="RIGHT-padded"):
-        policy.recompute_logprobs(batch, TEMPERATURE)
+        policy.recompute_logprobs(batch)
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_ratio():
@@ -247,7 +268,7 @@ def test_export_weights_is_every_entry_but_the_tied_lm_head(qwen3_dir):
     policy = actor.Actor(qwen3_dir, actor.ActorConfig(lr=1e-3), total_steps=1)
     batch = make_batch([9, 7], prompt_len=2, vocab=policy.model.config.vocab_size)
     policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
-                      invariants.CorrectionConfig(), TEMPERATURE, 0)
+                      invariants.CorrectionConfig(), 0)
     norm = policy.model.model.norm
     norm.weight.data = norm.weight.data.to(torch.bfloat16)  # a mixed-dtype model: the export keeps each dtype
 
@@ -286,7 +307,7 @@ def run_steps(policy: actor.Actor, n: int) -> list[dict]:
         batch = make_batch([10, 7, 9], prompt_len=3, vocab=policy.model.config.vocab_size, seed=policy.version,
                            version=policy.version)
         out.append(policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
-                                     invariants.CorrectionConfig(), TEMPERATURE, policy.version))
+                                     invariants.CorrectionConfig(), policy.version).metrics)
     return out
 
 
@@ -337,7 +358,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
         full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size)
         batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))  # this rank's rows
         metrics = policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
-                                    invariants.CorrectionConfig(), TEMPERATURE, 0)
+                                    invariants.CorrectionConfig(), 0).metrics
         full_grads = {name: p.grad.full_tensor() for name, p in policy.model.named_parameters()}
         export = policy.export_weights()
         policy.save_checkpoint(os.path.join(out_dir, "fsdp_ckpt"))
@@ -369,7 +390,7 @@ def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_pat
     single = actor.Actor(qwen3_dir, FSDP_CONFIG, total_steps=1)
     batch = make_batch(FSDP_LENGTHS, FSDP_PROMPT, single.model.config.vocab_size)
     metrics = single.train_step(batch, on_policy(batch, single), algo.AlgoConfig(estimator="reinforce"),
-                                invariants.CorrectionConfig(), TEMPERATURE, 0)
+                                invariants.CorrectionConfig(), 0).metrics
 
     assert max_abs_diff(sharded["grads"], grads(single.model)) <= 1e-5, "rank gradients must SUM to the global"
     export = single.export_weights()
@@ -397,17 +418,17 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     batch.routes = torch.where(batch.attention_mask[..., None, None] > 0, routes, -1)
 
     # replay is wired in: the captured routes reproduce the live forward, other routes change the logprobs
-    live = policy.recompute_logprobs(invariants.TrainBatch(**{**vars(batch), "routes": None}), TEMPERATURE)
-    replayed = policy.recompute_logprobs(batch, TEMPERATURE)
+    live = policy.recompute_logprobs(invariants.TrainBatch(**{**vars(batch), "routes": None}))
+    replayed = policy.recompute_logprobs(batch)
     assert (replayed - live).abs().max() <= 1e-5
     num_experts = policy.model.config.num_experts
     shifted = invariants.TrainBatch(**{**vars(batch), "routes": torch.where(batch.routes >= 0,
                                                                             (batch.routes + 1) % num_experts, -1)})
-    assert (policy.recompute_logprobs(shifted, TEMPERATURE) - live).abs().max() > 1e-3
+    assert (policy.recompute_logprobs(shifted) - live).abs().max() > 1e-3
 
     batch.behavior_logprobs = replayed * batch.loss_mask
     metrics = policy.train_step(batch, replayed, algo.AlgoConfig(estimator="reinforce"),
-                                invariants.CorrectionConfig(level="token"), TEMPERATURE, 0)
+                                invariants.CorrectionConfig(level="token"), 0).metrics
     assert metrics["actor/skipped"] == 0.0 and policy.version == 1
     routers = invariants.moe_routers(policy.model)
     assert len(routers) == policy.model.config.num_hidden_layers

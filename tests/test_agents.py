@@ -134,9 +134,10 @@ def test_multi_turn_episode_is_one_row_whose_trainable_tokens_are_exactly_the_en
         for k, gen in enumerate(gens):
             expected_trainable += [True] * len(gen.token_ids) + ([False] * len(glue_ids) if k < 2 else [])
         assert row.trainable == expected_trainable
-        check_sampled_once(rollout.rows, [g.token_ids for g in gens])
+        assert rollout.generations == gens                     # the runner hands on exactly the engine's output
+        check_sampled_once(rollout.rows, rollout.generations)
         with pytest.raises(ValueError, match="sampled-once violated"):   # negative control: a lost turn is caught
-            check_sampled_once(rollout.rows, [g.token_ids for g in gens[:2]])
+            check_sampled_once(rollout.rows, gens[:2])
         sampled = [(lp, v) for lp, v, tr in zip(row.behavior_logprobs, row.policy_versions, row.trainable) if tr]
         assert [lp for lp, _ in sampled] == [lp for g in gens for lp in g.behavior_logprobs]
         assert {v for _, v in sampled} == {VERSION}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import algo
+import invariants
 from algo import AlgoConfig
 
 
@@ -52,7 +53,7 @@ def expected_bandit_loss(theta, theta_old, estimator: str, group_size: int, arm_
     cfg = AlgoConfig(estimator=estimator, **cfg_kw)
     token_loss, _ = algo.policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg)
     weighted = token_loss * weight[:, None]
-    return algo.aggregate_loss(weighted, loss_mask, "token_mean", global_tokens=group_size, global_seqs=1, max_len=2)
+    return (weighted * algo.loss_weights(loss_mask, "token_mean", global_tokens=group_size, global_seqs=1)).sum()
 
 
 def grad_of(fn, theta: torch.Tensor) -> torch.Tensor:
@@ -199,7 +200,7 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
     def ppo(lg):
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask,
                                          AlgoConfig(), is_weights)
-        return algo.aggregate_loss(token_loss, loss_mask, "token_mean", n_tokens, 6, 7)
+        return (token_loss * algo.loss_weights(loss_mask, "token_mean", n_tokens, 6)).sum()
 
     def reinforce(lg):  # -(1/N) sum_t w_t A_t grad log pi(y_t)
         return -(is_weights * advantages * token_logprobs(lg, input_ids) * loss_mask).sum() / n_tokens
@@ -247,7 +248,7 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
 
     def gspo_token(lg):
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
-        return algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_mean", 36.0, 6, 7)
+        return (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 36.0, 6)).sum()
 
     def seq_ratio(lg):  # s_i = exp(mean_t log(pi / pi_old)), differentiable
         log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
@@ -260,6 +261,53 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
     s = seq_ratio(logits)
     assert ((s < 0.9) | (s > 1.1)).any() and ((s > 0.9) & (s < 1.1)).any()  # both branches exercised
     torch.testing.assert_close(grad_of(gspo_token, logits), grad_of(gspo_sequence, logits), rtol=0, atol=1e-12)
+
+
+def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
+    # rows 0+1 are one rollout sealed in two (its context was rewritten), rows 2..5 one row each
+    logits, input_ids, loss_mask, gen = random_sequence_batch(seed=3)
+    old_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
+    seq_index = invariants.sequence_index(["r0", "r0", "r1", "r2", "r3", "r4"])
+    seq_advantage = torch.tensor([1.0, 1.0, -0.5, 0.8, -1.2, 0.3])           # a rollout's rows share its advantage
+    advantages = seq_advantage[:, None] * loss_mask
+    cfg = AlgoConfig(estimator="gspo", clip_low=0.1, clip_high=0.1)
+    global_seqs = 5.0
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), global_seqs,
+                                seq_index=seq_index)
+
+    def gspo_token(lg):
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg,
+                                         seq_index=seq_index)
+        return (token_loss * weights).sum()
+
+    def gspo_sequence(lg):  # the rollout's ratio over the tokens of both its rows, then the mean over rollouts
+        log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
+        s = torch.exp(torch.stack([log_ratio[:2].sum() / loss_mask[:2].sum()] +
+                                  [log_ratio[b].sum() / loss_mask[b].sum() for b in range(2, 6)]))
+        a = torch.cat([seq_advantage[:1], seq_advantage[2:]])
+        return -torch.minimum(s * a, s.clamp(0.9, 1.1) * a).mean()
+
+    torch.testing.assert_close(grad_of(gspo_token, logits), grad_of(gspo_sequence, logits), rtol=0, atol=1e-12)
+    # armed: one ratio per ROW (the rows as separate sequences) is another gradient
+    per_row = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 6.0)
+
+    def gspo_rows(lg):
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
+        return (token_loss * per_row).sum()
+    assert (grad_of(gspo_rows, logits) - grad_of(gspo_sequence, logits)).abs().max() > 1e-3
+
+
+def test_a_rollout_sealed_into_three_rows_weighs_once_in_the_sequence_mean():
+    loss_mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0],
+                              [0.0, 1.0, 1.0, 0.0]])
+    seq_index = invariants.sequence_index(["sealed", "sealed", "sealed", "plain"])
+    assert invariants.count_sequences(loss_mask, seq_index) == 2
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 2.0, seq_index=seq_index)
+    per_rollout = [weights[:3].sum().item(), weights[3].sum().item()]
+    assert per_rollout == pytest.approx([0.5, 0.5], abs=1e-7)          # each rollout is half of the loss
+    torch.testing.assert_close(weights[:3][loss_mask[:3] > 0], torch.full((6,), 1 / 12))  # its 6 tokens alike
+    rows_as_sequences = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 4.0)
+    assert rows_as_sequences[:3].sum().item() == pytest.approx(0.75)    # armed: per row it weighs three times
 
 
 def test_gspo_ratio_is_one_at_theta_old():
@@ -388,32 +436,38 @@ def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     global_tokens, global_seqs, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
     splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches with different token counts
 
-    def loss(lg, rows, tokens):
+    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_seqs, max_len)   # once per step
+
+    def loss(lg, rows, weights):
         token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), old_logprobs[rows],
                                          advantages[rows], loss_mask[rows], AlgoConfig())
-        return algo.aggregate_loss(token_loss, loss_mask[rows], mode, tokens, global_seqs, max_len)
+        return (token_loss * weights).sum()
 
-    full = grad_of(lambda lg: loss(lg, slice(0, 6), global_tokens), logits)
-    accumulated = sum(grad_of(lambda lg: loss(lg, rows, global_tokens), logits) for rows in splits)
+    full = grad_of(lambda lg: loss(lg, slice(0, 6), step_weights), logits)
+    accumulated = sum(grad_of(lambda lg: loss(lg, rows, step_weights[rows]), logits) for rows in splits)
     torch.testing.assert_close(accumulated, full, rtol=0, atol=1e-12)
     if mode == "token_mean":  # trap armed: a per-micro-batch token mean (averaged over micro-batches) is wrong
-        local = sum(grad_of(lambda lg: loss(lg, rows, loss_mask[rows].sum().item()), logits) for rows in splits)
+        local = sum(grad_of(lambda lg: loss(lg, rows, algo.loss_weights(loss_mask[rows], mode,
+                                                                        loss_mask[rows].sum().item(), 1.0)), logits)
+                    for rows in splits)
         assert (local / len(splits) - full).abs().max() > 1e-4
 
 
 def test_dr_grpo_aggregation_weights_every_token_equally_regardless_of_length():
     loss_mask = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]])
     token_loss = torch.ones(2, 4, requires_grad=True)
-    algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_sum_norm", 4.0, 2.0, 4).backward()
+    (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_sum_norm", 4.0, 2.0, token_budget=4)).sum().backward()
     torch.testing.assert_close(token_loss.grad, loss_mask / 8, rtol=0, atol=0)
     token_loss.grad = None  # contrast: the GRPO per-sequence mean up-weights the short sequence's token
-    algo.aggregate_loss(token_loss, loss_mask, "seq_mean_token_mean", 4.0, 2.0, 4).backward()
+    (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 4.0, 2.0)).sum().backward()
     torch.testing.assert_close(token_loss.grad[:, 1], torch.tensor([0.5, 1 / 6]), rtol=0, atol=1e-15)
 
 
 def test_aggregation_refuses_a_non_positive_global_count():
     with pytest.raises(ValueError, match="global_tokens must be > 0"):
-        algo.aggregate_loss(torch.zeros(1, 2), torch.zeros(1, 2), "token_mean", 0.0, 1.0, 2)
+        algo.loss_weights(torch.zeros(1, 2), "token_mean", 0.0, 1.0)
+    with pytest.raises(ValueError, match="pass token_budget"):   # Dr.GRPO's constant is the run's, never guessed
+        algo.loss_weights(torch.ones(1, 2), "seq_mean_token_sum_norm", 2.0, 1.0)
 
 
 # ---- config validation ----

@@ -30,7 +30,7 @@ def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs():
     batch = invariants.build_batch(rows_from(gens), [1.0] * len(gens), pad_id=0)
     policy = actor.Actor(path, actor.ActorConfig(), total_steps=1)
     assert next(policy.model.parameters()).is_cuda
-    gap = (policy.recompute_logprobs(batch, TEMPERATURE) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
+    gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
     print(f"GPU actor vs CPU engine: max |logprob diff| {gap.max().item():.2e}")
     assert gap.max() <= 1e-4
 
@@ -42,7 +42,7 @@ def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs_with_images():
                               tok.convert_tokens_to_ids(data.IMAGE_PAD))
     policy = actor.Actor(vl_dir, actor.ActorConfig(), total_steps=1)
     assert next(policy.model.parameters()).is_cuda
-    gap = (policy.recompute_logprobs(batch, VLM_TEMPERATURE) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
+    gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs()
     print(f"GPU actor vs CPU engine, Qwen2.5-VL rows with images: max |logprob diff| {gap.max().item():.2e}")
     assert gap.max() <= 1e-4
 
@@ -56,7 +56,7 @@ def _nccl_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
         full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size)
         batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))
         policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
-                          invariants.CorrectionConfig(), TEMPERATURE, 0)
+                          invariants.CorrectionConfig(), 0)
         full_grads = {name: p.grad.full_tensor().cpu() for name, p in policy.model.named_parameters()}
         export = policy.export_weights()
         if rank == 0:
@@ -73,7 +73,7 @@ def test_fsdp2_over_nccl_on_two_gpus_equals_one_gpu(tmp_path):
     single = actor.Actor(path, FSDP_CONFIG, total_steps=1)
     batch = make_batch(FSDP_LENGTHS, FSDP_PROMPT, single.model.config.vocab_size)
     single.train_step(batch, on_policy(batch, single), algo.AlgoConfig(estimator="reinforce"),
-                      invariants.CorrectionConfig(), TEMPERATURE, 0)
+                      invariants.CorrectionConfig(), 0)
     single_grads = {k: v.cpu() for k, v in grads(single.model).items()}
     print(f"FSDP2/NCCL vs one GPU: max |grad diff| {max_abs_diff(sharded['grads'], single_grads):.2e}")
     assert max_abs_diff(sharded["grads"], single_grads) <= 1e-5

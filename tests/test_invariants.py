@@ -9,8 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, TokenLedger, build_batch, check_sampled_once,
-                        check_token_identity, correction_weights, gate_sequences, staleness, validate_correction)
+import invariants
+
+from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
+                        check_sampled_once, check_token_identity, correction_weights, gate_sequences, staleness,
+                        validate_correction)
+from rollout import Generation
+
+SAMPLED = Sampling(temperature=0.7)   # the sampling every hand-made token of these tests was drawn with
+
+
+def generation(ids: list[int], logprobs: list[float], versions: list[int], sampling: Sampling = SAMPLED):
+    """An engine output as the runner hands it on (the prompt does not matter to these checks)."""
+    return Generation([], ids, logprobs, versions, None, "stop", sampling=sampling)
 
 # ---- token identity: ledger ----
 
@@ -19,9 +30,9 @@ def two_turn_ledger() -> TokenLedger:
     """prompt [1,2,3] -> sampled [4,5] (version 0) -> tool delta [6,7] -> sampled [8] (version 1)."""
     ledger = TokenLedger("r0", "g0")
     assert ledger.extend_or_seal([1, 2, 3]) is False  # first call opens a segment
-    ledger.append_sampled([4, 5], [-0.5, -0.25], [0, 0])
+    ledger.append_sampled([4, 5], [-0.5, -0.25], [0, 0], SAMPLED)
     assert ledger.extend_or_seal([1, 2, 3, 4, 5, 6, 7]) is True
-    ledger.append_sampled([8], [-1.0], [1])
+    ledger.append_sampled([8], [-1.0], [1], SAMPLED)
     return ledger
 
 
@@ -45,12 +56,19 @@ def test_non_extension_seals_with_lcp_and_opens_an_all_context_segment(caplog):
     assert "non_extension" in caplog.text and "LCP 4" in caplog.text
     assert second.token_ids == rerendered and not any(second.trainable)  # re-rendered sampled text is context
     assert second.policy_versions == [-1] * 7 and second.segment_id == 1
-    ledger.append_sampled([10, 11], [-0.1, -0.2], [1, 1])
+    ledger.append_sampled([10, 11], [-0.1, -0.2], [1, 1], SAMPLED)
     ledger.seal("done")
     assert ledger.rows() == [first, second] and ledger.open_token_ids == []
-    check_sampled_once(ledger.rows(), [[4, 5], [8], [10, 11]])  # every sampled id trainable in exactly one row
-    with pytest.raises(ValueError, match="sampled-once violated"):  # negative control: a lost sampled token
-        check_sampled_once(ledger.rows(), [[4, 5], [8], [10, 11], [12]])
+    sampled = [generation([4, 5], [-0.5, -0.25], [0, 0]), generation([8], [-1.0], [1]),
+               generation([10, 11], [-0.1, -0.2], [1, 1])]
+    check_sampled_once(ledger.rows(), sampled)  # every sampled token trainable in exactly one row, as sampled
+    # negative controls: a lost sampled token; one whose logprob, version or sampling the rows do not carry
+    for wrong in (sampled + [generation([12], [-0.3], [1])],
+                  sampled[:2] + [generation([10, 11], [-0.1, -0.25], [1, 1])],
+                  sampled[:2] + [generation([10, 11], [-0.1, -0.2], [1, 2])],
+                  sampled[:2] + [generation([10, 11], [-0.1, -0.2], [1, 1], Sampling(temperature=1.0))]):
+        with pytest.raises(ValueError, match="sampled-once violated"):
+            check_sampled_once(ledger.rows(), wrong)
 
 
 @pytest.mark.parametrize("prompt, lcp", [
@@ -66,14 +84,14 @@ def test_any_prompt_that_does_not_contain_the_open_segment_bitwise_seals(prompt,
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda l: l.append_sampled([4, 5], [-0.1], [0, 0]), "2 token ids, 1 behavior logprobs"),
-    (lambda l: l.append_sampled([4], [-0.1], []), "1 token ids, 1 behavior logprobs and 0 policy versions"),
-    (lambda l: l.append_sampled([4], [float("nan")], [0]), "logprob of sampled token 0 .* is nan"),
-    (lambda l: l.append_sampled([4], [float("-inf")], [0]), "must be a finite float"),
-    (lambda l: l.append_sampled([4, 5], [-0.1, -0.1], [1, 0]), "version decreases .* version 0 after version 1"),
-    (lambda l: (l.append_sampled([4], [-0.1], [2]), l.append_sampled([5], [-0.1], [1])), "version decreases"),
-    (lambda l: l.append_sampled([4], [-0.1], [-1]), "policy version of sampled token 0 is -1"),
-    (lambda l: l.append_sampled([-4], [-0.1], [0]), "id at index 0 is -4"),
+    (lambda l: l.append_sampled([4, 5], [-0.1], [0, 0], SAMPLED), "2 token ids, 1 behavior logprobs"),
+    (lambda l: l.append_sampled([4], [-0.1], [], SAMPLED), "1 token ids, 1 behavior logprobs and 0 policy versions"),
+    (lambda l: l.append_sampled([4], [float("nan")], [0], SAMPLED), "logprob of sampled token 0 .* is nan"),
+    (lambda l: l.append_sampled([4], [float("-inf")], [0], SAMPLED), "must be a finite float"),
+    (lambda l: l.append_sampled([4, 5], [-0.1, -0.1], [1, 0], SAMPLED), "version decreases .* version 0 after version 1"),
+    (lambda l: (l.append_sampled([4], [-0.1], [2], SAMPLED), l.append_sampled([5], [-0.1], [1], SAMPLED)), "version decreases"),
+    (lambda l: l.append_sampled([4], [-0.1], [-1], SAMPLED), "policy version of sampled token 0 is -1"),
+    (lambda l: l.append_sampled([-4], [-0.1], [0], SAMPLED), "id at index 0 is -4"),
     (lambda l: l.append_context([7, 2.0]), "id at index 1 is 2.0"),
     (lambda l: l.extend_or_seal([1, True]), "id at index 1 is True"),
 ])
@@ -86,7 +104,7 @@ def test_every_append_check_fires_with_a_clear_message(call, message):
 
 def test_sampled_tokens_need_a_prompt_first():
     with pytest.raises(ValueError, match="call extend_or_seal"):
-        TokenLedger("r0").append_sampled([4], [-0.1], [0])
+        TokenLedger("r0").append_sampled([4], [-0.1], [0], SAMPLED)
 
 
 def test_routes_first_writer_wins_with_minus_one_sentinel():
@@ -97,7 +115,7 @@ def test_routes_first_writer_wins_with_minus_one_sentinel():
     seg = ledger.segments[0]
     assert seg.routes.dtype == np.int16 and seg.routes.shape == (3, 2, 2)
     assert (seg.routes[2] == -1).all()  # not routed yet: -1, never 0
-    ledger.append_sampled([4, 5], [-0.1, -0.2], [0, 0])
+    ledger.append_sampled([4, 5], [-0.1, -0.2], [0, 0], SAMPLED)
     assert seg.routes.shape == (5, 2, 2) and (seg.routes[3:] == -1).all()  # grows with the segment
     second = np.full((5, 2, 2), 7)  # next call's prefill covers positions 0..4
     ledger.absorb_routes(second)
@@ -117,12 +135,12 @@ def batch_rows():
     ledger = TokenLedger("r0", "g0")
     ledger.extend_or_seal([1, 2, 3])
     ledger.absorb_routes(np.zeros((2, 2, 2), dtype=np.int64))
-    ledger.append_sampled([4, 5], [-0.5, -0.25], [3, 3])
+    ledger.append_sampled([4, 5], [-0.5, -0.25], [3, 3], SAMPLED)
     ledger.extend_or_seal([1, 2, 3, 4, 5, 6])
-    ledger.append_sampled([8], [-1.0], [4])
+    ledger.append_sampled([8], [-1.0], [4], SAMPLED)
     short = TokenLedger("r1", "g0")  # no routes
     short.extend_or_seal([1, 9])
-    short.append_sampled([10], [-2.0], [4])
+    short.append_sampled([10], [-2.0], [4], SAMPLED)
     return ledger.rows() + short.rows()
 
 
@@ -214,8 +232,8 @@ def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
     v = 5
     ledger = TokenLedger("r0")
     ledger.extend_or_seal([1, 2])
-    ledger.append_sampled([3, 4], [-0.1, -0.2], [v, v])  # weights swapped mid-rollout
-    ledger.append_sampled([5], [-0.3], [v + 1])
+    ledger.append_sampled([3, 4], [-0.1, -0.2], [v, v], SAMPLED)  # weights swapped mid-rollout
+    ledger.append_sampled([5], [-0.3], [v + 1], SAMPLED)
     batch = build_batch(ledger.rows(), [1.0], pad_id=0)
     versions_before = batch.policy_versions.clone()
     s = staleness(batch.policy_versions, batch.loss_mask, trainer_version=v + 2)
@@ -252,6 +270,53 @@ def test_seq_and_geo_bands_drop_sequences_outside_the_band():
     assert keep.tolist() == [False, True]  # sums 0.8 and 0.03: exp(0.8) = 2.23 > 2 drops the first
     keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.5))
     assert keep.tolist() == [True, True]
+
+
+def test_a_veto_below_the_log_ratio_clamp_still_fires():
+    mask = torch.tensor([[0, 1, 1]], dtype=torch.float32)
+    log_ratio = torch.tensor([[0.0, 0.0, -40.0]])             # rho = e^-40, below the clamp at e^-30
+    keep, counts = gate_sequences(log_ratio, mask, torch.zeros(1, dtype=torch.long), CorrectionConfig(veto=1e-15))
+    assert keep.tolist() == [False] and counts["drop_veto"] == 1
+
+
+def test_a_sealed_rollout_is_one_sequence_for_staleness_and_every_gate():
+    # rows 0 and 1: one rollout sealed in two; row 1 was sampled a version later. Row 2: another rollout.
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+    versions = torch.tensor([[-1, 3, 3, -1], [-1, -1, 4, 4], [-1, 4, 4, 4]])
+    seq_index = invariants.sequence_index(["a", "a", "b"])
+    s = staleness(versions, mask, trainer_version=4, seq_index=seq_index)
+    assert s.tolist() == [1, 1, 0]                            # the rollout's oldest token decides, for both rows
+    assert staleness(versions, mask, trainer_version=4).tolist() == [1, 0, 0]   # armed: per row, row 1 looks fresh
+    zero = torch.zeros(3, 4)
+    keep, counts = gate_sequences(zero, mask, s, CorrectionConfig(max_staleness=0), seq_index)
+    assert keep.tolist() == [False, False, True] and counts == {"drop_stale": 1, "drop_ratio_band": 0,
+                                                                 "drop_veto": 0, "kept": 1}
+    # the seq ratio multiplies over both rows: 0.5 + 0.5 nats is out of [1/2, 2], each row alone is inside
+    log_ratio = torch.tensor([[0, 0.25, 0.25, 0], [0, 0, 0.25, 0.25], [0, 0, 0, 0]])
+    cfg = CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0)
+    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg, seq_index)[0].tolist() == \
+        [False, False, True]
+    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg)[0].all()
+    w, _ = correction_weights(log_ratio, torch.zeros(3, 4), mask, CorrectionConfig(level="seq", mode="trunc",
+                                                                                 high=10.0), seq_index)
+    assert torch.allclose(w[:2][mask[:2] > 0], torch.full((4,), math.exp(1.0)))   # one weight for the rollout
+    veto = torch.tensor([[0, 0, 0, 0], [0, 0, -20.0, 0], [0, 0, 0, 0]])
+    keep, _ = gate_sequences(veto, mask, torch.zeros(3, dtype=torch.long), CorrectionConfig(veto=1e-6), seq_index)
+    assert keep.tolist() == [False, False, True]              # a vetoed row takes its whole rollout with it
+
+
+def test_mismatch_k3_estimates_kl_of_the_behavior_policy_to_the_trainer():
+    # exact enumeration over a 4-token vocabulary: E_{y ~ mu}[k3(rho_y)] = KL(mu || pi), rho = pi / mu
+    mu = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    pi = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    mask = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    expected = 0.0
+    for y in range(4):
+        metrics = invariants.mismatch_metrics(torch.tensor([[0.0, pi[y].log()]]), torch.tensor([[0.0, mu[y].log()]]),
+                                              mask)
+        expected += mu[y].item() * metrics["k3_kl"]
+    assert expected == pytest.approx((mu * (mu / pi).log()).sum().item(), abs=1e-12)
+    assert expected != pytest.approx((pi * (pi / mu).log()).sum().item(), abs=1e-3)   # not the other direction
 
 
 # ---- policy version: IS weights ----

@@ -82,7 +82,7 @@ def check_rows(session, turns):
     rows = session.ledger.rows()
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     invariants.check_token_identity(batch, rows)                 # trainer ids == sampled ids
-    invariants.check_sampled_once(rows, [t.generation.token_ids for t in turns])
+    invariants.check_sampled_once(rows, [t.generation for t in turns])
     # ART #883: each sampled token is trainable only in a row whose prefix is the one it was sampled under
     for turn in turns:
         gen = turn.generation
@@ -196,3 +196,23 @@ def test_unparseable_tool_calls_stay_text():
                                                                                           "arguments": {"a": 1}}
     quoted = parse_hermes_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "c")
     assert quoted["content"] is None and quoted["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_extended_is_the_ledgers_answer_even_when_the_text_check_says_no(tok):
+    """An echo with an extra key on the assistant message fails the text-level append check, so the prompt is
+    rendered whole; with a canonical reply that prompt is a bitwise extension anyway. The turn reports what the
+    ledger did (extended), not what the text check guessed."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    student = models.tiny_model("qwen3", seed=0).train()
+    engine = EmbeddedEngine(copy.deepcopy(student).eval())
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=GREEDY)
+    first = [{"role": "user", "content": "Say ok."}]
+    reply_ids = tok.encode("ok") + [im_end]
+    teach(student, [(session._prompt(first, None)[0], reply_ids)])
+    engine.update_weights(student.state_dict(), version=1)
+    turn = session.turn(first)
+    assert turn.generation.token_ids == reply_ids and not turn.extended      # the first turn opens a segment
+    echo = {**turn.message, "name": "assistant"}                           # the template ignores the extra key
+    assert session._delta_text(first + [echo], None, "") is None           # armed: the text check says "edited"
+    second = session.turn(first + [echo, {"role": "user", "content": "Again."}])
+    assert second.extended and len(session.ledger.segments) == 1           # and the ledger extended bitwise

@@ -240,10 +240,12 @@ def test_a_non_canonically_split_reply_echoed_as_text_extends_and_trains_as_samp
     record = trace(info)
     assert [s["seal_reason"] for s in record["segments"]] == [""]
     assert trainable_ids(record) == first.token_ids + second.token_ids
-    rows = script.chatml.close_session(info.session_id).ledger.rows()
+    session = script.chatml.close_session(info.session_id)
+    rows = session.ledger.rows()
     batch = invariants.build_batch(rows, [1.0], pad_id=tok.pad_token_id)
     invariants.check_token_identity(batch, rows)                # trainer ids == sampled ids, split intact
-    invariants.check_sampled_once(rows, [first.token_ids, second.token_ids])
+    assert [g.token_ids for g in session.generations] == [first.token_ids, second.token_ids]
+    invariants.check_sampled_once(rows, session.generations)
     # armed: a trainer that re-encoded the row's text would be caught
     reencoded = tok.encode(tok.decode(rows[0].token_ids, skip_special_tokens=False), add_special_tokens=False)
     assert len(reencoded) < len(rows[0].token_ids)
@@ -279,8 +281,10 @@ def test_a_think_stripping_template_seals_and_the_next_context_holds_no_thought(
     assert THOUGHT in "".join(sealed["tokens"])                 # trained where it was sampled
     context = tok.decode([t for t, m in zip(now["token_ids"], now["trainable"]) if not m])
     assert "One file." in context and "<think>" not in context and "count them" not in context
-    rows = script.think.close_session(info.session_id).ledger.rows()
-    invariants.check_sampled_once(rows, [thought_ids, answer_ids])
+    session = script.think.close_session(info.session_id)
+    rows = session.ledger.rows()
+    assert [g.token_ids for g in session.generations] == [thought_ids, answer_ids]
+    invariants.check_sampled_once(rows, session.generations)
     invariants.check_token_identity(invariants.build_batch(rows, [1.0, 1.0], pad_id=tok.pad_token_id), rows)
 
 
@@ -311,9 +315,11 @@ def test_compacting_the_history_seals_exactly_at_the_compaction(script, wire, st
     assert SUMMARY in "".join(now["tokens"]) and FIX_ASK not in "".join(now["tokens"])
     assert trainable_ids({"segments": [sealed]}) == sampled[0] + sampled[1]
     assert trainable_ids({"segments": [now]}) == sampled[2]
-    rows = script.chatml.close_session(info.session_id).ledger.rows()
+    session = script.chatml.close_session(info.session_id)
+    rows = session.ledger.rows()
     assert len(rows) == 2 and {r.rollout_id for r in rows} == {rollout_id}
-    invariants.check_sampled_once(rows, sampled)
+    assert [g.token_ids for g in session.generations] == sampled
+    invariants.check_sampled_once(rows, session.generations)
     invariants.check_token_identity(invariants.build_batch(rows, [1.0, 1.0], pad_id=script.tok.pad_token_id), rows)
 
 

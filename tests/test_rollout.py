@@ -12,7 +12,8 @@ from transformers import DynamicCache
 import invariants
 import models
 from actor import sequence_logprobs
-from rollout import BatchingEngine, EmbeddedEngine, SamplingParams, processed_logprobs
+from invariants import processed_logprobs
+from rollout import BatchingEngine, EmbeddedEngine, SamplingParams
 
 
 def _padded(seqs: list[list[int]], pad: int):
@@ -68,7 +69,7 @@ def test_engine_logprobs_equal_trainer_recompute_in_fp32(tiny):
 
 def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
     gens = EmbeddedEngine(tiny).generate(PROMPTS, PARAMS)
-    # wrong temperature (forgot to divide, Molt bug 15/16)
+    # wrong temperature (the logits never divided by it)
     assert _max_gap(gens, _recompute(tiny, gens, temperature=1.0)) > 1e-3
     # off-by-one: the logprob of token t read from position t instead of t-1
     shifted = [r.roll(1) for r in _recompute(tiny, gens, temperature=0.7)]
@@ -82,9 +83,9 @@ def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
 
 def test_greedy_is_a_point_mass_and_top_p_renormalises():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
-    greedy = processed_logprobs(logits, SamplingParams(top_k=1))
+    greedy = processed_logprobs(logits, 1.0, top_k=1)
     assert greedy[0] == 0 and torch.isinf(greedy[1:]).all()
-    nucleus = processed_logprobs(logits, SamplingParams(top_p=0.7))
+    nucleus = processed_logprobs(logits, 1.0, top_p=0.7)
     kept = torch.isfinite(nucleus)
     assert kept.tolist() == [True, True, False, False]
     assert torch.allclose(nucleus.exp().sum(), torch.tensor(1.0))
@@ -168,7 +169,7 @@ def test_update_weights_requires_every_key_and_a_forward_version(tiny):
         engine.update_weights(partial, version=4)
     with pytest.raises(ValueError, match="unexpected keys"):
         engine.update_weights({**state, "extra.weight": torch.zeros(1)}, version=4)
-    # a tied model's export may leave out lm_head.weight (Molt bug 2)
+    # a tied model's export may leave out lm_head.weight (it is the embedding)
     engine.update_weights({k: v for k, v in state.items() if k != "lm_head.weight"}, version=4)
     assert engine.version == 4
     gen = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, seed=0))[0]
@@ -294,3 +295,34 @@ def test_batching_engine_waits_until_a_staggered_burst_has_arrived(tiny):
     assert burst(BatchingEngine(Sizes(tiny), gather_s=0.1)) == [6]             # one batch: arrivals kept coming
     assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.001))) > 1         # armed: a short pause splits it
     assert len(burst(BatchingEngine(Sizes(tiny), gather_s=0.05, max_gather_s=0.02))) > 1   # and so does the cap
+
+
+def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
+    """First writer wins, as in the ledger and a prefix cache: positions forwarded before the swap keep the
+    routes the tokens sampled so far were conditioned on; only positions forwarded after take the new routes."""
+    old = models.tiny_model("qwen3_moe", seed=0)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for router in invariants.moe_routers(new):
+            router.weight.add_(2.0 * torch.randn_like(router.weight))
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    n_before, original = 4, engine._sample_one
+
+    def sample_then_swap(row, logits):
+        original(row, logits)
+        if len(row.token_ids) == n_before:
+            engine.update_weights(new.state_dict(), version=1)
+    engine._sample_one = sample_then_swap
+    prompt = [11, 12, 13, 14, 15]
+    gen = engine.generate([prompt], SamplingParams(max_tokens=8, seed=1, stop_token_ids=(9999,)))[0]
+    assert gen.policy_versions == [0] * n_before + [1] * (8 - n_before)
+
+    def routes_of(model):
+        with invariants.capture_routes(model) as captured, torch.no_grad():
+            model(input_ids=torch.tensor([prompt + gen.token_ids]))
+        return captured[-1][:-1].numpy()
+    before_swap = len(prompt) + n_before - 1               # positions forwarded by the old weights
+    old_routes, new_routes = routes_of(old), routes_of(new)
+    assert (old_routes[:before_swap] != new_routes[:before_swap]).any()    # armed: the swap moves routes
+    assert (gen.routes[:before_swap] == old_routes[:before_swap]).all()    # kept, not overwritten
+    assert (gen.routes[before_swap:] == new_routes[before_swap:]).all()

@@ -3,13 +3,19 @@
 # by token, and refuses bad flags before anything loads.
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+import actor
+import data
 import invariants
+import models
+import rollout
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,8 +59,8 @@ def test_trace_prints_every_token_with_its_provenance(tiny_run):
     done = run_cli("trace", out, "--step", "1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[1].split() == ["pos", "id", "text", "ver", "behavior", "trainer", "is_w", "advantage", "loss",
-                                "reason"]
+    assert lines[1].split() == ["pos", "id", "text", "ver", "temp", "behavior", "trainer", "is_w", "advantage",
+                                "loss", "reason"]
     record = json.loads(open(os.path.join(out, "traces", "step_000001.jsonl")).readline())
     assert len(lines) == 2 + len(record["token_ids"])
     assert {"context", "trained"} <= set(record["mask_reason"])
@@ -75,9 +81,97 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path):
     assert [r["step"] for r in records] == [3] and records[0]["actor/version"] == 6
 
 
+def metrics_of(out: str) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_a_run_killed_after_step_k_resumes_to_the_same_step_k_plus_1(tmp_path):
+    flags = [*TINY_RUN, "--steps", "3", "--train.save_every", "1"]
+    whole = str(tmp_path / "whole")
+    done = run_cli(*flags, "--out", whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = str(tmp_path / "killed")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.Popen([sys.executable, "train.py", *flags, "--out", killed], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = os.path.join(killed, "checkpoints", "step_000001")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(checkpoint, actor.CHECKPOINT_MARKER)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)                  # no chance to flush or clean up
+    run.wait()
+    resumed = str(tmp_path / "resumed")
+    done = run_cli(*flags, "--out", resumed, "--train.resume", checkpoint)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = metrics_of(whole)[1:], metrics_of(resumed)
+    assert [r["step"] for r in got] == [2, 3]
+    for want, have in zip(expected, got):        # the same tokens sampled, the same updates: every metric but time
+        keys = {k for k in want if not k.startswith(("time/", "perf/"))}
+        assert {k: have[k] for k in keys} == {k: want[k] for k in keys}
+    final = [torch.load(os.path.join(folder, "checkpoints", "final", actor.CHECKPOINT_STATE), weights_only=True)
+             for folder in (whole, resumed)]
+    assert all(torch.equal(final[0]["model"][k], final[1]["model"][k]) for k in final[0]["model"])
+
+
+def recipe_file(folder, name: str, runner: str) -> str:
+    """A recipe of one's own, outside recipes/: the math recipe's defaults and tasks with `runner` as its runner."""
+    path = folder / f"{name}.py"
+    path.write_text("import train\n\nbase = train.load_recipe('math')\nDEFAULTS, tasks = base.DEFAULTS, base.tasks\n"
+                    + runner)
+    return str(path)
+
+
+def test_a_runner_that_hands_on_a_token_twice_stops_the_run(tmp_path):
+    duplicating = recipe_file(tmp_path, "duplicating", (
+        "\n\nclass AgentRunner(base.AgentRunner):\n"
+        "    def run(self, tasks, group_ids, sampling):\n"
+        "        rollouts = super().run(tasks, group_ids, sampling)\n"
+        "        rollouts[0].rows.append(rollouts[0].rows[0])   # a runner bug: one row handed on twice\n"
+        "        return rollouts\n"))
+    done = run_cli(*[f if f != "math" else duplicating for f in TINY_RUN], "--steps", "1", "--out",
+                   str(tmp_path / "out"))
+    assert done.returncode != 0 and "sampled-once violated" in done.stderr
+    assert not os.path.getsize(os.path.join(tmp_path, "out", "metrics.jsonl"))     # nothing was trained on it
+    plain = recipe_file(tmp_path, "plain", "AgentRunner = base.AgentRunner\n")     # a recipe by path runs
+    assert run_cli(*[f if f != "math" else plain for f in TINY_RUN], "--steps", "1", "--out",
+                   str(tmp_path / "plain")).returncode == 0
+
+
+def test_the_trace_shows_each_tokens_actual_share_of_the_loss(tmp_path):
+    out = str(tmp_path / "out")
+    done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, "--train.minibatches", "2", "--train.trace_rows", "100",
+                   "--algo.loss_agg", "seq_mean_token_sum_norm")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = metrics_of(out)
+    rows = [json.loads(line) for line in open(os.path.join(out, "traces", "step_000001.jsonl"))]
+    assert len({r["rollout_id"] for r in rows}) == record["rollout/count"]          # every row was traced
+    total = sum(sum(r["loss_contribution"]) for r in rows)
+    # actor/loss is the mean over the two minibatches' losses: the contributions add up to both losses
+    assert total == pytest.approx(2 * record["actor/loss"], rel=1e-5, abs=1e-9)
+    for r in rows:                             # only trained tokens contribute
+        assert all(c == 0.0 for c, why in zip(r["loss_contribution"], r["mask_reason"]) if why != "trained")
+
+
+def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
+    cfg = train.parse_config([*TINY_RUN, "--train.minibatches", "2", "--train.trace_rows", "0"])
+    model_path = models.resolve_model("tiny-qwen3")
+    tok = models.load_tokenizer(model_path)
+    runner = train.load_recipe("math").AgentRunner(rollout.EmbeddedEngine(models.load_model(model_path), seed=1), tok,
+                                                   max_length=cfg["rollout"].max_length)
+    rollouts = runner.run(data.arithmetic_tasks(2, seed=0), ["only-group"] * 2,
+                          rollout.SamplingParams(max_tokens=6, seed=0))
+    rows = [(r, row) for r in rollouts for row in r.rows]
+    assert len(train.minibatch_indices([r.group_id for r, _ in rows], 2)) == 1     # one group: one minibatch
+    os.makedirs(tmp_path / "traces")
+    policy = actor.Actor(model_path, cfg["actor"], total_steps=2)
+    metrics = train.train_on_rows(cfg, policy, None, tok, rows, str(tmp_path), 0)
+    sampled = sum(row.num_trainable for _, row in rows)
+    assert metrics["actor/kept_tokens"] == sampled       # not halved by a minibatch that never ran
+
+
 @pytest.mark.parametrize("flags, reason", [
     (["--no.such_flag", "1"], "unrecognized arguments"),
-    (["--rollout.top_p", "0.9"], "top_p must be 1"),
+    (["--rollout.top_p", "1.5"], "top_p must be in (0, 1]"),
     (["--rollout.samples_per_prompt", "1"], "samples_per_prompt"),
     (["--algo.kl_in_reward", "true", "--algo.kl_coef", "0.1"], "silently ignored"),
     (["--correction.level", "token", "--correction.high", "0.9"], "high"),
@@ -106,8 +200,9 @@ def test_minibatches_hold_whole_groups():
     groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
     parts = train.minibatch_indices(groups, 2)
     assert parts == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    rows = [invariants.Segment("r", g, 0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [-1, 0, 0])
-            for g in groups]
+    rows = [invariants.Segment(f"r{i}", g, 0, [1, 2, 3], [False, True, True], [0.0, -1.0, -1.0], [-1, 0, 0],
+                               [invariants.UNSAMPLED] * 3)
+            for i, g in enumerate(groups)]
     batch = invariants.build_batch(rows, [float(i) for i in range(8)], pad_id=0)
     sub = train.select_rows(batch, parts[1])
     assert sub.group_ids == ["c", "c", "d", "d"] and torch.equal(sub.input_ids, batch.input_ids[4:])

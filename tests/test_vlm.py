@@ -87,7 +87,7 @@ def ledger_rows(gens, images) -> list[invariants.Segment]:
     for i, (gen, row_images) in enumerate(zip(gens, images)):
         ledger = invariants.TokenLedger(f"r{i}", "g")
         ledger.extend_or_seal(gen.prompt_ids, row_images)
-        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
         rows += ledger.rows()
     return rows
 
@@ -248,16 +248,16 @@ def test_the_ledger_extends_only_when_the_images_are_a_prefix_of_the_new_prompts
     prompt = [7, pad, pad, pad, pad, 8]
     ledger = invariants.TokenLedger("r")
     assert not ledger.extend_or_seal(prompt, [first])
-    ledger.append_sampled([9, 10], [-0.5, -0.7], [0, 0])
+    ledger.append_sampled([9, 10], [-0.5, -0.7], [0, 0], invariants.Sampling())
     turn2 = ledger.open_token_ids + [11, pad, pad, pad, pad, 12]
     assert ledger.extend_or_seal(turn2, [first, second])               # same images first, one more: extends
     assert ledger.open_images == [first, second] and len(ledger.segments) == 1
-    ledger.append_sampled([13], [-0.1], [0])
+    ledger.append_sampled([13], [-0.1], [0], invariants.Sampling())
     # the same ids with a re-processed copy of the first image: a different input, so the segment seals
     assert not ledger.extend_or_seal(ledger.open_token_ids + [14], [lookalike, second])
     assert ledger.segments[0].seal_reason == "non_extension" and ledger.segments[0].images == [first, second]
     assert ledger.segments[1].images[0] is lookalike and ledger.segments[1].num_trainable == 0
-    ledger.append_sampled([15], [-0.2], [0])
+    ledger.append_sampled([15], [-0.2], [0], invariants.Sampling())
     # fewer images than the open segment holds: seals too
     assert not ledger.extend_or_seal(ledger.open_token_ids, [lookalike])
     # the batch carries each row's images; swapping them between rows is caught (the check is armed)
@@ -268,7 +268,8 @@ def test_the_ledger_extends_only_when_the_images_are_a_prefix_of_the_new_prompts
     batch.images[0], batch.images[1] = batch.images[1], batch.images[0]
     with pytest.raises(ValueError, match="row 0 .* not the 2 it was sampled with"):
         invariants.check_token_identity(batch, rows)
-    text_row = invariants.Segment("t", "g", 0, [1, pad, 2], [False, False, True], [0.0, 0.0, -1.0], [-1, -1, 0])
+    text_row = invariants.Segment("t", "g", 0, [1, pad, 2], [False, False, True], [0.0, 0.0, -1.0], [-1, -1, 0],
+                                  [invariants.UNSAMPLED] * 3)
     lone = invariants.build_batch([text_row], [1.0], pad_id=0)
     invariants.check_token_identity(lone, [text_row])                     # a text model's pad id is a token
     with pytest.raises(ValueError, match=r"pad runs of lengths \[1\] but the images fill \[\]"):
@@ -363,12 +364,12 @@ def test_an_env_rollout_with_image_observations_trains_on_what_was_sampled(vl_di
     policy = actor.Actor(vl_dir, actor.ActorConfig(lr=1e-3, micro_batch_size=1), total_steps=1)
     # the engine ran on CPU; an actor on a GPU (where there is one) computes the same fp32 math with other kernels
     tol = TOL if policy.device.type == "cpu" else 1e-4
-    old = policy.recompute_logprobs(batch, 1.0)
+    old = policy.recompute_logprobs(batch)
     gap = ((old - batch.behavior_logprobs).abs() * batch.loss_mask).max().item()
     print(f"EnvRunner rollout with 2 images per row: recompute vs behavior max |diff| {gap:.2e}")
     assert gap <= tol
     metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
-                                1.0, trainer_version=0)
+                                trainer_version=0).metrics
     assert metrics["actor/logprob_diff_max"] <= tol and metrics["actor/version"] == 1.0
     vision_grad = sum(float(p.grad.abs().sum()) for p in policy.model.model.visual.parameters() if p.grad is not None)
     assert vision_grad > 0                                     # the images reach the loss through the vision tower
@@ -406,9 +407,9 @@ def fsdp_vlm_worker(rank: int, world_size: int, port: int, vl_dir: str, batch, r
     try:
         policy = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
         mine = select_rows(batch, rows[rank])
-        old = policy.recompute_logprobs(mine, TEMPERATURE)
+        old = policy.recompute_logprobs(mine)
         policy.train_step(mine, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
-                          TEMPERATURE, 0)
+                          0)
         full_grads = {name: p.grad.full_tensor().cpu() for name, p in policy.model.named_parameters()}
         if rank == 0:
             torch.save({"grads": full_grads, "old": old}, os.path.join(out_dir, "fsdp_vlm.pt"))
@@ -425,9 +426,9 @@ def check_fsdp_vlm_step(vl_dir: str, batch, tmp_path, backend: str) -> None:
              join=True)
     sharded = torch.load(tmp_path / "fsdp_vlm.pt", weights_only=True)
     single = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
-    old = single.recompute_logprobs(batch, TEMPERATURE)
+    old = single.recompute_logprobs(batch)
     single.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
-                      TEMPERATURE, 0)
+                      0)
     width = sharded["old"].shape[1]                                              # rank 0's rows, trimmed
     assert (sharded["old"] - old[rows[0], :width]).abs().max() <= TOL            # the same pi_old
     single_grads = {name: p.grad.cpu() for name, p in single.model.named_parameters()}
