@@ -409,8 +409,10 @@ def evaluate(runner, tasks: list, ev: EvalConfig, max_tokens: int, step: int) ->
     picked = tasks[:ev.prompts]
     group_ids = [f"eval{step}-g{i}" for i in range(len(picked)) for _ in range(ev.samples)]
     t0 = time.time()
+    # seeded requests never draw from the engine's own generator: evaluating leaves the training samples (and an
+    # exact resume) as they would have been without it
     rollouts = runner.run([t for t in picked for _ in range(ev.samples)], group_ids,
-                          SamplingParams(ev.temperature, 1.0, ev.top_k, max_tokens))
+                          SamplingParams(ev.temperature, 1.0, ev.top_k, max_tokens, seed=1_000_000 + step))
     right = {g: 0 for g in group_ids}
     for r in rollouts:
         right[r.group_id] += r.score >= 1.0
