@@ -45,13 +45,17 @@ DEFAULTS = {
 def tasks(split: str, seed: int, source: str = "") -> list[data.Task]:
     """`source`: "" = hiyouga/geometry3k when `datasets` is installed and the hub answers, else the synthetic set;
     "synthetic"; a hub name; or a local copy's folder. An explicit source that fails is an error."""
-    if source == "synthetic" or (not source and not (models.hub_reachable() and _has_datasets())):
-        why = "asked for" if source else "no hub" if not models.hub_reachable() else "`datasets` is not installed"
+    if not source:
+        why = "`datasets` is not installed" if not _has_datasets() else "no hub" if not models.hub_reachable() else ""
+        source = "synthetic" if why else HUB_DATA
+    else:
+        why = "asked for"
+    if source == "synthetic":
         rows = data.synthetic_geo3k(split, SYNTHETIC_ROWS.get(split, 100), seed)
         print(f"geo3k data: the synthetic geo3k ({why}): {len(rows)} {split} diagrams drawn with PIL", flush=True)
     else:
-        rows = data.load_geo3k(split, source or HUB_DATA)
-        print(f"geo3k data: {source or HUB_DATA}, {len(rows)} {split} rows", flush=True)
+        rows = data.load_geo3k(split, source)
+        print(f"geo3k data: {source}, {len(rows)} {split} rows", flush=True)
     return [data.geo3k_task(row, f"geo3k-{split}-{index}") for index, row in enumerate(rows)]
 
 
