@@ -7,7 +7,7 @@
 import asyncio
 import json
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from agents import ChatAgent, ChatAgentRunner, Result
 from agents.graders import extract_final_answer, grade
@@ -23,8 +23,13 @@ class Geo3kChatAgent(ChatAgent):
         counts = {"tool_calls": 0.0, "tool_errors": 0.0}
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             for _ in range(ctx.max_turns):
-                reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
-                                                             tools=[tool.schema for tool in TOOLS])
+                try:
+                    reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
+                                                                 tools=[tool.schema for tool in TOOLS])
+                except BadRequestError as error:
+                    if "context" not in str(error):
+                        raise
+                    break            # the conversation outgrew the context: truncated, as the Env version ends
                 message = reply.choices[0].message
                 if not message.tool_calls:
                     text = message.content or ""

@@ -58,7 +58,8 @@ def test_geo3k_trace_shows_the_image_tokens_as_context(geo3k_run):
 
 def test_geo3k_through_the_openai_sdk_calls_tools_over_http(tmp_path):
     records, _ = train(str(tmp_path / "out"), "--recipe", "geo3k_chat")
-    assert all(r["rollout/count"] == 4 for r in records)
+    assert all(r["rollout/count"] == 4 for r in records), [{k: v for k, v in r.items() if "failed" in k}
+                                                          for r in records]
     assert sum(r["agent/tool_calls"] for r in records) > 0
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
 
