@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import algo
 import invariants
@@ -84,33 +85,79 @@ def _with_blank_image(model, input_ids: Tensor, attention_mask: Tensor,
     return ids, mask, [[blank]] + [[] for _ in range(input_ids.shape[0] - 1)]
 
 
+LOGPROB_CHUNK = 1024   # positions whose [positions, vocab] logits exist at once (memory only, never results)
+
+
+def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int:
+    """A per-token [B, T] sampling tensor -> its values at the positions that draw a real next token; a scalar
+    stays a scalar. Token t was drawn from the logits at t - 1 with token t's own sampling."""
+    return x[:, 1:][real] if isinstance(x, Tensor) and x.dim() == 2 else x
+
+
+def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tensor, temperature, top_p, top_k,
+                           with_entropy: bool) -> Tensor:
+    """[N, 2]: each position's logprob of its next id under the processed distribution, and that distribution's
+    detached entropy, from hidden states [N, H]. The output projection runs LOGPROB_CHUNK positions at a time, and
+    under autograd each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab] logits never
+    exist at once: at a 152K vocabulary that tensor is the largest of the whole step."""
+    def chunk(h, ids, t, p, k):
+        logits = F.linear(h, head.weight, head.bias).float()     # fp32 BEFORE the temperature, as the engine
+        log_probs = invariants.processed_logprobs(logits, t, p, k, keep=ids)
+        token = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        if not with_entropy:
+            return torch.stack([token, torch.zeros_like(token)], -1)
+        with torch.no_grad():   # H = -sum_v p log p of the same distribution (entr(0) = 0 off the nucleus)
+            entropy = torch.special.entr(log_probs.exp()).sum(-1)
+        return torch.stack([token, entropy], -1)
+
+    pieces = []
+    for start in range(0, len(hidden), LOGPROB_CHUNK):
+        part = slice(start, start + LOGPROB_CHUNK)
+        args = [hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
+                                                 for x in (temperature, top_p, top_k)]
+        pieces.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2), dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _head_returns(model, forward):
+    """Run `forward(hidden_states)` in place of the output projection for the block: the model's own forward (its
+    FSDP2 hooks, a VLM's vision inputs) stays untouched, and what it returns as "logits" is forward's result."""
+    head = model.get_output_embeddings()
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                     images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
                     top_p: Tensor | float = 1.0, top_k: Tensor | int = -1) -> tuple[Tensor, Tensor | None]:
     """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) under the distribution that
     drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k: scalars, or
     [B,T] tensors aligned to tokens (TrainBatch.temperature/top_p/top_k: each token's own recorded sampling).
-    `images`: per row, for a VLM."""
+    `images`: per row, for a VLM. Only real positions reach the output projection, in chunks."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
-    ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False,
-                   **_forward_inputs(model, ids, mask, images)).logits[:, :input_ids.shape[1]]
+    width = input_ids.shape[1]
+    real = attention_mask[:, 1:].bool()                  # [B, T-1]: positions whose next token is a real token
+    head = model.get_output_embeddings()
 
-    def drawing(x):   # token t was drawn from the logits at t - 1, with token t's own sampling
-        return x[:, 1:] if isinstance(x, Tensor) and x.dim() == 2 else x
-    # the engine's own processing (fp32 upcast before the temperature, top-k, top-p), at the sampled ids
-    log_probs = invariants.processed_logprobs(logits[:, :-1], drawing(temperature), drawing(top_p), drawing(top_k),
-                                              keep=input_ids[:, 1:])
-    next_logprob = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    real = attention_mask[:, 1:].bool()
-    token_logprobs = F.pad(torch.where(real, next_logprob, 0.0), (1, 0))
-    if not with_entropy:
-        return token_logprobs, None
-    with torch.no_grad():  # H = -sum_v p log p of the same processed distribution (entr(0) = 0 off the nucleus)
-        entropy = torch.special.entr(log_probs.exp()).sum(-1)
-        return token_logprobs, F.pad(torch.where(real, entropy, 0.0), (1, 0))
+    def head_forward(hidden: Tensor) -> Tensor:          # hidden [B, T', H]; T' > T with a blank image
+        return _chunked_head_logprobs(hidden[:, :width - 1][real], head, input_ids[:, 1:][real],
+                                      *(_per_position(x, real) for x in (temperature, top_p, top_k)), with_entropy)
+
+    ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
+    with _head_returns(model, head_forward):
+        per_position = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                             **_forward_inputs(model, ids, mask, images)).logits          # [N, 2]
+    grid = torch.zeros(real.shape, dtype=torch.float32, device=per_position.device)
+
+    def on_tokens(values: Tensor) -> Tensor:             # [N] -> [B, T], 0 at position 0 and on padding
+        return F.pad(grid.masked_scatter(real, values), (1, 0))
+    return on_tokens(per_position[:, 0]), (on_tokens(per_position[:, 1].detach()) if with_entropy else None)
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
@@ -136,6 +183,11 @@ def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:
 # ---- config ----
 
 LR_SCHEDULES = ("constant", "cosine")
+# fp32: every op in fp32, the exact mode (the engine's logprobs are recomputed to ~1e-6; the parity tests use it).
+# bf16: matrix products in bf16 (torch.autocast on one process; FSDP2's MixedPrecisionPolicy when sharded), with
+# fp32 master weights, fp32 AdamW state, fp32 gradient reduction, and logits upcast to fp32 before the
+# temperature; what remains of the train/infer mismatch is what the IS correction and the gates are for.
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -148,6 +200,10 @@ class ActorConfig:
     warmup_steps: int = 0                      # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1                  # cosine ends at lr * min_lr_ratio on the last step
     micro_batch_size: int = 8                  # rows per forward/backward on each rank (memory knob only)
+    micro_batch_tokens: int = 0                # also cap rows x longest row per micro-batch (0 = rows only)
+    precision: str = "auto"                    # fp32 | bf16 | auto (bf16 on a GPU, fp32 on a CPU); see PRECISIONS
+    activation_checkpointing: bool = False     # recompute each decoder layer in backward (memory for compute)
+    compile: bool = False                      # torch.compile each decoder layer (fuses its norms, activations)
 
 
 def validate_actor(cfg: ActorConfig) -> None:
@@ -166,6 +222,10 @@ def validate_actor(cfg: ActorConfig) -> None:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
+    if cfg.micro_batch_tokens < 0:
+        raise ValueError(f"micro_batch_tokens must be >= 0 (0 = no token cap), got {cfg.micro_batch_tokens}")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {cfg.precision!r}; expected one of {PRECISIONS}")
     if cfg.warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
 
@@ -230,24 +290,46 @@ class Actor:
         self.rank = dist.get_rank() if _is_distributed() else 0
         self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
                        else torch.device("cpu"))
-        # fp32 masters and fp32 forward; no autocast (it would also run the MoE routers, which models keep in fp32,
-        # in bf16, and flip expert choices away from the engine's)
+        # fp32 master weights always; the compute is fp32 (exact: no autocast, which would also run the MoE
+        # routers in bf16 and flip expert choices away from the engine's) or bf16 (PRECISIONS)
+        self.precision = cfg.precision if cfg.precision != "auto" else \
+            ("bf16" if self.device.type == "cuda" else "fp32")
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
+        if cfg.compile:            # in place: parameter names, hooks and the state dict stay the module's own
+            for layer in _decoder_layers(self.model):
+                layer.compile()
+        if cfg.activation_checkpointing:
+            self._checkpoint_layers()
         if self.world_size > 1:
             self._shard()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda" and self.world_size == 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, cfg, total_steps))
         self.version = 0  # optimizer steps taken = version of the current weights
 
+    def _checkpoint_layers(self) -> None:
+        """Keep only each decoder layer's input in forward and recompute the layer in backward. torch's wrapper,
+        not transformers' own switch, which acts only in train mode (the model stays in eval mode). MoE routes
+        stay replayed in the recompute: train_step keeps replay_routes open through backward."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        layers = set(_decoder_layers(self.model))
+        apply_activation_checkpointing(
+            self.model, check_fn=lambda module: module in layers,
+            checkpoint_wrapper_fn=lambda layer: checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # bf16: all-gather bf16 copies of the fp32 shards for compute, reduce-scatter gradients in fp32
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.precision == "bf16" else MixedPrecisionPolicy()
         for layer in _decoder_layers(self.model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mixed)
+        fully_shard(self.model, mesh=mesh, mp_policy=mixed)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # SUM the rank gradients instead of FSDP's mean: each rank's loss is already divided by the
@@ -255,6 +337,12 @@ class Actor:
                 # Divide factor 1 alone asks for PREMUL_SUM, which gloo refuses; force_sum makes it a plain SUM.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+
+    def _compute(self):
+        """The forward's precision: autocast to bf16 on one process (FSDP2 casts the sharded model itself)."""
+        if self.precision == "bf16" and self.world_size == 1:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # -- collectives that degrade to no-ops on one process --
 
@@ -265,20 +353,26 @@ class Actor:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _micro_batches(self, rollout_ids: list[str]) -> list[slice | None]:
-        """Row slices of this rank's micro-batches, about micro_batch_size rows each but never splitting a rollout
-        (GSPO's sequence ratio needs all of a rollout's rows in one forward), padded with None up to the most any
-        rank has: FSDP2 runs collectives in every forward/backward, so a rank that ran fewer would leave the
-        others waiting in a collective forever."""
+    def _micro_batches(self, batch: invariants.TrainBatch) -> list[slice | None]:
+        """Row slices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio needs all of a rollout's
+        rows in one forward), at most micro_batch_size rows and micro_batch_tokens padded tokens (rows x longest
+        row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
+        collectives in every forward/backward, so a rank that ran fewer would leave the others waiting in a
+        collective forever."""
+        rollout_ids, lengths = batch.rollout_ids, batch.attention_mask.sum(-1).tolist()
         starts = [b for b in range(len(rollout_ids)) if b == 0 or rollout_ids[b] != rollout_ids[b - 1]]
         if len(starts) != len(set(rollout_ids)):
             raise ValueError("the rows of a rollout must be adjacent in the batch (build it from each rollout's "
                              "rows in order, as train.py does)")
+        size, tokens = self.cfg.micro_batch_size, self.cfg.micro_batch_tokens
         slices, begin = [], 0
-        for start in starts[1:] + [len(rollout_ids)] if rollout_ids else []:
-            if start - begin >= self.cfg.micro_batch_size or start == len(rollout_ids):
-                slices.append(slice(begin, start))
+        for start, end in zip(starts, starts[1:] + [len(rollout_ids)]):
+            rows, width = end - begin, max(lengths[begin:end])
+            if start > begin and (rows > size or (tokens and rows * width > tokens)):
+                slices.append(slice(begin, start))           # this rollout starts the next micro-batch
                 begin = start
+        if rollout_ids:
+            slices.append(slice(begin, len(rollout_ids)))
         most = int(self._reduce([len(slices)], dist.ReduceOp.MAX)[0])
         return slices + [None] * (most - len(slices))
 
@@ -286,8 +380,9 @@ class Actor:
         """A forward that keeps this rank in step with the others when it has no rows left; returns 0 * logits."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         ids, mask, images = _with_blank_image(self.model, ids, torch.ones_like(ids), None)
-        return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
-                          **_forward_inputs(self.model, ids, mask, images)).logits.sum() * 0.0
+        with self._compute():
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              **_forward_inputs(self.model, ids, mask, images)).logits.float().sum() * 0.0
 
     def _cut(self, t: Tensor, rows: slice, width: int) -> Tensor:
         return t[rows, :width].to(self.device)
@@ -310,13 +405,14 @@ class Actor:
         _check_right_padded(batch.attention_mask)
         batch_size, length = batch.input_ids.shape
         out = torch.zeros((batch_size, length), dtype=torch.float32)
-        for rows in self._micro_batches(batch.rollout_ids):
+        for rows in self._micro_batches(batch):
             if rows is None:
                 self._filler_forward()
                 continue
             input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
-            out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, routes=routes, images=images,
-                                                  **sampling).cpu()
+            with self._compute():
+                out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, routes=routes,
+                                                      images=images, **sampling).cpu()
         return out
 
     # -- one optimizer step --
@@ -375,7 +471,7 @@ class Actor:
                      "weights": weights}
         if kl_coef > 0:
             per_token["ref"] = ref_logprobs.float()
-        for rows in self._micro_batches(batch.rollout_ids):
+        for rows in self._micro_batches(batch):
             if rows is None:
                 self._filler_forward().backward()
                 continue
@@ -383,8 +479,9 @@ class Actor:
             mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
             with replay:
-                logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,
-                                                    with_entropy=True, **sampling)
+                with self._compute():
+                    logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,
+                                                        with_entropy=True, **sampling)
                 token_loss, pl_metrics = algo.policy_loss(logprobs, mb["old"], mb["advantages"], mb["mask"],
                                                           algo_cfg, is_weights=mb["w"],
                                                           seq_index=seq_index[rows].to(self.device))
@@ -440,6 +537,7 @@ class Actor:
         top = dict(zip(maxes, self._reduce(list(maxes.values()), dist.ReduceOp.MAX)))
         kept = max(global_tokens, 1.0)
         metrics = {"actor/loss": total["loss"], "actor/grad_norm": grad_norm,
+                   "actor/bf16": float(self.precision == "bf16"),    # which precision this run's actor computed in
                    "actor/lr": self.scheduler.get_last_lr()[0], "actor/skipped": float(skipped),
                    "actor/version": float(self.version),
                    "actor/kept_tokens": global_tokens, "actor/kept_seqs": global_seqs,

@@ -123,7 +123,7 @@ def test_right_padded_rows_equal_the_same_rows_unpadded():
 
 
 def test_recompute_matches_the_engines_behavior_logprobs(qwen3_dir):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(micro_batch_size=2), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=2), total_steps=1)
     engine = rollout.EmbeddedEngine(models.load_model(qwen3_dir))
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
     generations = engine.generate(prompts, rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
@@ -141,7 +141,8 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
     algo_cfg = algo.AlgoConfig(estimator="reinforce", loss_agg=loss_agg)
     results = []
     for micro_batch_size in (4, 1):
-        policy = actor.Actor(qwen3_dir, actor.ActorConfig(micro_batch_size=micro_batch_size, max_grad_norm=1e9),
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=micro_batch_size,
+                                                          max_grad_norm=1e9),
                              total_steps=1)
         batch = make_batch(lengths, prompt_len, policy.model.config.vocab_size)
         old = on_policy(batch, policy)
@@ -169,7 +170,7 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
 def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_dir):
     """Rejection is removal: the masked step equals the plain step on the batch without that token."""
     algo_cfg = algo.AlgoConfig(estimator="reinforce")
-    masked = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    masked = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
     batch = make_batch([12, 8, 10], prompt_len=3, vocab=masked.model.config.vocab_size)
     old = on_policy(batch, masked)
     batch.behavior_logprobs[1, 5] -= math.log(10.0)           # rho = 10 on one token: outside the band [0.5, 5]
@@ -178,7 +179,7 @@ def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_d
     assert report.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1
     assert not report.mask[1, 5] and report.loss_contribution[1, 5] == 0.0
 
-    plain = actor.Actor(qwen3_dir, actor.ActorConfig(max_grad_norm=1e9), total_steps=1)
+    plain = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
     without = make_batch([12, 8, 10], prompt_len=3, vocab=plain.model.config.vocab_size)
     without.loss_mask[1, 5] = 0.0
     plain.train_step(without, on_policy(without, plain), algo_cfg, invariants.CorrectionConfig(), 0)
@@ -186,7 +187,7 @@ def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_d
 
 
 def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
-    cfg = actor.ActorConfig(lr=1e-3, weight_decay=0.01)
+    cfg = actor.ActorConfig(precision="fp32", lr=1e-3, weight_decay=0.01)
     correction = invariants.CorrectionConfig(max_staleness=0, level="geo", mode="mask", low=0.99, high=1.01,
                                              seq_gate="geo", gate_low=0.99, gate_high=1.01, veto=1e-4)
     algo_cfg = algo.AlgoConfig(estimator="reinforce")
@@ -221,7 +222,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
 
 
 def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([10, 10, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=1)
     batch.policy_versions[0] = torch.where(batch.loss_mask[0] > 0, 0, -1)  # row 0 was sampled one version earlier
     old = on_policy(batch, policy)
@@ -233,7 +234,7 @@ def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
 
 
 def test_kl_loss_term_requires_reference_logprobs(qwen3_dir):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([8, 8], prompt_len=3, vocab=policy.model.config.vocab_size)
     old = on_policy(batch, policy)
     algo_cfg = algo.AlgoConfig(estimator="reinforce", kl_coef=0.1, kl_estimator="k2")
@@ -245,7 +246,7 @@ def test_kl_loss_term_requires_reference_logprobs(qwen3_dir):
 
 
 def test_left_padded_batch_is_refused(qwen3_dir):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([8, 5], prompt_len=2, vocab=policy.model.config.vocab_size)
     batch.attention_mask[1] = batch.attention_mask[1].flip(0)
     with pytest.raises(ValueError, match="RIGHT-padded"):
@@ -253,19 +254,19 @@ def test_left_padded_batch_is_refused(qwen3_dir):
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_ratio():
-    cfg = actor.ActorConfig(lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    cfg = actor.ActorConfig(precision="fp32", lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
     factors = [actor.lr_factor(step, cfg, total_steps=10) for step in range(11)]
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert all(a >= b for a, b in zip(factors[2:], factors[3:]))
     assert math.isclose(factors[10], 0.1)
     with pytest.raises(ValueError, match="lr_schedule"):
-        actor.validate_actor(actor.ActorConfig(lr_schedule="linear"))
+        actor.validate_actor(actor.ActorConfig(precision="fp32", lr_schedule="linear"))
 
 
 # ---- export_weights ----
 
 def test_export_weights_is_every_entry_but_the_tied_lm_head(qwen3_dir):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(lr=1e-3), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", lr=1e-3), total_steps=1)
     batch = make_batch([9, 7], prompt_len=2, vocab=policy.model.config.vocab_size)
     policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
                       invariants.CorrectionConfig(), 0)
@@ -294,7 +295,7 @@ def test_export_weights_is_every_entry_but_the_tied_lm_head(qwen3_dir):
 
 
 def test_export_weights_keeps_an_untied_lm_head(moe_dir):
-    policy = actor.Actor(moe_dir, actor.ActorConfig(), total_steps=1)
+    policy = actor.Actor(moe_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     assert actor.tied_output_key(policy.model) is None
     assert set(policy.export_weights()) == set(policy.model.state_dict())
 
@@ -312,7 +313,8 @@ def run_steps(policy: actor.Actor, n: int) -> list[dict]:
 
 
 def test_checkpoint_resume_is_bitwise_exact(qwen3_dir, tmp_path):
-    cfg = actor.ActorConfig(lr=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=1, micro_batch_size=2)
+    cfg = actor.ActorConfig(precision="fp32", lr=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=1,
+                            micro_batch_size=2)
     straight = actor.Actor(qwen3_dir, cfg, total_steps=4)
     straight_metrics = run_steps(straight, 4)
 
@@ -333,7 +335,7 @@ def test_checkpoint_resume_is_bitwise_exact(qwen3_dir, tmp_path):
 
 
 def test_checkpoint_without_marker_is_refused(qwen3_dir, tmp_path):
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     path = str(tmp_path / "ckpt")
     policy.save_checkpoint(path)
     policy.load_checkpoint(path)  # complete: loads
@@ -346,7 +348,7 @@ def test_checkpoint_without_marker_is_refused(qwen3_dir, tmp_path):
 
 FSDP_LENGTHS, FSDP_PROMPT = [12, 6, 9, 11, 5], 3  # 5 rows: rank 0 gets 3, rank 1 gets 2 -> uneven micro-batches
 # no clipping in effect: clipping would rescale a mean-reduced (half-size) gradient back to the same norm
-FSDP_CONFIG = actor.ActorConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
+FSDP_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
 
 
 def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -410,7 +412,7 @@ def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_pat
 # ---- MoE: routes replayed, router still learning ----
 
 def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
-    policy = actor.Actor(moe_dir, actor.ActorConfig(micro_batch_size=2), total_steps=1)
+    policy = actor.Actor(moe_dir, actor.ActorConfig(precision="fp32", micro_batch_size=2), total_steps=1)
     batch = make_batch([10, 7, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
     with torch.no_grad(), invariants.capture_routes(policy.model) as captured:  # the engine's expert choice
         policy.model(input_ids=batch.input_ids.to(policy.device), attention_mask=batch.attention_mask.to(policy.device))
@@ -434,3 +436,66 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     assert len(routers) == policy.model.config.num_hidden_layers
     for router in routers:
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+# ---- GPU-speed knobs, proven on the CPU: chunked output projection, bf16, activation checkpointing, tokens ----
+
+def test_the_chunked_output_projection_changes_no_logprob_and_no_gradient(qwen3_dir, monkeypatch):
+    """The [positions, vocab] logits are made LOGPROB_CHUNK positions at a time (and recomputed in backward); a
+    chunk of 3 positions must give what one chunk of everything gives."""
+    results = []
+    for chunk in (10**6, 3):
+        monkeypatch.setattr(actor, "LOGPROB_CHUNK", chunk)
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
+        batch = make_batch([12, 6, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
+        old = on_policy(batch, policy)
+        report = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+                                   0)
+        results.append((old, grads(policy.model), report.metrics["actor/entropy"]))
+    (old_one, grads_one, entropy_one), (old_chunked, grads_chunked, entropy_chunked) = results
+    assert (old_one - old_chunked).abs().max() <= 1e-6
+    scale = max(g.abs().max().item() for g in grads_one.values())
+    assert max_abs_diff(grads_one, grads_chunked) <= 1e-5 * scale         # fp32 summation order only
+    assert entropy_one == pytest.approx(entropy_chunked, rel=1e-6)
+
+
+def test_activation_checkpointing_and_a_token_cap_change_no_gradient(moe_dir):
+    """Recomputing each decoder layer in backward, with MoE routes replayed through the recompute, and
+    micro-batches capped by padded tokens give the plain step's gradients; the export keeps its keys."""
+    results = []
+    for cfg in (actor.ActorConfig(precision="fp32", max_grad_norm=1e9),
+                actor.ActorConfig(precision="fp32", max_grad_norm=1e9, activation_checkpointing=True,
+                                  micro_batch_tokens=12)):
+        policy = actor.Actor(moe_dir, cfg, total_steps=1)
+        engine = rollout.EmbeddedEngine(models.load_model(moe_dir))
+        gens = engine.generate([[5, 6, 7], [8, 9]], rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=5,
+                                                                              seed=0))
+        batch = invariants.build_batch(rows_from(gens), [1.0, -0.5], pad_id=0)      # rows of 8 and 7 tokens
+        assert policy._micro_batches(batch) == ([slice(0, 2)] if not cfg.micro_batch_tokens   # 2 x 8 > 12
+                                                else [slice(0, 1), slice(1, 2)])
+        policy.train_step(batch, policy.recompute_logprobs(batch), algo.AlgoConfig(estimator="reinforce"),
+                          invariants.CorrectionConfig(), 0)
+        unwrapped = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads(policy.model).items()}
+        results.append((unwrapped, set(policy.export_weights())))
+    (plain, keys), (checkpointed, checkpointed_keys) = results
+    assert checkpointed_keys == keys                           # the wrapper does not rename what the engine loads
+    assert max_abs_diff(plain, checkpointed) <= 1e-5 * max(g.abs().max().item() for g in plain.values())
+
+
+def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
+    exact = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+    fast = actor.Actor(qwen3_dir, actor.ActorConfig(precision="bf16"), total_steps=1)
+    auto = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
+    assert auto.precision == ("bf16" if torch.cuda.is_available() else "fp32")   # a CPU gets the exact mode
+    batch = make_batch([12, 6, 9], prompt_len=3, vocab=fast.model.config.vocab_size)
+    reference, old = exact.recompute_logprobs(batch), fast.recompute_logprobs(batch)
+    trainable = batch.loss_mask.bool()
+    gap = (old - reference)[trainable].abs()
+    assert 0 < gap.max() < 0.1                 # bf16 products: close to fp32, and visibly not the exact mode
+    batch.behavior_logprobs = reference * batch.loss_mask
+    report = fast.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
+    assert report.metrics["actor/bf16"] == 1.0 and report.metrics["actor/skipped"] == 0.0
+    assert all(p.dtype == torch.float32 for p in fast.model.parameters())
+    assert all(v.dtype == torch.float32 for state in fast.optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.is_floating_point())
+    assert all(w.dtype == torch.float32 for w in fast.export_weights().values())

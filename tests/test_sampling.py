@@ -27,7 +27,7 @@ def tiny_dir() -> str:
 
 @pytest.fixture(scope="module")
 def policy(tiny_dir):
-    return actor.Actor(tiny_dir, actor.ActorConfig(micro_batch_size=4), total_steps=1)
+    return actor.Actor(tiny_dir, actor.ActorConfig(precision="fp32", micro_batch_size=4), total_steps=1)
 
 
 def gap(recomputed: torch.Tensor, batch: invariants.TrainBatch) -> float:

@@ -361,7 +361,7 @@ def test_an_env_rollout_with_image_observations_trains_on_what_was_sampled(vl_di
     batch = invariants.build_batch(rows, [1.0, -1.0], pad_id=tok.pad_token_id)
     invariants.check_token_identity(batch, rows, image_pad_id=pad)
 
-    policy = actor.Actor(vl_dir, actor.ActorConfig(lr=1e-3, micro_batch_size=1), total_steps=1)
+    policy = actor.Actor(vl_dir, actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=1), total_steps=1)
     # the engine ran on CPU; an actor on a GPU (where there is one) computes the same fp32 math with other kernels
     tol = TOL if policy.device.type == "cpu" else 1e-4
     old = policy.recompute_logprobs(batch)
@@ -383,14 +383,14 @@ def test_train_runs_a_text_recipe_on_a_vlm(tmp_path):
     # train.py wires the image processor and the VLM positions even when no task shows an image
     train.main(["--recipe", "math", "--model", "tiny-qwen2.5-vl", "--steps", "1", "--rollout.prompts_per_step", "2",
                 "--rollout.samples_per_prompt", "2", "--rollout.max_tokens", "4", "--run.threads", "1",
-                "--out", str(tmp_path / "out")])
+                "--actor.precision", "fp32", "--out", str(tmp_path / "out")])     # the exact mode, also on a GPU
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["step"] == 1 and record["mismatch/logprob_diff_max"] <= TOL
+    assert record["step"] == 1 and record["mismatch/logprob_diff_max"] <= TOL and record["actor/bf16"] == 0.0
 
 
 # ---- FSDP2: a rank whose rows hold no image keeps in step with a rank whose rows do ----
 
-FSDP_VLM_CONFIG = actor.ActorConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
+FSDP_VLM_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
 
 
 def fsdp_vlm_worker(rank: int, world_size: int, port: int, vl_dir: str, batch, rows: list[list[int]],
