@@ -450,7 +450,7 @@ def eval_main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     model = models.load_model(model_path)
     if state is not None:
-        model.load_state_dict(torch.load(state, map_location="cpu", weights_only=False)["model"])
+        model.load_state_dict(torch.load(state, map_location="cpu", weights_only=True)["model"])
     engine = Router([EmbeddedEngine(model, seed=run.seed, tokenizer=tokenizer)])
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
                                 step_timeout_s=ro.step_timeout_s, image_processor=models.load_image_processor(model_path))
