@@ -13,6 +13,7 @@ import torch
 import data
 import models
 from agents import EnvRunner
+from agents import sandbox
 from agents.graders import to_sympy
 from agents.tools import ToolEnv, python_tool
 
@@ -68,8 +69,11 @@ def _has_datasets() -> bool:
 
 
 def notice(cfg: dict) -> str:
-    """What this run is, printed before it starts."""
-    model = cfg["run"].model
+    """What this run is, printed before it starts: the model, and what the python tool's sandbox enforces here."""
+    return f"{_model_notice(cfg['run'].model)}\ngeo3k: the python tool's sandbox enforces {sandbox.isolation()}"
+
+
+def _model_notice(model: str) -> str:
     if model != CPU_MODEL:
         return f"geo3k: model {model}"
     why = "no CUDA device" if not torch.cuda.is_available() else "the model hub is not reachable"
