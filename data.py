@@ -2,8 +2,8 @@
 # Owns: the ChatML chat templates (plain and Qwen3-style think-stripping), rendering a conversation to
 # prompt token ids (render once, encode once), text that stays text (a special-token string inside a message
 # or an observation is encoded as its characters; only the template's own control tokens are control tokens),
-# images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, and the
-# built-in arithmetic dataset.
+# images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, the built-in
+# arithmetic dataset, and geo3k (hiyouga/geometry3k through `datasets`, or a synthetic stand-in drawn with PIL).
 # Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network (an image
 # arrives as a PIL image or a data: URL, never fetched).
 # Invariant: CHATML_TEMPLATE is prefix-preserving — for any conversation m and k >= 1,
@@ -15,13 +15,15 @@ import base64
 import binascii
 import functools
 import io
+import os
 import random
 import re
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from invariants import ImageInput
 
@@ -336,3 +338,181 @@ def arithmetic_tasks(n: int, seed: int, max_operand: int = 10) -> list[Task]:
         messages = [{"role": "user", "content": f"{story} {ARITHMETIC_INSTRUCTION}"}]
         tasks.append(Task(task_id=f"arithmetic-{seed}-{index}", messages=messages, label=str(answer)))
     return tasks
+
+
+# ---- geo3k: geometry problems with diagrams ----
+# The real set is hiyouga/geometry3k (train 2,101 / validation 300 / test 601 rows; fields `images` (a list with
+# one PIL diagram), `problem` ("<image>Find x."), `answer` ("2\\sqrt{13}")). Offline, `synthetic_geo3k` draws
+# problems of the same kinds with PIL and the same fields: labelled points, lengths and angles written on the
+# diagram, questions in geo3k's words, exact answers. Most givens are only in the image, as in geo3k, so a model
+# that ignores the picture cannot answer.
+
+# A synthetic problem belongs to the split its parameters hash to (a tenth each to validation and test), so the
+# splits never share a problem however many rows are drawn.
+GEO3K_SPLITS = {"validation": (0,), "test": (1,), "train": tuple(range(2, 10))}
+GEO3K_INSTRUCTION = ("Think step by step. You may run Python to compute. Give the final answer in \\boxed{}, "
+                     "exact (e.g. 2\\sqrt{13}, 10\\pi) or to two decimals.")
+_SIZE = 336          # pixels; a processor resizes to its own grid (the tiny VLM's: at most 112 x 112)
+
+
+@functools.lru_cache(maxsize=None)
+def _font(size: int = 22):
+    from PIL import ImageFont
+    return ImageFont.load_default(size=size)
+
+
+def _label(draw, xy: tuple[float, float], text: str, size: int = 22) -> None:
+    draw.text(xy, text, fill="black", font=_font(size), anchor="mm")
+
+
+def _offset(p, q, centre, distance: float = 22.0) -> tuple[float, float]:
+    """The midpoint of pq pushed `distance` pixels away from `centre`: where a side's length is written."""
+    mx, my = (p[0] + q[0]) / 2, (p[1] + q[1]) / 2
+    dx, dy = mx - centre[0], my - centre[1]
+    norm = max((dx * dx + dy * dy) ** 0.5, 1e-6)
+    return mx + distance * dx / norm, my + distance * dy / norm
+
+
+def _triangle(draw, points: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    a, b, c = points.values()
+    draw.polygon([a, b, c], outline="black", width=3)
+    centre = ((a[0] + b[0] + c[0]) / 3, (a[1] + b[1] + c[1]) / 3)
+    for name, p in points.items():
+        _label(draw, _offset(p, p, centre, 20), name)
+    return centre
+
+
+def _right_triangle(rng: random.Random):
+    """Legs written on the diagram, the hypotenuse marked x: Find x. (an exact radical when not a triple)."""
+    import sympy
+    a, b = rng.randint(3, 12), rng.randint(3, 12)
+    image = Image.new("RGB", (_SIZE, _SIZE), "white")
+    draw = ImageDraw.Draw(image)
+    scale = 220 / max(a, b)
+    c_point = (60, 280)
+    points = {"A": (60, 280 - a * scale), "B": (60 + b * scale, 280), "C": c_point}
+    centre = _triangle(draw, points)
+    draw.rectangle([60, 262, 78, 280], outline="black", width=2)           # the right-angle mark at C
+    _label(draw, _offset(points["A"], c_point, centre), str(a))
+    _label(draw, _offset(points["B"], c_point, centre), str(b))
+    _label(draw, _offset(points["A"], points["B"], centre), "x")
+    return image, "<image>Find x.", sympy.latex(sympy.sqrt(a * a + b * b)), (a, b)
+
+
+def _triangle_angles(rng: random.Random):
+    """Two angles written inside the triangle; the question names the third by its vertices or marks it x."""
+    a, b = rng.randint(30, 80), rng.randint(30, 80)
+    image = Image.new("RGB", (_SIZE, _SIZE), "white")
+    draw = ImageDraw.Draw(image)
+    points = {"A": (40, 280), "B": (rng.randint(120, 220), 60), "C": (296, 280)}
+    centre = _triangle(draw, points)
+    for vertex, value in (("A", a), ("C", b)):
+        p = points[vertex]
+        _label(draw, (p[0] + 0.3 * (centre[0] - p[0]), p[1] + 0.3 * (centre[1] - p[1])), f"{value}°", 18)
+    if rng.random() < 0.5:
+        b_point = points["B"]
+        _label(draw, (b_point[0] + 0.35 * (centre[0] - b_point[0]), b_point[1] + 0.35 * (centre[1] - b_point[1])),
+               "x°", 18)
+        return image, "<image>Find x.", str(180 - a - b), (a, b, "x")
+    return image, "<image>Find m \\angle ABC.", str(180 - a - b), (a, b, "ABC")
+
+
+def _linear_pair(rng: random.Random):
+    """A ray on a straight line: two angles written as expressions in x that add to 180. Find x."""
+    x = rng.randint(5, 30)
+    k1, k2 = rng.randint(1, 4), rng.randint(1, 4)
+    c1 = rng.randint(0, 40)
+    c2 = 180 - (k1 + k2) * x - c1
+    image = Image.new("RGB", (_SIZE, _SIZE), "white")
+    draw = ImageDraw.Draw(image)
+    draw.line([(20, 220), (316, 220)], fill="black", width=3)
+    ray_end = (rng.randint(120, 220), 50)
+    draw.line([(168, 220), ray_end], fill="black", width=3)
+    for name, p in (("A", (20, 240)), ("B", (168, 240)), ("C", (316, 240)), ("D", (ray_end[0], 30))):
+        _label(draw, p, name)
+    _label(draw, (100, 195), f"({k1}x + {c1})°" if c1 else f"{k1}x°", 18)
+    _label(draw, (245, 195), f"({k2}x {'+' if c2 >= 0 else '-'} {abs(c2)})°", 18)
+    return image, "<image>Find x.", str(x), (x, k1, k2, c1)
+
+
+def _circle(rng: random.Random):
+    """A circle with its radius drawn and written; the question asks for the circumference or the area."""
+    r = rng.randint(2, 15)
+    image = Image.new("RGB", (_SIZE, _SIZE), "white")
+    draw = ImageDraw.Draw(image)
+    draw.ellipse([48, 48, 288, 288], outline="black", width=3)
+    draw.line([(168, 168), (288, 168)], fill="black", width=3)
+    _label(draw, (160, 186), "O")
+    _label(draw, (228, 150), str(r))
+    if rng.random() < 0.5:
+        return image, "<image>Find the circumference of \\odot O.", f"{2 * r}\\pi", (r, "circumference")
+    return image, "<image>Find the area of \\odot O.", f"{r * r}\\pi", (r, "area")
+
+
+def _rectangle_diagonal(rng: random.Random):
+    """One side given in the text, the other only on the diagram: find the diagonal."""
+    import sympy
+    w, h = rng.randint(3, 12), rng.randint(3, 12)
+    image = Image.new("RGB", (_SIZE, _SIZE), "white")
+    draw = ImageDraw.Draw(image)
+    scale = 200 / max(w, h)
+    a, b, c, d = (60, 60), (60 + w * scale, 60), (60 + w * scale, 60 + h * scale), (60, 60 + h * scale)
+    draw.polygon([a, b, c, d], outline="black", width=3)
+    draw.line([a, c], fill="black", width=2)
+    for name, p, shift in (("A", a, (-16, -16)), ("B", b, (16, -16)), ("C", c, (16, 16)), ("D", d, (-16, 16))):
+        _label(draw, (p[0] + shift[0], p[1] + shift[1]), name)
+    _label(draw, (c[0] + 22, (b[1] + c[1]) / 2), str(h))
+    return image, f"<image>ABCD is a rectangle with AB = {w}. Find AC.", sympy.latex(sympy.sqrt(w * w + h * h)), (w, h)
+
+
+_GEO3K_KINDS = [_right_triangle, _triangle_angles, _linear_pair, _circle, _rectangle_diagonal]
+
+
+def synthetic_geo3k(split: str, n: int, seed: int = 0) -> list[dict]:
+    """`n` rows of a PIL-drawn geo3k stand-in, as hiyouga/geometry3k's: {"images": [PIL image], "problem":
+    "<image>...", "answer": exact LaTeX}. Deterministic in (split, seed); the splits never share a problem."""
+    if split not in GEO3K_SPLITS:
+        raise ValueError(f"unknown geo3k split {split!r}; expected one of {sorted(GEO3K_SPLITS)}")
+    rng = random.Random(f"geo3k-{split}-{seed}")
+    rows = []
+    for index in range(n):
+        kind = _GEO3K_KINDS[index % len(_GEO3K_KINDS)]
+        while True:        # draw until the problem falls in this split (1 to 10 draws)
+            image, problem, answer, params = kind(rng)
+            if zlib.crc32(repr((kind.__name__, params)).encode()) % 10 in GEO3K_SPLITS[split]:
+                break
+        rows.append({"images": [image], "problem": problem, "answer": answer})
+    return rows
+
+
+def load_geo3k(split: str, source: str = "hiyouga/geometry3k") -> list[dict]:
+    """hiyouga/geometry3k's `split` through the `datasets` library: a hub name, or a local copy (a folder written
+    by `save_to_disk`, or one holding the dataset's parquet files). Raises ImportError without `datasets` and
+    OSError-like errors from `datasets` when neither the hub nor the folder is reachable."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError("loading hiyouga/geometry3k needs the `datasets` package (pip install datasets), which "
+                          "tracerl does not require; without it the recipe uses the synthetic geo3k") from error
+    if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_dict.json")):
+        table = datasets.load_from_disk(source)[split]
+    else:
+        table = datasets.load_dataset(source, split=split)
+    return [{"images": list(row["images"]), "problem": row["problem"], "answer": str(row["answer"])} for row in table]
+
+
+def geo3k_task(row: dict, task_id: str) -> Task:
+    """A geo3k row as a Task: every <image> of the problem becomes an image part (filled from the row's images in
+    order), then the question and the answer format."""
+    pieces = row["problem"].split("<image>")
+    if len(pieces) - 1 != len(row["images"]):
+        raise ValueError(f"geo3k row {task_id}: {len(pieces) - 1} <image> markers but {len(row['images'])} images")
+    content: list[dict] = []
+    for index, piece in enumerate(pieces):
+        if index:
+            content.append({"type": "image"})
+        if piece.strip():
+            content.append({"type": "text", "text": piece.strip()})
+    content.append({"type": "text", "text": " " + GEO3K_INSTRUCTION})
+    return Task(task_id=task_id, messages=[{"role": "user", "content": content}], label=row["answer"],
+                images=list(row["images"]))

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Sequence
 
@@ -222,6 +223,49 @@ def tiny_model_dir(kind: str = "qwen3", seed: int = 0) -> str:
     return _cached_folder(f"tiny-{kind}-seed{seed}-{digest}", write)
 
 
+def taught_tiny_model_dir(kind: str, examples: list[tuple[str, list]], steps: int = 200, seed: int = 0) -> str:
+    """tiny_model(kind, seed) after `steps` of next-token training (AdamW, batches of 8) on `examples`: (rendered
+    conversation, its PIL images; one data.IMAGE_PLACEHOLDER per image, a VL kind only). Saved like tiny_model_dir
+    and cached under a hash of everything that made it. A random tiny model never writes a tool call; this one has
+    learned the shape of the examples (e.g. a tool call, then a boxed answer), so a CPU pipeline run exercises every
+    stage. It learns a format, not a task. The images are part of the training context because they are part of
+    the rollout's: a model taught on text alone stops writing the format once a picture precedes it."""
+    processor = tiny_image_processor() if kind == "qwen2_5_vl" else None
+    fingerprint = hashlib.sha256(json.dumps([tiny_model_dir(kind, seed), steps]).encode())
+    for text, images in examples:
+        fingerprint.update(text.encode())
+        for image in images:
+            fingerprint.update(image.tobytes())
+
+    def write(folder: str) -> None:
+        tokenizer = bpe_tokenizer()
+        model = tiny_model(kind, seed).train()
+        pad_id = tokenizer.convert_tokens_to_ids(data.IMAGE_PAD)
+        encoded = []
+        for text, images in examples:
+            inputs = data.image_inputs(processor, images) if images else []
+            encoded.append((data.expand_image_pads(tokenizer.encode(text, add_special_tokens=False), inputs, pad_id),
+                            inputs))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        order = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            rows = [encoded[i] for i in torch.randint(len(encoded), (8,), generator=order).tolist()]
+            width = max(len(ids) for ids, _ in rows)
+            ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r, _ in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
+            extra = vision_inputs(model, ids, mask, [images for _, images in rows])[0] if processor else {}
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), **extra).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval().save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        if processor is not None:
+            processor.save_pretrained(folder)
+
+    return _cached_folder(f"taught-{kind}-seed{seed}-{fingerprint.hexdigest()[:10]}", write)
+
+
 # ---- resolve and load ----
 
 MODEL_NAMES = {"smollm2": smollm2_path,
@@ -230,13 +274,38 @@ MODEL_NAMES = {"smollm2": smollm2_path,
                "tiny-qwen2.5-vl": lambda: tiny_model_dir("qwen2_5_vl")}
 
 
+def hub_reachable() -> bool:
+    """Whether a model hub download could work: HF_HUB_OFFLINE is not set and huggingface.co answers."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def gpu_defaults() -> bool:
+    """Whether a recipe should default to its real (hub) model: a CUDA device and a reachable hub."""
+    return torch.cuda.is_available() and hub_reachable()
+
+
 def resolve_model(name: str) -> str:
-    """A model name ('smollm2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-qwen2.5-vl') or an existing folder -> folder."""
+    """A model name ('smollm2', 'tiny-qwen3', 'tiny-qwen3-moe', 'tiny-qwen2.5-vl'), an existing folder, or a hub
+    id ('Qwen/Qwen2.5-VL-3B-Instruct', downloaded once to the hub cache when the hub is reachable) -> folder."""
     if name in MODEL_NAMES:
         return MODEL_NAMES[name]()
     if os.path.isdir(name):
         return name
-    raise ValueError(f"unknown model {name!r}: expected one of {sorted(MODEL_NAMES)} or an existing model folder")
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        try:
+            return snapshot_download(name)
+        except Exception as error:   # offline, unknown repo, no access: say which and what to do
+            raise ValueError(f"model {name!r} is neither a packaged name nor a folder, and the hub did not give it "
+                             f"({type(error).__name__}: {error}); download it to a folder and pass that") from None
+    raise ValueError(f"unknown model {name!r}: expected one of {sorted(MODEL_NAMES)}, an existing model folder or "
+                     f"a hub id (org/name)")
 
 
 def _has_vision(config) -> bool:

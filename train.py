@@ -3,8 +3,9 @@
 # Owns: the run config (one dataclass per section, each owned by the module it configures), the command
 # line (`--section.key value` for every field; a bad flag or combination is refused before anything loads),
 # the synchronous RL loop (rollout -> advantages -> train -> push weights -> repeat), logging (a progress
-# line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces) and the trace command
-# (`python train.py trace OUT`) that prints one sample token by token.
+# line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces), held-out evaluation (`--eval.every N`,
+# and `python train.py eval CHECKPOINT` alone) and the trace command (`python train.py trace OUT`) that prints one
+# sample token by token.
 #
 # The path of a token through this loop: the engine samples it (rollout.py) inside an agent's episode
 # (agents/), the episode's TokenLedger keeps it with its behavior logprob, policy version and sampling
@@ -51,6 +52,7 @@ class RunConfig:
     steps: int = 30             # RL steps (rollout batch -> optimizer step(s) -> weight push)
     model: str = "smollm2"      # a model folder or a packaged name (models.resolve_model)
     ref_model: str = ""         # frozen reference for KL (teacher for on_policy_distill); "" = initial policy
+    data: str = ""              # the recipe's data source (geo3k: "synthetic", a hub name or a local copy); "" = its default
     out: str = ""               # run folder; "" = runs/<recipe>-<timestamp>
     seed: int = 0
     threads: int = 0            # torch CPU threads; 0 = all cores
@@ -77,10 +79,20 @@ class TrainConfig:
     trace_rows: int = 4         # rows per step written to OUT/traces
 
 
+@dataclass
+class EvalConfig:
+    every: int = 0              # evaluate the held-out split before training and every N steps (0 = never)
+    split: str = "test"         # the recipe's held-out split
+    prompts: int = 32           # held-out prompts per evaluation (the split's first N)
+    samples: int = 1            # samples per prompt: pass@1 is their mean, pass@k (k = samples) any of them right
+    temperature: float = 1.0    # evaluation sampling, separate from the rollout's
+    top_k: int = 1              # 1 = greedy (the default); -1 = sample from the whole distribution
+
+
 def config_sections():
     """section name -> dataclass type; each section's dataclass lives in the module it configures."""
     return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
-            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig}
+            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig}
 
 
 SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run.steps N
@@ -175,6 +187,11 @@ def validate_config(cfg: dict) -> None:
                          f"({ro.prompts_per_step}): minibatches hold whole prompt groups")
     if ro.max_tokens >= ro.max_length:
         raise ValueError(f"rollout.max_tokens ({ro.max_tokens}) must be below rollout.max_length ({ro.max_length})")
+    ev = cfg["eval"]
+    validate_sampling(SamplingParams(ev.temperature, 1.0, ev.top_k, ro.max_tokens))
+    if ev.every < 0 or ev.prompts < 1 or ev.samples < 1:
+        raise ValueError(f"eval.every must be >= 0 and eval.prompts, eval.samples >= 1; got {ev.every}, "
+                         f"{ev.prompts}, {ev.samples}")
     if tr.resume and not os.path.isdir(tr.resume):
         raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
 
@@ -184,6 +201,8 @@ def validate_config(cfg: dict) -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        return eval_main(argv[1:])
     cfg = parse_config(argv)                     # refuses bad input before any model loads
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
 
@@ -214,10 +233,15 @@ def main(argv: list[str]) -> None:
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
                                 step_timeout_s=ro.step_timeout_s, image_processor=image_processor)
-    tasks = recipe.tasks("train", run.seed)
+    tasks = recipe_tasks(recipe, "train", run)
+    if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
+        print(recipe.notice(cfg), flush=True)
     sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
     logger = MetricsLogger(out)
     print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
+    held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []
+    if held_out:
+        logger.log(start_step, evaluate(runner, held_out, cfg["eval"], ro.max_tokens, start_step))
 
     for step in range(start_step, run.steps):
         t0 = time.time()
@@ -230,6 +254,7 @@ def main(argv: list[str]) -> None:
             invariants.check_sampled_once(r.rows, r.generations)
         t_rollout = time.time() - t0
         m = rollout_metrics(rollouts, runner.failures)
+        m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
 
@@ -252,6 +277,8 @@ def main(argv: list[str]) -> None:
         engine.update_weights(policy.export_weights(engine_device), policy.version)
         m["time/weight_push_s"] = time.time() - t1
         m["time/step_s"] = time.time() - t0
+        if held_out and (step + 1) % cfg["eval"].every == 0:
+            m.update(evaluate(runner, held_out, cfg["eval"], ro.max_tokens, step + 1))
         logger.log(step + 1, m)
         print(progress_line(step + 1, run.steps, m), flush=True)
         if tr.save_every and (step + 1) % tr.save_every == 0:
@@ -370,6 +397,68 @@ def select_rows(batch, index: list[int]):
     return type(batch)(**picked)
 
 
+# ---- evaluation: the held-out split with its own sampling -------------------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are right (Chen et al. 2021, arXiv 2107.03374):
+    1 - C(n - c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(runner, tasks: list, ev: EvalConfig, max_tokens: int, step: int) -> dict[str, float]:
+    """Run the first ev.prompts held-out tasks ev.samples times each through the recipe's agent (nothing is
+    trained) -> eval/pass@1, eval/pass@k, eval/reward. A rollout that failed counts as wrong."""
+    picked = tasks[:ev.prompts]
+    group_ids = [f"eval{step}-g{i}" for i in range(len(picked)) for _ in range(ev.samples)]
+    t0 = time.time()
+    # seeded requests never draw from the engine's own generator: evaluating leaves the training samples (and an
+    # exact resume) as they would have been without it
+    rollouts = runner.run([t for t in picked for _ in range(ev.samples)], group_ids,
+                          SamplingParams(ev.temperature, 1.0, ev.top_k, max_tokens, seed=1_000_000 + step))
+    right = {g: 0 for g in group_ids}
+    for r in rollouts:
+        right[r.group_id] += r.score >= 1.0
+    m = {"eval/pass@1": sum(pass_at_k(ev.samples, c, 1) for c in right.values()) / len(right),
+         f"eval/pass@{ev.samples}": sum(pass_at_k(ev.samples, c, ev.samples) for c in right.values()) / len(right),
+         "eval/reward": sum(r.reward for r in rollouts) / max(len(rollouts), 1),
+         "eval/prompts": float(len(picked)), "time/eval_s": time.time() - t0}
+    best_of = f" | pass@{ev.samples} {m[f'eval/pass@{ev.samples}']:.3f}" if ev.samples > 1 else ""
+    print(f"eval at step {step}: pass@1 {m['eval/pass@1']:.3f}{best_of} on {len(picked)} held-out prompts "
+          f"({ev.split})", flush=True)
+    return m
+
+
+def eval_main(argv: list[str]) -> None:
+    """`python train.py eval CHECKPOINT --recipe NAME [--eval.* ...]`: evaluate a checkpoint alone. CHECKPOINT is a
+    run's checkpoint folder (its model is read from the run's config.json) or a model name or folder (the
+    untrained model, for a before/after pair)."""
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: train.py eval CHECKPOINT --recipe NAME [--eval.split S --eval.prompts N ...]")
+    checkpoint, cfg = argv[0], parse_config(argv[1:])
+    run, ro = cfg["run"], cfg["rollout"]
+    state = os.path.join(checkpoint, actor.CHECKPOINT_STATE)
+    if os.path.exists(state):
+        config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.json")
+        if os.path.exists(config):
+            with open(config) as f:
+                run.model = json.load(f)["run"]["model"]
+    else:
+        run.model, state = checkpoint, None
+    transformers.logging.disable_progress_bar()
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    recipe = load_recipe(run.recipe)
+    model_path = models.resolve_model(run.model)
+    tokenizer = models.load_tokenizer(model_path)
+    model = models.load_model(model_path)
+    if state is not None:
+        model.load_state_dict(torch.load(state, map_location="cpu", weights_only=True)["model"])
+    engine = Router([EmbeddedEngine(model, seed=run.seed, tokenizer=tokenizer)])
+    runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
+                                step_timeout_s=ro.step_timeout_s, image_processor=models.load_image_processor(model_path))
+    print(json.dumps(evaluate(runner, recipe_tasks(recipe, cfg["eval"].split, run), cfg["eval"], ro.max_tokens, 0)))
+
+
 # ---- metrics and logging -------------------------------------------------------------------------------------
 
 def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
@@ -391,6 +480,22 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
     for reason, count in failures.items():
         m[f"rollout/failed_{reason}_total"] = float(count)
     return m
+
+
+def agent_metrics(rollouts) -> dict[str, float]:
+    """The agents' own numbers (Result.info, e.g. tool calls), as per-rollout means under agent/."""
+    keys = sorted({key for r in rollouts for key in r.info})
+    return {f"agent/{key}": sum(r.info.get(key, 0.0) for r in rollouts) / max(len(rollouts), 1) for key in keys}
+
+
+def recipe_tasks(recipe, split: str, run: RunConfig) -> list:
+    """The recipe's tasks of `split`; --run.data goes to a recipe that takes a source, and is refused by one that
+    does not."""
+    if not run.data:
+        return recipe.tasks(split, run.seed)
+    if "source" not in inspect.signature(recipe.tasks).parameters:
+        raise SystemExit(f"error: --run.data {run.data!r}: recipe {run.recipe!r} has built-in data and takes no source")
+    return recipe.tasks(split, run.seed, source=run.data)
 
 
 def progress_line(step: int, steps: int, m: dict) -> str:

@@ -1,6 +1,7 @@
 # agents — the agent contract: an agent is an ordinary Python program.
 #
-# Owns: `Env` (Gymnasium-aligned reset/step), `Result` (what a step returns), `Rollout` (what an episode
+# Owns: `Env` (Gymnasium-aligned reset/step), `GymEnv` (drives a gymnasium-style env, with its (obs, info) and
+# 5-tuple returns, as an Env), `Result` (what a step returns), `Rollout` (what an episode
 # hands the trainer), `EnvRunner` (drives Env episodes through the engine and the token ledger), the
 # ChatAgent form (`ChatAgent`, `ChatContext`, `ChatAgentRunner`: the agent talks to a stock OpenAI or
 # Anthropic SDK at a per-rollout loopback session) and `load_agent_runner` (a recipe names one module
@@ -59,13 +60,45 @@ class Env:
 
     reset(task) -> the first observation as chat messages (rendered with the model's chat template)
     step(action_text) -> Result
+    tool_schemas() -> the functions the model may call (OpenAI schemas, rendered into the prompt by the chat
+        template), or None; agents/tools.py's ToolEnv runs the calls
     """
 
     def reset(self, task) -> list[dict]:
         return task.messages
 
+    def tool_schemas(self) -> list[dict] | None:
+        return None
+
     def step(self, action_text: str) -> Result:
         raise NotImplementedError("an Env must implement step(action_text) -> Result")
+
+
+class GymEnv(Env):
+    """A gymnasium-style env, driven as an Env: reset(seed=None, options={"task": task}) -> (observation, info);
+    step(action_text) -> (observation, reward, terminated, truncated, info). Observations are text (the first may
+    also be chat messages) and actions are the decoded reply. A later observation becomes a ChatML user turn
+    (the chat glue of the models tracerl ships; an Env that needs another template writes its own glue). The
+    info's numbers go to the metrics; a "score" in it is the episode's score (accuracy). EnvRunner wraps any
+    env_cls that is not an Env in this, so an author hands over a gymnasium.Env as it is."""
+
+    def __init__(self, env):
+        if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+            raise TypeError(f"{type(env).__name__} is neither an agents.Env nor a gymnasium-style env with "
+                            f"reset() and step()")
+        self.env = env
+
+    def reset(self, task) -> list[dict]:
+        observation, _ = self.env.reset(options={"task": task})
+        return observation if isinstance(observation, list) else [{"role": "user", "content": str(observation)}]
+
+    def step(self, action_text: str) -> Result:
+        observation, reward, terminated, truncated, info = self.env.step(action_text)
+        numbers = {k: float(v) for k, v in (info or {}).items() if isinstance(v, (int, float))}
+        score = numbers.pop("score", None)
+        glue = "" if terminated or truncated else \
+            f"\n<|im_start|>user\n{data.plain(str(observation))}<|im_end|>\n<|im_start|>assistant\n"   # text stays text
+        return Result(float(reward), glue, bool(terminated), bool(truncated), numbers, score)
 
 
 @dataclass
@@ -146,13 +179,16 @@ class EnvRunner:
         episodes = []
         for i, (task, group_id) in enumerate(zip(tasks, group_ids)):
             own = own_stream(sampling, i)
-            episodes.append(_Episode(self.env_cls(), task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
+            env = self.env_cls()
+            env = env if isinstance(env, Env) else GymEnv(env)      # a gymnasium-style env, as it is
+            episodes.append(_Episode(env, task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
         for ep, messages in zip(episodes, self._call_all(episodes, "reset", [(ep.env.reset, ep.task) for ep in episodes])):
             if ep.failed:
                 continue
             try:
                 images = data.prompt_images(messages, ep.task.images)
-                ep.ledger.extend_or_seal(*self._with_images(data.render_prompt_ids(self.tokenizer, messages), images))
+                prompt = data.render_prompt_ids(self.tokenizer, messages, tools=ep.env.tool_schemas())
+                ep.ledger.extend_or_seal(*self._with_images(prompt, images))
             except ValueError as exc:          # images the model cannot see, or parts without their images
                 self._fail(ep, "reset_error", f"{type(exc).__name__}: {exc}")
         while live := [ep for ep in episodes if not (ep.done or ep.failed)]:
@@ -275,6 +311,7 @@ class ChatContext:
     label: str                         # the ground truth the agent's reward is computed against
     images: list | None                # the task's images (VLM recipes), as given (PIL images or data URLs)
     sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
+    max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make
 
 
 class ChatAgent:
@@ -298,7 +335,7 @@ class ChatAgentRunner:
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
                  step_timeout_s: float = 60.0, image_processor=None):
         import loopback
-        self.max_length, self.timeout_s = max_length, step_timeout_s * max_turns
+        self.max_length, self.max_turns, self.timeout_s = max_length, max_turns, step_timeout_s * max_turns
         self.failures: dict[str, int] = {}
         # the sessions turn the images an agent sends into ImageInputs with the model's image processor; their
         # turns share the engine's batch (the engine admits concurrent callers between decode steps)
@@ -329,7 +366,7 @@ class ChatAgentRunner:
         return ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name,
                            data.sdk_messages(task.messages, task.images), prompt, task.label, task.images,
                            {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "max_tokens": sampling.max_tokens})
+                            "max_tokens": sampling.max_tokens}, self.max_turns)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)

@@ -209,6 +209,15 @@ class _Parser:
         raise ValueError(f"unknown name {token!r}")
 
 
+def to_sympy(answer: str):
+    """An answer ("2\\sqrt{13}", "18\\pi", "\\frac{7}{2}") as a sympy expression, through normalize_answer and the
+    whitelisted parser above; ValueError if it is not a small expression."""
+    text = normalize_answer(answer)
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"answer longer than {MAX_EXPRESSION_CHARS} characters")
+    return _Parser(_latex_to_infix(text)).parse()
+
+
 def _symbolically_equal(first: str, second: str) -> bool:
     if max(len(first), len(second)) > MAX_EXPRESSION_CHARS:
         return False
@@ -228,6 +237,29 @@ def _split_top_level(text: str) -> list[str]:
     return parts + [text[start:]]
 
 
+_DECIMAL = re.compile(r"-?\d*\.(\d+)")
+MIN_ROUNDED_DECIMALS = 2   # "7.2" is too coarse to stand for 2\sqrt{13}; "7.21" is its rounding
+
+
+def _irrational_value(text: str) -> float | None:
+    """The value of an exact irrational answer (2\\sqrt{13}, 10\\pi), or None. A rational one (1/3) has an exact
+    written form, so a rounding of it is not accepted in its place."""
+    if _as_fraction(text) is not None or len(text) > MAX_EXPRESSION_CHARS:
+        return None
+    value = _Parser(_latex_to_infix(text)).parse()
+    return float(value.evalf()) if value.is_number and value.is_real and value.is_rational is False else None
+
+
+def _rounds_to(decimal: str, exact: str) -> bool:
+    """True when `decimal` ("7.21") is the irrational `exact` ("2\\sqrt{13}") correctly rounded to its own number
+    of decimals (at least MIN_ROUNDED_DECIMALS): what a model that computed the answer with a tool writes."""
+    match = _DECIMAL.fullmatch(decimal)
+    if match is None or len(match.group(1)) < MIN_ROUNDED_DECIMALS:
+        return False
+    value = _irrational_value(exact)
+    return value is not None and abs(float(decimal) - value) <= 0.5 * 10 ** -len(match.group(1)) * (1 + 1e-9)
+
+
 def _equal_normalized(first: str, second: str) -> bool:
     if first == second:
         return True
@@ -238,14 +270,15 @@ def _equal_normalized(first: str, second: str) -> bool:
     if len(first_parts) > 1 and len(first_parts) == len(second_parts):  # tuples/lists: element-wise, in order
         return all(_equal_normalized(a, b) for a, b in zip(first_parts, second_parts))
     try:
-        return _symbolically_equal(first, second)
+        return _rounds_to(first, second) or _rounds_to(second, first) or _symbolically_equal(first, second)
     except Exception:  # malformed or unsupported expression: not equivalent (grading never raises)
         return False
 
 
 def is_equivalent(prediction: str | None, label: str) -> bool:
     """True when `prediction` means the same answer as `label`: equal after normalize_answer, equal as exact
-    numbers (7 = 7.0 = 7.00 = 14/2 = \\frac{14}{2}; 1,000 = 1000), element-wise for comma lists, or equal as
+    numbers (7 = 7.0 = 7.00 = 14/2 = \\frac{14}{2}; 1,000 = 1000), element-wise for comma lists, a decimal that
+    is the other, irrational side correctly rounded (7.21 = 2\\sqrt{13}, 31.42 = 10\\pi; two decimals at least), or equal as
     small symbolic expressions (sympy, whitelisted parser, size-limited). Never raises."""
     if prediction is None or label is None:
         return False

@@ -55,6 +55,9 @@ def test_normalize_answer(raw, normalized):
     ("-\\frac{1}{3}", "-1/3"), ("0.5", "\\frac{1}{2}"), (".5", "1/2"), ("x=7", "7"), ("$7$", "7"),
     ("7 apples", "7"), ("\\sqrt{2}/2", "\\frac{1}{\\sqrt{2}}"), ("2x+2", "2(x+1)"), ("x^2 - 1", "(x-1)(x+1)"),
     ("2\\pi", "\\pi \\cdot 2"), ("(1, 2)", "(1,2)"), ("\\frac{\\sqrt{3}}{2}", "\\sqrt{3}/2"),
+    # geo3k: exact radicals and multiples of pi, and their correct roundings (a tool computed them)
+    ("\\sqrt{52}", "2 \\sqrt{13}"), ("7.21", "2 \\sqrt{13}"), ("7.2111", "2\\sqrt{13}"), ("31.42", "10 \\pi"),
+    ("2\\sqrt{13}", "7.21"), ("70^{\\circ}", "70"), ("4\\sqrt{3}", "\\sqrt{48}"),
 ])
 def test_equivalent_answers_are_accepted(prediction, label):
     assert graders.is_equivalent(prediction, label)
@@ -64,6 +67,7 @@ def test_equivalent_answers_are_accepted(prediction, label):
 @pytest.mark.parametrize("prediction, label", [
     ("8", "7"), ("7.01", "7"), ("0.333", "1/3"), ("-7", "7"), ("70", "7"), ("1,2", "12"), ("(2, 1)", "(1, 2)"),
     ("x+1", "x+2"), ("", "7"), (None, "7"), ("seven", "7"), ("\\frac{1}{0}", "7"), ("1/0", "1/0x"),
+    ("7.2", "2\\sqrt{13}"), ("7.22", "2\\sqrt{13}"), ("7.21", "7.2111"), ("31.41", "10\\pi"), ("0.33", "1/3"),
 ])
 def test_different_answers_are_rejected(prediction, label):
     assert not graders.is_equivalent(prediction, label)
