@@ -12,8 +12,6 @@ import datetime
 import io
 import json
 import os
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -33,6 +31,7 @@ from agents import Env, EnvRunner, Result
 from rollout import EmbeddedEngine, SamplingParams
 from router import Router
 from test_actor import free_port, max_abs_diff, select_rows
+from test_rollout import _in_threads
 
 TOL = 1e-5                    # fp32 engine vs trainer, as tests/test_rollout.py
 TEMPERATURE = 0.9
@@ -229,16 +228,8 @@ def test_engines_refuse_images_they_cannot_place(vl, mixed, pad):
     assert [g.token_ids for g in routed] == [g.token_ids for g in direct]
     # requests that join the running batch one by one, each with its own images and M-RoPE positions, sample
     # what they sample together (continuous batching merges their caches; positions stay per row)
-    joined: list = [None] * len(prompts)
-
-    def alone(i: int) -> None:
-        joined[i] = engine.generate([prompts[i][0]], SAMPLING, images=[images[i]])[0]
-    threads = [threading.Thread(target=alone, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-        time.sleep(0.02)
-    for t in threads:
-        t.join(timeout=120)
+    joined = _in_threads([lambda i=i: engine.generate([prompts[i][0]], SAMPLING, images=[images[i]])[0]
+                          for i in range(len(prompts))])
     assert [g.token_ids for g in joined] == [g.token_ids for g in direct]
     assert [lp for g in joined for lp in g.behavior_logprobs] == \
         pytest.approx([lp for g in direct for lp in g.behavior_logprobs], abs=1e-5)
