@@ -153,29 +153,13 @@ class Router:
             for call in calls:
                 self._launch(call, prompts, params_list, images, on_token, wake)
             self._wait(calls, wake)
-            pending, caller_error = [], None
+            pending, caller_errors = [], []
             for call in calls:
-                self._close(call)
-                if call.timed_out or call.result is None:
-                    if not call.timed_out and (call.caller_error is not None or isinstance(call.error, ValueError)):
-                        caller_error = caller_error or call.caller_error or call.error
-                        continue
-                    reason = self._engine_failed(call)
-                    for i in call.indices:
-                        tried[i].add(call.engine)
-                        why[i] = reason
-                        if i in call.streamed:
-                            why[i] += " (its tokens had already reached the caller's listener: not replayed)"
-                        else:
-                            pending.append(i)
-                    continue
-                for i, gen in zip(call.indices, call.result):
-                    results[i] = gen
-                with self._lock:
-                    self._stats[call.engine].served += len(call.indices)
-                    self._stats[call.engine].retried += len(call.indices) if retry else 0
-            if caller_error is not None:
-                raise caller_error
+                again, caller_error = self._settle(call, retry, results, tried, why)
+                pending += again
+                caller_errors += [caller_error] if caller_error is not None else []
+            if caller_errors:
+                raise caller_errors[0]
             if not pending:
                 break
         lost = [i for i, r in enumerate(results) if r is None]
@@ -185,6 +169,30 @@ class Router:
             raise EngineFailure(f"{len(lost)} of {len(prompts)} requests failed on every engine they were tried on; "
                                 f"request {lost[0]}: {why[lost[0]]}. Engines: {self._describe()}")
         return results
+
+    def _settle(self, call: _Call, retry: bool, results: list[Generation | None], tried: list[set[int]],
+                why: dict[int, str]) -> tuple[list[int], Exception | None]:
+        """Book a finished (or timed-out) call: its results into `results`, or, if its engine failed, the requests
+        to retry. Returns (requests to retry, the caller's own error if the call raised one)."""
+        self._close(call)
+        if not call.timed_out and call.result is not None:
+            for i, gen in zip(call.indices, call.result):
+                results[i] = gen
+            with self._lock:
+                self._stats[call.engine].served += len(call.indices)
+                self._stats[call.engine].retried += len(call.indices) if retry else 0
+            return [], None
+        if not call.timed_out and (call.caller_error is not None or isinstance(call.error, ValueError)):
+            return [], call.caller_error or call.error
+        reason, again = self._engine_failed(call), []
+        for i in call.indices:
+            tried[i].add(call.engine)
+            why[i] = reason
+            if i in call.streamed:
+                why[i] += " (its tokens had already reached the caller's listener: not replayed)"
+            else:
+                again.append(i)
+        return again, None
 
     def _place(self, pending: list[int], sessions: list[str | None], params_list: list[SamplingParams],
                tried: list[set[int]], why: dict[int, str]) -> list[_Call]:
@@ -274,7 +282,7 @@ class Router:
             waiting = [c for c in calls if not (c.done.is_set() or c.timed_out)]
             now = self._active_time()
             for call in waiting:
-                call.timed_out = now - call.last_token >= self.timeout_s
+                call.timed_out = not call.done.is_set() and now - call.last_token >= self.timeout_s
             waiting = [c for c in waiting if not c.timed_out]
             if not waiting:
                 return
@@ -339,7 +347,8 @@ class Router:
 
     def _active_time(self) -> float:
         """Monotonic seconds minus the seconds paused: a request's timeout does not run while the engines are
-        paused for a weight update."""
+        paused for a weight update. Read under _lock where it is stored (a read racing resume() can only come out
+        early, which makes a call look less idle, never more)."""
         now = time.monotonic()
         return now - self._paused_s - (now - self._paused_at if self._paused_at is not None else 0.0)
 
