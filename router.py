@@ -166,8 +166,8 @@ class Router:
         if lost:
             with self._lock:
                 self.lost += len(lost)
-            raise EngineFailure(f"{len(lost)} of {len(prompts)} requests failed on every engine they were tried on; "
-                                f"request {lost[0]}: {why[lost[0]]}. Engines: {self._describe()}")
+            raise EngineFailure(f"{len(lost)} of {len(prompts)} requests could not be served; request {lost[0]}: "
+                                f"{why[lost[0]]}. Engines: {self._describe()}")
         return results
 
     def _settle(self, call: _Call, retry: bool, results: list[Generation | None], tried: list[set[int]],
@@ -187,7 +187,7 @@ class Router:
         reason, again = self._engine_failed(call), []
         for i in call.indices:
             tried[i].add(call.engine)
-            why[i] = reason
+            why[i] = f"{why[i]}; retried, then {reason}" if i in why else reason
             if i in call.streamed:
                 why[i] += " (its tokens had already reached the caller's listener: not replayed)"
             else:

@@ -97,17 +97,20 @@ class Dying:
 
 
 class Hanging:
-    """A real engine whose generate never returns (until the test releases it)."""
+    """A real engine whose generate hangs until the test releases it, then samples as usual."""
 
     def __init__(self, engine):
-        self.engine, self.release = engine, threading.Event()
+        self.engine, self.release, self.ended = engine, threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def generate(self, prompts, params, on_token=None, images=None):
-        self.release.wait()
-        return self.engine.generate(prompts, params, on_token, images=images)
+        try:
+            self.release.wait()
+            return self.engine.generate(prompts, params, on_token, images=images)
+        finally:
+            self.ended.set()
 
 
 def assert_equal_to_reference(gens, reference) -> None:
@@ -259,21 +262,29 @@ def test_tokens_already_streamed_to_the_caller_are_not_replayed_but_raised(tiny)
 def test_a_hung_engine_times_out_is_taken_out_and_the_other_serves_every_request(tiny):
     hanging, healthy = Hanging(EmbeddedEngine(copy.deepcopy(tiny))), EmbeddedEngine(copy.deepcopy(tiny))
     router = Router([hanging, healthy], timeout_s=1.0)
+    heard: list[tuple[int, int]] = []
     try:
         started = time.monotonic()
-        gens = router.generate(PROMPTS, PARAMS)
+        gens = router.generate(PROMPTS, PARAMS, on_token=lambda i, t: heard.append((i, t)))
         assert 1.0 <= time.monotonic() - started < 30
         assert_equal_to_reference(gens, EmbeddedEngine(tiny).generate(PROMPTS, PARAMS))
         stats = router.stats()
         assert not stats[0].live and "no token for 1 s" in stats[0].down_reason and stats[0].failed == 2
         assert stats[1].served == 4 and stats[1].retried == 2 and stats[0].in_flight == 0
-        alone = Router([Hanging(EmbeddedEngine(tiny))], timeout_s=0.5)
-        with pytest.raises(EngineFailure, match="no token for 0.5 s"):
-            alone.generate([[1, 2]], SHORT)
-        assert alone.lost == 1
-        alone.engines[0].release.set()
     finally:
-        hanging.release.set()              # the abandoned call ends: its late tokens are refused, never relayed
+        hanging.release.set()
+    # the abandoned call wakes up and samples, but the router refuses its tokens: the caller heard each reply once
+    assert hanging.ended.wait(timeout=60)
+    assert sorted(heard) == sorted((i, t) for i, g in enumerate(gens) for t in g.token_ids)
+    assert router.stats()[0].tokens == 0
+
+
+def test_a_hung_request_with_no_engine_left_to_retry_on_is_raised_as_lost(tiny):
+    router = Router([Hanging(EmbeddedEngine(tiny))], timeout_s=0.5)
+    with pytest.raises(EngineFailure, match="no token for 0.5 s; no other live engine to retry on"):
+        router.generate([[1, 2]], SHORT)
+    assert router.lost == 1 and router.metrics()["perf/requests_lost_total"] == 1.0
+    router.engines[0].release.set()
 
 
 def test_time_paused_for_a_weight_update_does_not_count_toward_the_timeout(two_engines):
@@ -305,7 +316,8 @@ def test_bad_input_goes_back_to_the_caller_and_takes_no_engine_out(two_engines):
 
 def test_with_every_engine_dead_the_caller_gets_a_clear_error(tiny):
     router = Router([Dying(EmbeddedEngine(tiny), after=0), Dying(EmbeddedEngine(tiny), after=0)])
-    with pytest.raises(EngineFailure, match="failed on every engine"):
+    with pytest.raises(EngineFailure, match="could not be served; request 0: engine 0 failed: RuntimeError: engine "
+                                            "process died; retried, then engine 1 failed"):
         router.generate([[1, 2]], SHORT)
     assert [s.live for s in router.stats()] == [False, False]
     with pytest.raises(EngineFailure, match="no live engine.*engine 0 out.*engine process died"):
