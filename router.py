@@ -397,17 +397,18 @@ class Router:
 
     def rejoin(self, engine: int, state: dict, version: int) -> None:
         """Put an engine that was taken out back in rotation, after it has loaded the live engines' weights
-        (`state` at `version`, which must be theirs)."""
+        (`state` at `version`, which must be theirs, if any engine is live), paused or running as the others are."""
         with self._control:
             if self._stats[engine].live:
                 raise ValueError(f"engine {engine} is live; only an engine taken out can rejoin")
-            current = self.version
-            if version != current:
+            if any(s.live for s in self._stats) and version != self.version:
                 raise ValueError(f"engine {engine} would rejoin at version {version} but the live engines are at "
-                                 f"{current}; pass their current weights")
+                                 f"{self.version}; pass their current weights")
             self.engines[engine].update_weights(state, version)
             if self._paused_at is not None:
                 self.engines[engine].pause()
+            else:
+                self.engines[engine].resume()       # it may have been taken out while paused
             with self._lock:
                 self._stats[engine].live, self._stats[engine].down_reason = True, ""
         log.warning("router: engine %d rejoined at version %d", engine, version)

@@ -325,6 +325,9 @@ def test_with_every_engine_dead_the_caller_gets_a_clear_error(tiny):
     with pytest.raises(EngineFailure, match="no live engine"):
         router.update_weights({}, version=1)
     assert router.lost == 2
+    router.engines[1].revive()                 # with no engine live, a rejoining one sets the version
+    router.rejoin(1, tiny.state_dict(), version=1)
+    assert router.version == 1 and router.generate([[1, 2]], SHORT)[0].policy_versions == [1] * 3
 
 
 # ---- the control plane ----
