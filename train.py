@@ -257,6 +257,7 @@ def main(argv: list[str]) -> None:
         m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
+        m.update(engine.metrics())      # per engine: tokens/s, outstanding tokens, requests served/retried/failed
 
         # 2. advantages, on rows (segments), each rollout counted once in its group
         rows = [(r, row) for r in rollouts for row in r.rows]
