@@ -48,6 +48,14 @@ def available() -> bool:
     return True
 
 
+def is_moe_config(config: dict) -> bool:
+    """Whether a checkpoint's config.json describes a mixture of experts (its routes are then returned for R3).
+    transformers writes the expert count under different names: Qwen3-MoE's num_local_experts (num_experts before
+    transformers 5), DeepSeek's n_routed_experts."""
+    text_config = config.get("text_config", config)
+    return any(key in text_config for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 # ---- the worker side: runs inside vLLM's worker process -------------------------------------------------------
 
 class WorkerExtension:
@@ -82,7 +90,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, tokenizer=None, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
+                 engine_args: dict | None = None):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         if transfer not in ("ipc", "rpc"):
@@ -95,7 +104,7 @@ class VLLMEngine:
         with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
         text_config = config.get("text_config", config)
-        self.is_moe = "num_experts" in text_config or "n_routed_experts" in text_config
+        self.is_moe = is_moe_config(config)
         self.image_token_id = config.get("image_token_id")
         self._checkpoint_keys = _checkpoint_keys(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
@@ -106,8 +115,12 @@ class VLLMEngine:
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
-            enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension",
-            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
+            enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
+            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None, **(engine_args or {}))
+        if transfer == "ipc":
+            # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
+            # pickle are this process and the engine it started
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True).start()
         self._llm = self._call(_build(AsyncLLM, args))
@@ -248,7 +261,6 @@ class VLLMEngine:
         return [r.generation() for r in requests]
 
     async def _run(self, request: _Request) -> None:
-        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
         prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
@@ -260,7 +272,7 @@ class VLLMEngine:
         try:
             try:
                 queue = await self._llm.add_request(request_id, prompt, _vllm_params(request))
-            except VLLMClientError as e:  # the request's own bad input (an out-of-vocab stop id, too long a prompt)
+            except _client_errors() as e:  # the request's own bad input (an out-of-vocab stop id, too long a prompt)
                 raise ValueError(str(e)) from e
             while not request.finished:
                 request.take(queue.get_nowait() or await queue.get())
@@ -292,6 +304,15 @@ class VLLMEngine:
             state = states.get(request_id)
             request.version_starts.append((version, state.detokenizer.num_output_tokens() if state else 0))
         self.version = version      # here, on the loop, so no request can start between the marks and the bump
+
+
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request's own bad input: ValueError up to 0.26, its VLLMClientError since."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def _build(engine_class, args):

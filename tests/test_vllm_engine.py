@@ -65,6 +65,15 @@ def _perturbed(model, scale=0.05, seed=1):
     return new
 
 
+def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
+    """R3 needs vLLM's routes (a GPU test: capturing them needs Triton); here, that the engine asks for them."""
+    import json
+    from vllm_engine import is_moe_config
+    for kind, moe in [("qwen3_moe", True), ("qwen3", False), ("qwen2_5_vl", False)]:
+        with open(os.path.join(models.tiny_model_dir(kind), "config.json")) as f:
+            assert is_moe_config(json.load(f)) is moe
+
+
 # ---- invariant 2: behavior logprobs are the trainer's, at each request's own sampling ---------------------------
 
 def test_vllm_logprobs_equal_the_trainer_recompute_in_fp32(fresh, model):
