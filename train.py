@@ -37,6 +37,7 @@ import actor
 import algo
 import invariants
 import models
+import runtime
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
 from router import Router
 
@@ -92,7 +93,8 @@ class EvalConfig:
 def config_sections():
     """section name -> dataclass type; each section's dataclass lives in the module it configures."""
     return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
-            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig}
+            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig,
+            "runtime": runtime.RuntimeConfig}
 
 
 SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run.steps N
@@ -174,6 +176,7 @@ def validate_config(cfg: dict) -> None:
     algo.validate_algo(cfg["algo"], ro.samples_per_prompt)
     invariants.validate_correction(cfg["correction"])
     actor.validate_actor(cfg["actor"])
+    runtime.validate_runtime(cfg["runtime"], cfg["correction"], tr.minibatches)
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
     positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,
                 "rollout.samples_per_prompt": ro.samples_per_prompt, "rollout.max_turns": ro.max_turns,
@@ -223,12 +226,38 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    # the engine shares the actor's device (one GPU holds both; weights move by a copy that stays on the device)
-    engine_device = policy.device
-    engine = Router([EmbeddedEngine(models.load_model(model_path).to(engine_device), version=policy.version,
-                                    seed=run.seed, tokenizer=tokenizer)])
-    engine.update_weights(policy.export_weights(engine_device), policy.version)
-    start_step = resume_run(run_state, engine) if tr.resume else 0
+    rt_cfg = cfg["runtime"]
+    if rt_cfg.mode == "ray":
+        # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
+        threads = max(1, int(rt_cfg.engine_cpus))
+        ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
+                               policy.version)
+        engine = Router(ray_rt.proxies)
+
+        def push() -> dict[str, float]:
+            return ray_rt.push_weights(engine, policy.export_weights("cpu"), policy.version)
+    else:
+        # the engine shares the actor's device (one GPU holds both; weights move by a copy that stays on the device)
+        ray_rt = None
+        engine = Router([EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version,
+                                        seed=run.seed, tokenizer=tokenizer)])
+
+        def push() -> dict[str, float]:
+            engine.update_weights(policy.export_weights(policy.device), policy.version)
+            return {}
+    try:
+        push()
+        start_step = resume_run(run_state, engine) if tr.resume else 0
+        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push, start_step, out)
+    finally:
+        if ray_rt is not None:
+            runtime.stop(ray_rt)
+
+
+def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push, start_step: int, out: str) -> None:
+    """The RL loop: rollouts of a step -> advantages -> optimizer step(s) -> weights to the engines. In ray mode the
+    rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains."""
+    run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
@@ -242,14 +271,22 @@ def main(argv: list[str]) -> None:
     held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []
     if held_out:
         logger.log(start_step, evaluate(runner, held_out, cfg["eval"], ro.max_tokens, start_step))
+    pool = None
+    if ray_rt is not None:
+        pool = runtime.RolloutPool(runner, tasks, sampling, ro.prompts_per_step, ro.samples_per_prompt,
+                                   cfg["runtime"].eta, cfg["algo"].filter_zero_variance, first_step=start_step)
 
     for step in range(start_step, run.steps):
         t0 = time.time()
-        # 1. rollout: every prompt of this step, samples_per_prompt times, through the recipe's agent
-        picked = [tasks[(step * ro.prompts_per_step + i) % len(tasks)] for i in range(ro.prompts_per_step)]
-        group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
-        group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
-        rollouts = runner.run(group_tasks, group_ids, sampling)
+        # 1. rollout: every prompt of this step, samples_per_prompt times, through the recipe's agent (ray mode:
+        # the pool's oldest finished groups; it already replaced filtered groups with new ones)
+        if pool is None:
+            picked = [tasks[(step * ro.prompts_per_step + i) % len(tasks)] for i in range(ro.prompts_per_step)]
+            group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
+            group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
+            rollouts, pool_metrics = runner.run(group_tasks, group_ids, sampling), {}
+        else:
+            rollouts, pool_metrics = pool.take()
         for r in rollouts:       # invariant 1 at run time: every engine-sampled token trainable exactly once
             invariants.check_sampled_once(r.rows, r.generations)
         t_rollout = time.time() - t0
@@ -257,10 +294,14 @@ def main(argv: list[str]) -> None:
         m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
+        m.update(pool_metrics)
+        if pool is not None:
+            m.update(runtime.staleness_metrics(rollouts, policy.version,
+                                               cfg["runtime"].eta * tr.minibatches))
 
         # 2. advantages, on rows (segments), each rollout counted once in its group
         rows = [(r, row) for r in rollouts for row in r.rows]
-        if cfg["algo"].filter_zero_variance and rows:
+        if cfg["algo"].filter_zero_variance and rows and pool is None:
             keep = algo.keep_groups_with_variance([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
                                                   [r.rollout_id for r, _ in rows])
             m["rollout/filtered_rows"] = len(rows) - sum(keep)
@@ -268,14 +309,20 @@ def main(argv: list[str]) -> None:
         if not rows:
             print(f"step {step + 1}: no trainable rows (all rollouts failed or filtered); skipping", flush=True)
             logger.log(step + 1, m)
+            if pool is not None:
+                pool.trained_step(step + 1)
             continue
         train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
 
-        # 3. push the new weights to the engine; every later token carries the new version
+        # 3. push the new weights to the engines (pause with requests kept, load, resume); every later token
+        # carries the new version; then the pool may start the groups this step made room for
         t1 = time.time()
-        engine.update_weights(policy.export_weights(engine_device), policy.version)
+        m.update(push())
         m["time/weight_push_s"] = time.time() - t1
+        if pool is not None:
+            pool.trained_step(step + 1)
+            m.update(ray_rt.engine_metrics())
         m["time/step_s"] = time.time() - t0
         if held_out and (step + 1) % cfg["eval"].every == 0:
             m.update(evaluate(runner, held_out, cfg["eval"], ro.max_tokens, step + 1))

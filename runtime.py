@@ -1,0 +1,478 @@
+# runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
+# trainer while it trains, and weight updates that land in the middle of requests.
+#
+# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`start`, `Runtime.stop`), `EngineActor` (one
+# engine in a Ray actor) and `EngineProxy` (the engine interface in the driver, with failover to a live engine),
+# `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained more
+# than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
+# version, resume) and the runtime's metrics (engine idle fraction, tokens/s per engine, queue depth, staleness
+# histogram, weight-sync seconds and bytes, retried and failed requests).
+#
+# Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
+# --runtime.engine_cpus / --runtime.engine_gpus; the trainer (actor.Actor) is the driver process itself, so the
+# loop in train.py reads as before; agent runners are threads of the driver (an episode mostly waits on its
+# engine, and an env step is ordinary Python the recipe wrote). FSDP2 ranks would be one Ray actor per rank in
+# one placement group (PACK, GPUs only), each running actor.Actor under torch.distributed with MASTER_ADDR from
+# rank 0's node; the driver calls train_step on all and rank 0 exports the weights.
+#
+# Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
+# it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
+# resumes, so a rollout that straddles it reads [v]*n1 + [v+1]*n2 and its KV cache is rebuilt (rollout.py).
+# Staleness is bounded by admission, never by discarding finished work: a group is started only while
+# (eta + V + 1) * B - (accepted + running) > 0, and groups reach the trainer in admission order.
+# Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+import algo
+import models
+from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MODES = ("sync", "ray")
+
+
+# ---- config ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RuntimeConfig:
+    mode: str = "sync"          # sync: one process, roll out then train (the plain loop); ray: engines as Ray actors, rollouts stream while the trainer trains
+    eta: int = 1                # ray mode: most policy steps between a rollout's start and its training (AReaL's eta; 0 = exactly synchronous)
+    engines: int = 1            # ray mode: engine actors behind the router
+    engine_cpus: float = 1.0    # CPUs per engine actor (its torch threads)
+    engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
+    address: str = ""           # join a running Ray cluster (launch.sh cluster prints it); "" = start Ray on this machine
+    object_store_mb: int = 0    # object store of a Ray started here, in MiB (0 = Ray's default); weights pass through it
+
+
+def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
+    """Refuse runtime settings that would hang or train silently wrong (ValueError saying why)."""
+    if cfg.mode not in MODES:
+        raise ValueError(f"runtime.mode {cfg.mode!r} unknown; use one of {MODES}")
+    if cfg.eta < 0 or cfg.engines < 1 or cfg.engine_cpus <= 0 or cfg.engine_gpus < 0 or cfg.object_store_mb < 0:
+        raise ValueError(f"runtime: eta >= 0, engines >= 1, engine_cpus > 0, engine_gpus >= 0 and object_store_mb "
+                         f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
+                         f"{cfg.object_store_mb}")
+    if cfg.mode != "ray" or cfg.eta == 0:
+        return
+    if correction.level == "off":
+        raise ValueError(f"runtime.eta={cfg.eta} trains tokens drawn by older weights: set --correction.level token "
+                         f"(or seq, geo) so each token is weighted by pi_prox / mu of its own version")
+    # a policy step is `minibatches` optimizer steps, and versions count optimizer steps
+    if correction.max_staleness < cfg.eta * minibatches:
+        raise ValueError(f"runtime.eta={cfg.eta} admits rollouts up to {cfg.eta} policy steps = "
+                         f"{cfg.eta * minibatches} versions old, but correction.max_staleness="
+                         f"{correction.max_staleness} would drop them after they were sampled; set "
+                         f"--correction.max_staleness {cfg.eta * minibatches}")
+
+
+# ---- an engine in its own process -----------------------------------------------------------------------
+
+def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
+    """The engine an EngineActor serves by default: the embedded engine on the GPU Ray gave the actor, else CPU."""
+    torch.set_num_threads(threads)
+    model = models.load_model(model_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+    return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
+
+
+# Generation requests and control calls run in separate thread pools of the actor: a weight update must never
+# queue behind the requests it is meant to pause.
+@ray.remote(concurrency_groups={"data": 256, "control": 4})
+class EngineActor:
+    """One engine (built by `build(*args)` in this process) and what the runtime measures about it: busy time
+    (requests in flight and not paused), tokens sampled, requests served."""
+
+    def __init__(self, build: Callable, *args):
+        self.engine = build(*args)
+        self._lock = threading.Lock()
+        self._active = 0               # generate calls in flight
+        self._paused = False
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+        self._tokens = self._requests = 0
+
+    def _clock(self) -> None:
+        """Close or open the busy interval after a change of _active or _paused (under _lock)."""
+        now = time.monotonic()
+        if self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+        self._busy_since = now if self._active and not self._paused else None
+
+    @ray.method(concurrency_group="data")
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list) -> list[Generation]:
+        with self._lock:
+            self._active += 1
+            self._clock()
+        try:
+            outs = self.engine.generate(prompts, params, images=images)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._clock()
+        with self._lock:
+            self._tokens += sum(len(g.token_ids) for g in outs)
+            self._requests += len(outs)
+        return outs
+
+    @ray.method(concurrency_group="control")
+    def pause(self) -> None:
+        self.engine.pause()
+        with self._lock:
+            self._paused = True
+            self._clock()
+
+    @ray.method(concurrency_group="control")
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._clock()
+        self.engine.resume()
+
+    @ray.method(concurrency_group="control")
+    def update_weights(self, state: dict, version: int) -> None:
+        self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
+
+    @ray.method(concurrency_group="control")
+    def version(self) -> int:
+        return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def check_images(self, prompt: list[int], images: list) -> None:
+        self.engine.check_images(prompt, images)
+
+    @ray.method(concurrency_group="control")
+    def sampler_state(self):
+        return self.engine.sampler_state()
+
+    @ray.method(concurrency_group="control")
+    def load_sampler_state(self, state) -> None:
+        self.engine.load_sampler_state(state)
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters and this process's clock; the runtime differences two snapshots."""
+        with self._lock:
+            self._clock()
+            return {"busy_s": self._busy_s, "tokens": float(self._tokens), "requests": float(self._requests),
+                    "clock": time.monotonic()}
+
+
+@dataclass
+class Failover:
+    """What the proxies count when an engine process dies (shared by all proxies of a runtime)."""
+    retried: int = 0               # requests re-sent to another engine after theirs died
+    failed: int = 0                # requests that found no live engine
+    dead: set[int] = field(default_factory=set)   # indices of the engines that died
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class EngineProxy:
+    """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and
+    the agent runners use engines in other processes as they use local ones. A request whose engine process died
+    is re-sent, from its prompt, to a live engine (nothing of it was recorded: a ledger takes a Generation only
+    when it is complete) and counted as retried; with no live engine left it fails, counted. `on_token` is
+    called for each token when the request returns (tokens do not stream across the process boundary)."""
+
+    def __init__(self, index: int, handle, siblings: list[EngineProxy], failover: Failover, version: int):
+        self.index, self.handle, self.siblings, self.failover = index, handle, siblings, failover
+        self.version = version         # kept here: a dead engine still reports the version it was last sent
+
+    @property
+    def alive(self) -> bool:
+        return self.index not in self.failover.dead
+
+    def _died(self, target: EngineProxy) -> None:
+        with self.failover.lock:
+            self.failover.dead.add(target.index)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None,
+                 images: list[Sequence] | None = None) -> list[Generation]:
+        params_list, images_list = params_per_prompt(params, len(prompts)), images_per_prompt(images, len(prompts))
+        for p in params_list:
+            self.check(p)
+        target = self
+        while True:
+            try:
+                outs = ray.get(target.handle.generate.remote(prompts, params_list, images_list))
+                break
+            except ray.exceptions.RayActorError:
+                self._died(target)
+                live = [e for e in self.siblings if e.alive]
+                with self.failover.lock:
+                    if not live:
+                        self.failover.failed += len(prompts)
+                        raise EngineUnavailable(f"engine {target.index} died and no engine is left to serve "
+                                                f"{len(prompts)} requests") from None
+                    self.failover.retried += len(prompts)
+                target = live[0]
+        if on_token is not None:
+            for i, g in enumerate(outs):
+                for token_id in g.token_ids:
+                    on_token(i, token_id)
+        return outs
+
+    def _control(self, call, *args):
+        """A control call; a dead engine holds no request and no weights, so there is nothing to do on it."""
+        if not self.alive:
+            return None
+        try:
+            return ray.get(call.remote(*args))
+        except ray.exceptions.RayActorError:
+            self._died(self)
+            return None
+
+    def check(self, params: SamplingParams) -> None:
+        validate_sampling(params)       # every engine actor has a tokenizer, so stop strings are always served
+
+    def check_images(self, prompt: list[int], images: Sequence) -> None:
+        live = next((e for e in self.siblings if e.alive), self)
+        ray.get(live.handle.check_images.remote(prompt, list(images)))
+
+    def pause(self) -> None:
+        self._control(self.handle.pause)
+
+    def resume(self) -> None:
+        self._control(self.handle.resume)
+
+    def update_weights(self, state, version: int) -> None:
+        """`state` is a state dict or, from Runtime.push_weights, its ObjectRef (one copy for every engine)."""
+        self._control(self.handle.update_weights, state, version)
+        self.version = version
+
+    def sampler_state(self):
+        return self._control(self.handle.sampler_state)
+
+    def load_sampler_state(self, state) -> None:
+        self._control(self.handle.load_sampler_state, state)
+
+
+# ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
+
+class Runtime:
+    """The engines of a run, as Ray actors, and their proxies."""
+
+    def __init__(self, cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int):
+        self.cfg = cfg
+        self.failover = Failover()
+        self.proxies: list[EngineProxy] = []
+        for i in range(cfg.engines):
+            # a named actor, so an operator (or a test) can find it: ray.get_actor("tracerl-engine-0")
+            handle = EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
+                                         num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
+            self.proxies.append(EngineProxy(i, handle, self.proxies, self.failover, version))
+        ray.get([p.handle.version.remote() for p in self.proxies])    # every engine built before the first request
+        self._last = {p.index: ray.get(p.handle.stats.remote()) for p in self.proxies}
+
+    def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
+        requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
+        pause/load/resume fan-out). The state dict crosses processes once, through Ray's object store (every
+        engine reads the same copy). On GPUs this is where an NCCL broadcast from the trainer's rank 0 to the
+        engines' workers (dtype-faithful buckets, coverage checked by name) or CUDA IPC handles for an engine
+        sharing the trainer's GPU would go; the vLLM engine's own update path does that."""
+        t0 = time.monotonic()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        ref = ray.put(state)
+        router.update_weights(ref, version)
+        del ref
+        return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes)}
+
+    def engine_metrics(self) -> dict[str, float]:
+        """Per engine since the last call: idle fraction (no request in flight, or paused) and tokens/s; plus the
+        failover counters (cumulative over the run)."""
+        m: dict[str, float] = {}
+        total_tokens, total_s, idle = 0.0, 0.0, []
+        for p in self.proxies:
+            if not p.alive:
+                continue
+            try:
+                now = ray.get(p.handle.stats.remote())
+            except ray.exceptions.RayActorError:
+                p._died(p)
+                continue
+            last = self._last[p.index]
+            wall = max(now["clock"] - last["clock"], 1e-9)
+            tokens = now["tokens"] - last["tokens"]
+            idle.append(1.0 - min((now["busy_s"] - last["busy_s"]) / wall, 1.0))
+            m[f"runtime/engine{p.index}_idle_frac"] = idle[-1]
+            m[f"runtime/engine{p.index}_tokens_per_s"] = tokens / wall
+            total_tokens, total_s = total_tokens + tokens, max(total_s, wall)
+            self._last[p.index] = now
+        m["runtime/engine_idle_frac"] = sum(idle) / max(len(idle), 1)
+        m["perf/tokens_per_s"] = total_tokens / max(total_s, 1e-9)
+        m["runtime/engines_alive"] = float(len(idle))
+        m["runtime/retried_requests_total"] = float(self.failover.retried)
+        m["runtime/failed_requests_total"] = float(self.failover.failed)
+        return m
+
+    def stop(self) -> None:
+        for p in self.proxies:
+            ray.kill(p.handle)
+
+
+def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:
+    """Start Ray here (or join cfg.address) and the engine actors. Workers import this repository's modules,
+    so it goes on their PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
+    env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                                      "TRACERL_CACHE", "HF_HOME") if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
+    else:
+        # the engines' CPUs are reserved; the driver (trainer and runner threads) uses what the machine has left
+        ray.init(num_cpus=math.ceil(cfg.engines * cfg.engine_cpus), include_dashboard=False, log_to_driver=False,
+                 object_store_memory=cfg.object_store_mb * 2**20 or None, runtime_env={"env_vars": env})
+    return Runtime(cfg, build, build_args, version)
+
+
+def stop(runtime: Runtime | None) -> None:
+    if runtime is not None:
+        runtime.stop()
+    ray.shutdown()
+
+
+# ---- the streaming pool: prompt groups in flight, admitted by AReaL's capacity rule --------------------------
+
+@dataclass
+class Group:
+    """One prompt group on its way from admission to the trainer."""
+    index: int                     # admission order over the run (the group's task is tasks[index % len(tasks)])
+    admitted_at: int               # policy steps trained when it started (V in the capacity rule)
+    rollouts: list = field(default_factory=list)   # agents.Rollout, filled when it finishes
+    done: bool = False
+
+
+class RolloutPool:
+    """Keeps prompt groups in flight on runner threads and hands the trainer B = groups_per_step finished groups
+    per step, in admission order.
+
+    Admission (AReaL, arXiv 2505.24298; areal/core/staleness_manager.py):
+        capacity = min(max_concurrent - running, (eta + V + 1) * B - (accepted + running))
+    V = policy steps trained, accepted = groups finished and kept (consumed or waiting). Here max_concurrent is
+    (eta + 1) * B, which the second term never exceeds. Why it bounds staleness: when a group starts at V = a, at
+    most (eta + a + 1) * B kept-or-running groups precede it or are it, so in admission order it is kept at most
+    (eta + a + 1) * B - 1-th, and taking B per step in that order trains it by step eta + a. A group whose
+    rollouts all failed, or (algo.filter_zero_variance) whose rewards are all equal, is not kept: its slot
+    re-opens and a new group fills it, so the batch keeps its size. With eta = 0 a step's groups go out as one
+    runner call, the batch the synchronous loop sends, so eta = 0 samples exactly what the synchronous loop
+    samples; with eta >= 1 each group is its own call and reaches the trainer as soon as its turn comes."""
+
+    def __init__(self, runner, tasks: list, sampling: SamplingParams, groups_per_step: int, samples_per_group: int,
+                 eta: int, filter_zero_variance: bool, first_step: int = 0):
+        self.runner, self.tasks, self.sampling = runner, tasks, sampling
+        self.B, self.G, self.eta, self.filter = groups_per_step, samples_per_group, eta, filter_zero_variance
+        self.trained = first_step                      # V
+        self.next_index = first_step * groups_per_step
+        self.accepted = first_step * groups_per_step   # consumed groups count as accepted forever
+        self.groups: dict[int, Group] = {}             # running or finished, not yet consumed (kept groups only)
+        self.filtered = self.failed_groups = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        with self.cond:
+            self._admit()
+
+    @property
+    def running(self) -> int:
+        return sum(not g.done for g in self.groups.values())
+
+    def _admit(self) -> None:
+        """Start as many groups as the capacity rule allows (under self.cond)."""
+        capacity = (self.eta + self.trained + 1) * self.B - (self.accepted + self.running)
+        if capacity <= 0:
+            return
+        wave = [Group(self.next_index + i, self.trained) for i in range(capacity)]
+        self.next_index += capacity
+        for g in wave:
+            self.groups[g.index] = g
+        for part in ([wave] if self.eta == 0 else [[g] for g in wave]):
+            threading.Thread(target=self._run, args=(part,), daemon=True, name="rollout-group").start()
+
+    def _run(self, part: list[Group]) -> None:
+        """Runner thread: roll out the groups of `part` (samples_per_group episodes each) through the agent."""
+        tasks = [self.tasks[g.index % len(self.tasks)] for g in part for _ in range(self.G)]
+        group_ids = [f"g{g.index}" for g in part for _ in range(self.G)]
+        try:
+            rollouts = self.runner.run(tasks, group_ids, self.sampling)
+        except BaseException as error:   # no engine left, or a bug: the trainer re-raises it
+            with self.cond:
+                self.error = error
+                self.cond.notify_all()
+            return
+        with self.cond:
+            for g in part:
+                g.rollouts = [r for r in rollouts if r.group_id == f"g{g.index}"]
+                g.done = True
+                if not g.rollouts:
+                    self.failed_groups += 1
+                    del self.groups[g.index]
+                elif self.filter and not any(algo.keep_groups_with_variance(
+                        [r.reward for r in g.rollouts], [r.group_id for r in g.rollouts],
+                        [r.rollout_id for r in g.rollouts])):
+                    self.filtered += 1
+                    del self.groups[g.index]
+                else:
+                    self.accepted += 1
+            self._admit()
+            self.cond.notify_all()
+
+    def take(self) -> tuple[list, dict[str, float]]:
+        """Block until the B oldest kept-or-running groups have all finished; return their rollouts (group by
+        group, in admission order) and the pool's metrics."""
+        t0 = time.monotonic()
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"a rollout group failed: {type(self.error).__name__}: {self.error}") \
+                        from self.error
+                head = [self.groups[i] for i in sorted(self.groups)[:self.B]]
+                if len(head) == self.B and all(g.done for g in head):
+                    break
+                self.cond.wait()
+            waiting = sum(g.done for g in self.groups.values())
+            for g in head:
+                del self.groups[g.index]
+            m = {"runtime/queue_finished": float(waiting), "runtime/queue_running": float(self.running),
+                 "runtime/filtered_groups_total": float(self.filtered),
+                 "runtime/failed_groups_total": float(self.failed_groups),
+                 "runtime/admitted_at_min": float(min(g.admitted_at for g in head)),
+                 "time/wait_for_rollouts_s": time.monotonic() - t0}
+        return [r for g in head for r in g.rollouts], m
+
+    def trained_step(self, steps: int) -> None:
+        """The trainer finished `steps` policy steps and the engines hold their weights: admit more."""
+        with self.cond:
+            self.trained = steps
+            self._admit()
+
+
+def staleness_metrics(rollouts: list, trainer_version: int, bound: int) -> dict[str, float]:
+    """Histogram over the step's rollouts of s = trainer version - the oldest version among its sampled tokens
+    (slime's sample_staleness), in versions (optimizer steps), buckets 0..bound and above; and how many rollouts
+    carry more than one version (partial rollouts that straddled a weight update)."""
+    hist = [0] * (bound + 2)
+    multi = 0
+    for r in rollouts:
+        versions = [v for g in r.generations for v in g.policy_versions]
+        if not versions:
+            continue
+        hist[min(trainer_version - min(versions), bound + 1)] += 1
+        multi += len(set(versions)) > 1
+    m = {f"runtime/staleness_{s}": float(n) for s, n in enumerate(hist[:-1])}
+    m["runtime/staleness_over"] = float(hist[-1])
+    m["runtime/multi_version_rollouts"] = float(multi)
+    return m
