@@ -114,15 +114,18 @@ class EngineActor:
             self._active += 1
             self._clock()
         try:
-            outs = self.engine.generate(prompts, params, images=images)
+            outs = self.engine.generate(prompts, params, on_token=self._sampled, images=images)
         finally:
             with self._lock:
                 self._active -= 1
                 self._clock()
         with self._lock:
-            self._tokens += sum(len(g.token_ids) for g in outs)
             self._requests += len(outs)
         return outs
+
+    def _sampled(self, index: int, token_id: int) -> None:
+        with self._lock:          # counted as sampled, so tokens/s holds no burst when a long request returns
+            self._tokens += 1
 
     @ray.method(concurrency_group="control")
     def pause(self) -> None:
@@ -205,7 +208,7 @@ class EngineProxy:
         params_list, images_list = params_per_prompt(params, len(prompts)), images_per_prompt(images, len(prompts))
         for p in params_list:
             self.check(p)
-        target = self
+        target = self if self.alive else next((e for e in self.siblings if e.alive), self)
         while True:
             try:
                 outs = ray.get(target.handle.generate.remote(prompts, params_list, images_list))
@@ -258,7 +261,8 @@ class EngineProxy:
         return self._control(self.handle.sampler_state)
 
     def load_sampler_state(self, state) -> None:
-        self._control(self.handle.load_sampler_state, state)
+        if state is not None:          # None: the engine had died when the checkpoint was written
+            self._control(self.handle.load_sampler_state, state)
 
 
 # ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
@@ -316,6 +320,7 @@ class Runtime:
         m["runtime/engine_idle_frac"] = sum(idle) / max(len(idle), 1)
         m["perf/tokens_per_s"] = total_tokens / max(total_s, 1e-9)
         m["runtime/engines_alive"] = float(len(idle))
+        m["runtime/dead_engines_total"] = float(len(self.failover.dead))
         m["runtime/retried_requests_total"] = float(self.failover.retried)
         m["runtime/failed_requests_total"] = float(self.failover.failed)
         return m
