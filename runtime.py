@@ -340,8 +340,10 @@ def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple
         ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
         # the engines' CPUs are reserved; the driver (trainer and runner threads) uses what the machine has left
-        ray.init(num_cpus=math.ceil(cfg.engines * cfg.engine_cpus), include_dashboard=False, log_to_driver=False,
-                 object_store_memory=cfg.object_store_mb * 2**20 or None, runtime_env={"env_vars": env})
+        # address="local": a new Ray of our own, even where another cluster runs on this machine
+        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus), include_dashboard=False,
+                 log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
+                 runtime_env={"env_vars": env})
     return Runtime(cfg, build, build_args, version)
 
 
