@@ -53,6 +53,7 @@ import invariants
 import models
 import wires
 from rollout import EmbeddedEngine, Generation, SamplingParams, find_stop
+from router import Router
 
 log = logging.getLogger("tracerl.loopback")
 
@@ -168,8 +169,10 @@ class ChatSession:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
                              f"of {self.max_length}; shorten the conversation")
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
+        # a Router sends every turn of the session to the engine that holds its prefix
+        sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
         gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)), relay,
-                                   images=[images] if images else None)[0]
+                                   images=[images] if images else None, **sticky)[0]
         text = reply_text(self.tokenizer, gen)
         message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
         # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a

@@ -1,12 +1,13 @@
 # runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
 # trainer while it trains, and weight updates that land in the middle of requests.
 #
-# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`start`, `Runtime.stop`), `EngineActor` (one
-# engine in a Ray actor) and `EngineProxy` (the engine interface in the driver, with failover to a live engine),
+# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`start`, `stop`), `EngineActor` (one engine in
+# a Ray actor, tokens streamed back as sampled) and `EngineProxy` (the engine interface in the driver, so
+# router.Router places requests, fails over and fans out the control plane as it does for local engines),
 # `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained more
 # than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
-# version, resume) and the runtime's metrics (engine idle fraction, tokens/s per engine, queue depth, staleness
-# histogram, weight-sync seconds and bytes, retried and failed requests).
+# version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
+# seconds and bytes; tokens/s per engine and retried/failed requests are the router's).
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer (actor.Actor) is the driver process itself, so the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -89,56 +91,47 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
 # queue behind the requests it is meant to pause.
 @ray.remote(concurrency_groups={"data": 256, "control": 4})
 class EngineActor:
-    """One engine (built by `build(*args)` in this process) and what the runtime measures about it: busy time
-    (requests in flight and not paused), tokens sampled, requests served."""
+    """One engine, built by `build(*args)` in this process."""
 
     def __init__(self, build: Callable, *args):
         self.engine = build(*args)
-        self._lock = threading.Lock()
-        self._active = 0               # generate calls in flight
-        self._paused = False
-        self._busy_s = 0.0
-        self._busy_since: float | None = None
-        self._tokens = self._requests = 0
 
-    def _clock(self) -> None:
-        """Close or open the busy interval after a change of _active or _paused (under _lock)."""
-        now = time.monotonic()
-        if self._busy_since is not None:
-            self._busy_s += now - self._busy_since
-        self._busy_since = now if self._active and not self._paused else None
+    @ray.method(concurrency_group="data", num_returns="streaming")
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list):
+        """Yields ("tokens", [(row, token_id), ...]) as tokens are sampled (whatever accumulated since the last
+        yield, so a fast engine costs one message per batch of tokens, not per token), then ("done", generations).
+        The engine's own error (a ValueError for a bad request) is raised to the caller as it is."""
+        sampled: queue.SimpleQueue = queue.SimpleQueue()
+        result: dict = {}
 
-    @ray.method(concurrency_group="data")
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list) -> list[Generation]:
-        with self._lock:
-            self._active += 1
-            self._clock()
-        try:
-            outs = self.engine.generate(prompts, params, on_token=self._sampled, images=images)
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._clock()
-        with self._lock:
-            self._requests += len(outs)
-        return outs
-
-    def _sampled(self, index: int, token_id: int) -> None:
-        with self._lock:          # counted as sampled, so tokens/s holds no burst when a long request returns
-            self._tokens += 1
+        def work() -> None:
+            try:
+                result["outs"] = self.engine.generate(prompts, params, on_token=lambda i, t: sampled.put((i, t)),
+                                                      images=images)
+            except BaseException as error:
+                result["error"] = error
+            finally:
+                sampled.put(None)
+        threading.Thread(target=work, daemon=True, name="engine-request").start()
+        finished = False
+        while not finished:
+            tokens = [sampled.get()]
+            while not sampled.empty():
+                tokens.append(sampled.get())
+            finished = tokens[-1] is None
+            tokens = [t for t in tokens if t is not None]
+            if tokens:
+                yield "tokens", tokens
+        if "error" in result:
+            raise result["error"]
+        yield "done", result["outs"]
 
     @ray.method(concurrency_group="control")
     def pause(self) -> None:
         self.engine.pause()
-        with self._lock:
-            self._paused = True
-            self._clock()
 
     @ray.method(concurrency_group="control")
     def resume(self) -> None:
-        with self._lock:
-            self._paused = False
-            self._clock()
         self.engine.resume()
 
     @ray.method(concurrency_group="control")
@@ -148,6 +141,10 @@ class EngineActor:
     @ray.method(concurrency_group="control")
     def version(self) -> int:
         return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def check(self, params: SamplingParams) -> None:
+        self.engine.check(params)
 
     @ray.method(concurrency_group="control")
     def check_images(self, prompt: list[int], images: list) -> None:
@@ -161,108 +158,76 @@ class EngineActor:
     def load_sampler_state(self, state) -> None:
         self.engine.load_sampler_state(state)
 
-    @ray.method(concurrency_group="control")
-    def stats(self) -> dict[str, float]:
-        """Cumulative counters and this process's clock; the runtime differences two snapshots."""
-        with self._lock:
-            self._clock()
-            return {"busy_s": self._busy_s, "tokens": float(self._tokens), "requests": float(self._requests),
-                    "clock": time.monotonic()}
 
-
-@dataclass
-class Failover:
-    """What the proxies count when an engine process dies (shared by all proxies of a runtime)."""
-    retried: int = 0               # requests re-sent to another engine after theirs died
-    failed: int = 0                # requests that found no live engine
-    dead: set[int] = field(default_factory=set)   # indices of the engines that died
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class EngineUnavailable(RuntimeError):
-    pass
+class EngineDied(RuntimeError):
+    """The engine's process is gone. An engine-level error: router.Router takes the engine out of rotation and
+    retries its requests on a live one (or counts them as lost)."""
 
 
 class EngineProxy:
-    """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and
-    the agent runners use engines in other processes as they use local ones. A request whose engine process died
-    is re-sent, from its prompt, to a live engine (nothing of it was recorded: a ledger takes a Generation only
-    when it is complete) and counted as retried; with no live engine left it fails, counted. `on_token` is
-    called for each token when the request returns (tokens do not stream across the process boundary)."""
+    """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and the
+    agent runners use engines in other processes as they use local ones. Tokens stream back as they are sampled
+    (`on_token` hears them live, as loopback's streaming needs and the router's hung-request clock expects).
+    Failover is the router's: a dead actor raises EngineDied on every call."""
 
-    def __init__(self, index: int, handle, siblings: list[EngineProxy], failover: Failover, version: int):
-        self.index, self.handle, self.siblings, self.failover = index, handle, siblings, failover
-        self.version = version         # kept here: a dead engine still reports the version it was last sent
+    def __init__(self, index: int, handle, version: int):
+        self.index, self.handle = index, handle
+        self.version = version         # kept here, so reading it costs no round trip
+        self.dead = False
 
-    @property
-    def alive(self) -> bool:
-        return self.index not in self.failover.dead
-
-    def _died(self, target: EngineProxy) -> None:
-        with self.failover.lock:
-            self.failover.dead.add(target.index)
+    def _call(self, method, *args):
+        if self.dead:
+            raise EngineDied(f"engine {self.index}'s process died earlier")
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.RayActorError as error:
+            self.dead = True
+            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
                  images: list[Sequence] | None = None) -> list[Generation]:
-        params_list, images_list = params_per_prompt(params, len(prompts)), images_per_prompt(images, len(prompts))
-        for p in params_list:
-            self.check(p)
-        target = self if self.alive else next((e for e in self.siblings if e.alive), self)
-        while True:
-            try:
-                outs = ray.get(target.handle.generate.remote(prompts, params_list, images_list))
-                break
-            except ray.exceptions.RayActorError:
-                self._died(target)
-                live = [e for e in self.siblings if e.alive]
-                with self.failover.lock:
-                    if not live:
-                        self.failover.failed += len(prompts)
-                        raise EngineUnavailable(f"engine {target.index} died and no engine is left to serve "
-                                                f"{len(prompts)} requests") from None
-                    self.failover.retried += len(prompts)
-                target = live[0]
-        if on_token is not None:
-            for i, g in enumerate(outs):
-                for token_id in g.token_ids:
-                    on_token(i, token_id)
-        return outs
-
-    def _control(self, call, *args):
-        """A control call; a dead engine holds no request and no weights, so there is nothing to do on it."""
-        if not self.alive:
-            return None
+        if self.dead:
+            raise EngineDied(f"engine {self.index}'s process died earlier")
+        stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
+                                             images_per_prompt(images, len(prompts)))
         try:
-            return ray.get(call.remote(*args))
-        except ray.exceptions.RayActorError:
-            self._died(self)
-            return None
+            for ref in stream:
+                kind, payload = ray.get(ref)
+                if kind == "done":
+                    return payload
+                for row, token_id in payload:
+                    if on_token is not None:
+                        on_token(row, token_id)
+        except ray.exceptions.RayActorError as error:
+            self.dead = True
+            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+        finally:
+            del stream                 # a caller's listener that raised leaves the rest of the stream unread
+        raise EngineDied(f"engine {self.index} ended a request without its result")
 
     def check(self, params: SamplingParams) -> None:
-        validate_sampling(params)       # every engine actor has a tokenizer, so stop strings are always served
+        validate_sampling(params)      # every engine actor has a tokenizer, so stop strings are always served
 
     def check_images(self, prompt: list[int], images: Sequence) -> None:
-        live = next((e for e in self.siblings if e.alive), self)
-        ray.get(live.handle.check_images.remote(prompt, list(images)))
+        self._call(self.handle.check_images, prompt, list(images))
 
     def pause(self) -> None:
-        self._control(self.handle.pause)
+        self._call(self.handle.pause)
 
     def resume(self) -> None:
-        self._control(self.handle.resume)
+        self._call(self.handle.resume)
 
     def update_weights(self, state, version: int) -> None:
         """`state` is a state dict or, from Runtime.push_weights, its ObjectRef (one copy for every engine)."""
-        self._control(self.handle.update_weights, state, version)
+        self._call(self.handle.update_weights, state, version)
         self.version = version
 
     def sampler_state(self):
-        return self._control(self.handle.sampler_state)
+        return self._call(self.handle.sampler_state)
 
     def load_sampler_state(self, state) -> None:
-        if state is not None:          # None: the engine had died when the checkpoint was written
-            self._control(self.handle.load_sampler_state, state)
+        self._call(self.handle.load_sampler_state, state)
 
 
 # ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
@@ -272,23 +237,22 @@ class Runtime:
 
     def __init__(self, cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int):
         self.cfg = cfg
-        self.failover = Failover()
         self.proxies: list[EngineProxy] = []
         for i in range(cfg.engines):
             # a named actor, so an operator (or a test) can find it: ray.get_actor("tracerl-engine-0")
             handle = EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
                                          num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
-            self.proxies.append(EngineProxy(i, handle, self.proxies, self.failover, version))
+            self.proxies.append(EngineProxy(i, handle, version))
         ray.get([p.handle.version.remote() for p in self.proxies])    # every engine built before the first request
-        self._last = {p.index: ray.get(p.handle.stats.remote()) for p in self.proxies}
+        self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
         requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
-        pause/load/resume fan-out). The state dict crosses processes once, through Ray's object store (every
-        engine reads the same copy). On GPUs this is where an NCCL broadcast from the trainer's rank 0 to the
-        engines' workers (dtype-faithful buckets, coverage checked by name) or CUDA IPC handles for an engine
-        sharing the trainer's GPU would go; the vLLM engine's own update path does that."""
+        pause/load/resume fan-out to the live engines). The state dict crosses processes once, through Ray's
+        object store (every engine reads the same copy). On GPUs this is where an NCCL broadcast from the
+        trainer's rank 0 to the engines' workers (dtype-faithful buckets, coverage checked by name), or CUDA IPC
+        handles for an engine sharing the trainer's GPU, would go; the vLLM engine's own update path does that."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         ref = ray.put(state)
@@ -296,33 +260,17 @@ class Runtime:
         del ref
         return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes)}
 
-    def engine_metrics(self) -> dict[str, float]:
-        """Per engine since the last call: idle fraction (no request in flight, or paused) and tokens/s; plus the
-        failover counters (cumulative over the run)."""
-        m: dict[str, float] = {}
-        total_tokens, total_s, idle = 0.0, 0.0, []
-        for p in self.proxies:
-            if not p.alive:
-                continue
-            try:
-                now = ray.get(p.handle.stats.remote())
-            except ray.exceptions.RayActorError:
-                p._died(p)
-                continue
-            last = self._last[p.index]
-            wall = max(now["clock"] - last["clock"], 1e-9)
-            tokens = now["tokens"] - last["tokens"]
-            idle.append(1.0 - min((now["busy_s"] - last["busy_s"]) / wall, 1.0))
-            m[f"runtime/engine{p.index}_idle_frac"] = idle[-1]
-            m[f"runtime/engine{p.index}_tokens_per_s"] = tokens / wall
-            total_tokens, total_s = total_tokens + tokens, max(total_s, wall)
-            self._last[p.index] = now
-        m["runtime/engine_idle_frac"] = sum(idle) / max(len(idle), 1)
-        m["perf/tokens_per_s"] = total_tokens / max(total_s, 1e-9)
-        m["runtime/engines_alive"] = float(len(idle))
-        m["runtime/dead_engines_total"] = float(len(self.failover.dead))
-        m["runtime/retried_requests_total"] = float(self.failover.retried)
-        m["runtime/failed_requests_total"] = float(self.failover.failed)
+    def engine_metrics(self, router) -> dict[str, float]:
+        """Each engine's idle fraction since the last call: 1 - (time with a request in flight) / (wall time), from
+        the router's busy clock (router.Router.stats: tokens/s, retries and failures are in router.metrics())."""
+        now, busy = time.monotonic(), [s.busy_s for s in router.stats()]
+        last, self._last = self._last, (now, busy)
+        if last is None:
+            return {}
+        wall = max(now - last[0], 1e-9)
+        idle = [1.0 - min((b - b0) / wall, 1.0) for b, b0 in zip(busy, last[1])]
+        m = {f"runtime/engine{e}_idle_frac": f for e, f in enumerate(idle)}
+        m["runtime/engine_idle_frac"] = sum(idle) / len(idle)
         return m
 
     def stop(self) -> None:

@@ -275,6 +275,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
     if ray_rt is not None:
         pool = runtime.RolloutPool(runner, tasks, sampling, ro.prompts_per_step, ro.samples_per_prompt,
                                    cfg["runtime"].eta, cfg["algo"].filter_zero_variance, first_step=start_step)
+        ray_rt.engine_metrics(engine)           # the idle clock starts with the pool
 
     for step in range(start_step, run.steps):
         t0 = time.time()
@@ -294,6 +295,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
         m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
+        m.update(engine.metrics())      # per engine: tokens/s, outstanding tokens, requests served/retried/failed
         m.update(pool_metrics)
         if pool is not None:
             m.update(runtime.staleness_metrics(rollouts, policy.version,
@@ -322,7 +324,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
         m["time/weight_push_s"] = time.time() - t1
         if pool is not None:
             pool.trained_step(step + 1)
-            m.update(ray_rt.engine_metrics())
+            m.update(ray_rt.engine_metrics(engine))
         m["time/step_s"] = time.time() - t0
         if held_out and (step + 1) % cfg["eval"].every == 0:
             m.update(evaluate(runner, held_out, cfg["eval"], ro.max_tokens, step + 1))

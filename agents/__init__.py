@@ -31,6 +31,7 @@ from typing import Any
 import data
 import invariants
 from rollout import Generation, SamplingParams, validate_sampling
+from router import Router
 
 log = logging.getLogger("tracerl.agents")
 
@@ -221,7 +222,9 @@ class EnvRunner:
         if not live:
             return
         stepping, actions = [], []
-        for ep, gen in zip(live, self.engine.generate(prompts, params, images=images)):
+        # a Router sends every turn of a rollout to the engine that holds its prefix
+        sticky = {"session_ids": [ep.ledger.rollout_id for ep in live]} if isinstance(self.engine, Router) else {}
+        for ep, gen in zip(live, self.engine.generate(prompts, params, images=images, **sticky)):
             if self.image_pad_id is not None and self.image_pad_id in gen.token_ids:
                 # a VLM puts image features on every pad id, so this row could never be forwarded again
                 self._fail(ep, "sampled_image_pad", f"the model sampled the image placeholder {data.IMAGE_PAD}")
