@@ -319,7 +319,8 @@ class RolloutPool:
     Admission (AReaL, arXiv 2505.24298; areal/core/staleness_manager.py):
         capacity = min(max_concurrent - running, (eta + V + 1) * B - (accepted + running))
     V = policy steps trained, accepted = groups finished and kept (consumed or waiting). Here max_concurrent is
-    (eta + 1) * B, which the second term never exceeds. Why it bounds staleness: when a group starts at V = a, at
+    (eta + 1) * B, which the second term never exceeds, and no group is started that no step of the run would
+    train (eta + V + 1 is capped at the run's steps). Why it bounds staleness: when a group starts at V = a, at
     most (eta + a + 1) * B kept-or-running groups precede it or are it, so in admission order it is kept at most
     (eta + a + 1) * B - 1-th, and taking B per step in that order trains it by step eta + a. A group whose
     rollouts all failed, or (algo.filter_zero_variance) whose rewards are all equal, is not kept: its slot
@@ -328,10 +329,10 @@ class RolloutPool:
     samples; with eta >= 1 each group is its own call and reaches the trainer as soon as its turn comes."""
 
     def __init__(self, runner, tasks: list, sampling: SamplingParams, groups_per_step: int, samples_per_group: int,
-                 eta: int, filter_zero_variance: bool, first_step: int = 0):
+                 eta: int, filter_zero_variance: bool, steps: int, first_step: int = 0):
         self.runner, self.tasks, self.sampling = runner, tasks, sampling
         self.B, self.G, self.eta, self.filter = groups_per_step, samples_per_group, eta, filter_zero_variance
-        self.trained = first_step                      # V
+        self.trained, self.steps = first_step, steps   # V, and the run's last step (no group is started beyond it)
         self.next_index = first_step * groups_per_step
         self.accepted = first_step * groups_per_step   # consumed groups count as accepted forever
         self.groups: dict[int, Group] = {}             # running or finished, not yet consumed (kept groups only)
@@ -347,7 +348,7 @@ class RolloutPool:
 
     def _admit(self) -> None:
         """Start as many groups as the capacity rule allows (under self.cond)."""
-        capacity = (self.eta + self.trained + 1) * self.B - (self.accepted + self.running)
+        capacity = min(self.eta + self.trained + 1, self.steps) * self.B - (self.accepted + self.running)
         if capacity <= 0:
             return
         wave = [Group(self.next_index + i, self.trained) for i in range(capacity)]

@@ -274,7 +274,8 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
     pool = None
     if ray_rt is not None:
         pool = runtime.RolloutPool(runner, tasks, sampling, ro.prompts_per_step, ro.samples_per_prompt,
-                                   cfg["runtime"].eta, cfg["algo"].filter_zero_variance, first_step=start_step)
+                                   cfg["runtime"].eta, cfg["algo"].filter_zero_variance, run.steps,
+                                   first_step=start_step)
         ray_rt.engine_metrics(engine)           # the idle clock starts with the pool
 
     for step in range(start_step, run.steps):

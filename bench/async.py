@@ -121,7 +121,8 @@ def simulated_run(args, eta: int) -> dict:
         state = {"w": torch.zeros(args.sim_weights)}
         rt.engine_metrics(router)
         t0 = time.monotonic()
-        pool = runtime.RolloutPool(runner, list(range(1000)), SamplingParams(), args.prompts, args.samples, eta, False)
+        pool = runtime.RolloutPool(runner, list(range(1000)), SamplingParams(), args.prompts, args.samples, eta,
+                                   False, args.sim_steps)
         staleness, idle = [], []
         for step in range(args.sim_steps):
             rollouts, _ = pool.take()
