@@ -47,13 +47,13 @@ MODES = ("sync", "ray")
 
 @dataclass
 class RuntimeConfig:
-    mode: str = "sync"          # sync: one process, roll out then train (the plain loop); ray: engines as Ray actors, rollouts stream while the trainer trains
-    eta: int = 1                # ray mode: most policy steps between a rollout's start and its training (AReaL's eta; 0 = exactly synchronous)
-    engines: int = 1            # ray mode: engine actors behind the router
+    mode: str = "sync"          # sync: one process, roll out then train; ray: engines in Ray actors, rollouts stream
+    eta: int = 1                # ray: most policy steps from a rollout's start to its training (AReaL's eta; 0 = sync)
+    engines: int = 1            # ray: engine actors behind the router
     engine_cpus: float = 1.0    # CPUs per engine actor (its torch threads)
     engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
-    address: str = ""           # join a running Ray cluster (launch.sh cluster prints it); "" = start Ray on this machine
-    object_store_mb: int = 0    # object store of a Ray started here, in MiB (0 = Ray's default); weights pass through it
+    address: str = ""           # a running Ray cluster to join (launch.sh cluster starts one); "" = start Ray here
+    object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); weights pass through it
 
 
 def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:

@@ -327,6 +327,8 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
             pool.trained_step(step + 1)
             m.update(ray_rt.engine_metrics(engine))
         m["time/step_s"] = time.time() - t0
+        if pool is not None:          # rollouts overlapped training: their wait is no measure of sampling speed
+            m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / m["time/step_s"]
         if held_out and (step + 1) % cfg["eval"].every == 0:
             m.update(evaluate(runner, held_out, cfg["eval"], ro.max_tokens, step + 1))
         logger.log(step + 1, m)
