@@ -156,16 +156,16 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
 TINY_KINDS = ("qwen3", "qwen3_moe", "qwen2_5_vl")
 
 
-def _tiny_config(kind: str):
+def _tiny_config(kind: str, head_dim: int = 16):
     tokenizer = bpe_tokenizer()
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=None)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096, **ids)
     if kind == "qwen3":
-        return Qwen3Config(head_dim=16, tie_word_embeddings=True, **text)
+        return Qwen3Config(head_dim=head_dim, tie_word_embeddings=True, **text)
     if kind == "qwen3_moe":
-        return Qwen3MoeConfig(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False, **text)
     if kind == "qwen2_5_vl":
         # M-RoPE splits head_dim/2 = 8 rotary frequencies into (temporal, height, width) sections
@@ -182,9 +182,10 @@ def _tiny_config(kind: str):
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {TINY_KINDS}")
 
 
-def tiny_model(kind: str = "qwen3", seed: int = 0) -> torch.nn.Module:
-    """A random-init 2-layer model of `kind` (hidden 64, 4 heads, vocab = bpe_tokenizer()), fp32, eval mode."""
-    config = _tiny_config(kind)
+def tiny_model(kind: str = "qwen3", seed: int = 0, head_dim: int = 16) -> torch.nn.Module:
+    """A random-init 2-layer model of `kind` (hidden 64, 4 heads, vocab = bpe_tokenizer()), fp32, eval mode.
+    `head_dim` 32 is the smallest vLLM's CPU attention runs (the text kinds only)."""
+    config = _tiny_config(kind, head_dim)
     config._attn_implementation = ATTN_IMPLEMENTATION
     model_class = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
                    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[kind]
@@ -204,18 +205,18 @@ def tiny_image_processor() -> Qwen2VLImageProcessorPil:
                                     temporal_patch_size=2)
 
 
-def tiny_model_dir(kind: str = "qwen3", seed: int = 0) -> str:
+def tiny_model_dir(kind: str = "qwen3", seed: int = 0, head_dim: int = 16) -> str:
     """Save tiny_model(kind, seed) + bpe_tokenizer() (+ tiny_image_processor() for the VL kind) to a cache folder
     and return its path. The folder name carries a hash of the config, tokenizer and image processor, so a change
     to any of them never reuses a stale folder."""
     processor = tiny_image_processor() if kind == "qwen2_5_vl" else None
-    fingerprint = json.dumps([_tiny_config(kind).to_dict(), bpe_tokenizer().backend_tokenizer.to_str(),
+    fingerprint = json.dumps([_tiny_config(kind, head_dim).to_dict(), bpe_tokenizer().backend_tokenizer.to_str(),
                               data.CHATML_TEMPLATE, processor.to_json_string() if processor else None, seed],
                              sort_keys=True, default=str)
     digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:10]
 
     def write(folder: str) -> None:
-        tiny_model(kind, seed).save_pretrained(folder)
+        tiny_model(kind, seed, head_dim).save_pretrained(folder)
         bpe_tokenizer().save_pretrained(folder)
         if processor is not None:
             processor.save_pretrained(folder)

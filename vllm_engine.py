@@ -1,0 +1,382 @@
+# vllm_engine.py — vLLM behind the engine interface of rollout.py.
+#
+# Owns: `VLLMEngine`, which drives vLLM's `AsyncLLM` (one private event loop in a background thread) and answers
+# the same calls as rollout.EmbeddedEngine: generate (token ids in, `Generation`s out, per-token streaming),
+# pause (requests kept) / resume, update_weights, sleep / wake_up (one GPU shared with the actor), sampler state.
+# The embedded engine is its reference: tests run both on the same model and compare token for token.
+#
+# Keeps, for every sampled token:
+#   invariant 1 (token identity) - prompts go in as token ids (`TokensPrompt`) and the ids vLLM sampled come back
+#     untouched; nothing is detokenized and re-encoded;
+#   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after temperature, top-k,
+#     top-p; fp32), the same distribution invariants.processed_logprobs recomputes in the trainer; the version of
+#     every token is exact across a weight update, because the update drains vLLM's output pipeline before it
+#     moves the version (see `_drain`); a request kept across an update is re-prefilled by the new weights
+#     (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as the embedded engine does: continuing on the
+#     old KV cache would condition new tokens on the old policy's keys and values, so their logprobs would
+#     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it);
+#   invariant 3 (forward consistency) - an MoE model returns the experts vLLM routed each position to
+#     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay.
+# Weights move through vLLM's weight-transfer API: CUDA IPC when the engine shares the actor's GPU
+# (`transfer="ipc"`); on a CPU, where there is no IPC, a state dict through `collective_rpc` into
+# `WorkerExtension` (`transfer="rpc"`). Either way every key of the engine's checkpoint must arrive.
+# Never: computes rewards, touches the ledger, or trains.
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+import invariants
+from rollout import Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+
+
+def available() -> bool:
+    """Whether vLLM can be imported here (the `--rollout.engine auto` choice needs it and a GPU)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the worker side: runs inside vLLM's worker process -------------------------------------------------------
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`), so `collective_rpc` can load a state dict where CUDA IPC
+    is not available. vLLM's layerwise reload wraps the load, as its own weight-transfer engines do: it restores
+    the loaders that vLLM's post-load processing (e.g. the CPU's weight repacking) took off the parameters."""
+
+    def tracerl_load_weights(self, serialized_state: bytes) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        model = self.model_runner.model
+        state = torch.load(io.BytesIO(serialized_state), weights_only=True)
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(state.items()))
+        finalize_layerwise_reload(model, self.model_config)
+        # On a CPU, vLLM computes the output projection from a repacked copy of the embedding (it keeps the weight
+        # for the lookup, so a tied head reads the copy); the reload above does not redo that copy: redo it here,
+        # or a tied model would sample from its old head
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu():
+            for module in model.modules():
+                if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+                    module.quant_method.process_weights_after_loading(module)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+
+class VLLMEngine:
+    """The rollout engine of a GPU run. `generate` may be called from any number of threads; each call's requests
+    join vLLM's running batch at once (vLLM batches continuously) and stream their tokens through `on_token`.
+    A request fails alone: its error is raised in its own caller only."""
+
+    def __init__(self, model_path: str, version: int = 0, seed: int = 0, tokenizer=None, *, dtype: str = "auto",
+                 transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        if transfer not in ("ipc", "rpc"):
+            raise ValueError(f"transfer must be 'ipc' (CUDA IPC) or 'rpc' (a state dict, CPU), got {transfer!r}")
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.version = version
+        self.transfer = transfer
+        self.reprefill_on_update = reprefill_on_update
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+        text_config = config.get("text_config", config)
+        self.is_moe = "num_experts" in text_config or "n_routed_experts" in text_config
+        self.image_token_id = config.get("image_token_id")
+        self._checkpoint_keys = _checkpoint_keys(model_path)
+        self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
+        self._paused = False
+        self._control = threading.Lock()              # one pause/update/resume sequence at a time
+        self._active: dict[str, _Request] = {}          # request id -> its record, while it runs
+        args = AsyncEngineArgs(
+            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+            max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
+            enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension",
+            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True).start()
+        self._llm = self._call(_build(AsyncLLM, args))
+        if transfer == "ipc":
+            from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+            self._call(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={})))
+
+    def _call(self, coroutine, timeout: float | None = None):
+        """Run a coroutine on the engine's loop from any other thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # -- the control plane used by the trainer and the async runtime --
+
+    def pause(self) -> None:
+        """Stop sampling; requests in flight are kept (vLLM's pause mode "keep"), and every token sampled before the
+        pause has been counted before this returns, so it keeps the old version."""
+        with self._control:
+            if not self._paused:
+                self._call(self._pause_and_drain())
+                self._paused = True
+
+    def resume(self) -> None:
+        with self._control:
+            if self._paused:
+                self._call(self._llm.resume_generation())
+                self._paused = False
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load a full state dict from the actor and stamp `version` on every later token. Pauses (keeping
+        requests) unless already paused; kept requests are re-prefilled by the new weights."""
+        if version < self.version:
+            raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
+        if self._tied:      # a tied head is the embedding: the checkpoint has no copy of it, nor does vLLM load one
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        missing = sorted(self._checkpoint_keys - set(state))
+        unexpected = sorted(set(state) - self._checkpoint_keys)
+        if missing or unexpected:
+            raise ValueError(f"weight update does not match the engine's checkpoint: missing keys {missing[:5]}, "
+                             f"unexpected keys {unexpected[:5]}")
+        was_paused = self._paused
+        self.pause()
+        try:
+            with self._control:
+                if self.transfer == "ipc":
+                    self._send_ipc(state)
+                else:
+                    self._send_rpc(state)
+                # kept requests lose their KV blocks and are recomputed by the new weights when they resume
+                self._call(self._llm.reset_prefix_cache(reset_running_requests=self.reprefill_on_update))
+                self._call(self._mark_version(version))
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def sleep(self) -> None:
+        """Free the GPU for the actor: weights to host memory, KV cache discarded (vLLM sleep level 1; needs
+        `sleep_mode=True`). Called between steps, when no request is in flight."""
+        self._call(self._llm.sleep(level=1))
+
+    def wake_up(self) -> None:
+        self._call(self._llm.wake_up())
+
+    def sampler_state(self) -> None:
+        """None: vLLM's own random stream cannot be saved, so a run resumed with this engine draws fresh tokens
+        (its weights, optimizer and step are still exact). Giving every request a seed would make it savable, but
+        vLLM samples seeded requests one by one (a per-request generator each), which costs throughput."""
+        return None
+
+    def load_sampler_state(self, state) -> None:
+        if state is not None:
+            raise ValueError("this checkpoint holds an embedded engine's sampler stream; vLLM cannot take it: resume "
+                             "with --rollout.engine embedded, or start the vLLM run from the checkpoint's weights")
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+        del self._llm           # its finaliser shuts down again: let it run now, not at interpreter exit
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # -- moving weights --
+
+    def _send_ipc(self, state: dict[str, torch.Tensor]) -> None:
+        """vLLM's weight-transfer API over CUDA IPC: the engine's workers map the actor's tensors and load them
+        (layerwise reload), no copy through the host."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+        def send(update_info) -> None:
+            self._call(self._llm.update_weights(WeightTransferUpdateRequest(update_info=asdict(update_info))))
+        self._call(self._llm.start_weight_update())
+        IPCWeightTransferEngine.trainer_send_weights(iter(state.items()), IPCTrainerSendWeightsArgs(send_mode=send))
+        self._call(self._llm.finish_weight_update())
+
+    def _send_rpc(self, state: dict[str, torch.Tensor]) -> None:
+        """A state dict through collective_rpc (a CPU engine). Sent as bytes, because vLLM's RPC re-pickles what it
+        received and a tensor arrives there as an unpicklable memoryview."""
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, buffer)
+        self._call(self._llm.collective_rpc("tracerl_load_weights", args=(buffer.getvalue(),)))
+
+    # -- the data plane --
+
+    def check(self, params: SamplingParams) -> None:
+        """Refuse sampling parameters this engine cannot honour (ValueError saying why)."""
+        validate_sampling(params)
+
+    def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
+        if self.image_token_id is None:
+            if images:
+                raise ValueError(f"{self.model_path} has no vision tower, so it cannot see the {len(images)} images "
+                                 f"it was given; serve a vision-language model or leave the images out of the prompt")
+            return
+        invariants.check_image_pads(prompt, images, self.image_token_id, "prompt")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None,
+                 images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
+        """Sample a completion for every prompt (see rollout.EmbeddedEngine.generate: same arguments, same
+        results). `on_token(index, token_id)` runs on the engine's loop as tokens arrive."""
+        params_list = params_per_prompt(params, len(prompts))
+        images_list = images_per_prompt(images, len(prompts))
+        requests = []
+        for index, (prompt, p, row_images) in enumerate(zip(prompts, params_list, images_list)):
+            self.check(p)
+            if not prompt:
+                raise ValueError("a prompt must hold at least one token id")
+            self.check_images(prompt, row_images)
+            listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
+            requests.append(_Request(list(prompt), p, row_images, listener))
+        futures = [asyncio.run_coroutine_threadsafe(self._run(r), self._loop) for r in requests]
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except Exception as e:      # noqa: BLE001 - each request's error is its own; raised below, first first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return [r.generation() for r in requests]
+
+    async def _run(self, request: _Request) -> None:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        request_id = uuid.uuid4().hex
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
+        if request.images:
+            prompt["multi_modal_data"] = {"image": [image.image for image in request.images]}
+        # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
+        request.version_starts.append((self.version, 0))
+        self._active[request_id] = request
+        try:
+            try:
+                queue = await self._llm.add_request(request_id, prompt, _vllm_params(request))
+            except VLLMClientError as e:  # the request's own bad input (an out-of-vocab stop id, too long a prompt)
+                raise ValueError(str(e)) from e
+            while not request.finished:
+                request.take(queue.get_nowait() or await queue.get())
+        except BaseException:
+            await self._llm.abort(request_id)
+            raise
+        finally:
+            self._active.pop(request_id, None)
+
+    async def _pause_and_drain(self) -> None:
+        """Pause with requests kept, then wait until every token sampled before the pause has been counted by
+        vLLM's client. vLLM answers the pause once the engine is idle, on the same socket as the outputs, so those
+        outputs are already queued in the client, but the client processes them on its own task, later. An empty
+        marker put behind them is taken only after every output before it was processed."""
+        from vllm.v1.engine import EngineCoreOutputs
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        outputs = self._llm.engine_core.outputs_queue
+        marker = EngineCoreOutputs()
+        outputs.put_nowait(marker)
+        while any(item is marker for item in outputs._queue):
+            await asyncio.sleep(0)
+
+    async def _mark_version(self, version: int) -> None:
+        """While paused and drained: every request in flight gets its next tokens at `version`, from the count of
+        tokens vLLM's client has processed for it (exactly those sampled before the pause)."""
+        # vLLM keys its states by an internal id (ours plus a suffix); each state keeps ours as external_req_id
+        states = {state.external_req_id: state for state in self._llm.output_processor.request_states.values()}
+        for request_id, request in self._active.items():
+            state = states.get(request_id)
+            request.version_starts.append((version, state.detokenizer.num_output_tokens() if state else 0))
+        self.version = version      # here, on the loop, so no request can start between the marks and the bump
+
+
+def _build(engine_class, args):
+    async def build():
+        return engine_class.from_engine_args(args)
+    return build()
+
+
+class _Request:
+    """One prompt in flight: what it asked for and what has come back. Versions are kept as (version, index of
+    the first token at that version) starts, appended at each weight update, so a request that is not streamed
+    can take vLLM's final output alone (per-step outputs cost throughput) and still version every token."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, images: list[invariants.ImageInput],
+                 listener: Callable[[int], None] | None):
+        self.prompt_ids, self.params, self.images, self.listener = prompt_ids, params, images, listener
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.version_starts: list[tuple[int, int]] = []
+        self.finished = False
+        self.finish_reason = "length"
+        self.stop_string: str | None = None
+        self.routes: np.ndarray | None = None
+
+    def take(self, output) -> None:
+        """Append the new tokens of one output (vLLM's RequestOutput: a delta when streamed, else the final one)."""
+        completion = output.outputs[0]
+        for j, token in enumerate(completion.token_ids):
+            ranked = completion.logprobs[j]
+            self.token_ids.append(token)
+            self.logprobs.append(float(ranked[token].logprob))
+            if self.params.top_logprobs:
+                best = sorted((entry.rank, t, entry.logprob) for t, entry in ranked.items()
+                              if entry.rank is not None and entry.rank <= self.params.top_logprobs)
+                self.top.append([(t, float(lp)) for _, t, lp in best][: self.params.top_logprobs])
+            if self.listener is not None:
+                self.listener(token)
+        if getattr(completion, "routed_experts", None) is not None:
+            self.routes = np.asarray(completion.routed_experts, dtype=np.int16)
+        if output.finished:
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended the request with {completion.finish_reason!r}")
+            self.finish_reason = completion.finish_reason
+            self.stop_string = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+            self.finished = True
+
+    def versions(self) -> list[int]:
+        """The version of every token: the latest start at or before its index (a later mark at the same index
+        wins: no token was sampled between those two updates)."""
+        versions = []
+        for i in range(len(self.token_ids)):
+            versions.append(max((start, n, v) for n, (v, start) in enumerate(self.version_starts) if start <= i)[2])
+        return versions
+
+    def generation(self) -> Generation:
+        p = self.params
+        routes = None
+        if self.routes is not None:   # positions 0 .. len(prompt)+len(tokens)-2 were forwarded
+            routes = self.routes[: len(self.prompt_ids) + len(self.token_ids) - 1]
+        return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
+                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None,
+                          invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
+
+
+def _vllm_params(request: _Request):
+    """tracerl's SamplingParams -> vLLM's, with the same meaning: stop ids replace the model's eos ids (and are
+    kept); the tokens that wrote a stop string are kept; the sampled token's processed logprob is always returned."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    p = request.params
+    return VLLMSamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=bool(p.stop_token_ids), stop=list(p.stop) or None,
+        include_stop_str_in_output=True, seed=p.seed, logprobs=p.top_logprobs,
+        output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
+        detokenize=bool(p.stop))
+
+
+def _checkpoint_keys(model_path: str) -> set[str]:
+    """The tensor names of the checkpoint the engine loaded: what a full weight update must send."""
+    from safetensors import safe_open
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
+        return set(f.keys())
