@@ -227,6 +227,7 @@ def test_killing_an_engine_mid_run_leaves_the_run_going_with_the_failure_counted
     last = records[-1]
     assert records[0]["perf/engines_live"] == 2 and last["perf/engines_live"] == 1   # taken out of rotation
     assert last["perf/requests_lost_total"] == 0                        # every request found the live engine
+    assert last["perf/engine0/retried_total"] == last["perf/engine1/failed_total"]   # what failed was retried
     assert all(r["rollout/count"] == 4 for r in records)
     assert records[-1]["actor/version"] == 12
 
