@@ -143,10 +143,6 @@ class EngineActor:
         return self.engine.version
 
     @ray.method(concurrency_group="control")
-    def check(self, params: SamplingParams) -> None:
-        self.engine.check(params)
-
-    @ray.method(concurrency_group="control")
     def check_images(self, prompt: list[int], images: list) -> None:
         self.engine.check_images(prompt, images)
 

@@ -139,6 +139,9 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
         worker.join(timeout=120)
         gen = result[0]
         assert sync["runtime/weight_sync_bytes"] > 0
+        with pytest.raises(ValueError, match="at least one token"):   # a bad request is the caller's error, across
+            router.generate([[]], params)                              # processes too: the engine stays in rotation
+        assert router.metrics()["perf/engines_live"] == 1
     finally:
         runtime.stop(rt)
     n1 = gen.policy_versions.count(0)
