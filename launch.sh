@@ -47,7 +47,10 @@ cluster() {
       --dashboard-port="$(free_port)" --ray-client-server-port="$(free_port)" &
     pids+=($!)
   fi
-  until "$PY" -c "import ray; ray.init(address='$head:$port', log_to_driver=False)" >/dev/null 2>&1; do sleep 1; done
+  until "$PY" -c "import ray; ray.init(address='$head:$port', log_to_driver=False)" >/dev/null 2>&1; do
+    kill -0 "${pids[0]}" 2>/dev/null || { echo "launch.sh: the Ray head did not start (its log is above)" >&2; return 1; }
+    sleep 1
+  done
   echo "launch.sh: Ray cluster at $head:$port (${#pids[@]} nodes)"
   "$PY" train.py --runtime.mode ray --runtime.address "$head:$port" "$@" || rc=$?
   kill "${pids[@]}" 2>/dev/null || true
