@@ -232,7 +232,6 @@ class Runtime:
     """The engines of a run, as Ray actors, and their proxies."""
 
     def __init__(self, cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int):
-        self.cfg = cfg
         self.proxies: list[EngineProxy] = []
         for i in range(cfg.engines):
             # a named actor, so an operator (or a test) can find it: ray.get_actor("tracerl-engine-0")
