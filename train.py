@@ -37,6 +37,7 @@ import actor
 import algo
 import invariants
 import models
+import runtime
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
 from router import Router
 import vllm_engine
@@ -97,7 +98,8 @@ class EvalConfig:
 def config_sections():
     """section name -> dataclass type; each section's dataclass lives in the module it configures."""
     return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
-            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig}
+            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig,
+            "runtime": runtime.RuntimeConfig}
 
 
 ENGINES = ("auto", "embedded", "vllm")
@@ -180,6 +182,7 @@ def validate_config(cfg: dict) -> None:
     algo.validate_algo(cfg["algo"], ro.samples_per_prompt)
     invariants.validate_correction(cfg["correction"])
     actor.validate_actor(cfg["actor"])
+    runtime.validate_runtime(cfg["runtime"], cfg["correction"], tr.minibatches)
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
     positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,
                 "rollout.samples_per_prompt": ro.samples_per_prompt, "rollout.max_turns": ro.max_turns,
@@ -202,6 +205,9 @@ def validate_config(cfg: dict) -> None:
         raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
     if ro.engine not in ENGINES:
         raise ValueError(f"rollout.engine must be one of {ENGINES}, got {ro.engine!r}")
+    if cfg["runtime"].mode == "ray" and ro.engine == "vllm":
+        raise ValueError("runtime.mode ray runs the embedded engine in each engine actor; a vLLM engine in a Ray "
+                         "actor is not built yet: use --rollout.engine embedded (or auto), or --runtime.mode sync")
     if not 0 < ro.engine_memory < 1:
         raise ValueError(f"rollout.engine_memory is a share of the GPU's memory, in (0, 1); got {ro.engine_memory}")
 
@@ -233,14 +239,44 @@ def main(argv: list[str]) -> None:
     tokenizer = models.load_tokenizer(model_path)
     policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
-    # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
-    engine_device = policy.device
-    rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
-    engine = Router([rollout_engine])
-    engine.update_weights(policy.export_weights(engine_device), policy.version)
-    # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
-    sleeper = rollout_engine if isinstance(rollout_engine, VLLMEngine) and engine_device.type == "cuda" else None
-    start_step = resume_run(run_state, engine) if tr.resume else 0
+    rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
+    if rt_cfg.mode == "ray":
+        # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
+        threads = max(1, int(rt_cfg.engine_cpus))
+        ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
+                               policy.version)
+        engine = Router(ray_rt.proxies)
+
+        def push() -> dict[str, float]:
+            return ray_rt.push_weights(engine, policy.export_weights("cpu"), policy.version)
+    else:
+        # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
+        rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
+        engine = Router([rollout_engine])
+        # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
+        if isinstance(rollout_engine, VLLMEngine) and policy.device.type == "cuda":
+            sleeper = rollout_engine
+
+        def push() -> dict[str, float]:
+            engine.update_weights(policy.export_weights(policy.device), policy.version)
+            return {}
+    try:
+        push()
+        start_step = resume_run(run_state, engine) if tr.resume else 0
+        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper)
+    finally:
+        if ray_rt is not None:
+            runtime.stop(ray_rt)
+        if isinstance(rollout_engine, VLLMEngine):
+            rollout_engine.shutdown()
+
+
+def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step: int, out: str,
+               ray_rt: runtime.Runtime | None, sleeper) -> None:
+    """The RL loop: rollouts of a step -> advantages -> optimizer step(s) -> weights to the engines. In ray mode the
+    rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains; `sleeper` is a
+    vLLM engine that gives the GPU back while the actor trains."""
+    run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
@@ -254,14 +290,24 @@ def main(argv: list[str]) -> None:
     held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []
     if held_out:
         logger.log(start_step, evaluate(runner, held_out, cfg["eval"], ro.max_tokens, start_step))
+    pool = None
+    if ray_rt is not None:
+        pool = runtime.RolloutPool(runner, tasks, sampling, ro.prompts_per_step, ro.samples_per_prompt,
+                                   cfg["runtime"].eta, cfg["algo"].filter_zero_variance, run.steps,
+                                   first_step=start_step)
+        ray_rt.engine_metrics(engine)           # the idle clock starts with the pool
 
     for step in range(start_step, run.steps):
         t0 = time.time()
-        # 1. rollout: every prompt of this step, samples_per_prompt times, through the recipe's agent
-        picked = [tasks[(step * ro.prompts_per_step + i) % len(tasks)] for i in range(ro.prompts_per_step)]
-        group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
-        group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
-        rollouts = runner.run(group_tasks, group_ids, sampling)
+        # 1. rollout: every prompt of this step, samples_per_prompt times, through the recipe's agent (ray mode:
+        # the pool's oldest finished groups; it already replaced filtered groups with new ones)
+        if pool is None:
+            picked = [tasks[(step * ro.prompts_per_step + i) % len(tasks)] for i in range(ro.prompts_per_step)]
+            group_tasks = [t for t in picked for _ in range(ro.samples_per_prompt)]
+            group_ids = [f"s{step}-g{i}" for i in range(len(picked)) for _ in range(ro.samples_per_prompt)]
+            rollouts, pool_metrics = runner.run(group_tasks, group_ids, sampling), {}
+        else:
+            rollouts, pool_metrics = pool.take()
         for r in rollouts:       # invariant 1 at run time: every engine-sampled token trainable exactly once
             invariants.check_sampled_once(r.rows, r.generations)
         t_rollout = time.time() - t0
@@ -270,10 +316,14 @@ def main(argv: list[str]) -> None:
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
         m.update(engine.metrics())      # per engine: tokens/s, outstanding tokens, requests served/retried/failed
+        m.update(pool_metrics)
+        if pool is not None:
+            m.update(runtime.staleness_metrics(rollouts, policy.version,
+                                               cfg["runtime"].eta * tr.minibatches))
 
         # 2. advantages, on rows (segments), each rollout counted once in its group
         rows = [(r, row) for r in rollouts for row in r.rows]
-        if cfg["algo"].filter_zero_variance and rows:
+        if cfg["algo"].filter_zero_variance and rows and pool is None:
             keep = algo.keep_groups_with_variance([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
                                                   [r.rollout_id for r, _ in rows])
             m["rollout/filtered_rows"] = len(rows) - sum(keep)
@@ -281,6 +331,8 @@ def main(argv: list[str]) -> None:
         if not rows:
             print(f"step {step + 1}: no trainable rows (all rollouts failed or filtered); skipping", flush=True)
             logger.log(step + 1, m)
+            if pool is not None:
+                pool.trained_step(step + 1)
             continue
         if sleeper is not None:
             sleeper.sleep()
@@ -289,11 +341,17 @@ def main(argv: list[str]) -> None:
         if sleeper is not None:
             sleeper.wake_up()
 
-        # 3. push the new weights to the engine; every later token carries the new version
+        # 3. push the new weights to the engines (pause with requests kept, load, resume); every later token
+        # carries the new version; then the pool may start the groups this step made room for
         t1 = time.time()
-        engine.update_weights(policy.export_weights(engine_device), policy.version)
+        m.update(push())
         m["time/weight_push_s"] = time.time() - t1
+        if pool is not None:
+            pool.trained_step(step + 1)
+            m.update(ray_rt.engine_metrics(engine))
         m["time/step_s"] = time.time() - t0
+        if pool is not None:          # rollouts overlapped training: their wait is no measure of sampling speed
+            m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / m["time/step_s"]
         if held_out and (step + 1) % cfg["eval"].every == 0:
             m.update(evaluate(runner, held_out, cfg["eval"], ro.max_tokens, step + 1))
         logger.log(step + 1, m)
@@ -303,8 +361,6 @@ def main(argv: list[str]) -> None:
                                    run_state_at(step + 1, engine))
     policy.save_checkpoint(os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
     logger.close()
-    if isinstance(rollout_engine, VLLMEngine):
-        rollout_engine.shutdown()
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
 

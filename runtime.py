@@ -1,0 +1,429 @@
+# runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
+# trainer while it trains, and weight updates that land in the middle of requests.
+#
+# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`start`, `stop`), `EngineActor` (one engine in
+# a Ray actor, tokens streamed back as sampled) and `EngineProxy` (the engine interface in the driver, so
+# router.Router places requests, fails over and fans out the control plane as it does for local engines),
+# `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained more
+# than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
+# version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
+# seconds and bytes; tokens/s per engine and retried/failed requests are the router's).
+#
+# Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
+# --runtime.engine_cpus / --runtime.engine_gpus; the trainer (actor.Actor) is the driver process itself, so the
+# loop in train.py reads as before; agent runners are threads of the driver (an episode mostly waits on its
+# engine, and an env step is ordinary Python the recipe wrote). FSDP2 ranks would be one Ray actor per rank in
+# one placement group (PACK, GPUs only), each running actor.Actor under torch.distributed with MASTER_ADDR from
+# rank 0's node; the driver calls train_step on all and rank 0 exports the weights.
+#
+# Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
+# it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
+# resumes, so a rollout that straddles it reads [v]*n1 + [v+1]*n2 and its KV cache is rebuilt (rollout.py).
+# Staleness is bounded by admission, never by discarding finished work: a group is started only while
+# (eta + V + 1) * B - (accepted + running) > 0, and groups reach the trainer in admission order.
+# Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+import algo
+import models
+from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MODES = ("sync", "ray")
+
+
+# ---- config ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RuntimeConfig:
+    mode: str = "sync"          # sync: one process, roll out then train; ray: engines in Ray actors, rollouts stream
+    eta: int = 1                # ray: most policy steps from a rollout's start to its training (AReaL's eta; 0 = sync)
+    engines: int = 1            # ray: engine actors behind the router
+    engine_cpus: float = 1.0    # CPUs per engine actor (its torch threads)
+    engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
+    address: str = ""           # a running Ray cluster to join (launch.sh cluster starts one); "" = start Ray here
+    object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); weights pass through it
+
+
+def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
+    """Refuse runtime settings that would hang or train silently wrong (ValueError saying why)."""
+    if cfg.mode not in MODES:
+        raise ValueError(f"runtime.mode {cfg.mode!r} unknown; use one of {MODES}")
+    if cfg.eta < 0 or cfg.engines < 1 or cfg.engine_cpus <= 0 or cfg.engine_gpus < 0 or cfg.object_store_mb < 0:
+        raise ValueError(f"runtime: eta >= 0, engines >= 1, engine_cpus > 0, engine_gpus >= 0 and object_store_mb "
+                         f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
+                         f"{cfg.object_store_mb}")
+    if cfg.mode != "ray" or cfg.eta == 0:
+        return
+    if correction.level == "off":
+        raise ValueError(f"runtime.eta={cfg.eta} trains tokens drawn by older weights: set --correction.level token "
+                         f"(or seq, geo) so each token is weighted by pi_prox / mu of its own version")
+    # a policy step is `minibatches` optimizer steps, and versions count optimizer steps
+    if correction.max_staleness < cfg.eta * minibatches:
+        raise ValueError(f"runtime.eta={cfg.eta} admits rollouts up to {cfg.eta} policy steps = "
+                         f"{cfg.eta * minibatches} versions old, but correction.max_staleness="
+                         f"{correction.max_staleness} would drop them after they were sampled; set "
+                         f"--correction.max_staleness {cfg.eta * minibatches}")
+
+
+# ---- an engine in its own process -----------------------------------------------------------------------
+
+def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
+    """The engine an EngineActor serves by default: the embedded engine on the GPU Ray gave the actor, else CPU."""
+    torch.set_num_threads(threads)
+    model = models.load_model(model_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+    return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
+
+
+# Generation requests and control calls run in separate thread pools of the actor: a weight update must never
+# queue behind the requests it is meant to pause.
+@ray.remote(concurrency_groups={"data": 256, "control": 4})
+class EngineActor:
+    """One engine, built by `build(*args)` in this process."""
+
+    def __init__(self, build: Callable, *args):
+        self.engine = build(*args)
+
+    @ray.method(concurrency_group="data", num_returns="streaming")
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list):
+        """Yields ("tokens", [(row, token_id), ...]) as tokens are sampled (whatever accumulated since the last
+        yield, so a fast engine costs one message per batch of tokens, not per token), then ("done", generations).
+        The engine's own error (a ValueError for a bad request) is raised to the caller as it is."""
+        sampled: queue.SimpleQueue = queue.SimpleQueue()
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                result["outs"] = self.engine.generate(prompts, params, on_token=lambda i, t: sampled.put((i, t)),
+                                                      images=images)
+            except BaseException as error:
+                result["error"] = error
+            finally:
+                sampled.put(None)
+        threading.Thread(target=work, daemon=True, name="engine-request").start()
+        finished = False
+        while not finished:
+            tokens = [sampled.get()]
+            while not sampled.empty():
+                tokens.append(sampled.get())
+            finished = tokens[-1] is None
+            tokens = [t for t in tokens if t is not None]
+            if tokens:
+                yield "tokens", tokens
+        if "error" in result:
+            raise result["error"]
+        yield "done", result["outs"]
+
+    @ray.method(concurrency_group="control")
+    def pause(self) -> None:
+        self.engine.pause()
+
+    @ray.method(concurrency_group="control")
+    def resume(self) -> None:
+        self.engine.resume()
+
+    @ray.method(concurrency_group="control")
+    def update_weights(self, state: dict, version: int) -> None:
+        self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
+
+    @ray.method(concurrency_group="control")
+    def version(self) -> int:
+        return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def check_images(self, prompt: list[int], images: list) -> None:
+        self.engine.check_images(prompt, images)
+
+    @ray.method(concurrency_group="control")
+    def sampler_state(self):
+        return self.engine.sampler_state()
+
+    @ray.method(concurrency_group="control")
+    def load_sampler_state(self, state) -> None:
+        self.engine.load_sampler_state(state)
+
+
+class EngineDied(RuntimeError):
+    """The engine's process is gone. An engine-level error: router.Router takes the engine out of rotation and
+    retries its requests on a live one (or counts them as lost)."""
+
+
+class EngineProxy:
+    """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and the
+    agent runners use engines in other processes as they use local ones. Tokens stream back as they are sampled
+    (`on_token` hears them live, as loopback's streaming needs and the router's hung-request clock expects).
+    Failover is the router's: a dead actor raises EngineDied on every call."""
+
+    def __init__(self, index: int, handle, version: int):
+        self.index, self.handle = index, handle
+        self.version = version         # kept here, so reading it costs no round trip
+        self.dead = False
+
+    def _call(self, method, *args):
+        if self.dead:
+            raise EngineDied(f"engine {self.index}'s process died earlier")
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.RayActorError as error:
+            self.dead = True
+            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_token: Callable[[int, int], None] | None = None,
+                 images: list[Sequence] | None = None) -> list[Generation]:
+        if self.dead:
+            raise EngineDied(f"engine {self.index}'s process died earlier")
+        stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
+                                             images_per_prompt(images, len(prompts)))
+        try:
+            for ref in stream:
+                kind, payload = ray.get(ref)
+                if kind == "done":
+                    return payload
+                for row, token_id in payload:
+                    if on_token is not None:
+                        on_token(row, token_id)
+        except ray.exceptions.RayActorError as error:
+            self.dead = True
+            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+        finally:
+            del stream                 # a caller's listener that raised leaves the rest of the stream unread
+        raise EngineDied(f"engine {self.index} ended a request without its result")
+
+    def check(self, params: SamplingParams) -> None:
+        validate_sampling(params)      # every engine actor has a tokenizer, so stop strings are always served
+
+    def check_images(self, prompt: list[int], images: Sequence) -> None:
+        self._call(self.handle.check_images, prompt, list(images))
+
+    def pause(self) -> None:
+        self._call(self.handle.pause)
+
+    def resume(self) -> None:
+        self._call(self.handle.resume)
+
+    def update_weights(self, state, version: int) -> None:
+        """`state` is a state dict or, from Runtime.push_weights, its ObjectRef (one copy for every engine)."""
+        self._call(self.handle.update_weights, state, version)
+        self.version = version
+
+    def sampler_state(self):
+        return self._call(self.handle.sampler_state)
+
+    def load_sampler_state(self, state) -> None:
+        self._call(self.handle.load_sampler_state, state)
+
+
+# ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
+
+class Runtime:
+    """The engines of a run, as Ray actors, and their proxies."""
+
+    def __init__(self, cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int):
+        self.proxies: list[EngineProxy] = []
+        for i in range(cfg.engines):
+            # a named actor, so an operator (or a test) can find it: ray.get_actor("tracerl-engine-0")
+            handle = EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
+                                         num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
+            self.proxies.append(EngineProxy(i, handle, version))
+        ray.get([p.handle.version.remote() for p in self.proxies])    # every engine built before the first request
+        self._last: tuple[float, list[float]] | None = None
+
+    def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
+        requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
+        pause/load/resume fan-out to the live engines). The state dict crosses processes once, through Ray's
+        object store (every engine reads the same copy). On GPUs this is where an NCCL broadcast from the
+        trainer's rank 0 to the engines' workers (dtype-faithful buckets, coverage checked by name), or CUDA IPC
+        handles for an engine sharing the trainer's GPU, would go; the vLLM engine's own update path does that."""
+        t0 = time.monotonic()
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        ref = ray.put(state)
+        router.update_weights(ref, version)
+        del ref
+        return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes)}
+
+    def engine_metrics(self, router) -> dict[str, float]:
+        """Each engine's idle fraction since the last call: 1 - (time with a request in flight) / (wall time), from
+        the router's busy clock (router.Router.stats: tokens/s, retries and failures are in router.metrics())."""
+        now, busy = time.monotonic(), [s.busy_s for s in router.stats()]
+        last, self._last = self._last, (now, busy)
+        if last is None:
+            return {}
+        wall = max(now - last[0], 1e-9)
+        idle = [1.0 - min((b - b0) / wall, 1.0) for b, b0 in zip(busy, last[1])]
+        m = {f"runtime/engine{e}_idle_frac": f for e, f in enumerate(idle)}
+        m["runtime/engine_idle_frac"] = sum(idle) / len(idle)
+        return m
+
+    def stop(self) -> None:
+        for p in self.proxies:
+            ray.kill(p.handle)
+
+
+def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:
+    """Start Ray here (or join cfg.address) and the engine actors. Workers import this repository's modules,
+    so it goes on their PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
+    env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                                      "TRACERL_CACHE", "HF_HOME") if k in os.environ}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
+    else:
+        # the engines' CPUs are reserved; the driver (trainer and runner threads) uses what the machine has left
+        # address="local": a new Ray of our own, even where another cluster runs on this machine
+        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus), include_dashboard=False,
+                 log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
+                 runtime_env={"env_vars": env})
+    return Runtime(cfg, build, build_args, version)
+
+
+def stop(runtime: Runtime | None) -> None:
+    if runtime is not None:
+        runtime.stop()
+    ray.shutdown()
+
+
+# ---- the streaming pool: prompt groups in flight, admitted by AReaL's capacity rule --------------------------
+
+@dataclass
+class Group:
+    """One prompt group on its way from admission to the trainer."""
+    index: int                     # admission order over the run (the group's task is tasks[index % len(tasks)])
+    admitted_at: int               # policy steps trained when it started (V in the capacity rule)
+    rollouts: list = field(default_factory=list)   # agents.Rollout, filled when it finishes
+    done: bool = False
+
+
+class RolloutPool:
+    """Keeps prompt groups in flight on runner threads and hands the trainer B = groups_per_step finished groups
+    per step, in admission order.
+
+    Admission (AReaL, arXiv 2505.24298; areal/core/staleness_manager.py):
+        capacity = min(max_concurrent - running, (eta + V + 1) * B - (accepted + running))
+    V = policy steps trained, accepted = groups finished and kept (consumed or waiting). Here max_concurrent is
+    (eta + 1) * B, which the second term never exceeds, and no group is started that no step of the run would
+    train (eta + V + 1 is capped at the run's steps). Why it bounds staleness: when a group starts at V = a, at
+    most (eta + a + 1) * B kept-or-running groups precede it or are it, so in admission order it is kept at most
+    (eta + a + 1) * B - 1-th, and taking B per step in that order trains it by step eta + a. A group whose
+    rollouts all failed, or (algo.filter_zero_variance) whose rewards are all equal, is not kept: its slot
+    re-opens and a new group fills it, so the batch keeps its size. With eta = 0 a step's groups go out as one
+    runner call, the batch the synchronous loop sends, so eta = 0 samples exactly what the synchronous loop
+    samples; with eta >= 1 each group is its own call and reaches the trainer as soon as its turn comes."""
+
+    def __init__(self, runner, tasks: list, sampling: SamplingParams, groups_per_step: int, samples_per_group: int,
+                 eta: int, filter_zero_variance: bool, steps: int, first_step: int = 0):
+        self.runner, self.tasks, self.sampling = runner, tasks, sampling
+        self.B, self.G, self.eta, self.filter = groups_per_step, samples_per_group, eta, filter_zero_variance
+        self.trained, self.steps = first_step, steps   # V, and the run's last step (no group is started beyond it)
+        self.next_index = first_step * groups_per_step
+        self.accepted = first_step * groups_per_step   # consumed groups count as accepted forever
+        self.groups: dict[int, Group] = {}             # running or finished, not yet consumed (kept groups only)
+        self.filtered = self.failed_groups = 0
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        with self.cond:
+            self._admit()
+
+    @property
+    def running(self) -> int:
+        return sum(not g.done for g in self.groups.values())
+
+    def _admit(self) -> None:
+        """Start as many groups as the capacity rule allows (under self.cond)."""
+        capacity = min(self.eta + self.trained + 1, self.steps) * self.B - (self.accepted + self.running)
+        if capacity <= 0:
+            return
+        wave = [Group(self.next_index + i, self.trained) for i in range(capacity)]
+        self.next_index += capacity
+        for g in wave:
+            self.groups[g.index] = g
+        for part in ([wave] if self.eta == 0 else [[g] for g in wave]):
+            threading.Thread(target=self._run, args=(part,), daemon=True, name="rollout-group").start()
+
+    def _run(self, part: list[Group]) -> None:
+        """Runner thread: roll out the groups of `part` (samples_per_group episodes each) through the agent."""
+        tasks = [self.tasks[g.index % len(self.tasks)] for g in part for _ in range(self.G)]
+        group_ids = [f"g{g.index}" for g in part for _ in range(self.G)]
+        try:
+            rollouts = self.runner.run(tasks, group_ids, self.sampling)
+        except BaseException as error:   # no engine left, or a bug: the trainer re-raises it
+            with self.cond:
+                self.error = error
+                self.cond.notify_all()
+            return
+        with self.cond:
+            for g in part:
+                g.rollouts = [r for r in rollouts if r.group_id == f"g{g.index}"]
+                g.done = True
+                if not g.rollouts:
+                    self.failed_groups += 1
+                    del self.groups[g.index]
+                elif self.filter and not any(algo.keep_groups_with_variance(
+                        [r.reward for r in g.rollouts], [r.group_id for r in g.rollouts],
+                        [r.rollout_id for r in g.rollouts])):
+                    self.filtered += 1
+                    del self.groups[g.index]
+                else:
+                    self.accepted += 1
+            self._admit()
+            self.cond.notify_all()
+
+    def take(self) -> tuple[list, dict[str, float]]:
+        """Block until the B oldest kept-or-running groups have all finished; return their rollouts (group by
+        group, in admission order) and the pool's metrics."""
+        t0 = time.monotonic()
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"a rollout group failed: {type(self.error).__name__}: {self.error}") \
+                        from self.error
+                head = [self.groups[i] for i in sorted(self.groups)[:self.B]]
+                if len(head) == self.B and all(g.done for g in head):
+                    break
+                self.cond.wait()
+            waiting = sum(g.done for g in self.groups.values())
+            for g in head:
+                del self.groups[g.index]
+            m = {"runtime/queue_finished": float(waiting), "runtime/queue_running": float(self.running),
+                 "runtime/filtered_groups_total": float(self.filtered),
+                 "runtime/failed_groups_total": float(self.failed_groups),
+                 "runtime/admitted_at_min": float(min(g.admitted_at for g in head)),
+                 "time/wait_for_rollouts_s": time.monotonic() - t0}
+        return [r for g in head for r in g.rollouts], m
+
+    def trained_step(self, steps: int) -> None:
+        """The trainer finished `steps` policy steps and the engines hold their weights: admit more."""
+        with self.cond:
+            self.trained = steps
+            self._admit()
+
+
+def staleness_metrics(rollouts: list, trainer_version: int, bound: int) -> dict[str, float]:
+    """Histogram over the step's rollouts of s = trainer version - the oldest version among its sampled tokens
+    (slime's sample_staleness), in versions (optimizer steps), buckets 0..bound and above; and how many rollouts
+    carry more than one version (partial rollouts that straddled a weight update)."""
+    hist = [0] * (bound + 2)
+    multi = 0
+    for r in rollouts:
+        versions = [v for g in r.generations for v in g.policy_versions]
+        if not versions:
+            continue
+        hist[min(trainer_version - min(versions), bound + 1)] += 1
+        multi += len(set(versions)) > 1
+    m = {f"runtime/staleness_{s}": float(n) for s, n in enumerate(hist[:-1])}
+    m["runtime/staleness_over"] = float(hist[-1])
+    m["runtime/multi_version_rollouts"] = float(multi)
+    return m

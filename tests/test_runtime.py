@@ -1,0 +1,257 @@
+# The async runtime on a real Ray cluster on this machine (CPU): engines in their own processes, the streaming
+# pool's admission rule, partial rollouts across weight updates, an engine killed mid-run, eta = 0 against the
+# synchronous loop, and launch.sh's one-node cluster. Ray runs with few CPUs and a 100 MB object store.
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+from transformers import DynamicCache
+
+import invariants
+import models
+import runtime
+import train
+from rollout import Generation, SamplingParams
+from router import Router
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a reward the tiny random model earns about half the time, so advantages are non-zero and the weights move
+PARITY_RECIPE = '''import train
+from agents import Env, EnvRunner, Result
+
+base = train.load_recipe("math")
+DEFAULTS, tasks = base.DEFAULTS, base.tasks
+
+
+class ParityEnv(Env):
+    def step(self, action_text):
+        reward = float(len(action_text) % 2)
+        return Result(reward=reward, score=reward)
+
+
+class AgentRunner(EnvRunner):
+    env_cls = ParityEnv
+'''
+
+
+@pytest.fixture(scope="module")
+def parity_recipe(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("recipe") / "parity.py"
+    path.write_text(PARITY_RECIPE)
+    return str(path)
+
+
+def tiny_flags(recipe: str, steps: int) -> list[str]:
+    return ["--recipe", recipe, "--model", "tiny-qwen3", "--steps", str(steps), "--rollout.prompts_per_step", "2",
+            "--rollout.samples_per_prompt", "2", "--rollout.max_tokens", "12", "--run.threads", "1",
+            "--train.minibatches", "1", "--actor.lr", "1e-3", "--runtime.object_store_mb", "100"]
+
+
+def run_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def metrics_of(out: str) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+# ---- the admission rule, without Ray ---------------------------------------------------------------------
+
+class FakeRunner:
+    """Rollouts whose tokens carry the policy steps trained when they started and when they ended (a partial
+    rollout), after a random delay; rewards all equal in about a third of the groups (filtered)."""
+
+    def __init__(self, seed: int):
+        self.rng, self.steps, self.failures, self.lock = random.Random(seed), 0, {}, threading.Lock()
+
+    def run(self, tasks, group_ids, sampling):
+        with self.lock:
+            delay, flat = self.rng.uniform(0.0, 0.02), self.rng.random() < 0.3
+        start = self.steps
+        time.sleep(delay)
+        out = []
+        for i, g in enumerate(group_ids):
+            gen = Generation([1], [2, 3], [0.0, 0.0], [start, self.steps], None, "length")
+            out.append(SimpleNamespace(group_id=g, rollout_id=f"{g}-{i}", reward=0.0 if flat else float(i % 2),
+                                       generations=[gen]))
+        return out
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_the_pool_admits_no_rollout_that_would_be_trained_more_than_eta_steps_late(eta):
+    runner, B, G = FakeRunner(eta), 3, 2
+    pool = runtime.RolloutPool(runner, list(range(100)), SamplingParams(), B, G, eta, filter_zero_variance=True,
+                               steps=25)
+    for step in range(25):
+        rollouts, m = pool.take()
+        assert len({r.group_id for r in rollouts}) == B and len(rollouts) == B * G   # filtered groups were refilled
+        hist = runtime.staleness_metrics(rollouts, step, eta)
+        assert hist["runtime/staleness_over"] == 0, (step, hist)
+        assert all(step - min(r.generations[0].policy_versions) <= eta for r in rollouts)
+        if eta and step < 24:   # the engines never wait for the trainer: the next steps' groups are in flight
+            assert m["runtime/queue_running"] + m["runtime/queue_finished"] >= 1
+        runner.steps = step + 1
+        pool.trained_step(step + 1)
+    assert pool.filtered > 0
+    assert pool.running == 0 and not pool.groups        # nothing was started that no step would train
+
+
+# ---- a rollout that straddles a weight update, across processes ------------------------------------------
+
+def _processed(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return invariants.processed_logprobs(logits.float(), temperature, 1.0, -1)
+
+
+def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_and_logprob():
+    path = models.resolve_model("tiny-qwen3")
+    old = models.load_model(path)
+    new = copy.deepcopy(old)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    cfg = runtime.RuntimeConfig(mode="ray", engines=1, object_store_mb=100)
+    rt = runtime.start(cfg, runtime.embedded_engine, lambda i: (path, 0, 1), version=0)
+    try:
+        router = Router(rt.proxies)
+        rt.push_weights(router, {k: v for k, v in old.state_dict().items()}, 0)
+        prompt, T = [11, 12, 13, 14], 0.9
+        result, heard = [], []
+        params = SamplingParams(temperature=T, max_tokens=300, seed=5, stop_token_ids=(9999,))
+        worker = threading.Thread(target=lambda: result.extend(
+            router.generate([prompt], params, on_token=lambda i, t: heard.append(t))))
+        worker.start()
+        while len(heard) < 8:                                  # tokens stream back: the request is under way
+            time.sleep(0.002)
+        sync = rt.push_weights(router, new.state_dict(), 1)   # pause (request kept), load, version 1, resume
+        worker.join(timeout=120)
+        gen = result[0]
+        assert sync["runtime/weight_sync_bytes"] > 0
+        with pytest.raises(ValueError, match="at least one token"):   # a bad request is the caller's error, across
+            router.generate([[]], params)                              # processes too: the engine stays in rotation
+        assert router.metrics()["perf/engines_live"] == 1
+    finally:
+        runtime.stop(rt)
+    n1 = gen.policy_versions.count(0)
+    assert 1 <= n1 < 300 and gen.policy_versions == [0] * n1 + [1] * (300 - n1)
+    assert heard == gen.token_ids                                     # every token was streamed, in order
+
+    ids = torch.tensor([prompt + gen.token_ids])
+    with torch.no_grad():
+        lp_old = _processed(old(ids).logits[0, len(prompt) - 1:-1], T).gather(-1, ids[0, len(prompt):, None])[:, 0]
+        lp_new = _processed(new(ids).logits[0, len(prompt) - 1:-1], T).gather(-1, ids[0, len(prompt):, None])[:, 0]
+    behavior = torch.tensor(gen.behavior_logprobs)
+    assert (behavior[:n1] - lp_old[:n1]).abs().max() <= 1e-4          # each token against its own version
+    assert (behavior[n1:] - lp_new[n1:]).abs().max() <= 1e-4
+    assert (behavior[n1:] - lp_old[n1:]).abs().max() > 1e-3           # and only its own
+
+    # the trap is armed: an engine that kept the old KV cache after the update would have reported this logprob
+    # for the first token after the swap, which the check above would refuse
+    cache = DynamicCache()
+    prefix = ids[:, :len(prompt) + n1]
+    with torch.no_grad():
+        old(input_ids=prefix[:, :-1], past_key_values=cache, use_cache=True)
+        stale = new(input_ids=prefix[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]
+    stale_lp = _processed(stale, T)[gen.token_ids[n1]]
+    assert abs(stale_lp.item() - lp_new[n1].item()) > 1e-4
+    assert abs(stale_lp.item() - behavior[n1].item()) > 1e-4
+
+
+# ---- whole runs ----------------------------------------------------------------------------------------------
+
+def test_eta_0_reproduces_the_synchronous_run_on_the_same_seed(parity_recipe, tmp_path):
+    flags = tiny_flags(parity_recipe, 3)
+    done = run_cli(*flags, "--out", str(tmp_path / "sync"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli(*flags, "--out", str(tmp_path / "ray"), "--runtime.mode", "ray", "--runtime.eta", "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sync, ray_run = metrics_of(str(tmp_path / "sync")), metrics_of(str(tmp_path / "ray"))
+    assert [r["step"] for r in ray_run] == [1, 2, 3]
+    assert any(r["actor/grad_norm"] > 0 for r in sync)                 # the weights do move between steps
+    for want, have in zip(sync, ray_run):
+        keys = {k for k in want if not k.startswith(("time/", "perf/"))}
+        assert {k: have[k] for k in keys} == {k: want[k] for k in keys}
+        assert have["runtime/staleness_0"] == 4 and have["runtime/engine0_idle_frac"] <= 1
+
+
+def test_async_eta_1_with_partial_rollouts_runs_30_steps_within_eta(parity_recipe, tmp_path):
+    out = str(tmp_path / "async")
+    done = run_cli(*tiny_flags(parity_recipe, 30), "--out", out, "--runtime.mode", "ray", "--runtime.eta", "1",
+                   "--runtime.engines", "2", "--correction.level", "token", "--correction.max_staleness", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics_of(out)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all(r["runtime/staleness_over"] == 0 and r["actor/staleness_max"] <= 1 for r in records)
+    assert all(r["gate/drop_stale"] == 0 for r in records)               # admission, not the gate, bounded it
+    assert sum(r["runtime/staleness_1"] for r in records) > 0            # the trainer did train on older rollouts
+    assert sum(r["runtime/multi_version_rollouts"] for r in records) > 0  # and on rollouts that straddled a push
+    assert all(r["runtime/weight_sync_bytes"] > 0 for r in records)
+    trace = run_cli("trace", out)
+    assert trace.returncode == 0, trace.stderr
+    record = json.loads(open(os.path.join(out, "traces", "step_000030.jsonl")).readline())
+    versions = {v for v, why in zip(record["policy_version"], record["mask_reason"]) if why != "context"}
+    assert versions and all(record["trainer_version"] - 1 <= v <= record["trainer_version"] for v in versions)
+
+
+def test_killing_an_engine_mid_run_leaves_the_run_going_with_the_failure_counted(parity_recipe, tmp_path):
+    out = str(tmp_path / "killed")
+    argv = [*tiny_flags(parity_recipe, 12), "--out", out, "--runtime.mode", "ray", "--runtime.eta", "1",
+            "--runtime.engines", "2", "--correction.level", "token", "--correction.max_staleness", "1"]
+    errors = []
+
+    def main():
+        try:
+            train.main(argv)
+        except BaseException as error:
+            errors.append(error)
+    run = threading.Thread(target=main)
+    run.start()
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 300
+    while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ray.kill(ray.get_actor("tracerl-engine-1"))
+    run.join(timeout=400)
+    assert not run.is_alive() and not errors, errors
+    records = metrics_of(out)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    last = records[-1]
+    assert records[0]["perf/engines_live"] == 2 and last["perf/engines_live"] == 1   # taken out of rotation
+    assert last["perf/requests_lost_total"] == 0                        # every request found the live engine
+    assert last["perf/engine0/retried_total"] == last["perf/engine1/failed_total"]   # what failed was retried
+    assert all(r["rollout/count"] == 4 for r in records)
+    assert records[-1]["actor/version"] == 12
+
+
+def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
+    base = ["--model", "tiny-qwen3", "--runtime.mode", "ray", "--runtime.eta", "1"]
+    with pytest.raises(SystemExit):
+        train.parse_config(base)
+    with pytest.raises(SystemExit):
+        train.parse_config(base + ["--correction.level", "token"])       # max_staleness 0 < eta * minibatches
+    cfg = train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2"])
+    assert cfg["runtime"].eta == 1
+
+
+def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp_path):
+    out = str(tmp_path / "cluster")
+    env = {**os.environ, "RAY_START_ARGS": "--num-cpus 3 --object-store-memory 100000000"}
+    done = subprocess.run(["./launch.sh", "cluster", *tiny_flags(parity_recipe, 2), "--out", out,
+                           "--runtime.engines", "2", "--runtime.eta", "0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "launch.sh: Ray cluster at 127.0.0.1:" in done.stdout
+    assert [r["step"] for r in metrics_of(out)] == [1, 2]
+    assert metrics_of(out)[-1]["perf/engines_live"] == 2
