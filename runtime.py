@@ -38,6 +38,7 @@ import torch
 import algo
 import models
 from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+from vllm_engine import VLLMEngine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "ray")
@@ -85,6 +86,15 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
     model = models.load_model(model_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
     return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
+
+
+def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, memory: float) -> VLLMEngine:
+    """A vLLM engine in an EngineActor: bf16 on the actor's GPU, the exact fp32 mode on a CPU (vLLM's CPU build).
+    Its weights arrive as a state dict from Ray's object store and enter vLLM by collective_rpc (vllm_engine.py)."""
+    torch.set_num_threads(threads)
+    on_gpu = torch.cuda.is_available()
+    return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32", transfer="rpc",
+                      max_model_len=max_model_len, gpu_memory_utilization=memory, enforce_eager=not on_gpu)
 
 
 # Generation requests and control calls run in separate thread pools of the actor: a weight update must never
@@ -153,6 +163,12 @@ class EngineActor:
     @ray.method(concurrency_group="control")
     def load_sampler_state(self, state) -> None:
         self.engine.load_sampler_state(state)
+
+    @ray.method(concurrency_group="control")
+    def shutdown(self) -> None:
+        """Stop the engine's own processes (vLLM's engine core) before Ray kills this actor."""
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.shutdown()
 
 
 class EngineDied(RuntimeError):
@@ -270,6 +286,10 @@ class Runtime:
 
     def stop(self) -> None:
         for p in self.proxies:
+            try:                # a vLLM engine's own processes stop with it; a dead actor has nothing left to stop
+                ray.get(p.handle.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
             ray.kill(p.handle)
 
 

