@@ -115,10 +115,11 @@ def _build_root(libc, root: str, uid: int, disk_mb: int) -> None:
             os.symlink(os.readlink(path), root + path)
         elif os.path.isdir(path):
             _bind(libc, path, root + path)
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
-    for prefix in sorted(prefixes):
-        if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
-            _bind(libc, prefix, root + prefix)           # e.g. a pyenv or conda install under $HOME: only it
+    # the jail runs the base interpreter (the real path of sys.executable), never a virtual environment, so only the
+    # base install is mounted: a venv inside the repository (launch.sh's .venv) would reveal the repository's path
+    prefix = os.path.realpath(sys.base_prefix)
+    if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
+        _bind(libc, prefix, root + prefix)               # e.g. a pyenv or conda install under $HOME: only it
     for path in _SYSTEM_FILES:
         if os.path.exists(path):
             _bind(libc, path, root + path)

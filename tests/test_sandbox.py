@@ -97,7 +97,7 @@ def test_a_detached_daemon_dies_with_the_call():
 def test_writes_outside_the_temporary_directory_fail(tmp_path):
     host_marker = os.path.join(tempfile.gettempdir(), "tracerl-sandbox-escape-marker")
     repo_marker = os.path.join(ROOT, "ESCAPED")
-    code = (f"import os\nfor path in [{host_marker!r}, {repo_marker!r}, '/usr/escaped', {os.path.join(sandbox.sys.prefix, 'escaped')!r}]:\n"
+    code = (f"import os\nfor path in [{host_marker!r}, {repo_marker!r}, '/usr/escaped', {os.path.join(sandbox.sys.base_prefix, 'escaped')!r}]:\n"
             "    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
             "    except OSError as error:\n        print('refused', type(error).__name__)\n"
             "open('inside.txt', 'w').write('ok')\nprint('inside', open('inside.txt').read())")
@@ -123,7 +123,7 @@ def test_the_repository_and_home_are_not_visible(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[:4] == ["refused FileNotFoundError"] * 4 and "SECRET-42" not in done.stdout
     # only the Python install itself is mounted (read-only) when it lives under $HOME
-    assert set(eval(lines[4])) <= {os.path.relpath(sandbox.sys.prefix, home).split("/")[0]} and lines[5] == "False"
+    assert set(eval(lines[4])) <= {os.path.relpath(sandbox.sys.base_prefix, home).split("/")[0]} and lines[5] == "False"
 
 
 @jailed
