@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Iterator, Sequence
@@ -360,6 +361,20 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, temperature, top_p, top_k, routes,
                       [r.rollout_id for r in rows], [r.group_id for r in rows], [list(r.images) for r in rows])
 
+
+def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
+    """The TrainBatch restricted to rows `index`, at its full width (tensors sliced, per-row lists picked): a
+    minibatch, or one FSDP2 rank's share of a step."""
+    picked = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, Tensor):
+            picked[f.name] = value[index]
+        elif isinstance(value, list):
+            picked[f.name] = [value[i] for i in index]
+        else:
+            picked[f.name] = value
+    return type(batch)(**picked)
 
 def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: int | None = None) -> None:
     """Prove the trainer's input equals what was sampled: every id of every row (sampled ids and the prefix they

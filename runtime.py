@@ -1,8 +1,9 @@
 # runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
 # trainer while it trains, and weight updates that land in the middle of requests.
 #
-# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`start`, `stop`), `EngineActor` (one engine in
-# a Ray actor, tokens streamed back as sampled) and `EngineProxy` (the engine interface in the driver, so
+# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `TrainerGroup` (the
+# actor as FSDP2 ranks in Ray actors), `EngineActor` (one engine in a Ray actor, tokens streamed back as sampled)
+# and `EngineProxy` (the engine interface in the driver, so
 # router.Router places requests, fails over and fans out the control plane as it does for local engines),
 # `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained more
 # than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
@@ -10,11 +11,11 @@
 # seconds and bytes; tokens/s per engine and retried/failed requests are the router's).
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
-# --runtime.engine_cpus / --runtime.engine_gpus; the trainer (actor.Actor) is the driver process itself, so the
-# loop in train.py reads as before; agent runners are threads of the driver (an episode mostly waits on its
-# engine, and an env step is ordinary Python the recipe wrote). FSDP2 ranks would be one Ray actor per rank in
-# one placement group (PACK, GPUs only), each running actor.Actor under torch.distributed with MASTER_ADDR from
-# rank 0's node; the driver calls train_step on all and rank 0 exports the weights.
+# --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with
+# --runtime.trainer_ranks N, N FSDP2 ranks each in a Ray actor (`TrainerGroup`: torch.distributed over gloo or NCCL,
+# ranks on one node, each step's rollouts dealt between them whole), with the same interface, so the loop in
+# train.py reads as before; agent runners are threads of the driver (an episode mostly waits on its engine, and
+# an env step is ordinary Python the recipe wrote).
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
 # it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
@@ -36,6 +37,7 @@ import ray
 import torch
 
 import algo
+import invariants
 import models
 from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
 from vllm_engine import VLLMEngine
@@ -55,6 +57,8 @@ class RuntimeConfig:
     engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
     address: str = ""           # a running Ray cluster to join (launch.sh cluster starts one); "" = start Ray here
     object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); weights pass through it
+    trainer_ranks: int = 1      # ray: FSDP2 ranks of the actor, each a Ray actor on this node (1 = the driver trains)
+    trainer_gpus: float = 0.0   # GPUs per trainer rank (0 = gloo on CPUs)
 
 
 def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
@@ -65,6 +69,9 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
         raise ValueError(f"runtime: eta >= 0, engines >= 1, engine_cpus > 0, engine_gpus >= 0 and object_store_mb "
                          f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
                          f"{cfg.object_store_mb}")
+    if cfg.trainer_ranks < 1 or cfg.trainer_gpus < 0 or (cfg.trainer_ranks > 1 and cfg.mode != "ray"):
+        raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus >= 0 "
+                         f"are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
     if cfg.mode != "ray" or cfg.eta == 0:
         return
     if correction.level == "off":
@@ -242,6 +249,114 @@ class EngineProxy:
         self._call(self.handle.load_sampler_state, state)
 
 
+# ---- the trainer as FSDP2 ranks, each a Ray actor ------------------------------------------------------------
+
+@ray.remote
+class TrainerRank:
+    """One rank of the policy: actor.Actor under torch.distributed (NCCL on GPUs, gloo on CPUs), holding its FSDP2
+    shard. Every call is collective: the TrainerGroup makes it on all ranks at once."""
+
+    def __init__(self, rank: int, world_size: int, port: int, model_path: str, cfg, total_steps: int, seed: int,
+                 threads: int):
+        import torch.distributed as dist
+
+        import actor
+        torch.set_num_threads(threads)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+        self.policy = actor.Actor(model_path, cfg, total_steps=total_steps, seed=seed)
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.policy, method)(*args, **kwargs)
+
+    def version(self) -> int:
+        return self.policy.version
+
+
+class TrainerGroup:
+    """actor.Actor's interface over --runtime.trainer_ranks FSDP2 ranks (one node; ranks rendezvous on loopback).
+    A step's rows are dealt to the ranks by whole rollouts, balanced by tokens (a rollout's rows stay on one rank:
+    its sequence-level terms need them together); each rank trains its own rows and the loss's global
+    denominators are all-reduced inside actor.train_step, so the step equals one process on the whole batch."""
+
+    def __init__(self, ranks: int, model_path: str, cfg, total_steps: int, seed: int, cpus: float, gpus: float):
+        from transformers import AutoConfig
+        port = _free_port()
+        self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(
+            r, ranks, port, model_path, cfg, total_steps, seed, max(1, int(cpus))) for r in range(ranks)]
+        self.model = _ConfigOnly(AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
+        self.device = torch.device("cpu")       # the driver holds no weights: exports come to it on the CPU
+        ray.get([r.version.remote() for r in self.ranks])
+
+    @property
+    def version(self) -> int:
+        return ray.get(self.ranks[0].version.remote())
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])
+
+    def _deal(self, batch) -> list[list[int]]:
+        """Each rank's row indices: whole rollouts, the next one to the rank with the fewest tokens so far."""
+        tokens = batch.attention_mask.sum(-1).tolist()
+        rollouts: dict[str, list[int]] = {}
+        for i, rollout_id in enumerate(batch.rollout_ids):
+            rollouts.setdefault(rollout_id, []).append(i)
+        shares: list[list[int]] = [[] for _ in self.ranks]
+        load = [0] * len(self.ranks)
+        for rows in sorted(rollouts.values(), key=lambda rows: -sum(tokens[i] for i in rows)):
+            r = load.index(min(load))
+            shares[r] += rows
+            load[r] += sum(tokens[i] for i in rows)
+        return [sorted(rows) for rows in shares]
+
+    def recompute_logprobs(self, batch) -> torch.Tensor:
+        shares = self._deal(batch)
+        parts = ray.get([r.call.remote("recompute_logprobs", invariants.select_rows(batch, rows))
+                         for r, rows in zip(self.ranks, shares)])
+        return _gather(parts, shares, batch.input_ids.shape)
+
+    def train_step(self, batch, old_logprobs: torch.Tensor, *args, ref_logprobs=None, **kwargs):
+        shares = self._deal(batch)
+        reports = ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), old_logprobs[rows], *args,
+                                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                                         **kwargs) for r, rows in zip(self.ranks, shares)])
+        shape = batch.input_ids.shape
+        report = reports[0]              # the step's metrics are global, the same on every rank
+        for name in ("loss_contribution", "is_weights", "kept", "staleness", "mask"):
+            setattr(report, name, _gather([getattr(p, name) for p in reports], shares,
+                                          shape if getattr(report, name).ndim == 2 else shape[:1]))
+        return report
+
+    def export_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        return self._all("export_weights", "cpu")[0]        # collective; every rank gets the full dict
+
+    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
+        self._all("save_checkpoint", path, run_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self._all("load_checkpoint", path)[0]
+
+
+class _ConfigOnly:
+    def __init__(self, config):
+        self.config = config
+
+
+def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=parts[0].dtype)
+    for part, rows in zip(parts, shares):
+        if rows:
+            out[rows] = part
+    return out
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
 
 class Runtime:
@@ -293,20 +408,27 @@ class Runtime:
             ray.kill(p.handle)
 
 
-def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:
-    """Start Ray here (or join cfg.address) and the engine actors. Workers import this repository's modules,
-    so it goes on their PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
+def connect(cfg: RuntimeConfig) -> None:
+    """Start Ray here (or join cfg.address). Workers import this repository's modules, so it goes on their
+    PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
                                       "TRACERL_CACHE", "HF_HOME") if k in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     if cfg.address:
         ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
     else:
-        # the engines' CPUs are reserved; the driver (trainer and runner threads) uses what the machine has left
+        # the engines' and trainer ranks' CPUs are reserved; the driver (runner threads) uses what is left
         # address="local": a new Ray of our own, even where another cluster runs on this machine
-        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus), include_dashboard=False,
+        ranks = cfg.trainer_ranks if cfg.trainer_ranks > 1 else 0
+        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus) + ranks, include_dashboard=False,
                  log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
                  runtime_env={"env_vars": env})
+
+
+def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:
+    """The engine actors, on the Ray this process is connected to (connecting first if it is not)."""
+    if not ray.is_initialized():
+        connect(cfg)
     return Runtime(cfg, build, build_args, version)
 
 

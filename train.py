@@ -234,9 +234,14 @@ def main(argv: list[str]) -> None:
     recipe = load_recipe(run.recipe)
     model_path = models.resolve_model(run.model)
     tokenizer = models.load_tokenizer(model_path)
-    policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
-    run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
+    if rt_cfg.trainer_ranks > 1:        # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
+        runtime.connect(rt_cfg)
+        policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"], run.steps * tr.minibatches,
+                                      run.seed, cpus=1, gpus=rt_cfg.trainer_gpus)
+    else:
+        policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+    run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
         threads = max(1, int(rt_cfg.engine_cpus))
@@ -450,7 +455,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     metrics: dict[str, float] = {}
     reports = []
     for part in parts:
-        report = policy.train_step(select_rows(batch, part), old_logprobs[part], a, cfg["correction"],
+        report = policy.train_step(invariants.select_rows(batch, part), old_logprobs[part], a, cfg["correction"],
                                    trainer_version=trainer_version, token_budget=token_budget,
                                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
         reports.append((part, report))
@@ -481,20 +486,6 @@ def minibatch_indices(group_ids: list[str], n: int) -> list[list[int]]:
         if part:
             parts.append(part)
     return parts
-
-
-def select_rows(batch, index: list[int]):
-    """The TrainBatch restricted to rows `index` (tensors sliced, id lists picked)."""
-    picked = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            picked[f.name] = value[index]
-        elif isinstance(value, list):
-            picked[f.name] = [value[i] for i in index]
-        else:
-            picked[f.name] = value
-    return type(batch)(**picked)
 
 
 # ---- evaluation: the held-out split with its own sampling -------------------------------------------------------

@@ -243,6 +243,8 @@ def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
         train.parse_config(base + ["--correction.level", "token"])       # max_staleness 0 < eta * minibatches
     cfg = train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2"])
     assert cfg["runtime"].eta == 1
+    with pytest.raises(SystemExit):        # trainer ranks are Ray actors: the sync loop has none
+        train.parse_config(["--model", "tiny-qwen3", "--runtime.trainer_ranks", "2"])
 
 
 def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp_path):
@@ -255,3 +257,21 @@ def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp
     assert "launch.sh: Ray cluster at 127.0.0.1:" in done.stdout
     assert [r["step"] for r in metrics_of(out)] == [1, 2]
     assert metrics_of(out)[-1]["perf/engines_live"] == 2
+
+
+def test_two_fsdp2_trainer_ranks_in_ray_actors_train_as_one_process_does(parity_recipe, tmp_path):
+    """--runtime.trainer_ranks 2: the actor as two FSDP2 ranks (gloo), each a Ray actor, each step's rollouts dealt
+    between them; its metrics equal the one-process run's on the same seed (up to the ranks' summation order)."""
+    flags = tiny_flags(parity_recipe, 2)
+    done = run_cli(*flags, "--out", str(tmp_path / "one"), "--runtime.mode", "ray", "--runtime.eta", "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli(*flags, "--out", str(tmp_path / "two"), "--runtime.mode", "ray", "--runtime.eta", "0",
+                   "--runtime.trainer_ranks", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = metrics_of(str(tmp_path / "one")), metrics_of(str(tmp_path / "two"))
+    assert [r["step"] for r in two] == [1, 2] and any(r["actor/grad_norm"] > 0 for r in one)
+    for want, have in zip(one, two):
+        for key in [k for k in want if k.startswith(("actor/", "rollout/", "mismatch/", "gate/"))]:
+            assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    trace = [json.loads(line) for line in open(os.path.join(tmp_path / "two", "traces", "step_000002.jsonl"))]
+    assert trace and all(len(row["loss_contribution"]) == len(row["token_ids"]) for row in trace)

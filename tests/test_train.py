@@ -204,7 +204,7 @@ def test_minibatches_hold_whole_groups():
                                [invariants.UNSAMPLED] * 3)
             for i, g in enumerate(groups)]
     batch = invariants.build_batch(rows, [float(i) for i in range(8)], pad_id=0)
-    sub = train.select_rows(batch, parts[1])
+    sub = invariants.select_rows(batch, parts[1])
     assert sub.group_ids == ["c", "c", "d", "d"] and torch.equal(sub.input_ids, batch.input_ids[4:])
 
 
