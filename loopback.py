@@ -53,7 +53,7 @@ import invariants
 import models
 import wires
 from rollout import EmbeddedEngine, Generation, SamplingParams, find_stop
-from router import Router
+from router import EngineFailure, Router
 
 log = logging.getLogger("tracerl.loopback")
 
@@ -437,14 +437,20 @@ class LoopbackServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every refusal in the wire's own JSON error format: ours (WireError), the router's (404, 405) and, as a
-        last resort, an unexpected error (500, logged with its traceback)."""
+        """Every refusal in the wire's own JSON error format: ours (WireError), the router's (404, 405), a turn no
+        engine could serve (503: the SDKs retry it, and the session recorded nothing) and, as a last resort, an
+        unexpected error (500, logged with its traceback)."""
         try:
             return await handler(request)
         except wires.WireError as error:
             response = _error_response(_wire_of(request), error)
             if request.get(BODY_ABANDONED):
                 response.force_close()    # the connection's byte stream is unusable: close it after this reply
+        except EngineFailure as error:   # no engine could serve the turn (counted by the router); nothing committed
+            log.warning("loopback: %s %s: %s", request.method, request.path, error)
+            response = _error_response(_wire_of(request), wires.WireError(
+                503, f"no engine could serve this turn; retry it (nothing was recorded): {str(error)[:300]}",
+                "api_error"))
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -544,7 +550,11 @@ class LoopbackServer:
             except Exception as error:
                 if response is None:      # nothing sent yet: a plain error reply (the middleware formats it)
                     raise
-                if not isinstance(error, wires.WireError):
+                if isinstance(error, EngineFailure):
+                    log.warning("loopback: a streamed turn lost its engine after its first token: %s", error)
+                    error = wires.WireError(503, "the engine serving this turn failed; retry it (nothing was "
+                                                 "recorded)", "api_error")
+                elif not isinstance(error, wires.WireError):
                     log.error("loopback: a streamed turn failed after its first token", exc_info=error)
                     error = wires.WireError(500, f"internal error: {type(error).__name__}", "api_error")
                 await self._send(response, [("error", error.body(stream.wire))])

@@ -187,6 +187,29 @@ def test_a_loopback_session_over_http_stays_on_one_engine_across_turns(two_engin
         server.stop()
 
 
+
+def test_a_turn_no_engine_can_serve_is_a_503_the_sdk_retries_and_the_server_keeps_serving(tiny, tokenizer):
+    """Every engine dead: the OpenAI SDK's turn gets a 503 (a status its retry policy retries), nothing is
+    recorded in the session, and once an engine rejoins the same turn goes through."""
+    router = Router([Dying(EmbeddedEngine(tiny), after=0)])
+    server = LoopbackServer(router, tokenizer, template=data.CHATML_TEMPLATE)
+    server.start()
+    try:
+        info = server.create_session(sampling=SamplingParams(max_tokens=4))
+        client = openai.OpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "hello"}]
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(model="policy", messages=messages)
+        assert refused.value.status_code == 503 and "no engine could serve this turn" in str(refused.value)
+        router.engines[0].revive()
+        router.rejoin(0, tiny.state_dict(), version=0)
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        assert reply.choices[0].message.content is not None
+        session = server.close_session(info.session_id)
+        assert len(session.ledger.segments) == 1 and router.lost == 1     # only the served turn was recorded
+    finally:
+        server.stop()
+
 # ---- load: least outstanding tokens, engines side by side ----
 
 def test_the_engine_with_fewest_outstanding_tokens_serves_not_the_one_with_fewest_requests(two_engines):
