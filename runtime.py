@@ -272,6 +272,11 @@ class TrainerRank:
     def version(self) -> int:
         return self.policy.version
 
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective (every rank gathers the full tensors); only rank 0 sends them back, once."""
+        state = self.policy.export_weights("cpu")
+        return state if self.policy.rank == 0 else None
+
 
 class TrainerGroup:
     """actor.Actor's interface over --runtime.trainer_ranks FSDP2 ranks (one node; ranks rendezvous on loopback).
@@ -328,7 +333,8 @@ class TrainerGroup:
         return report
 
     def export_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        return self._all("export_weights", "cpu")[0]        # collective; every rank gets the full dict
+        """The full weights, on the driver's CPU (`device` is the driver's, which holds no GPU tensors)."""
+        return ray.get([r.export_weights.remote() for r in self.ranks])[0]
 
     def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
         self._all("save_checkpoint", path, run_state)

@@ -92,8 +92,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
-                 engine_args: dict | None = None):
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         if transfer not in ("ipc", "rpc"):
@@ -116,7 +115,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
             enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
-            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None, **(engine_args or {}))
+            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
         if transfer == "ipc":
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
             # pickle are this process and the engine it started

@@ -355,37 +355,34 @@ def bench_vllm_refit() -> dict:
 
 def bench_vllm_r3() -> dict:
     """A tiny Qwen3-MoE (8 experts, top 2; head_dim 64 for the GPU attention kernels) sampled by vLLM with routed
-    experts returned; the actor's recompute with and without replaying them. Run with vLLM's defaults and with
-    synchronous scheduling, which captures routes on another path."""
+    experts returned; how often the actor's own routing picks the engine's expert set, and the actor's recompute
+    with and without replaying the engine's routes."""
     import vllm_engine
     folder = models.tiny_model_dir("qwen3_moe", head_dim=64)
     prompts = random_prompts(16, 24, json.load(open(os.path.join(folder, "config.json")))["vocab_size"])
+    engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="rpc", gpu_memory_utilization=0.2,
+                                    max_model_len=512)
+    gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=32))
+    engine.shutdown()
+    routed = [g for g in gens if g.routes is not None]
+    result = {"generations": len(gens), "with_routes": len(routed)}
+    if not routed:
+        return result
     model = models.load_model(folder).cuda()
-    results = {}
-    for name, engine_args in {"default": {}, "sync_scheduling": {"async_scheduling": False}}.items():
-        engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="rpc", gpu_memory_utilization=0.2,
-                                        max_model_len=512, engine_args=engine_args)
-        gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=32))
-        engine.shutdown()
-        routed = [g for g in gens if g.routes is not None]
-        result = {"generations": len(gens), "with_routes": len(routed)}
-        if routed:
-            same = total = 0
-            for g in routed:
-                ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
-                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
-                        invariants.capture_routes(model) as captured:
-                    model(input_ids=ids)
-                own = captured[0].sort(-1).values.cpu()
-                engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
-                same += int((own == engine_routes).all(-1).sum())
-                total += own.shape[0] * own.shape[1]
-            result.update(routes_shape=list(routed[0].routes.shape), positions_x_layers=total,
-                          actor_picks_engine_experts=same / total,
-                          with_replay=mismatch(routed, recompute(model, routed, 1.0, bf16=True, routes=True)),
-                          without_replay=mismatch(routed, recompute(model, routed, 1.0, bf16=True)))
-        results[name] = result
-    return results
+    same = total = 0
+    for g in routed:
+        ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
+                invariants.capture_routes(model) as captured:
+            model(input_ids=ids)
+        own = captured[0].sort(-1).values.cpu()
+        engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
+        same += int((own == engine_routes).all(-1).sum())
+        total += own.shape[0] * own.shape[1]
+    return {**result, "routes_shape": list(routed[0].routes.shape), "positions_x_layers": total,
+            "actor_picks_engine_experts": same / total,
+            "with_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True, routes=True)),
+            "without_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True))}
 
 
 def main() -> None:
