@@ -275,8 +275,11 @@ def image_inputs(processor, images: list) -> list[ImageInput]:
             image = decode_image(image)
         processed = processor(images=[image], return_tensors="pt")
         t, h, w = (int(x) for x in processed["image_grid_thw"][0])
+        # the resize the processor made, made again (PIL, same filter): processing this copy is exact
+        resized = image.convert("RGB").resize((w * processor.patch_size, h * processor.patch_size),
+                                              resample=Image.Resampling(processor.resample))
         out.append(ImageInput(processed["pixel_values"].to(torch.float32), (t, h, w),
-                              t * h * w // processor.merge_size ** 2))
+                              t * h * w // processor.merge_size ** 2, resized))
     return out
 
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ class ImageInput:
     pixel_values: Tensor             # float32 [patches, channels * temporal_patch * patch * patch]
     grid_thw: tuple[int, int, int]   # (t, h, w) in patches
     n_tokens: int                    # <|image_pad|> tokens it fills in the prompt = t*h*w // merge**2
+    # the image at the size the processor resized it to (RGB, PIL): what an engine running its own copy of the
+    # processor is given (vLLM), so that its resize is a no-op and it computes these same pixel_values
+    source: Any = None
 
 
 def image_pad_runs(token_ids: Sequence[int], pad_id: int) -> list[int]:

@@ -17,11 +17,16 @@
 #     old KV cache would condition new tokens on the old policy's keys and values, so their logprobs would
 #     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it);
 #   invariant 3 (forward consistency) - an MoE model returns the experts vLLM routed each position to
-#     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; images are
-#     refused (the embedded engine serves VLMs) until they are placed exactly as the trainer places them.
+#     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; a VLM's
+#     images go in as vLLM multimodal data: each image's source (the copy the trainer's processor resized, so
+#     vLLM's processor computes the same pixels) with its pad run collapsed to the one pad vLLM expands, and the
+#     prompt vLLM expanded must equal ours id for id (same runs, so the same M-RoPE positions), or the request
+#     fails.
 # Weights move through vLLM's weight-transfer API: CUDA IPC when the engine shares the actor's GPU
-# (`transfer="ipc"`); on a CPU, where there is no IPC, a state dict through `collective_rpc` into
-# `WorkerExtension` (`transfer="rpc"`). Either way every key of the engine's checkpoint must arrive.
+# (`transfer="ipc"`; the actor may sit in this process or in another one: `begin_weight_update`,
+# `receive_weight_chunk`, `finish_weight_update` with `send_ipc_weights` on the trainer's side); on a CPU, where
+# there is no IPC, a state dict through `collective_rpc` into `WorkerExtension` (`transfer="rpc"`). Either way
+# every key of the engine's checkpoint must arrive. NCCL, for an engine on a GPU of its own, is not built here.
 # Never: computes rewards, touches the ledger, or trains.
 from __future__ import annotations
 
@@ -56,6 +61,16 @@ def is_moe_config(config: dict) -> bool:
     transformers 5), DeepSeek's n_routed_experts."""
     text_config = config.get("text_config", config)
     return any(key in text_config for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def send_ipc_weights(state: dict[str, torch.Tensor], send: Callable[[dict], None]) -> None:
+    """The trainer's side of a CUDA IPC update (vLLM's IPCWeightTransferEngine): export handles to the CUDA
+    tensors of `state` and pass each chunk's update info to `send`, which must return only once the engine has
+    loaded it (the tensors are only borrowed until then). `send` is VLLMEngine.receive_weight_chunk, or a call to
+    it in another process on the same GPU."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+    IPCWeightTransferEngine.trainer_send_weights(
+        iter(state.items()), IPCTrainerSendWeightsArgs(send_mode=lambda update_info: send(asdict(update_info))))
 
 
 # ---- the worker side: runs inside vLLM's worker process -------------------------------------------------------
@@ -105,9 +120,12 @@ class VLLMEngine:
             config = json.load(f)
         text_config = config.get("text_config", config)
         self.is_moe = is_moe_config(config)
+        self.is_vision = "vision_config" in config
+        self._image_pad = config.get("image_token_id")
         self._checkpoint_keys = _checkpoint_keys(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
         self._paused = False
+        self._resume_after_update = False
         self._control = threading.Lock()              # one pause/update/resume sequence at a time
         self._active: dict[str, _Request] = {}          # request id -> its record, while it runs
         args = AsyncEngineArgs(
@@ -149,30 +167,56 @@ class VLLMEngine:
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load a full state dict from the actor and stamp `version` on every later token. Pauses (keeping
-        requests) unless already paused; kept requests are re-prefilled by the new weights."""
+        requests) unless already paused; kept requests are re-prefilled by the new weights. On a GPU the tensors
+        go by CUDA IPC (a CPU tensor is copied to the engine's GPU first)."""
+        names = self.begin_weight_update(list(state), version)
+        if self.transfer == "ipc":
+            send_ipc_weights({name: state[name].cuda() for name in names}, self.receive_weight_chunk)
+        else:
+            with self._control:
+                self._send_rpc({name: state[name] for name in names})
+        self.finish_weight_update(version)
+
+    # An update in three calls, so the trainer may sit in another process on the same GPU (the async runtime's
+    # engine actor): begin, then the trainer's send_ipc_weights hands each chunk's CUDA IPC handles to
+    # receive_weight_chunk, then finish. An update that fails between begin and finish leaves the engine paused
+    # with some weights new: the caller takes it out of rotation (router.Router does) rather than sample with it.
+
+    def begin_weight_update(self, names: list[str], version: int) -> list[str]:
+        """Check that `names` cover the engine's checkpoint, pause (requests kept), and open vLLM's weight update.
+        Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
-        if self._tied:      # a tied head is the embedding: the checkpoint has no copy of it, nor does vLLM load one
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        missing = sorted(self._checkpoint_keys - set(state))
-        unexpected = sorted(set(state) - self._checkpoint_keys)
+        if self._tied:
+            names = [name for name in names if name != "lm_head.weight"]
+        missing = sorted(self._checkpoint_keys - set(names))
+        unexpected = sorted(set(names) - self._checkpoint_keys)
         if missing or unexpected:
             raise ValueError(f"weight update does not match the engine's checkpoint: missing keys {missing[:5]}, "
                              f"unexpected keys {unexpected[:5]}")
-        was_paused = self._paused
+        self._resume_after_update = not self._paused
         self.pause()
-        try:
+        if self.transfer == "ipc":
             with self._control:
-                if self.transfer == "ipc":
-                    self._send_ipc(state)
-                else:
-                    self._send_rpc(state)
-                # kept requests lose their KV blocks and are recomputed by the new weights when they resume
-                self._call(self._llm.reset_prefix_cache(reset_running_requests=self.reprefill_on_update))
-                self._call(self._mark_version(version))
-        finally:
-            if not was_paused:
-                self.resume()
+                self._call(self._llm.start_weight_update())
+        return names
+
+    def receive_weight_chunk(self, update_info: dict) -> None:
+        """One chunk of CUDA IPC handles from send_ipc_weights: vLLM's workers map the trainer's tensors and load
+        them (layerwise reload), with no copy through the host."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        self._call(self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+
+    def finish_weight_update(self, version: int) -> None:
+        """Close the update, re-prefill kept requests with the new weights, stamp `version`, resume."""
+        with self._control:
+            if self.transfer == "ipc":
+                self._call(self._llm.finish_weight_update())
+            # kept requests lose their KV blocks and are recomputed by the new weights when they resume
+            self._call(self._llm.reset_prefix_cache(reset_running_requests=self.reprefill_on_update))
+            self._call(self._mark_version(version))
+        if self._resume_after_update:
+            self.resume()
 
     def sleep(self) -> None:
         """Free the GPU for the actor: weights to host memory, KV cache discarded (vLLM sleep level 1; needs
@@ -200,18 +244,6 @@ class VLLMEngine:
 
     # -- moving weights --
 
-    def _send_ipc(self, state: dict[str, torch.Tensor]) -> None:
-        """vLLM's weight-transfer API over CUDA IPC: the engine's workers map the actor's tensors and load them
-        (layerwise reload), no copy through the host."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
-
-        def send(update_info) -> None:
-            self._call(self._llm.update_weights(WeightTransferUpdateRequest(update_info=asdict(update_info))))
-        self._call(self._llm.start_weight_update())
-        IPCWeightTransferEngine.trainer_send_weights(iter(state.items()), IPCTrainerSendWeightsArgs(send_mode=send))
-        self._call(self._llm.finish_weight_update())
-
     def _send_rpc(self, state: dict[str, torch.Tensor]) -> None:
         """A state dict through collective_rpc (a CPU engine). Sent as bytes, because vLLM's RPC re-pickles what it
         received and a tensor arrives there as an unpicklable memoryview."""
@@ -226,12 +258,18 @@ class VLLMEngine:
         validate_sampling(params)
 
     def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
-        """Images are refused: placing them as the embedded engine does (pads already expanded, M-RoPE positions
-        from models.vision_inputs) through vLLM's multimodal inputs is not built yet, and an image the engine
-        placed differently from the trainer would break invariant 3 silently."""
-        if images:
-            raise ValueError(f"the vLLM engine does not take images yet ({len(images)} given); serve a vision-language "
-                             f"model with --rollout.engine embedded")
+        """Refuse images this engine cannot place (ValueError saying why), as rollout.EmbeddedEngine does: any
+        image on a text-only model, or images that do not fill a VLM prompt's pad runs one to one; and an image
+        without its source (vLLM runs its own processor: data.image_inputs keeps the resized copy it needs)."""
+        if not self.is_vision:
+            if images:
+                raise ValueError(f"this engine serves a text-only model, which cannot see the {len(images)} images "
+                                 f"it was given; serve a vision-language model or leave the images out of the prompt")
+            return
+        invariants.check_image_pads(prompt, images, self._image_pad, "prompt")
+        if any(image.source is None for image in images):
+            raise ValueError("the vLLM engine runs the model's image processor itself and needs each image's "
+                             "source: make ImageInputs with data.image_inputs")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
@@ -247,7 +285,7 @@ class VLLMEngine:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
-            requests.append(_Request(list(prompt), p, listener))
+            requests.append(_Request(list(prompt), p, listener, row_images))
         futures = [asyncio.run_coroutine_threadsafe(self._run(r), self._loop) for r in requests]
         errors = []
         for future in futures:
@@ -262,7 +300,11 @@ class VLLMEngine:
     async def _run(self, request: _Request) -> None:
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
+        if request.images:      # vLLM expands each image's single pad to the image's run itself
+            prompt = TokensPrompt(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
+                                  multi_modal_data={"image": [image.source for image in request.images]})
+        else:
+            prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
         # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
         request.version_starts.append((self.version, 0))
         self._active[request_id] = request
@@ -323,8 +365,9 @@ class _Request:
     the first token at that version) starts, appended at each weight update, so a request that is not streamed
     can take vLLM's final output alone (per-step outputs cost throughput) and still version every token."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, listener: Callable[[int], None] | None):
-        self.prompt_ids, self.params, self.listener = prompt_ids, params, listener
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, listener: Callable[[int], None] | None,
+                 images: Sequence[invariants.ImageInput] = ()):
+        self.prompt_ids, self.params, self.listener, self.images = prompt_ids, params, listener, list(images)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -336,6 +379,12 @@ class _Request:
 
     def take(self, output) -> None:
         """Append the new tokens of one output (vLLM's RequestOutput: a delta when streamed, else the final one)."""
+        if self.images and output.prompt_token_ids is not None and list(output.prompt_token_ids) != self.prompt_ids:
+            # vLLM's processor gave an image another number of tokens than the trainer's processor did: its
+            # features and M-RoPE positions would sit elsewhere than where the trainer puts them (invariant 3)
+            raise ValueError(f"vLLM expanded the image pads of this prompt to {len(output.prompt_token_ids)} ids, "
+                             f"not the {len(self.prompt_ids)} the trainer's image processor made; the engine's "
+                             f"checkpoint must hold the same image processor as the trainer's")
         completion = output.outputs[0]
         for j, token in enumerate(completion.token_ids):
             ranked = completion.logprobs[j]
@@ -372,6 +421,11 @@ class _Request:
         return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
                           self.finish_reason, self.stop_string, self.top if p.top_logprobs else None,
                           invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
+
+
+def _collapse_pad_runs(token_ids: list[int], pad_id: int) -> list[int]:
+    """Each run of image pad ids -> one pad id (the inverse of data.expand_image_pads)."""
+    return [t for i, t in enumerate(token_ids) if not (t == pad_id and i > 0 and token_ids[i - 1] == pad_id)]
 
 
 def _vllm_params(request: _Request):

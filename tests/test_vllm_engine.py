@@ -16,6 +16,8 @@ if os.environ.get("TRACERL_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm")
 
+import data  # noqa: E402
+import invariants  # noqa: E402
 import models  # noqa: E402
 from actor import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
@@ -73,6 +75,19 @@ def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
     for kind, moe in [("qwen3_moe", True), ("qwen3", False), ("qwen2_5_vl", False)]:
         with open(os.path.join(models.tiny_model_dir(kind), "config.json")) as f:
             assert is_moe_config(json.load(f)) is moe
+
+
+def test_image_pad_runs_collapse_to_the_one_pad_vllm_expands():
+    """vLLM expands each image's single pad itself (a VLM needs a GPU build: torchvision); here, that collapsing
+    undoes data.expand_image_pads, so vLLM sees one pad per image, in order, between the same text ids."""
+    from vllm_engine import _collapse_pad_runs
+    pad = models.bpe_tokenizer().convert_tokens_to_ids(data.IMAGE_PAD)
+    images = [invariants.ImageInput(torch.zeros(1), (1, 4, 4), 4), invariants.ImageInput(torch.zeros(1), (1, 2, 2), 1)]
+    rendered = [7, pad, 8, 9, pad, 10]
+    expanded = data.expand_image_pads(rendered, images, pad)
+    assert invariants.image_pad_runs(expanded, pad) == [4, 1]
+    assert _collapse_pad_runs(expanded, pad) == rendered
+    assert _collapse_pad_runs(rendered, pad) == rendered        # already one pad per image: unchanged
 
 
 # ---- invariant 2: behavior logprobs are the trainer's, at each request's own sampling ---------------------------
@@ -161,7 +176,7 @@ def test_a_bad_request_fails_alone_with_a_clear_error(fresh):
         fresh.generate([[]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="temperature"):
         fresh.generate([[1, 2]], SamplingParams(temperature=0.0))
-    with pytest.raises(ValueError, match="does not take images"):
+    with pytest.raises(ValueError, match="text-only model"):
         fresh.generate([[1, 2]], SamplingParams(max_tokens=4), images=[[object()]])
     worker.join(timeout=120)
     assert [len(g.token_ids) for g in good] == [p.max_tokens for p in PARAMS]

@@ -249,6 +249,23 @@ def test_expand_image_pads_gives_each_image_its_own_run_in_order(processor, pad)
         data.expand_image_pads([9], [big, small], pad)
 
 
+def test_an_images_source_is_its_resized_copy_and_processing_it_again_is_exact(processor):
+    """An engine that runs its own image processor (vLLM) is given ImageInput.source: processing it must give the
+    trainer's pixel_values bit for bit, for images the processor shrinks, grows or keeps, and needs no resize
+    (so a processor with another resize filter computes the same pixels too)."""
+    for width, height in [(50, 70), (56, 56), (200, 90), (30, 31)]:
+        image = picture(width, height, width)
+        (processed,) = data.image_inputs(processor, [image])
+        t, h, w = processed.grid_thw
+        assert processed.source.size == (w * processor.patch_size, h * processor.patch_size)
+        (again,) = data.image_inputs(processor, [processed.source])
+        assert again.grid_thw == processed.grid_thw
+        assert torch.equal(again.pixel_values, processed.pixel_values)
+        assert again.source.size == processed.source.size        # a source is its own resize: a fixed point
+    shrunk = picture(200, 90, 1)
+    assert data.image_inputs(processor, [shrunk])[0].source.size != shrunk.size
+
+
 def test_the_ledger_extends_only_when_the_images_are_a_prefix_of_the_new_prompts(processor, pad):
     first, second = data.image_inputs(processor, [picture(56, 56, 0), picture(56, 56, 1)])
     lookalike = invariants.ImageInput(first.pixel_values.clone(), first.grid_thw, first.n_tokens)
