@@ -168,12 +168,16 @@ def _tiny_config(kind: str, head_dim: int = 16):
         return Qwen3MoeConfig(head_dim=head_dim, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False, **text)
     if kind == "qwen2_5_vl":
-        # M-RoPE splits head_dim/2 = 8 rotary frequencies into (temporal, height, width) sections
-        text_config = dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                  "mrope_section": [2, 3, 3]})
-        vision_config = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
-                             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                             fullatt_block_indexes=[1])
+        # head_dim is hidden / heads here; M-RoPE splits its head_dim/2 rotary frequencies into (temporal,
+        # height, width) sections: [2, 3, 3] at 16; a GPU's attention kernels want 64 (one head, text and vision)
+        heads, half = 64 // head_dim, head_dim // 2
+        vision_hidden, vision_heads = (32, 4) if head_dim == 16 else (64, 1)
+        text_config = dict(text, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                            "mrope_section": [half // 4, (half - half // 4) // 2,
+                                                              (half - half // 4) // 2]})
+        vision_config = dict(depth=2, hidden_size=vision_hidden, intermediate_size=64, num_heads=vision_heads, out_hidden_size=64, patch_size=14,
+                             spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1])
         vision_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
                       [("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                        ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")]}
@@ -184,7 +188,8 @@ def _tiny_config(kind: str, head_dim: int = 16):
 
 def tiny_model(kind: str = "qwen3", seed: int = 0, head_dim: int = 16) -> torch.nn.Module:
     """A random-init 2-layer model of `kind` (hidden 64, 4 heads, vocab = bpe_tokenizer()), fp32, eval mode.
-    `head_dim` 32 is the smallest vLLM's CPU attention runs (the text kinds only)."""
+    `head_dim` 32 is the smallest vLLM's CPU attention runs; the VL kind takes 16 (4 heads) or 64 (one head, for
+    a GPU's attention kernels, its vision tower too)."""
     config = _tiny_config(kind, head_dim)
     config._attn_implementation = ATTN_IMPLEMENTATION
     model_class = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,

@@ -97,10 +97,12 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
 
 def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, memory: float) -> VLLMEngine:
     """A vLLM engine in an EngineActor: bf16 on the actor's GPU, the exact fp32 mode on a CPU (vLLM's CPU build).
-    Its weights arrive as a state dict from Ray's object store and enter vLLM by collective_rpc (vllm_engine.py)."""
+    On a GPU its weights arrive by CUDA IPC (from a trainer on the same GPU) or from Ray's object store and then
+    by CUDA IPC inside this process; on a CPU, from the object store by collective_rpc (vllm_engine.py)."""
     torch.set_num_threads(threads)
     on_gpu = torch.cuda.is_available()
-    return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32", transfer="rpc",
+    return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32",
+                      transfer="ipc" if on_gpu else "rpc",
                       max_model_len=max_model_len, gpu_memory_utilization=memory, enforce_eager=not on_gpu)
 
 
@@ -156,6 +158,26 @@ class EngineActor:
         self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
 
     @ray.method(concurrency_group="control")
+    def gpu_uuid(self) -> str | None:
+        """The GPU this engine's weights can be mapped onto by CUDA IPC (a vLLM engine on a GPU), else None."""
+        if isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc":
+            return _gpu_uuid(torch.cuda.current_device())
+        return None
+
+    # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (vllm_engine.py)
+    @ray.method(concurrency_group="control")
+    def begin_weight_update(self, names: list[str], version: int) -> list[str]:
+        return self.engine.begin_weight_update(names, version)
+
+    @ray.method(concurrency_group="control")
+    def receive_weight_chunk(self, update_info: dict) -> None:
+        self.engine.receive_weight_chunk(update_info)
+
+    @ray.method(concurrency_group="control")
+    def finish_weight_update(self, version: int) -> None:
+        self.engine.finish_weight_update(version)
+
+    @ray.method(concurrency_group="control")
     def version(self) -> int:
         return self.engine.version
 
@@ -189,9 +211,10 @@ class EngineProxy:
     (`on_token` hears them live, as loopback's streaming needs and the router's hung-request clock expects).
     Failover is the router's: a dead actor raises EngineDied on every call."""
 
-    def __init__(self, index: int, handle, version: int):
+    def __init__(self, index: int, handle, version: int, gpu_uuid: str | None = None):
         self.index, self.handle = index, handle
         self.version = version         # kept here, so reading it costs no round trip
+        self.gpu_uuid = gpu_uuid       # the GPU a CUDA IPC update can reach it on (None: through the object store)
         self.dead = False
 
     def _call(self, method, *args):
@@ -238,7 +261,18 @@ class EngineProxy:
         self._call(self.handle.resume)
 
     def update_weights(self, state, version: int) -> None:
-        """`state` is a state dict or, from Runtime.push_weights, its ObjectRef (one copy for every engine)."""
+        """`state` is a state dict, or from Runtime.push_weights a WeightPush: CUDA IPC when the trainer's tensors
+        sit on this engine's GPU, else the object store copy (one for every engine)."""
+        if isinstance(state, WeightPush):
+            if state.gpu_uuid is not None and state.gpu_uuid == self.gpu_uuid:
+                from vllm_engine import send_ipc_weights
+                names = self._call(self.handle.begin_weight_update, list(state.tensors), version)
+                send_ipc_weights({name: state.tensors[name] for name in names},
+                                 lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
+                self._call(self.handle.finish_weight_update, version)
+                self.version = version
+                return
+            state = state.stored()
         self._call(self.handle.update_weights, state, version)
         self.version = version
 
@@ -247,6 +281,28 @@ class EngineProxy:
 
     def load_sampler_state(self, state) -> None:
         self._call(self.handle.load_sampler_state, state)
+
+
+@dataclass
+class WeightPush:
+    """One weight update as Runtime.push_weights hands it to every engine proxy: the trainer's tensors, and the
+    GPU they sit on (None on a CPU). An engine on that GPU maps them by CUDA IPC; the others read one copy in
+    Ray's object store, made on first use."""
+    tensors: dict[str, torch.Tensor]
+    gpu_uuid: str | None
+    _ref: ray.ObjectRef | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stored(self) -> ray.ObjectRef:
+        with self._lock:
+            if self._ref is None:
+                self._ref = ray.put({name: t.detach().cpu() for name, t in self.tensors.items()})
+            return self._ref
+
+
+def _gpu_uuid(device: int) -> str:
+    """A GPU's physical id, as vLLM's CUDA IPC keys its handles (device indices differ between processes)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 # ---- the trainer as FSDP2 ranks, each a Ray actor ------------------------------------------------------------
@@ -375,22 +431,27 @@ class Runtime:
             handle = EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
                                          num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
             self.proxies.append(EngineProxy(i, handle, version))
-        ray.get([p.handle.version.remote() for p in self.proxies])    # every engine built before the first request
+        # every engine built before the first request
+        for proxy, gpu_uuid in zip(self.proxies, ray.get([p.handle.gpu_uuid.remote() for p in self.proxies])):
+            proxy.gpu_uuid = gpu_uuid
         self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
         requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
-        pause/load/resume fan-out to the live engines). The state dict crosses processes once, through Ray's
-        object store (every engine reads the same copy). On GPUs this is where an NCCL broadcast from the
-        trainer's rank 0 to the engines' workers (dtype-faithful buckets, coverage checked by name), or CUDA IPC
-        handles for an engine sharing the trainer's GPU, would go; the vLLM engine's own update path does that."""
+        pause/load/resume fan-out to the live engines). An engine on the GPU that holds `state` (a vLLM engine
+        colocated with a trainer in this process) maps the tensors by CUDA IPC, with no copy; every other engine
+        reads one copy through Ray's object store. Coverage by name is the engine's check. NCCL, for engines on
+        GPUs of their own, is not built."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        ref = ray.put(state)
-        router.update_weights(ref, version)
-        del ref
-        return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes)}
+        first = next(iter(state.values()))
+        push = WeightPush(state, _gpu_uuid(first.device.index or 0) if first.is_cuda else None)
+        router.update_weights(push, version)
+        ipc = sum(p.gpu_uuid is not None and p.gpu_uuid == push.gpu_uuid for p in self.proxies)
+        del push
+        return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes),
+                "runtime/weight_sync_ipc_engines": float(ipc)}
 
     def engine_metrics(self, router) -> dict[str, float]:
         """Each engine's idle fraction since the last call: 1 - (time with a request in flight) / (wall time), from

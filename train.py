@@ -243,7 +243,8 @@ def main(argv: list[str]) -> None:
         policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     if rt_cfg.mode == "ray":
-        # engines in their own processes (runtime.py); the trainer is this process; weights go through Ray
+        # engines in their own processes (runtime.py); the trainer is this process; weights go by CUDA IPC to an
+        # engine on the trainer's GPU, through Ray's object store to the others
         threads = max(1, int(rt_cfg.engine_cpus))
         if engine_kind(ro, policy) == "vllm":
             ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
@@ -255,7 +256,7 @@ def main(argv: list[str]) -> None:
         engine = Router(ray_rt.proxies)
 
         def push() -> dict[str, float]:
-            return ray_rt.push_weights(engine, policy.export_weights("cpu"), policy.version)
+            return ray_rt.push_weights(engine, policy.export_weights(policy.device), policy.version)
     else:
         # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
         rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)

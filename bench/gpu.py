@@ -355,8 +355,8 @@ def bench_vllm_refit() -> dict:
 
 def bench_vllm_r3() -> dict:
     """A tiny Qwen3-MoE (8 experts, top 2; head_dim 64 for the GPU attention kernels) sampled by vLLM with routed
-    experts returned; how often the actor's own routing picks the engine's expert set, and the actor's recompute
-    with and without replaying the engine's routes."""
+    experts returned; how often the actor's own routing picks the engine's expert set, how often it does under
+    replay (every position, or R3 is broken), and the actor's recompute with and without replaying the routes."""
     import vllm_engine
     folder = models.tiny_model_dir("qwen3_moe", head_dim=64)
     prompts = random_prompts(16, 24, json.load(open(os.path.join(folder, "config.json")))["vocab_size"])
@@ -369,7 +369,7 @@ def bench_vllm_r3() -> dict:
     if not routed:
         return result
     model = models.load_model(folder).cuda()
-    same = total = 0
+    same = replayed_same = total = 0
     for g in routed:
         ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
@@ -379,8 +379,14 @@ def bench_vllm_r3() -> dict:
         engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
         same += int((own == engine_routes).all(-1).sum())
         total += own.shape[0] * own.shape[1]
+        # under replay, the experts the actor's routers select are the engine's, position by position
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
+                invariants.replay_routes(model, torch.from_numpy(g.routes).long()[None].cuda()), \
+                invariants.capture_routes(model) as captured:
+            model(input_ids=ids)
+        replayed_same += int((captured[0].sort(-1).values.cpu() == engine_routes).all(-1).sum())
     return {**result, "routes_shape": list(routed[0].routes.shape), "positions_x_layers": total,
-            "actor_picks_engine_experts": same / total,
+            "actor_picks_engine_experts": same / total, "replay_reproduces_engine_experts": replayed_same / total,
             "with_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True, routes=True)),
             "without_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True))}
 

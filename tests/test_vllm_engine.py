@@ -295,3 +295,49 @@ def test_the_async_runtime_streams_rollouts_from_a_vllm_engine_actor_within_eta(
     last = [json.loads(line) for line in open(os.path.join(out, "traces", "step_000004.jsonl"))]
     versions = {v for row in last for v, why in zip(row["policy_version"], row["mask_reason"]) if why != "context"}
     assert versions and all(row["trainer_version"] - 1 <= v <= row["trainer_version"] for row in last for v in versions)
+
+
+# ---- a VLM on a GPU: vLLM places the images as the trainer does -------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="vLLM serves Qwen2.5-VL only where torchvision imports beside its torch (a GPU build)")
+def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
+    """A tiny Qwen2.5-VL (one 64-wide head, for the GPU kernels) in fp32: vLLM samples under a 16-token image,
+    under two images of other sizes, and under text alone; the trainer's recompute with the same ImageInputs
+    matches its behavior logprobs. Trap: recomputing the first row with another picture of the same size (same
+    pads, same positions, other pixels) does not."""
+    from actor import sequence_logprobs
+    from test_vlm import ledger_rows, picture, row_gaps, vlm_prompt
+    path = models.tiny_model_dir("qwen2_5_vl", head_dim=64)
+    tok, processor = models.load_tokenizer(path), models.load_image_processor(path)
+    pad = tok.convert_tokens_to_ids(data.IMAGE_PAD)
+    prompts = [vlm_prompt(tok, processor, pad, [{"type": "image", "image": picture(112, 112, 0)},
+                                                {"type": "text", "text": "What is in the picture?"}]),
+               vlm_prompt(tok, processor, pad, [{"type": "text", "text": "Compare"},
+                                                {"type": "image", "image": picture(84, 56, 1)},
+                                                {"type": "text", "text": "with"},
+                                                {"type": "image", "image": picture(28, 28, 2)}]),
+               vlm_prompt(tok, processor, pad, "Only text in this prompt.")]
+    images = [row_images for _, row_images in prompts]
+    engine = VLLMEngine(path, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=512)
+    try:
+        gens = engine.generate([ids for ids, _ in prompts], SamplingParams(temperature=0.9, max_tokens=10, seed=3),
+                               images=images)
+        with pytest.raises(ValueError, match="image pad runs"):      # an image short of its pads is refused
+            engine.generate([prompts[0][0]], SamplingParams(max_tokens=2), images=[[]])
+    finally:
+        engine.shutdown()
+    rows = ledger_rows(gens, images)
+    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
+    model = models.load_model(path).cuda()
+    with torch.no_grad():
+        recomputed = sequence_logprobs(model, batch.input_ids.cuda(), batch.attention_mask.cuda(), 0.9,
+                                       images=batch.images).cpu()
+        other = data.image_inputs(processor, [picture(112, 112, 99)])
+        swapped = sequence_logprobs(model, batch.input_ids.cuda(), batch.attention_mask.cuda(), 0.9,
+                                    images=[other, *batch.images[1:]]).cpu()
+    gaps, trap = row_gaps(recomputed, batch), row_gaps(swapped, batch)
+    print(f"vLLM vs trainer max |logprob diff| per row (16-token image, 6+1-token images, text): {gaps}; "
+          f"another picture in row 0: {trap[0]:.3g}")
+    assert max(gaps) <= 2e-3
+    assert trap[0] > 10 * max(gaps[0], 1e-4)
