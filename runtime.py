@@ -56,7 +56,7 @@ class RuntimeConfig:
     engine_cpus: float = 1.0    # CPUs per engine actor (its torch threads)
     engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
     address: str = ""           # a running Ray cluster to join (launch.sh cluster starts one); "" = start Ray here
-    object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); weights pass through it
+    object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); rollouts pass through it
     trainer_ranks: int = 1      # ray: FSDP2 ranks of the actor, each a Ray actor on this node (1 = the driver trains)
     trainer_gpus: float = 0.0   # GPUs per trainer rank (0 = gloo on CPUs)
 
@@ -97,8 +97,8 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
 
 def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, memory: float) -> VLLMEngine:
     """A vLLM engine in an EngineActor: bf16 on the actor's GPU, the exact fp32 mode on a CPU (vLLM's CPU build).
-    On a GPU its weights arrive by CUDA IPC (from a trainer on the same GPU) or from Ray's object store and then
-    by CUDA IPC inside this process; on a CPU, from the object store by collective_rpc (vllm_engine.py)."""
+    On a GPU its weights arrive by CUDA IPC from a trainer on the same GPU, or over its weight channel and then by
+    CUDA IPC inside this process; on a CPU, over the channel and then by collective_rpc (vllm_engine.py)."""
     torch.set_num_threads(threads)
     on_gpu = torch.cuda.is_available()
     return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32",
@@ -158,11 +158,21 @@ class EngineActor:
         self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
 
     @ray.method(concurrency_group="control")
-    def gpu_uuid(self) -> str | None:
-        """The GPU this engine's weights can be mapped onto by CUDA IPC (a vLLM engine on a GPU), else None."""
-        if isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc":
-            return _gpu_uuid(torch.cuda.current_device())
-        return None
+    def placement(self) -> tuple[str | None, bool]:
+        """(the GPU this actor holds, or None; whether its engine takes CUDA IPC updates: a vLLM engine on it)."""
+        gpu = _gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return gpu, isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
+
+    @ray.method(concurrency_group="control")
+    def open_weight_channel(self, address: str, port: int, backend: str, timeout_s: float) -> None:
+        self.channel = _open_group(address, port, 1, backend, timeout_s)
+        self.channel_device = "cuda" if backend == "nccl" else "cpu"
+
+    @ray.method(concurrency_group="control")
+    def receive_weights(self, plan: list[list[tuple]], version: int) -> None:
+        """The engine's end of WeightChannel.send; the engine's update_weights checks the names against its
+        checkpoint."""
+        self.engine.update_weights(receive_state(self.channel, plan, self.channel_device), version)
 
     # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (vllm_engine.py)
     @ray.method(concurrency_group="control")
@@ -211,10 +221,11 @@ class EngineProxy:
     (`on_token` hears them live, as loopback's streaming needs and the router's hung-request clock expects).
     Failover is the router's: a dead actor raises EngineDied on every call."""
 
-    def __init__(self, index: int, handle, version: int, gpu_uuid: str | None = None):
+    def __init__(self, index: int, handle, version: int):
         self.index, self.handle = index, handle
         self.version = version         # kept here, so reading it costs no round trip
-        self.gpu_uuid = gpu_uuid       # the GPU a CUDA IPC update can reach it on (None: through the object store)
+        self.gpu_uuid, self.takes_ipc = ray.get(handle.placement.remote())
+        self.channel: WeightChannel | None = None       # opened at the first update that is not CUDA IPC
         self.dead = False
 
     def _call(self, method, *args):
@@ -261,19 +272,29 @@ class EngineProxy:
         self._call(self.handle.resume)
 
     def update_weights(self, state, version: int) -> None:
-        """`state` is a state dict, or from Runtime.push_weights a WeightPush: CUDA IPC when the trainer's tensors
-        sit on this engine's GPU, else the object store copy (one for every engine)."""
-        if isinstance(state, WeightPush):
-            if state.gpu_uuid is not None and state.gpu_uuid == self.gpu_uuid:
-                from vllm_engine import send_ipc_weights
-                names = self._call(self.handle.begin_weight_update, list(state.tensors), version)
-                send_ipc_weights({name: state.tensors[name] for name in names},
-                                 lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
-                self._call(self.handle.finish_weight_update, version)
-                self.version = version
-                return
-            state = state.stored()
-        self._call(self.handle.update_weights, state, version)
+        """`state` is a state dict (sent as a call argument, through Ray's object store) or, from
+        Runtime.push_weights, a WeightPush: CUDA IPC when the trainer's tensors sit on this engine's GPU, else the
+        engine's weight channel (NCCL from another GPU, gloo from a CPU)."""
+        if not isinstance(state, WeightPush):
+            self._call(self.handle.update_weights, state, version)
+        elif self.takes_ipc and state.gpu_uuid == self.gpu_uuid:
+            from vllm_engine import send_ipc_weights
+            names = self._call(self.handle.begin_weight_update, list(state.tensors), version)
+            send_ipc_weights({name: state.tensors[name] for name in names},
+                             lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
+            self._call(self.handle.finish_weight_update, version)
+        else:
+            try:
+                if self.channel is None:
+                    both_gpus = state.gpu_uuid is not None and self.gpu_uuid not in (None, state.gpu_uuid)
+                    self.channel = WeightChannel(self.handle, "nccl" if both_gpus else "gloo")
+                self.channel.send(self.handle, state.tensors, version)
+            except ray.exceptions.RayActorError as error:
+                self.dead = True
+                raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+            except Exception:
+                self.channel = None         # a broken channel is not reused: the next update opens a new one
+                raise
         self.version = version
 
     def sampler_state(self):
@@ -285,19 +306,98 @@ class EngineProxy:
 
 @dataclass
 class WeightPush:
-    """One weight update as Runtime.push_weights hands it to every engine proxy: the trainer's tensors, and the
-    GPU they sit on (None on a CPU). An engine on that GPU maps them by CUDA IPC; the others read one copy in
-    Ray's object store, made on first use."""
+    """One weight update as Runtime.push_weights hands it to every engine proxy: the trainer's tensors and the GPU
+    they sit on (None on a CPU). An engine on that GPU maps them by CUDA IPC; the others receive them over their
+    weight channel."""
     tensors: dict[str, torch.Tensor]
     gpu_uuid: str | None
-    _ref: ray.ObjectRef | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def stored(self) -> ray.ObjectRef:
-        with self._lock:
-            if self._ref is None:
-                self._ref = ray.put({name: t.detach().cpu() for name, t in self.tensors.items()})
-            return self._ref
+
+# ---- weights to an engine in another process: a two-rank process group per engine -------------------------
+# The trainer (rank 0) broadcasts to one engine actor (rank 1): NCCL from GPU to GPU when each has a GPU of its
+# own, gloo through host memory otherwise. A group per engine, not one for all: an engine that dies breaks only
+# its own channel (the router takes it out; the others keep their updates). Tensors travel in dtype-faithful
+# buckets: grouped by dtype and never cast (an fp32 router or norm cast to bf16 changes the engine's model),
+# each bucket one flat buffer; the engine checks coverage by name when it loads them.
+
+BUCKET_BYTES = 512 * 2**20
+
+
+def weight_plan(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple]]:
+    """The buckets of a state dict, in the order both ends walk them: [(name, dtype name, shape), ...] per bucket,
+    one dtype per bucket, a tensor larger than bucket_bytes alone in its own."""
+    buckets: list[list[tuple]] = []
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, tensor in state.items():
+        by_dtype.setdefault(tensor.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        bucket, size = [], 0
+        for name in names:
+            nbytes = state[name].numel() * state[name].element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append((name, str(dtype).removeprefix("torch."), list(state[name].shape)))
+            size += nbytes
+        buckets.append(bucket)
+    return buckets
+
+
+def _open_group(address: str, port: int, rank: int, backend: str, timeout_s: float):
+    """A process group of two (trainer, engine) on its own TCP store, apart from any torch.distributed world either
+    process belongs to (a trainer's FSDP2 ranks have theirs)."""
+    import datetime
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, 2, rank == 0, timeout=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _broadcast(group, buffer: torch.Tensor) -> None:
+    import torch.distributed as dist
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
+
+
+def send_state(group, state: dict[str, torch.Tensor], plan: list[list[tuple]], device: str) -> None:
+    """Rank 0: each bucket of `plan` as one flat buffer of its dtype on `device`."""
+    for bucket in plan:
+        _broadcast(group, torch.cat([state[name].detach().reshape(-1).to(device) for name, _, _ in bucket]))
+
+
+def receive_state(group, plan: list[list[tuple]], device: str) -> dict[str, torch.Tensor]:
+    """Rank 1: each bucket into a buffer of its own dtype, split back into named tensors of their shapes."""
+    state = {}
+    for bucket in plan:
+        sizes = [math.prod(shape) for _, _, shape in bucket]
+        buffer = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0][1]), device=device)
+        _broadcast(group, buffer)
+        for (name, _, shape), part in zip(bucket, buffer.split(sizes)):
+            state[name] = part.view(shape)
+    return state
+
+
+class WeightChannel:
+    """The trainer's end of one engine's weight channel (EngineActor.open_weight_channel is the other)."""
+
+    def __init__(self, handle, backend: str, timeout_s: float = 300.0):
+        self.backend = backend
+        address, port = ray.util.get_node_ip_address(), _free_port()
+        opened = handle.open_weight_channel.remote(address, port, backend, timeout_s)
+        self.group = _open_group(address, port, 0, backend, timeout_s)      # waits for the engine to join
+        ray.get(opened)
+
+    def send(self, handle, state: dict[str, torch.Tensor], version: int) -> None:
+        """Broadcast `state` bucket by bucket while the engine receives it and loads it as `version`."""
+        plan = weight_plan(state)
+        loaded = handle.receive_weights.remote(plan, version)
+        send_state(self.group, state, plan, "cuda" if self.backend == "nccl" else "cpu")
+        ray.get(loaded)
 
 
 def _gpu_uuid(device: int) -> str:
@@ -425,15 +525,13 @@ class Runtime:
     """The engines of a run, as Ray actors, and their proxies."""
 
     def __init__(self, cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int):
-        self.proxies: list[EngineProxy] = []
-        for i in range(cfg.engines):
-            # a named actor, so an operator (or a test) can find it: ray.get_actor("tracerl-engine-0")
-            handle = EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
-                                         num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
-            self.proxies.append(EngineProxy(i, handle, version))
-        # every engine built before the first request
-        for proxy, gpu_uuid in zip(self.proxies, ray.get([p.handle.gpu_uuid.remote() for p in self.proxies])):
-            proxy.gpu_uuid = gpu_uuid
+        # named actors, so an operator (or a test) can find one: ray.get_actor("tracerl-engine-0"); all are
+        # started before any proxy asks its actor where it sits, so the engines are built side by side, and all
+        # before the first request
+        handles = [EngineActor.options(name=f"tracerl-engine-{i}", num_cpus=cfg.engine_cpus,
+                                       num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
+                   for i in range(cfg.engines)]
+        self.proxies = [EngineProxy(i, handle, version) for i, handle in enumerate(handles)]
         self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -441,14 +539,14 @@ class Runtime:
         requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
         pause/load/resume fan-out to the live engines). An engine on the GPU that holds `state` (a vLLM engine
         colocated with a trainer in this process) maps the tensors by CUDA IPC, with no copy; every other engine
-        reads one copy through Ray's object store. Coverage by name is the engine's check. NCCL, for engines on
-        GPUs of their own, is not built."""
+        receives a broadcast over its weight channel (NCCL between GPUs, gloo otherwise). Coverage by name is the
+        engine's check."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         first = next(iter(state.values()))
         push = WeightPush(state, _gpu_uuid(first.device.index or 0) if first.is_cuda else None)
         router.update_weights(push, version)
-        ipc = sum(p.gpu_uuid is not None and p.gpu_uuid == push.gpu_uuid for p in self.proxies)
+        ipc = sum(p.takes_ipc and p.gpu_uuid == push.gpu_uuid for p in self.proxies)
         del push
         return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes),
                 "runtime/weight_sync_ipc_engines": float(ipc)}

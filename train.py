@@ -244,7 +244,7 @@ def main(argv: list[str]) -> None:
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go by CUDA IPC to an
-        # engine on the trainer's GPU, through Ray's object store to the others
+        # engine on the trainer's GPU, over a weight channel (NCCL or gloo) to the others
         threads = max(1, int(rt_cfg.engine_cpus))
         if engine_kind(ro, policy) == "vllm":
             ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
