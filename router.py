@@ -7,10 +7,15 @@
 #   - Otherwise least outstanding tokens: the live engine with the fewest tokens requested (max_tokens) and not
 #     yet sampled, so a batch of long replies weighs more than a batch of short ones.
 #   - Each engine's share of a call runs on its own thread: engines sample at the same time.
+#   - Tokens are streamed from an engine only when the caller listens (`on_token`: loopback's streaming, an agent
+#     that streams): per-step outputs cost throughput (vLLM switches from each request's final output to a delta
+#     every step, ~25% slower on a GPU). A call not streamed holds its max_tokens as outstanding until it answers.
 #   - Failover: an engine whose generate fails with an engine-level error (anything but a ValueError, which is
-#     the request's own bad input and goes back to the caller as it is) or samples no token for `timeout_s` is
-#     probed and, if broken or hung, taken out of rotation; its requests are retried once on another live engine,
-#     or counted as lost and raised to the caller (EngineFailure). A request is never dropped silently.
+#     the request's own bad input and goes back to the caller as it is) is probed and, if broken, taken out of
+#     rotation; so is a hung engine: a streamed call that samples no token for `timeout_s`, or a call not streamed
+#     that has no answer for `timeout_s` and whose engine then fails a probe (an engine that answers the probe
+#     still samples, and the call waits another `timeout_s`). Its requests are retried once on another live
+#     engine, or counted as lost and raised to the caller (EngineFailure). A request is never dropped silently.
 #   - The control plane (pause, weight update, resume) fans out to the live engines, in that order, so no
 #     engine samples with weights older than the version it reports (invariant 2); an engine taken out rejoins
 #     only after loading the current weights.
@@ -49,7 +54,7 @@ class EngineStats:
     live: bool = True                  # in rotation
     down_reason: str = ""              # why it was taken out ("" while live)
     in_flight: int = 0                 # requests sent and not yet answered
-    outstanding_tokens: int = 0        # over those: max_tokens requested minus tokens already sampled
+    outstanding_tokens: int = 0        # over those: max_tokens requested minus tokens already streamed
     tokens: int = 0                    # tokens sampled
     busy_s: float = 0.0                # seconds with at least one request in flight
     served: int = 0                    # requests answered
@@ -67,14 +72,16 @@ class _Call:
     """One engine.generate call in flight: some of a caller's requests, sent to one engine as one batch."""
     engine: int
     indices: list[int]                 # each row's index in the caller's request list
-    reserved: int                      # sum of the rows' max_tokens (counted as outstanding until sampled)
-    last_token: float                  # Router._active_time() at the start or at the latest token
-    produced: int = 0                  # tokens sampled so far, all rows
+    reserved: int                      # sum of the rows' max_tokens (outstanding until streamed, or answered)
+    last_sign: float                   # Router._active_time() at the start, at the latest token (streamed), or
+                                       # when the engine last answered a probe (not streamed)
+    streaming: bool                    # the engine hears each token (the caller passed on_token)
+    produced: int = 0                  # tokens streamed so far, all rows
     streamed: set[int] = field(default_factory=set)   # requests whose caller's on_token has heard a token
     result: list[Generation] | None = None
     error: Exception | None = None
     caller_error: Exception | None = None   # raised by the caller's own on_token: goes back to the caller
-    timed_out: bool = False            # no token for timeout_s: the router stopped waiting
+    timed_out: bool = False            # hung (see Router._wait): the router stopped waiting
     closed: bool = False               # answered or given up on: a late token is refused, never relayed
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -84,9 +91,11 @@ class _Call:
 class Router:
     """Same interface as an engine (`generate`, `check`, `check_images`, `update_weights`, `pause`, `resume`,
     `sampler_state`, `load_sampler_state`, `version`), over several. `generate` also takes `session_ids`.
-    `timeout_s`: how long a request may go without sampling a token (its first one included) before it counts as
-    hung; time paused for a weight update does not count. `max_sessions`: sticky assignments remembered (least
-    recently used forgotten first; a forgotten session is placed again by load)."""
+    `timeout_s`: how long a streamed request may go without sampling a token (its first one included) before it
+    counts as hung; a request not streamed, whose tokens the router cannot see, counts as hung when it has no
+    answer for `timeout_s` and its engine then fails a probe. Time paused for a weight update does not count.
+    `max_sessions`: sticky assignments remembered (least recently used forgotten first; a forgotten session is
+    placed again by load)."""
 
     def __init__(self, engines: list, timeout_s: float = 300.0, max_sessions: int = 65536):
         if not engines:
@@ -134,9 +143,10 @@ class Router:
                  images: list[Sequence[ImageInput]] | None = None) -> list[Generation]:
         """Place every request (sticky by `session_ids[i]`, else least outstanding tokens), run each engine's share
         as one batch on its own thread, and return the results in request order (`on_token` is called with the
-        request's own index). Requests of a failed engine are retried once elsewhere; a request whose tokens
-        already reached `on_token` is not (the listener would hear a second reply), nor is one no engine is left
-        for: those raise EngineFailure. A ValueError, or an error of `on_token` itself, is raised as it is."""
+        request's own index; without it the engines stream nothing and answer with final outputs only). Requests
+        of a failed engine are retried once elsewhere; a request whose tokens already reached `on_token` is not
+        (the listener would hear a second reply), nor is one no engine is left for: those raise EngineFailure. A
+        ValueError, or an error of `on_token` itself, is raised as it is."""
         params_list = params_per_prompt(params, len(prompts))
         images = images_per_prompt(images, len(prompts))
         sessions = session_ids if session_ids is not None else [None] * len(prompts)
@@ -148,7 +158,7 @@ class Router:
         tried: list[set[int]] = [set() for _ in prompts]   # engines that failed each request
         pending = list(range(len(prompts)))
         for retry in (False, True):
-            calls = self._place(pending, sessions, params_list, tried, why)
+            calls = self._place(pending, sessions, params_list, tried, why, on_token is not None)
             wake = threading.Event()
             for call in calls:
                 self._launch(call, prompts, params_list, images, on_token, wake)
@@ -195,7 +205,7 @@ class Router:
         return again, None
 
     def _place(self, pending: list[int], sessions: list[str | None], params_list: list[SamplingParams],
-               tried: list[set[int]], why: dict[int, str]) -> list[_Call]:
+               tried: list[set[int]], why: dict[int, str], streaming: bool) -> list[_Call]:
         """Assign each pending request an engine it has not failed on, reserving its max_tokens there at once (so
         the next request of the same call sees the load); group them into one call per engine."""
         calls: dict[int, _Call] = {}
@@ -206,7 +216,7 @@ class Router:
                     why[i] = (why[i] + "; no other live engine to retry on") if i in why else "no live engine"
                     continue
                 if engine not in calls:
-                    calls[engine] = _Call(engine, [], 0, self._active_time())
+                    calls[engine] = _Call(engine, [], 0, self._active_time(), streaming)
                 calls[engine].indices.append(i)
                 calls[engine].reserved += params_list[i].max_tokens
                 self._reserve(engine, params_list[i].max_tokens)
@@ -243,8 +253,9 @@ class Router:
                 images: list[list[ImageInput]], on_token: Callable[[int, int], None] | None,
                 wake: threading.Event) -> None:
         """Run the call's rows as one engine.generate on a thread of its own (a daemon: a hung engine must not
-        keep the process alive). Every token passes through `relay`, which keeps the load counters and the
-        timeout clock, and refuses tokens of a call the router has given up on."""
+        keep the process alive). Every token of a streamed call passes through `relay`, which keeps the load
+        counters and the timeout clock, and refuses tokens of a call the router has given up on; a call not
+        streamed gives the engine no listener, and its tokens are counted when it answers."""
         stats = self._stats[call.engine]
 
         def relay(row: int, token_id: int) -> None:
@@ -252,7 +263,7 @@ class Router:
                 if call.closed:
                     raise RuntimeError(f"engine {call.engine}: the router gave up on this request")
                 call.produced += 1
-                call.last_token = self._active_time()
+                call.last_sign = self._active_time()
                 stats.tokens += 1
                 stats.outstanding_tokens -= 1
             if on_token is not None:
@@ -265,9 +276,13 @@ class Router:
 
         def serve() -> None:
             try:
-                call.result = self.engines[call.engine].generate(
-                    [prompts[i] for i in call.indices], [params_list[i] for i in call.indices], relay,
-                    images=[images[i] for i in call.indices])
+                result = self.engines[call.engine].generate(
+                    [prompts[i] for i in call.indices], [params_list[i] for i in call.indices],
+                    relay if call.streaming else None, images=[images[i] for i in call.indices])
+                with self._lock:
+                    if not (call.streaming or call.closed):   # as a late token, a late answer is not counted
+                        stats.tokens += sum(len(g.token_ids) for g in result)
+                call.result = result
             except Exception as error:
                 call.error = error
             finally:
@@ -276,17 +291,25 @@ class Router:
         threading.Thread(target=serve, name=f"router-engine-{call.engine}", daemon=True).start()
 
     def _wait(self, calls: list[_Call], wake: threading.Event) -> None:
-        """Until every call has answered or gone `timeout_s` of unpaused time without a token."""
+        """Until every call has answered or is hung: `timeout_s` of unpaused time without a sign of life. A
+        streamed call's sign is a token. A call not streamed shows none until it answers, so then its engine is
+        probed: if the probe answers, the engine still samples and the call's clock starts again; if not, the
+        call is hung. (Probes run one at a time, so a hung engine's probe can hold the other calls' checks back by
+        up to `timeout_s`.)"""
         while True:
             wake.clear()                         # cleared before looking, so an answer in between is not missed
+            for call in calls:
+                if call.done.is_set() or call.timed_out or self._active_time() - call.last_sign < self.timeout_s:
+                    continue
+                if call.streaming or not self._healthy(call.engine):
+                    call.timed_out = not call.done.is_set()
+                else:
+                    call.last_sign = self._active_time()
             waiting = [c for c in calls if not (c.done.is_set() or c.timed_out)]
-            now = self._active_time()
-            for call in waiting:
-                call.timed_out = not call.done.is_set() and now - call.last_token >= self.timeout_s
-            waiting = [c for c in waiting if not c.timed_out]
             if not waiting:
                 return
-            wake.wait(max(min(self.timeout_s - (now - c.last_token) for c in waiting), 0.01))
+            now = self._active_time()
+            wake.wait(max(min(self.timeout_s - (now - c.last_sign) for c in waiting), 0.01))
 
     def _close(self, call: _Call) -> None:
         """Release the call's reservation and, if it was the engine's last, end its busy time."""
@@ -305,7 +328,8 @@ class Router:
         with self._lock:
             self._stats[call.engine].failed += len(call.indices)
         if call.timed_out:
-            reason = f"engine {call.engine} sampled no token for {self.timeout_s:g} s"
+            reason = (f"engine {call.engine} sampled no token for {self.timeout_s:g} s" if call.streaming else
+                      f"engine {call.engine} answered nothing for {self.timeout_s:g} s and failed a probe")
             self._take_out(call.engine, reason)
             return reason
         reason = f"engine {call.engine} failed: {type(call.error).__name__}: {call.error}"
@@ -315,10 +339,11 @@ class Router:
         return reason
 
     def _healthy(self, engine: int) -> bool:
-        """Does the engine still sample? One probe request, under the same timeout."""
+        """Does the engine still sample? One probe request, under the same timeout. The probe is streamed, so
+        its own clock gives up on it (one token: streaming it costs nothing, and a probe is never probed)."""
         with self._lock:
             self._reserve(engine, PROBE_PARAMS.max_tokens)
-            probe = _Call(engine, [0], PROBE_PARAMS.max_tokens, self._active_time())
+            probe = _Call(engine, [0], PROBE_PARAMS.max_tokens, self._active_time(), streaming=True)
         wake = threading.Event()
         self._launch(probe, [PROBE_PROMPT], [PROBE_PARAMS], [[]], None, wake)
         self._wait([probe], wake)

@@ -116,10 +116,15 @@ class EngineActor:
         self.engine = build(*args)
 
     @ray.method(concurrency_group="data", num_returns="streaming")
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list):
-        """Yields ("tokens", [(row, token_id), ...]) as tokens are sampled (whatever accumulated since the last
-        yield, so a fast engine costs one message per batch of tokens, not per token), then ("done", generations).
-        The engine's own error (a ValueError for a bad request) is raised to the caller as it is."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: bool):
+        """With `stream`, yields ("tokens", [(row, token_id), ...]) as tokens are sampled (whatever accumulated
+        since the last yield, so a fast engine costs one message per batch of tokens, not per token), then ("done",
+        generations); without, only ("done", generations), and the engine gets no listener (per-step outputs cost
+        a vLLM engine throughput). The engine's own error (a ValueError for a bad request) is raised to the caller
+        as it is."""
+        if not stream:
+            yield "done", self.engine.generate(prompts, params, images=images)
+            return
         sampled: queue.SimpleQueue = queue.SimpleQueue()
         result: dict = {}
 
@@ -217,8 +222,8 @@ class EngineDied(RuntimeError):
 
 class EngineProxy:
     """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and the
-    agent runners use engines in other processes as they use local ones. Tokens stream back as they are sampled
-    (`on_token` hears them live, as loopback's streaming needs and the router's hung-request clock expects).
+    agent runners use engines in other processes as they use local ones. When the caller passes `on_token`, tokens
+    stream back as they are sampled (it hears them live, as loopback's streaming needs); otherwise only the result.
     Failover is the router's: a dead actor raises EngineDied on every call."""
 
     def __init__(self, index: int, handle, version: int):
@@ -243,15 +248,14 @@ class EngineProxy:
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
         stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
-                                             images_per_prompt(images, len(prompts)))
+                                             images_per_prompt(images, len(prompts)), on_token is not None)
         try:
             for ref in stream:
                 kind, payload = ray.get(ref)
                 if kind == "done":
                     return payload
-                for row, token_id in payload:
-                    if on_token is not None:
-                        on_token(row, token_id)
+                for row, token_id in payload:      # "tokens" come only when asked for, so on_token is set
+                    on_token(row, token_id)
         except ray.exceptions.RayActorError as error:
             self.dead = True
             raise EngineDied(f"engine {self.index}'s process died: {error}") from None

@@ -1,8 +1,9 @@
 # The router in front of several real EmbeddedEngines: a session (a multi-turn rollout, a loopback session over
 # real HTTP and the openai SDK) stays on one engine; otherwise the engine with the fewest outstanding tokens
-# serves; engines sample at the same time; an engine that dies or hangs is taken out and its requests are retried
-# on another with exactly the seeded tokens, or raised as lost, never dropped; the control plane reaches live
-# engines only, and an engine rejoins only with the current weights.
+# serves; engines sample at the same time; an engine streams tokens only to a caller that listens; an engine that
+# dies or hangs is taken out and its requests are retried on another with exactly the seeded tokens, or raised as
+# lost, never dropped, while one that is only slow keeps its requests; the control plane reaches live engines
+# only, and an engine rejoins only with the current weights.
 import copy
 import logging
 import threading
@@ -111,6 +112,28 @@ class Hanging:
             return self.engine.generate(prompts, params, on_token, images=images)
         finally:
             self.ended.set()
+
+
+class Paced:
+    """A real engine that records the listener (`on_token`) each generate call was given and samples
+    `per_token_s` slower a token: a listener of its own sleeps on the decoding thread, so every request in the
+    batch is slowed, a probe that joins it included, as on a loaded engine that still samples."""
+
+    def __init__(self, engine, per_token_s: float = 0.0):
+        self.engine, self.per_token_s = engine, per_token_s
+        self.listeners: list = []          # each generate call's on_token, in call order
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts, params, on_token=None, images=None):
+        self.listeners.append(on_token)
+
+        def paced(index, token_id):
+            time.sleep(self.per_token_s)
+            if on_token is not None:
+                on_token(index, token_id)
+        return self.engine.generate(prompts, params, paced, images=images)
 
 
 def assert_equal_to_reference(gens, reference) -> None:
@@ -252,6 +275,76 @@ def test_two_engines_sample_at_the_same_time(two_engines):
     assert wall < 2 * 8 * 0.05                                                # less than the two run one after another
 
 
+# ---- streaming only for a caller that listens ----
+
+def test_an_engine_gets_a_listener_only_when_the_caller_passed_one(tiny):
+    paced = Paced(EmbeddedEngine(tiny))
+    router = Router([paced])
+    quiet = router.generate([[1, 2]], SHORT)
+    heard = []
+    streamed = router.generate([[1, 2]], SHORT, on_token=lambda i, t: heard.append(t))
+    assert paced.listeners[0] is None and callable(paced.listeners[1]) and len(paced.listeners) == 2
+    assert heard == streamed[0].token_ids == quiet[0].token_ids                  # the same seeded reply either way
+    assert router.stats()[0].tokens == 6                                         # counted when not streamed too
+
+
+def test_outstanding_tokens_of_a_call_not_streamed_are_held_until_it_answers_then_released(two_engines):
+    router = Router(two_engines)
+    for engine in two_engines:
+        engine.pause()                                          # requests stay in flight until resumed
+    long = replace(SHORT, max_tokens=20)
+    threads = [threading.Thread(target=router.generate, args=([[1, 2]], long))]
+    threads[0].start()
+    wait_until(lambda: router.stats()[0].in_flight == 1)
+    threads.append(threading.Thread(target=router.generate, args=([[3, 4]], long),
+                                    kwargs={"on_token": lambda i, t: None}))
+    threads[1].start()
+    wait_until(lambda: router.stats()[1].in_flight == 1)
+    two_engines[1].resume()                                     # the streamed call runs down its reservation
+    threads[1].join(timeout=60)
+    assert [s.outstanding_tokens for s in router.stats()] == [20, 0]
+    two_engines[0].resume()                                     # the call not streamed releases its own at the end
+    threads[0].join(timeout=60)
+    stats = router.stats()
+    assert [s.outstanding_tokens for s in stats] == [0, 0] and [s.in_flight for s in stats] == [0, 0]
+    assert [s.tokens for s in stats] == [20, 20] and [s.served for s in stats] == [1, 1]
+
+
+def test_a_call_not_streamed_on_a_slow_but_live_engine_is_probed_and_kept_not_failed_over(tiny):
+    """25 tokens at 0.2 s each: the request takes 5 s, two and a half timeouts, without the router seeing a token;
+    the probes join the running batch and answer, so the engine stays in and the request's own answer returns."""
+    paced = Paced(EmbeddedEngine(copy.deepcopy(tiny)), per_token_s=0.2)
+    router = Router([paced], timeout_s=2.0)
+    params = [replace(SHORT, max_tokens=25)]
+    gens = router.generate([[1, 2]], params)
+    assert paced.listeners[0] is None and len(paced.listeners) >= 2       # the request, then at least one probe
+    assert_equal_to_reference(gens, EmbeddedEngine(tiny).generate([[1, 2]], params))
+    stats = router.stats()[0]
+    assert stats.live and stats.failed == 0 and stats.served == 1 and router.lost == 0
+    assert stats.outstanding_tokens == 0 and stats.in_flight == 0
+
+
+def test_a_call_not_streamed_on_a_hung_engine_fails_over_once_the_probe_hangs_too(tiny):
+    hanging, healthy = Hanging(EmbeddedEngine(copy.deepcopy(tiny))), EmbeddedEngine(copy.deepcopy(tiny))
+    router = Router([hanging, healthy], timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        gens = router.generate(PROMPTS, PARAMS)
+        assert 2.0 <= time.monotonic() - started < 30            # no answer for 1 s, then a probe hung for 1 s
+        assert_equal_to_reference(gens, EmbeddedEngine(tiny).generate(PROMPTS, PARAMS))
+        stats = router.stats()
+        assert not stats[0].live and "answered nothing for 1 s and failed a probe" in stats[0].down_reason
+        assert stats[0].failed == 2 and stats[1].served == 4 and stats[1].retried == 2 and router.lost == 0
+        assert [s.outstanding_tokens for s in stats] == [0, 0] and [s.in_flight for s in stats] == [0, 0]
+    finally:
+        hanging.release.set()
+    # the abandoned call answers late: its tokens are not counted
+    for thread in threading.enumerate():
+        if thread.name == "router-engine-0":
+            thread.join(timeout=60)
+    assert router.stats()[0].tokens == 0
+
+
 # ---- failover ----
 
 def test_an_engine_that_dies_mid_run_is_taken_out_and_its_requests_are_retried_exactly(tiny, caplog):
@@ -304,19 +397,21 @@ def test_a_hung_engine_times_out_is_taken_out_and_the_other_serves_every_request
 
 def test_a_hung_request_with_no_engine_left_to_retry_on_is_raised_as_lost(tiny):
     router = Router([Hanging(EmbeddedEngine(tiny))], timeout_s=0.5)
-    with pytest.raises(EngineFailure, match="no token for 0.5 s; no other live engine to retry on"):
+    with pytest.raises(EngineFailure, match="failed a probe; no other live engine to retry on"):
         router.generate([[1, 2]], SHORT)
     assert router.lost == 1 and router.metrics()["perf/requests_lost_total"] == 1.0
     router.engines[0].release.set()
 
 
-def test_time_paused_for_a_weight_update_does_not_count_toward_the_timeout(two_engines):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_time_paused_for_a_weight_update_does_not_count_toward_the_timeout(two_engines, streamed):
     router = Router(two_engines, timeout_s=0.5)
     router.pause()
     result = []
-    waiting = threading.Thread(target=lambda: result.append(router.generate([[1, 2], [3, 4]], SHORT)))
+    on_token = (lambda i, t: None) if streamed else None
+    waiting = threading.Thread(target=lambda: result.append(router.generate([[1, 2], [3, 4]], SHORT, on_token)))
     waiting.start()
-    time.sleep(1.0)                                           # twice the timeout, paused
+    time.sleep(2.0)                                           # four timeouts, paused (a probe would hang and fail)
     assert all(s.live for s in router.stats())
     router.resume()
     waiting.join(timeout=60)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -146,6 +147,10 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
         with pytest.raises(ValueError, match="at least one token"):   # a bad request is the caller's error, across
             router.generate([[]], params)                              # processes too: the engine stays in rotation
         assert router.metrics()["perf/engines_live"] == 1
+        # a caller that does not listen is sent the result alone: no token messages cross the processes
+        quiet = rt.proxies[0].handle.generate.remote([prompt], [replace(params, max_tokens=4)], [[]], False)
+        replies = [ray.get(ref) for ref in quiet]
+        assert [kind for kind, _ in replies] == ["done"] and replies[0][1][0].policy_versions == [1] * 4
     finally:
         runtime.stop(rt)
     n1 = gen.policy_versions.count(0)
