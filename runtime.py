@@ -1,21 +1,23 @@
 # runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
 # trainer while it trains, and weight updates that land in the middle of requests.
 #
-# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `TrainerGroup` (the
-# actor as FSDP2 ranks in Ray actors), `EngineActor` (one engine in a Ray actor, tokens streamed back as sampled)
-# and `EngineProxy` (the engine interface in the driver, so
-# router.Router places requests, fails over and fans out the control plane as it does for local engines),
-# `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained more
-# than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
+# Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `EngineActor` (one
+# engine in a Ray actor; tokens streamed back as sampled when the caller listens) and `EngineProxy` (the engine
+# interface in the driver, so router.Router places requests, fails over and fans out the control plane as it does
+# for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else a `WeightChannel`:
+# a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor as FSDP2 ranks in Ray
+# actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
+# more than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
 # version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
 # seconds and bytes; tokens/s per engine and retried/failed requests are the router's).
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with
 # --runtime.trainer_ranks N, N FSDP2 ranks each in a Ray actor (`TrainerGroup`: torch.distributed over gloo or NCCL,
-# ranks on one node, each step's rollouts dealt between them whole), with the same interface, so the loop in
-# train.py reads as before; agent runners are threads of the driver (an episode mostly waits on its engine, and
-# an env step is ordinary Python the recipe wrote).
+# ranks placed by a Ray placement group on one node or across several and meeting at rank 0's node, each step's
+# rollouts dealt between them whole), with the same interface, so the loop in train.py reads as before; agent
+# runners are threads of the driver (an episode mostly waits on its engine, and an env step is ordinary Python the
+# recipe wrote).
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
 # it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import algo
 import invariants
@@ -44,6 +48,7 @@ from vllm_engine import VLLMEngine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "ray")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")    # Ray's placement group strategies
 
 
 # ---- config ---------------------------------------------------------------------------------------------
@@ -57,8 +62,9 @@ class RuntimeConfig:
     engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)
     address: str = ""           # a running Ray cluster to join (launch.sh cluster starts one); "" = start Ray here
     object_store_mb: int = 0    # object store of a Ray started here, MiB (0 = Ray's default); rollouts pass through it
-    trainer_ranks: int = 1      # ray: FSDP2 ranks of the actor, each a Ray actor on this node (1 = the driver trains)
+    trainer_ranks: int = 1      # ray: FSDP2 ranks of the actor, each a Ray actor on any node (1 = the driver trains)
     trainer_gpus: float = 0.0   # GPUs per trainer rank (0 = gloo on CPUs)
+    trainer_placement: str = "PACK"   # Ray placement of the ranks: PACK = one node if they fit, else fewest nodes
 
 
 def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
@@ -72,6 +78,8 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
     if cfg.trainer_ranks < 1 or cfg.trainer_gpus < 0 or (cfg.trainer_ranks > 1 and cfg.mode != "ray"):
         raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus >= 0 "
                          f"are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
+    if cfg.trainer_placement not in PLACEMENTS:
+        raise ValueError(f"runtime.trainer_placement {cfg.trainer_placement!r} unknown; use one of {PLACEMENTS}")
     if cfg.mode != "ray" or cfg.eta == 0:
         return
     if correction.level == "off":
@@ -414,15 +422,28 @@ def _gpu_uuid(device: int) -> str:
 @ray.remote
 class TrainerRank:
     """One rank of the policy: actor.Actor under torch.distributed (NCCL on GPUs, gloo on CPUs), holding its FSDP2
-    shard. Every call is collective: the TrainerGroup makes it on all ranks at once."""
+    shard. Made in two steps, `locate` then `join`, because the ranks meet at rank 0's node, which is known only
+    once Ray has placed rank 0. Every call after `join` is collective: the TrainerGroup makes it on all ranks."""
 
-    def __init__(self, rank: int, world_size: int, port: int, model_path: str, cfg, total_steps: int, seed: int,
-                 threads: int):
+    def __init__(self, threads: int):
+        torch.set_num_threads(threads)
+
+    def locate(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP, a port free on this node): rank 0's IP and port are where every rank meets."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, rank: int, world_size: int, master_ip: str, master_port: int, socket_env: dict[str, str],
+             model_path: str, cfg, total_steps: int, seed: int) -> None:
         import torch.distributed as dist
 
         import actor
-        torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # An interface named on this node (its `ray start` environment) wins over the driver's. Named nowhere,
+        # gloo binds the address this host's name resolves to (loopback when it resolves to none), which serves
+        # one machine; across hosts that may be a loopback alias, and only the user knows which interface the
+        # nodes share, so none is guessed here.
+        for name, value in socket_env.items():
+            os.environ.setdefault(name, value)
+        os.environ.update(MASTER_ADDR=master_ip, MASTER_PORT=str(master_port))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
         self.policy = actor.Actor(model_path, cfg, total_steps=total_steps, seed=seed)
 
@@ -439,19 +460,46 @@ class TrainerRank:
 
 
 class TrainerGroup:
-    """actor.Actor's interface over --runtime.trainer_ranks FSDP2 ranks (one node; ranks rendezvous on loopback).
+    """actor.Actor's interface over --runtime.trainer_ranks FSDP2 ranks, one Ray actor each, placed by a placement
+    group (one bundle of `cpus` CPUs and `gpus` GPUs per rank; `placement` is its strategy: PACK uses one node when
+    the ranks fit there and spreads over the fewest nodes when they do not). The ranks rendezvous at rank 0's node.
     A step's rows are dealt to the ranks by whole rollouts, balanced by tokens (a rollout's rows stay on one rank:
     its sequence-level terms need them together); each rank trains its own rows and the loss's global
     denominators are all-reduced inside actor.train_step, so the step equals one process on the whole batch."""
 
-    def __init__(self, ranks: int, model_path: str, cfg, total_steps: int, seed: int, cpus: float, gpus: float):
+    def __init__(self, ranks: int, model_path: str, cfg, total_steps: int, seed: int, cpus: float, gpus: float,
+                 placement: str = "PACK", ready_timeout_s: float = 600.0):
         from transformers import AutoConfig
-        port = _free_port()
-        self.ranks = [TrainerRank.options(num_cpus=cpus, num_gpus=gpus).remote(
-            r, ranks, port, model_path, cfg, total_steps, seed, max(1, int(cpus))) for r in range(ranks)]
+        bundle = {"CPU": cpus, "GPU": gpus}
+        self.placement = placement_group([bundle] * ranks, strategy=placement)
+        try:       # a placement the cluster cannot hold would otherwise wait forever, silently
+            ray.get(self.placement.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement)
+            raise RuntimeError(
+                f"runtime: {ranks} trainer ranks of {bundle} each (placement {placement}) were not placed within "
+                f"{ready_timeout_s:.0f} s; the cluster has {ray.cluster_resources()} in all, "
+                f"{ray.available_resources()} free. Add nodes, lower --runtime.trainer_ranks or "
+                f"--runtime.trainer_gpus, or relax --runtime.trainer_placement") from None
+
+        def rank_actor(r: int):
+            in_bundle = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r)
+            return TrainerRank.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=in_bundle).remote(
+                max(1, int(cpus)))
+        socket_env = {name: os.environ[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                      if name in os.environ}
+        # rank 0 first: the rendezvous (torch's TCPStore) listens on its node, whichever node Ray chose
+        self.ranks = [rank_actor(0)]
+        try:
+            _, master_ip, master_port = ray.get(self.ranks[0].locate.remote())
+            self.ranks += [rank_actor(r) for r in range(1, ranks)]
+            ray.get([rank.join.remote(r, ranks, master_ip, master_port, socket_env, model_path, cfg, total_steps,
+                                      seed) for r, rank in enumerate(self.ranks)])
+        except BaseException:           # a rank that failed to start must not keep the others' resources
+            self.shutdown()
+            raise
         self.model = _ConfigOnly(AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
         self.device = torch.device("cpu")       # the driver holds no weights: exports come to it on the CPU
-        ray.get([r.version.remote() for r in self.ranks])
 
     @property
     def version(self) -> int:
@@ -502,6 +550,12 @@ class TrainerGroup:
     def load_checkpoint(self, path: str) -> dict:
         return self._all("load_checkpoint", path)[0]
 
+    def shutdown(self) -> None:
+        """End the ranks and give their placement group's resources back to the cluster."""
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.placement)
+
 
 class _ConfigOnly:
     def __init__(self, config):
@@ -517,9 +571,10 @@ def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.
 
 
 def _free_port() -> int:
+    """A port free on every interface of this node (the rendezvous store listens on all of them)."""
     import socket
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

@@ -238,7 +238,7 @@ def main(argv: list[str]) -> None:
     if rt_cfg.trainer_ranks > 1:        # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
         runtime.connect(rt_cfg)
         policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"], run.steps * tr.minibatches,
-                                      run.seed, cpus=1, gpus=rt_cfg.trainer_gpus)
+                                      run.seed, cpus=1, gpus=rt_cfg.trainer_gpus, placement=rt_cfg.trainer_placement)
     else:
         policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
@@ -273,6 +273,8 @@ def main(argv: list[str]) -> None:
         start_step = resume_run(run_state, engine) if tr.resume else 0
         train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper)
     finally:
+        if isinstance(policy, runtime.TrainerGroup):
+            policy.shutdown()           # its ranks, and the placement group that holds their resources
         if ray_rt is not None:
             runtime.stop(ray_rt)
         if isinstance(rollout_engine, VLLMEngine):

@@ -1,6 +1,7 @@
 # The async runtime on a real Ray cluster on this machine (CPU): engines in their own processes, the streaming
 # pool's admission rule, partial rollouts across weight updates, an engine killed mid-run, eta = 0 against the
-# synchronous loop, and launch.sh's one-node cluster. Ray runs with few CPUs and a 100 MB object store.
+# synchronous loop, launch.sh's one-node cluster, and FSDP2 trainer ranks on two Ray nodes of this machine. Ray
+# runs with few CPUs and a 100 MB object store.
 import copy
 import json
 import os
@@ -17,12 +18,15 @@ import ray
 import torch
 from transformers import DynamicCache
 
+import actor
+import algo
 import invariants
 import models
 import runtime
 import train
 from rollout import Generation, SamplingParams
 from router import Router
+from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, make_batch, max_abs_diff, on_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,6 +291,9 @@ def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
     assert cfg["runtime"].eta == 1
     with pytest.raises(SystemExit):        # trainer ranks are Ray actors: the sync loop has none
         train.parse_config(["--model", "tiny-qwen3", "--runtime.trainer_ranks", "2"])
+    with pytest.raises(SystemExit):        # not one of Ray's placement strategies
+        train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2",
+                                   "--runtime.trainer_placement", "spread"])
 
 
 def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp_path):
@@ -317,3 +324,57 @@ def test_two_fsdp2_trainer_ranks_in_ray_actors_train_as_one_process_does(parity_
             assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     trace = [json.loads(line) for line in open(os.path.join(tmp_path / "two", "traces", "step_000002.jsonl"))]
     assert trace and all(len(row["loss_contribution"]) == len(row["token_ids"]) for row in trace)
+
+
+# ---- trainer ranks on two Ray nodes ----------------------------------------------------------------------------
+
+@pytest.fixture
+def two_ray_nodes():
+    """A Ray cluster of two nodes on this machine (a head and a worker, each its own raylet with one CPU), joined
+    as train.py joins one. The file's other tests start and stop a Ray of their own, so none is connected here."""
+    from ray.cluster_utils import Cluster
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 * 2**20,
+                                                            "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+        cluster.wait_for_nodes()
+        runtime.connect(runtime.RuntimeConfig(address=cluster.address))
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_trainer_ranks_on_two_ray_nodes_meet_at_rank_0s_node_and_train_as_one_process_does(two_ray_nodes):
+    """Two gloo ranks forced onto two nodes (STRICT_SPREAD) rendezvous at rank 0's node; two steps on the same
+    batches give the one-process actor's metrics, per-token losses and weights. A placement the cluster cannot
+    hold fails within its timeout, naming what was asked; shutdown gives the placement groups back."""
+    from ray.util.placement_group import placement_group_table
+    path = models.tiny_model_dir("qwen3")
+    group = runtime.TrainerGroup(2, path, FSDP_CONFIG, total_steps=2, seed=0, cpus=1, gpus=0,
+                                 placement="STRICT_SPREAD")
+    try:
+        nodes = [node for node, _, _ in ray.get([r.locate.remote() for r in group.ranks])]   # asked inside each rank
+        single = actor.Actor(path, FSDP_CONFIG, total_steps=2, seed=0)
+        for step in range(2):
+            batch, same = (make_batch(FSDP_LENGTHS, FSDP_PROMPT, single.model.config.vocab_size, seed=step,
+                                      version=step) for _ in range(2))
+            args = (algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), step)
+            have = group.train_step(batch, on_policy(batch, group), *args)
+            want = single.train_step(same, on_policy(same, single), *args)
+            assert want.metrics["actor/grad_norm"] > 0 and have.metrics.keys() == want.metrics.keys()
+            for key, value in want.metrics.items():
+                assert have.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+            assert (have.loss_contribution - want.loss_contribution).abs().max() <= 1e-6
+        assert group.version == single.version == 2
+        assert max_abs_diff(group.export_weights(), single.export_weights()) <= 1e-5
+
+        with pytest.raises(RuntimeError, match=r"3 trainer ranks of \{'CPU': 1, 'GPU': 0\} each \(placement "
+                                               r"STRICT_SPREAD\) were not placed within 2 s"):
+            runtime.TrainerGroup(3, path, FSDP_CONFIG, total_steps=2, seed=0, cpus=1, gpus=0,
+                                 placement="STRICT_SPREAD", ready_timeout_s=2)
+    finally:
+        group.shutdown()
+    assert len(set(nodes)) == 2 and set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert [g["state"] for g in placement_group_table().values()] == ["REMOVED", "REMOVED"]
