@@ -65,12 +65,17 @@ class RuntimeConfig:
     trainer_ranks: int = 1      # ray: FSDP2 ranks of the actor, each a Ray actor on any node (1 = the driver trains)
     trainer_gpus: float = 0.0   # GPUs per trainer rank (0 = gloo on CPUs)
     trainer_placement: str = "PACK"   # Ray placement of the ranks: PACK = one node if they fit, else fewest nodes
+    runners: int = 0            # ray: agent runners as Ray actors (0 = threads of the driver)
+    runner_cpus: float = 1.0    # CPUs per runner actor (its environments' and tools' work)
 
 
 def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
     """Refuse runtime settings that would hang or train silently wrong (ValueError saying why)."""
     if cfg.mode not in MODES:
         raise ValueError(f"runtime.mode {cfg.mode!r} unknown; use one of {MODES}")
+    if cfg.runners < 0 or cfg.runner_cpus <= 0 or (cfg.runners and cfg.mode != "ray"):
+        raise ValueError(f"runtime: runners >= 0 (runner actors only with --runtime.mode ray) and runner_cpus > 0 are "
+                         f"required; got {cfg.runners}, {cfg.runner_cpus} in mode {cfg.mode!r}")
     if cfg.eta < 0 or cfg.engines < 1 or cfg.engine_cpus <= 0 or cfg.engine_gpus < 0 or cfg.object_store_mb < 0:
         raise ValueError(f"runtime: eta >= 0, engines >= 1, engine_cpus > 0, engine_gpus >= 0 and object_store_mb "
                          f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
@@ -122,6 +127,21 @@ class EngineActor:
 
     def __init__(self, build: Callable, *args):
         self.engine = build(*args)
+        # the engine's busy clock: seconds with at least one request in flight, whichever process sent it
+        self._clock = threading.Lock()
+        self._in_flight, self._busy_s, self._busy_since = 0, 0.0, 0.0
+
+    def _started(self) -> None:
+        with self._clock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+
+    def _ended(self) -> None:
+        with self._clock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_s += time.monotonic() - self._busy_since
 
     @ray.method(concurrency_group="data", num_returns="streaming")
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: bool):
@@ -130,6 +150,13 @@ class EngineActor:
         generations); without, only ("done", generations), and the engine gets no listener (per-step outputs cost
         a vLLM engine throughput). The engine's own error (a ValueError for a bad request) is raised to the caller
         as it is."""
+        self._started()
+        try:
+            yield from self._generate(prompts, params, images, stream)
+        finally:
+            self._ended()
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: bool):
         if not stream:
             yield "done", self.engine.generate(prompts, params, images=images)
             return
@@ -203,6 +230,11 @@ class EngineActor:
     @ray.method(concurrency_group="control")
     def version(self) -> int:
         return self.engine.version
+
+    @ray.method(concurrency_group="control")
+    def busy_seconds(self) -> float:
+        with self._clock:
+            return self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
 
     @ray.method(concurrency_group="control")
     def check_images(self, prompt: list[int], images: list) -> None:
@@ -578,6 +610,77 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---- agent runners in their own processes --------------------------------------------------------------------
+
+@ray.remote
+class RunnerActor:
+    """The recipe's AgentRunner in a Ray actor (--runtime.runners), so environments and tools that work the CPU
+    run beside the trainer rather than in its process. It samples through a router of its own over the same engine
+    actors (sticky sessions hold within a runner: a rollout never leaves the runner that started it); the driver's
+    router keeps the control plane (pause, weights, resume). Many groups run at once, on the actor's threads."""
+
+    def __init__(self, recipe: str, model_path: str, engines: list, version: int, runner_kwargs: dict):
+        import train
+        from router import Router
+        self.router = Router([EngineProxy(i, handle, version) for i, handle in enumerate(engines)])
+        self.runner = train.load_recipe(recipe).AgentRunner(
+            self.router, models.load_tokenizer(model_path), image_processor=models.load_image_processor(model_path),
+            **runner_kwargs)
+        self._counted = threading.Lock()
+
+    def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> tuple[list, dict[str, int]]:
+        """The runner's rollouts of `tasks`, and the failures counted while making them."""
+        with self._counted:
+            before = dict(self.runner.failures)
+        rollouts = self.runner.run(tasks, group_ids, sampling)
+        with self._counted:
+            now = dict(self.runner.failures)
+            delta = {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+        return rollouts, delta
+
+    def metrics(self) -> dict[str, float]:
+        return self.router.metrics()
+
+
+class RunnerGroup:
+    """The runner interface (`run`, `failures`) over the runner actors: each call goes to the one with the fewest
+    calls in flight."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+        self.failures: dict[str, int] = {}
+        self._in_flight = [0] * len(handles)
+        self._lock = threading.Lock()
+
+    def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list:
+        with self._lock:
+            pick = min(range(len(self.handles)), key=self._in_flight.__getitem__)
+            self._in_flight[pick] += 1
+        try:
+            rollouts, failures = ray.get(self.handles[pick].run.remote(tasks, group_ids, sampling))
+        finally:
+            with self._lock:
+                self._in_flight[pick] -= 1
+        with self._lock:
+            for reason, count in failures.items():
+                self.failures[reason] = self.failures.get(reason, 0) + count
+        return rollouts
+
+    def metrics(self) -> dict[str, float]:
+        """The runners' routers' metrics, merged: counts summed, live engines the fewest any runner sees, and an
+        engine's tokens/s summed over runners (each router sees its own share while it has requests there)."""
+        merged: dict[str, float] = {}
+        for m in ray.get([h.metrics.remote() for h in self.handles]):
+            for key, value in m.items():
+                if key not in merged:
+                    merged[key] = value
+                elif key == "perf/engines_live":
+                    merged[key] = min(merged[key], value)
+                else:
+                    merged[key] += value
+        return merged
+
+
 # ---- the runtime: Ray, the engines, the weights ----------------------------------------------------------
 
 class Runtime:
@@ -591,6 +694,7 @@ class Runtime:
                                        num_gpus=cfg.engine_gpus).remote(build, *build_args(i))
                    for i in range(cfg.engines)]
         self.proxies = [EngineProxy(i, handle, version) for i, handle in enumerate(handles)]
+        self.runners: RunnerGroup | None = None
         self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -610,20 +714,37 @@ class Runtime:
         return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes),
                 "runtime/weight_sync_ipc_engines": float(ipc)}
 
-    def engine_metrics(self, router) -> dict[str, float]:
+    def engine_metrics(self) -> dict[str, float]:
         """Each engine's idle fraction since the last call: 1 - (time with a request in flight) / (wall time), from
-        the router's busy clock (router.Router.stats: tokens/s, retries and failures are in router.metrics())."""
-        now, busy = time.monotonic(), [s.busy_s for s in router.stats()]
+        the engine actor's own busy clock, so requests from the driver's runners and from runner actors both count
+        (tokens/s, retries and failures are the routers': router.Router.metrics, RunnerGroup.metrics)."""
+        busy = []
+        for p in self.proxies:
+            try:
+                busy.append(ray.get(p.handle.busy_seconds.remote()))
+            except ray.exceptions.RayActorError:       # a dead engine samples nothing
+                busy.append(None)
+        now = time.monotonic()
         last, self._last = self._last, (now, busy)
         if last is None:
             return {}
         wall = max(now - last[0], 1e-9)
-        idle = [1.0 - min((b - b0) / wall, 1.0) for b, b0 in zip(busy, last[1])]
+        idle = [1.0 if b is None or b0 is None else 1.0 - min((b - b0) / wall, 1.0) for b, b0 in zip(busy, last[1])]
         m = {f"runtime/engine{e}_idle_frac": f for e, f in enumerate(idle)}
         m["runtime/engine_idle_frac"] = sum(idle) / len(idle)
         return m
 
+    def start_runners(self, cfg: RuntimeConfig, recipe: str, model_path: str, version: int,
+                      runner_kwargs: dict) -> RunnerGroup:
+        """--runtime.runners agent runners as Ray actors, each with its own router over this runtime's engines."""
+        self.runners = RunnerGroup([RunnerActor.options(num_cpus=cfg.runner_cpus, max_concurrency=256).remote(
+            recipe, model_path, [p.handle for p in self.proxies], version, runner_kwargs) for _ in range(cfg.runners)])
+        return self.runners
+
     def stop(self) -> None:
+        if self.runners is not None:
+            for handle in self.runners.handles:
+                ray.kill(handle)
         for p in self.proxies:
             try:                # a vLLM engine's own processes stop with it; a dead actor has nothing left to stop
                 ray.get(p.handle.shutdown.remote(), timeout=60)
@@ -644,7 +765,7 @@ def connect(cfg: RuntimeConfig) -> None:
         # the engines' and trainer ranks' CPUs are reserved; the driver (runner threads) uses what is left
         # address="local": a new Ray of our own, even where another cluster runs on this machine
         ranks = cfg.trainer_ranks if cfg.trainer_ranks > 1 else 0
-        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus) + ranks, include_dashboard=False,
+        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus + cfg.runners * cfg.runner_cpus) + ranks, include_dashboard=False,
                  log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
                  runtime_env={"env_vars": env})
 

@@ -289,8 +289,14 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
     reference = _reference_model(cfg, model_path)
     image_processor = models.load_image_processor(model_path)     # None for a text model
-    runner = recipe.AgentRunner(engine, tokenizer, max_turns=ro.max_turns, max_length=ro.max_length,
-                                step_timeout_s=ro.step_timeout_s, image_processor=image_processor)
+    runner_kwargs = dict(max_turns=ro.max_turns, max_length=ro.max_length, step_timeout_s=ro.step_timeout_s)
+    if ray_rt is not None and cfg["runtime"].runners:     # the recipe's agents in runner actors of their own
+        recipe_source = os.path.abspath(run.recipe) if run.recipe.endswith(".py") else run.recipe
+        runner = ray_rt.start_runners(cfg["runtime"], recipe_source, model_path, policy.version, runner_kwargs)
+        sampler_metrics = runner.metrics
+    else:
+        runner = recipe.AgentRunner(engine, tokenizer, image_processor=image_processor, **runner_kwargs)
+        sampler_metrics = engine.metrics
     tasks = recipe_tasks(recipe, "train", run)
     if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
         print(recipe.notice(cfg), flush=True)
@@ -305,7 +311,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         pool = runtime.RolloutPool(runner, tasks, sampling, ro.prompts_per_step, ro.samples_per_prompt,
                                    cfg["runtime"].eta, cfg["algo"].filter_zero_variance, run.steps,
                                    first_step=start_step)
-        ray_rt.engine_metrics(engine)           # the idle clock starts with the pool
+        ray_rt.engine_metrics()                 # the idle clock starts with the pool
 
     for step in range(start_step, run.steps):
         t0 = time.time()
@@ -325,7 +331,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         m.update(agent_metrics(rollouts))
         m["time/rollout_s"] = t_rollout
         m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
-        m.update(engine.metrics())      # per engine: tokens/s, outstanding tokens, requests served/retried/failed
+        m.update(sampler_metrics())     # per engine: tokens/s, outstanding tokens, requests served/retried/failed
         m.update(pool_metrics)
         if pool is not None:
             m.update(runtime.staleness_metrics(rollouts, policy.version,
@@ -358,7 +364,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         m["time/weight_push_s"] = time.time() - t1
         if pool is not None:
             pool.trained_step(step + 1)
-            m.update(ray_rt.engine_metrics(engine))
+            m.update(ray_rt.engine_metrics())
         m["time/step_s"] = time.time() - t0
         if pool is not None:          # rollouts overlapped training: their wait is no measure of sampling speed
             m["perf/tokens_per_s"] = m["rollout/sampled_tokens"] / m["time/step_s"]

@@ -119,7 +119,7 @@ def simulated_run(args, eta: int) -> dict:
         router = Router(rt.proxies)
         runner = SimulatedRunner(router, args.sim_tokens)
         state = {"w": torch.zeros(args.sim_weights)}
-        rt.engine_metrics(router)
+        rt.engine_metrics()
         t0 = time.monotonic()
         pool = runtime.RolloutPool(runner, list(range(1000)), SamplingParams(), args.prompts, args.samples, eta,
                                    False, args.sim_steps)
@@ -130,7 +130,7 @@ def simulated_run(args, eta: int) -> dict:
             time.sleep(args.sample_s * len(rollouts))            # the trainer's cost
             rt.push_weights(router, state, step + 1)
             pool.trained_step(step + 1)
-            idle.append(rt.engine_metrics(router)["runtime/engine_idle_frac"])
+            idle.append(rt.engine_metrics()["runtime/engine_idle_frac"])
         wall = time.monotonic() - t0
     finally:
         runtime.stop(rt)

@@ -11,7 +11,8 @@
 #   bytes per update, the engine's outputs before and after, the versions of a request that straddles one.
 #
 # vllm_speed: vllm_engine.VLLMEngine (AsyncLLM, per-token streaming, versions, processed logprobs) against raw
-#   `vllm.LLM.generate` on the same model and batch (SmolLM2-135M, 512 prompts x 256 new tokens, logprobs on).
+#   `vllm.LLM.generate` on the same model and batch (SmolLM2-135M, 512 prompts x 256 new tokens, logprobs on); also
+#   through router.Router as train.py calls it, not streamed and streamed (per-step outputs).
 #
 # vllm_parity: vLLM's bf16 behavior logprobs against the actor's recompute of the same tokens (bf16 autocast as the
 #   actor trains, and exact fp32): mean and max |diff| and the k3 estimate of KL(mu || pi).
@@ -43,6 +44,7 @@ import algo  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
+from router import Router  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12      # H200 dense bf16, as measured on the lent machine
 ROWS, LENGTH = 8, 2048
@@ -259,8 +261,15 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
     engine = vllm_engine.VLLMEngine(model_dir, **{"transfer": "rpc", **kwargs})
     params = rollout.SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(never,))
     results["tracerl_vllm_tokens_per_s"] = best(lambda ps: engine.generate(ps, params))
+    # as train.py calls it: through the router, without a listener (vLLM returns final outputs only) and with one
+    # (per-step outputs, what a streaming loopback reply costs)
+    router = Router([engine])
+    results["router_tokens_per_s"] = best(lambda ps: router.generate(ps, params))
+    results["router_streamed_tokens_per_s"] = best(lambda ps: router.generate(ps, params, on_token=lambda i, t: None))
     engine.shutdown()
     results["ratio"] = results["tracerl_vllm_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
+    results["router_ratio"] = results["router_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
+    results["router_streamed_ratio"] = results["router_streamed_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
     return results
 
 

@@ -233,12 +233,20 @@ def test_eta_0_reproduces_the_synchronous_run_on_the_same_seed(parity_recipe, tm
 
 
 def test_async_eta_1_with_partial_rollouts_runs_30_steps_within_eta(parity_recipe, tmp_path):
+    """Two engines and two runner actors (the agents in processes of their own, each with its own router)."""
     out = str(tmp_path / "async")
     done = run_cli(*tiny_flags(parity_recipe, 30), "--out", out, "--runtime.mode", "ray", "--runtime.eta", "1",
-                   "--runtime.engines", "2", "--correction.level", "token", "--correction.max_staleness", "1")
+                   "--runtime.engines", "2", "--runtime.runners", "2", "--correction.level", "token",
+                   "--correction.max_staleness", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics_of(out)
     assert [r["step"] for r in records] == list(range(1, 31))
+    # every request went through the runner actors' routers (the driver's router only pauses and pushes), and
+    # the engines' busy clocks saw them
+    last = records[-1]
+    assert last["perf/engine0/served_total"] + last["perf/engine1/served_total"] >= 30 * 4
+    assert last["perf/engines_live"] == 2
+    assert min(r["runtime/engine_idle_frac"] for r in records[1:]) < 1
     assert all(r["runtime/staleness_over"] == 0 and r["actor/staleness_max"] <= 1 for r in records)
     assert all(r["gate/drop_stale"] == 0 for r in records)               # admission, not the gate, bounded it
     assert sum(r["runtime/staleness_1"] for r in records) > 0            # the trainer did train on older rollouts
@@ -294,6 +302,8 @@ def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
     with pytest.raises(SystemExit):        # not one of Ray's placement strategies
         train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2",
                                    "--runtime.trainer_placement", "spread"])
+    with pytest.raises(SystemExit):        # runner actors are Ray actors too
+        train.parse_config(["--model", "tiny-qwen3", "--runtime.runners", "2"])
 
 
 def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp_path):
