@@ -27,6 +27,7 @@
 #   python bench/gpu.py [--parts actor refit vllm_speed vllm_parity vllm_refit vllm_r3] [--model DIR]
 #                       [--out gpu-summary.json] [--steps 5]
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -259,6 +260,19 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
     del llm
     gc.collect()
     engine = vllm_engine.VLLMEngine(model_dir, **{"transfer": "rpc", **kwargs})
+    # vLLM's AsyncLLM alone, driven on the engine's own loop (final outputs only): what is AsyncLLM's, and what is
+    # VLLMEngine's, in the gap to LLM.generate
+    from vllm.sampling_params import RequestOutputKind
+    async_params = raw_params.clone()
+    async_params.output_kind = RequestOutputKind.FINAL_ONLY
+
+    async def async_batch(ps):
+        async def one(p):
+            async for _ in engine._llm.generate(vllm.TokensPrompt(prompt_token_ids=p), async_params,
+                                                request_id=os.urandom(8).hex()):
+                pass
+        await asyncio.gather(*(one(p) for p in ps))
+    results["raw_asyncllm_tokens_per_s"] = best(lambda ps: engine._call(async_batch(ps)))
     params = rollout.SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(never,))
     results["tracerl_vllm_tokens_per_s"] = best(lambda ps: engine.generate(ps, params))
     # as train.py calls it: through the router, without a listener (vLLM returns final outputs only) and with one
@@ -268,6 +282,7 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
     results["router_streamed_tokens_per_s"] = best(lambda ps: router.generate(ps, params, on_token=lambda i, t: None))
     engine.shutdown()
     results["ratio"] = results["tracerl_vllm_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
+    results["asyncllm_ratio"] = results["raw_asyncllm_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
     results["router_ratio"] = results["router_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
     results["router_streamed_ratio"] = results["router_streamed_tokens_per_s"] / results["raw_vllm_tokens_per_s"]
     return results
