@@ -218,18 +218,21 @@ def test_the_weight_channel_keeps_every_dtype_and_name_bit_for_bit():
 # ---- whole runs ----------------------------------------------------------------------------------------------
 
 def test_eta_0_reproduces_the_synchronous_run_on_the_same_seed(parity_recipe, tmp_path):
+    """Through the runtime with the agent on the driver's threads, and in a runner actor: the same metrics."""
     flags = tiny_flags(parity_recipe, 3)
     done = run_cli(*flags, "--out", str(tmp_path / "sync"))
     assert done.returncode == 0, done.stderr[-3000:]
-    done = run_cli(*flags, "--out", str(tmp_path / "ray"), "--runtime.mode", "ray", "--runtime.eta", "0")
-    assert done.returncode == 0, done.stderr[-3000:]
-    sync, ray_run = metrics_of(str(tmp_path / "sync")), metrics_of(str(tmp_path / "ray"))
-    assert [r["step"] for r in ray_run] == [1, 2, 3]
+    sync = metrics_of(str(tmp_path / "sync"))
     assert any(r["actor/grad_norm"] > 0 for r in sync)                 # the weights do move between steps
-    for want, have in zip(sync, ray_run):
-        keys = {k for k in want if not k.startswith(("time/", "perf/"))}
-        assert {k: have[k] for k in keys} == {k: want[k] for k in keys}
-        assert have["runtime/staleness_0"] == 4 and have["runtime/engine0_idle_frac"] <= 1
+    for name, extra in [("ray", []), ("runner", ["--runtime.runners", "1"])]:
+        done = run_cli(*flags, "--out", str(tmp_path / name), "--runtime.mode", "ray", "--runtime.eta", "0", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ray_run = metrics_of(str(tmp_path / name))
+        assert [r["step"] for r in ray_run] == [1, 2, 3]
+        for want, have in zip(sync, ray_run):
+            keys = {k for k in want if not k.startswith(("time/", "perf/"))}
+            assert {k: have[k] for k in keys} == {k: want[k] for k in keys}, name
+            assert have["runtime/staleness_0"] == 4 and have["runtime/engine0_idle_frac"] <= 1
 
 
 def test_async_eta_1_with_partial_rollouts_runs_30_steps_within_eta(parity_recipe, tmp_path):
