@@ -329,6 +329,12 @@ class EmbeddedEngine:
         prefilled together and merged in; if that prefill fails, each is tried alone, so only a row that fails
         by itself is refused."""
         if batch.rows and batch.version != self.version:
+            # the old weights' last step forwarded each row's newest token, but no token was sampled from that
+            # forward: its routes conditioned nothing, so the re-prefill's (what the next token is drawn from)
+            # replace them; the routes of positions that did produce sampled tokens stay (first writer wins)
+            for row in batch.rows:
+                if row.routes:
+                    row.routes = [np.concatenate(row.routes)[: len(row.prompt_ids) + len(row.token_ids) - 1]]
             batch = self._prefill(batch.rows)
         if not arrived:
             return batch

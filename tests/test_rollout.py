@@ -392,6 +392,41 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
     assert (gen.routes[before_swap:] == new_routes[before_swap:]).all()
 
 
+def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step():
+    """The usual update (the trainer's thread, not a listener) lands between two passes, after the old weights'
+    step has forwarded the newest token: no token was sampled from that forward, so the re-prefill's routes for
+    its position replace it, and every route after the kept ones is the new weights'."""
+    old = models.tiny_model("qwen3_moe", seed=0)
+    new = copy.deepcopy(old)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for router in invariants.moe_routers(new):
+            router.weight.add_(2.0 * torch.randn_like(router.weight))
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    heard = threading.Event()
+    prompt, result = [11, 12, 13, 14, 15], []
+    worker = threading.Thread(target=lambda: result.extend(engine.generate(
+        [prompt], SamplingParams(max_tokens=120, seed=1, stop_token_ids=(9999,)),
+        on_token=lambda i, t: heard.set())))
+    worker.start()
+    assert heard.wait(60)
+    engine.update_weights(new.state_dict(), version=1)
+    worker.join(timeout=120)
+    gen = result[0]
+    n1 = gen.policy_versions.count(0)
+    assert 1 <= n1 < 120
+
+    def routes_of(model):
+        with invariants.capture_routes(model) as captured, torch.no_grad():
+            model(input_ids=torch.tensor([prompt + gen.token_ids]))
+        return captured[-1][:-1].numpy()
+    before = len(prompt) + n1 - 1
+    old_routes, new_routes = routes_of(old), routes_of(new)
+    assert (old_routes[before] != new_routes[before]).any()      # armed: the stale step's position moves
+    assert (gen.routes[:before] == old_routes[:before]).all()
+    assert (gen.routes[before:] == new_routes[before:]).all()
+
+
 def test_a_weight_swap_reprefills_every_row_of_a_merged_batch_at_its_own_progress(tiny):
     """Two requests that joined the batch at different steps see one weight swap: each carries [v]*n1 + [v+1]*n2
     with its own n1, and each token's logprob is the one its own version's weights give (no row decodes on from

@@ -182,6 +182,59 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
     assert abs(stale_lp.item() - behavior[n1].item()) > 1e-4
 
 
+def test_r3_routes_cross_processes_and_a_weight_update_keeps_the_first_ones():
+    """R3 across processes: a tiny MoE engine in its own actor returns every forwarded position's experts through
+    Ray; a request that straddles a weight update keeps the routes its first tokens were conditioned on (first
+    writer wins) and the new weights' after; the trainer here, replaying them on the old weights, gives the
+    tokens sampled before the update their behavior logprobs. Trap: the new weights' routes break that parity."""
+    path = models.tiny_model_dir("qwen3_moe")
+    old = models.load_model(path)
+    new = copy.deepcopy(old)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for router_layer in invariants.moe_routers(new):
+            router_layer.weight.add_(2.0 * torch.randn_like(router_layer.weight))
+    rt = runtime.start(runtime.RuntimeConfig(mode="ray", engines=1, object_store_mb=100), runtime.embedded_engine,
+                       lambda i: (path, 0, 1), version=0)
+    prompt, T = [11, 12, 13, 14, 15], 0.9
+    try:
+        router, heard, result = Router(rt.proxies), [], []
+        params = SamplingParams(temperature=T, max_tokens=200, seed=3, stop_token_ids=(9999,))
+        worker = threading.Thread(target=lambda: result.extend(
+            router.generate([prompt], params, on_token=lambda i, t: heard.append(t))))
+        worker.start()
+        while len(heard) < 6:
+            time.sleep(0.002)
+        rt.push_weights(router, new.state_dict(), 1)
+        worker.join(timeout=120)
+    finally:
+        runtime.stop(rt)
+    gen = result[0]
+    n1 = gen.policy_versions.count(0)
+    assert 6 <= n1 < 200 and gen.policy_versions == [0] * n1 + [1] * (200 - n1)
+    ids = torch.tensor([prompt + gen.token_ids])
+
+    def routes_of(model):
+        with invariants.capture_routes(model) as captured, torch.no_grad():
+            model(input_ids=ids)
+        return captured[-1][:-1].numpy()
+    before = len(prompt) + n1 - 1                       # positions the old weights forwarded
+    old_routes, new_routes = routes_of(old), routes_of(new)
+    assert gen.routes.shape == old_routes.shape
+    assert (old_routes[:before] != new_routes[:before]).any()       # armed: the update moves routes
+    assert (gen.routes[:before] == old_routes[:before]).all()       # kept across the update
+    assert (gen.routes[before:] == new_routes[before:]).all()
+
+    def replayed(routes):
+        replay = torch.from_numpy(routes).long()[None]
+        with torch.no_grad():
+            lp = actor.sequence_logprobs(old, ids, torch.ones_like(ids), T,
+                                         routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
+        return (lp[0, len(prompt):len(prompt) + n1] - torch.tensor(gen.behavior_logprobs[:n1])).abs().max().item()
+    assert replayed(gen.routes) <= 1e-5
+    assert replayed(new_routes) > 1e-3
+
+
 # ---- weights to an engine in another process ---------------------------------------------------------------
 
 def test_the_weight_channel_keeps_every_dtype_and_name_bit_for_bit():
