@@ -393,9 +393,9 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
 
 
 def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step():
-    """The usual update (the trainer's thread, not a listener) lands between two passes, after the old weights'
-    step has forwarded the newest token: no token was sampled from that forward, so the re-prefill's routes for
-    its position replace it, and every route after the kept ones is the new weights'."""
+    """The usual update (the trainer's thread, not a listener: pause, load, resume) lands between two passes,
+    after the old weights' step has forwarded the newest token: no token was sampled from that forward, so the
+    re-prefill's routes for its position replace it, and every route after the kept ones is the new weights'."""
     old = models.tiny_model("qwen3_moe", seed=0)
     new = copy.deepcopy(old)
     torch.manual_seed(1)
@@ -410,7 +410,9 @@ def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step
         on_token=lambda i, t: heard.set())))
     worker.start()
     assert heard.wait(60)
+    engine.pause()             # as the runtime's push does: the pass in progress ends, its step included
     engine.update_weights(new.state_dict(), version=1)
+    engine.resume()
     worker.join(timeout=120)
     gen = result[0]
     n1 = gen.policy_versions.count(0)
