@@ -379,6 +379,7 @@ def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
             picked[f.name] = value
     return type(batch)(**picked)
 
+
 def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: int | None = None) -> None:
     """Prove the trainer's input equals what was sampled: every id of every row (sampled ids and the prefix they
     were sampled under) sits unchanged at its position, loss_mask == trainable mask, padding is masked out, and

@@ -170,14 +170,17 @@ def _tiny_config(kind: str, head_dim: int = 16):
     if kind == "qwen2_5_vl":
         # head_dim is hidden / heads here; M-RoPE splits its head_dim/2 rotary frequencies into (temporal,
         # height, width) sections: [2, 3, 3] at 16; a GPU's attention kernels want 64 (one head, text and vision)
-        heads, half = 64 // head_dim, head_dim // 2
+        if head_dim not in (16, 64):
+            raise ValueError(f"the tiny VL model takes head_dim 16 or 64, got {head_dim}")
+        heads, temporal = 64 // head_dim, head_dim // 8
+        spatial = (head_dim // 2 - temporal) // 2
         vision_hidden, vision_heads = (32, 4) if head_dim == 16 else (64, 1)
         text_config = dict(text, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                            "mrope_section": [half // 4, (half - half // 4) // 2,
-                                                              (half - half // 4) // 2]})
-        vision_config = dict(depth=2, hidden_size=vision_hidden, intermediate_size=64, num_heads=vision_heads, out_hidden_size=64, patch_size=14,
-                             spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1])
+                                            "mrope_section": [temporal, spatial, spatial]})
+        vision_config = dict(depth=2, hidden_size=vision_hidden, intermediate_size=64, num_heads=vision_heads,
+                             out_hidden_size=64, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                             window_size=112, fullatt_block_indexes=[1])
         vision_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
                       [("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
                        ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")]}

@@ -9,7 +9,7 @@
 #   - Each engine's share of a call runs on its own thread: engines sample at the same time.
 #   - Tokens are streamed from an engine only when the caller listens (`on_token`: loopback's streaming, an agent
 #     that streams): per-step outputs cost throughput (vLLM switches from each request's final output to a delta
-#     every step, ~25% slower on a GPU). A call not streamed holds its max_tokens as outstanding until it answers.
+#     every step: 10-15% fewer tokens/s on an H200, `bench/gpu.py --parts vllm_speed`). A call not streamed holds its max_tokens as outstanding until it answers.
 #   - Failover: an engine whose generate fails with an engine-level error (anything but a ValueError, which is
 #     the request's own bad input and goes back to the caller as it is) is probed and, if broken, taken out of
 #     rotation; so is a hung engine: a streamed call that samples no token for `timeout_s`, or a call not streamed

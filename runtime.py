@@ -17,7 +17,7 @@
 # ranks placed by a Ray placement group on one node or across several and meeting at rank 0's node, each step's
 # rollouts dealt between them whole), with the same interface, so the loop in train.py reads as before; agent
 # runners are threads of the driver (an episode mostly waits on its engine, and an env step is ordinary Python the
-# recipe wrote).
+# recipe wrote), or, with --runtime.runners N, N Ray actors (`RunnerActor`) for environments that work the CPU.
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
 # it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
@@ -127,6 +127,7 @@ class EngineActor:
 
     def __init__(self, build: Callable, *args):
         self.engine = build(*args)
+        self.channel, self.channel_device = None, "cpu"     # the weight channel, once the trainer opens it
         # the engine's busy clock: seconds with at least one request in flight, whichever process sent it
         self._clock = threading.Lock()
         self._in_flight, self._busy_s, self._busy_since = 0, 0.0, 0.0
@@ -626,17 +627,13 @@ class RunnerActor:
         self.runner = train.load_recipe(recipe).AgentRunner(
             self.router, models.load_tokenizer(model_path), image_processor=models.load_image_processor(model_path),
             **runner_kwargs)
-        self._counted = threading.Lock()
 
-    def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> tuple[list, dict[str, int]]:
-        """The runner's rollouts of `tasks`, and the failures counted while making them."""
-        with self._counted:
-            before = dict(self.runner.failures)
-        rollouts = self.runner.run(tasks, group_ids, sampling)
-        with self._counted:
-            now = dict(self.runner.failures)
-            delta = {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
-        return rollouts, delta
+    def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list:
+        return self.runner.run(tasks, group_ids, sampling)
+
+    def failures(self) -> dict[str, int]:
+        """The runner's failure counts (reason -> count) over its life."""
+        return dict(self.runner.failures)
 
     def metrics(self) -> dict[str, float]:
         return self.router.metrics()
@@ -648,7 +645,6 @@ class RunnerGroup:
 
     def __init__(self, handles: list):
         self.handles = handles
-        self.failures: dict[str, int] = {}
         self._in_flight = [0] * len(handles)
         self._lock = threading.Lock()
 
@@ -657,14 +653,19 @@ class RunnerGroup:
             pick = min(range(len(self.handles)), key=self._in_flight.__getitem__)
             self._in_flight[pick] += 1
         try:
-            rollouts, failures = ray.get(self.handles[pick].run.remote(tasks, group_ids, sampling))
+            return ray.get(self.handles[pick].run.remote(tasks, group_ids, sampling))
         finally:
             with self._lock:
                 self._in_flight[pick] -= 1
-        with self._lock:
-            for reason, count in failures.items():
-                self.failures[reason] = self.failures.get(reason, 0) + count
-        return rollouts
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Every runner's failure counts, summed (each actor keeps its own over its life)."""
+        total: dict[str, int] = {}
+        for counts in ray.get([h.failures.remote() for h in self.handles]):
+            for reason, count in counts.items():
+                total[reason] = total.get(reason, 0) + count
+        return total
 
     def metrics(self) -> dict[str, float]:
         """The runners' routers' metrics, merged: counts summed, live engines the fewest any runner sees, and an
@@ -719,9 +720,9 @@ class Runtime:
         the engine actor's own busy clock, so requests from the driver's runners and from runner actors both count
         (tokens/s, retries and failures are the routers': router.Router.metrics, RunnerGroup.metrics)."""
         busy = []
-        for p in self.proxies:
+        for ref in [p.handle.busy_seconds.remote() for p in self.proxies]:
             try:
-                busy.append(ray.get(p.handle.busy_seconds.remote()))
+                busy.append(ray.get(ref))
             except ray.exceptions.RayActorError:       # a dead engine samples nothing
                 busy.append(None)
         now = time.monotonic()

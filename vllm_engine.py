@@ -26,7 +26,8 @@
 # (`transfer="ipc"`; the actor may sit in this process or in another one: `begin_weight_update`,
 # `receive_weight_chunk`, `finish_weight_update` with `send_ipc_weights` on the trainer's side); on a CPU, where
 # there is no IPC, a state dict through `collective_rpc` into `WorkerExtension` (`transfer="rpc"`). Either way
-# every key of the engine's checkpoint must arrive. NCCL, for an engine on a GPU of its own, is not built here.
+# every key of the engine's checkpoint must arrive. An engine on a GPU of its own gets the weights over the async
+# runtime's weight channel (runtime.py: NCCL into its process), then by CUDA IPC from there.
 # Never: computes rewards, touches the ledger, or trains.
 from __future__ import annotations
 

@@ -12,7 +12,8 @@
 #
 # vllm_speed: vllm_engine.VLLMEngine (AsyncLLM, per-token streaming, versions, processed logprobs) against raw
 #   `vllm.LLM.generate` on the same model and batch (SmolLM2-135M, 512 prompts x 256 new tokens, logprobs on); also
-#   through router.Router as train.py calls it, not streamed and streamed (per-step outputs).
+#   through router.Router as train.py calls it, not streamed and streamed (per-step outputs); and vLLM's AsyncLLM
+#   driven alone, which VLLMEngine wraps (what of the gap is AsyncLLM's own).
 #
 # vllm_parity: vLLM's bf16 behavior logprobs against the actor's recompute of the same tokens (bf16 autocast as the
 #   actor trains, and exact fp32): mean and max |diff| and the k3 estimate of KL(mu || pi).

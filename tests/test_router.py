@@ -210,7 +210,6 @@ def test_a_loopback_session_over_http_stays_on_one_engine_across_turns(two_engin
         server.stop()
 
 
-
 def test_a_turn_no_engine_can_serve_is_a_503_the_sdk_retries_and_the_server_keeps_serving(tiny, tokenizer):
     """Every engine dead: the OpenAI SDK's turn gets a 503 (a status its retry policy retries), nothing is
     recorded in the session, and once an engine rejoins the same turn goes through."""

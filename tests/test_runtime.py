@@ -235,6 +235,44 @@ def test_r3_routes_cross_processes_and_a_weight_update_keeps_the_first_ones():
     assert replayed(new_routes) > 1e-3
 
 
+FAILING_RECIPE = PARITY_RECIPE.replace("class AgentRunner(EnvRunner):", """class OddFails(ParityEnv):
+    def step(self, action_text):
+        if len(action_text) % 2:
+            raise RuntimeError("the environment broke")
+        return super().step(action_text)
+
+
+class AgentRunner(EnvRunner):""").replace("env_cls = ParityEnv", "env_cls = OddFails")
+
+
+def test_runner_actors_count_each_failure_once_however_many_groups_run_at_once(tmp_path):
+    """Two runner actors, four groups at once (two per actor, on its threads): the group's failure counts are the
+    failed episodes, each once, and every other episode comes back as a rollout."""
+    recipe = tmp_path / "failing.py"
+    recipe.write_text(FAILING_RECIPE)
+    path = models.resolve_model("tiny-qwen3")
+    rt = runtime.start(runtime.RuntimeConfig(mode="ray", engines=1, object_store_mb=100, runners=2),
+                       runtime.embedded_engine, lambda i: (path, 0, 1), version=0)
+    try:
+        group = rt.start_runners(runtime.RuntimeConfig(mode="ray", runners=2), str(recipe), path, 0,
+                                 dict(max_turns=1, max_length=256, step_timeout_s=60))
+        tasks = train.load_recipe(str(recipe)).tasks("train", 0)[:4]
+        sampling = SamplingParams(temperature=1.0, max_tokens=12)
+        results = [None] * 4
+        workers = [threading.Thread(target=lambda g=g: results.__setitem__(
+            g, group.run([tasks[g]] * 4, [f"g{g}"] * 4, sampling))) for g in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=300)
+        kept = sum(len(r) for r in results)
+        failures = group.failures
+        assert set(failures) == {"step_error"} and kept + failures["step_error"] == 16
+        assert 0 < kept < 16                                 # armed: some episodes failed, some did not
+    finally:
+        runtime.stop(rt)
+
+
 # ---- weights to an engine in another process ---------------------------------------------------------------
 
 def test_the_weight_channel_keeps_every_dtype_and_name_bit_for_bit():
