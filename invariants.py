@@ -82,6 +82,14 @@ class Sampling:
     temperature: float = 1.0         # logits / temperature, > 0
     top_p: float = 1.0               # nucleus mass in (0, 1]; 1 = off
     top_k: int = -1                  # most likely tokens kept; -1 = off
+    min_p: float = 0.0               # tokens below min_p * p(most likely) dropped; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias) added to the raw logits, sorted by id; -inf bans
+    repetition_penalty: float = 1.0  # seen ids (prompt + this generation): logit / r if > 0 else logit * r; 1 = off
+    frequency_penalty: float = 0.0   # logit -= f * (count of the id in this generation so far); 0 = off
+    presence_penalty: float = 0.0    # logit -= p if the id occurred in this generation so far; 0 = off
+    constraint: str | None = None    # a grammar the tokens were masked by (constraints.py's canonical JSON spec)
+    generation_start: int = -1       # the row position of this generation's first sampled token: where the state of
+                                     # the penalties and the constraint starts (the prompt is the row before it)
 
 
 UNSAMPLED = Sampling()  # what context tokens carry: the plain model distribution (they are never trained)

@@ -45,6 +45,12 @@ class SamplingParams:
                                        # trainable); matched in the decoded text, so the engine needs a tokenizer
     seed: int | None = None            # per-request seed; None draws from the engine's generator
     top_logprobs: int = 0              # also report the k most likely tokens of each step (0..20)
+    min_p: float = 0.0                 # the rest mirror invariants.Sampling's fields of the same names
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    constraint: str | None = None      # constraints.py's canonical JSON spec of a grammar; None = unconstrained
 
 
 @dataclass
