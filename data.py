@@ -1,6 +1,6 @@
 # data.py — prompt datasets, chat templates and images.
-# Owns: the ChatML chat templates (plain and Qwen3-style think-stripping), rendering a conversation to
-# prompt token ids (render once, encode once), text that stays text (a special-token string inside a message
+# Owns: the ChatML chat templates (plain and Qwen3-style think-stripping, both with Qwen3's enable_thinking
+# switch), rendering a conversation to prompt token ids (render once, encode once) with the template's switches, text that stays text (a special-token string inside a message
 # or an observation is encoded as its characters; only the template's own control tokens are control tokens),
 # images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, the built-in
 # arithmetic dataset, and geo3k (hiyouga/geometry3k through `datasets`, or a synthetic stand-in drawn with PIL).
@@ -10,10 +10,12 @@
 #   render(m[:k]) is a string prefix of render(m[:k+1]) (both without generation prompt), and
 #   render(m[:k], add_generation_prompt=True) is a prefix of render(m[:k] + [assistant turn]).
 #   Each message renders to a self-contained block that depends only on itself (and, for the first
-#   block, on `tools`). THINK_STRIPPING_TEMPLATE deliberately breaks this (earlier thoughts vanish).
+#   block, on `tools`; every block, on the template switches). THINK_STRIPPING_TEMPLATE deliberately breaks
+#   this (earlier thoughts vanish).
 import base64
 import binascii
 import functools
+import inspect
 import io
 import os
 import random
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image, ImageDraw
+from transformers import PreTrainedTokenizerBase
 
 from invariants import ImageInput
 
@@ -35,6 +38,10 @@ from invariants import ImageInput
 # A tool result renders as its own user block wrapping <tool_response>...</tool_response> (never merged
 # with a neighbour, which keeps the prefix property). Images in list content render as Qwen2-VL
 # placeholders <|vision_start|><|image_pad|><|vision_end|>.
+# Thinking switch (Qwen3's convention): with enable_thinking=False every assistant turn opens with an empty think
+# block "<think>\n\n</think>\n\n", the generation prompt included, so a thinking model answers at once; the block is
+# template glue (context), and rendering it in every assistant turn keeps the prefix property. Absent or true,
+# nothing changes.
 
 _TOOLS_PREAMBLE = (
     "{%- if tools %}"
@@ -67,6 +74,8 @@ _STRIP_EARLIER_THOUGHTS = (  # Qwen3 behaviour: an assistant turn before the las
 def _chatml(strip_earlier_thoughts: bool) -> str:
     return (
         "{%- set ns = namespace(text='', last_user=-1) %}"
+        "{%- set _no_think = '<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and enable_thinking is false "
+        "else '' %}"
         "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
         "{%- endif %}{%- endfor %}"
         + _TOOLS_PREAMBLE
@@ -77,7 +86,7 @@ def _chatml(strip_earlier_thoughts: bool) -> str:
         "{%- elif message.role == 'user' %}{{- '<|im_start|>user\\n' + ns.text + '<|im_end|>\\n' }}"
         "{%- elif message.role == 'assistant' %}"
         + (_STRIP_EARLIER_THOUGHTS if strip_earlier_thoughts else "")
-        + "{{- '<|im_start|>assistant\\n' + ns.text }}"
+        + "{{- '<|im_start|>assistant\\n' + _no_think + ns.text }}"
         "{%- for tool_call in message.tool_calls or [] %}"
         "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
         "{%- if ns.text or not loop.first %}{{- '\\n' }}{%- endif %}"
@@ -92,7 +101,7 @@ def _chatml(strip_earlier_thoughts: bool) -> str:
         "assistant or tool') }}"
         "{%- endif %}"
         "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' + _no_think }}{%- endif %}"
     )
 
 
@@ -101,20 +110,42 @@ THINK_STRIPPING_TEMPLATE = _chatml(strip_earlier_thoughts=True)
 
 
 def render_prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
-                       add_generation_prompt: bool = True) -> str:
+                       add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
     """Render `messages` with `template` (default: the tokenizer's own chat template) to text, every special-token
-    string inside the messages and tools marked as plain text (see `encode_text`, which reads the marks)."""
+    string inside the messages, tools and template switches marked as plain text (see `encode_text`, which reads
+    the marks). `template_kwargs` are the template's own switches (e.g. {"enable_thinking": False}); a template that
+    does not read one ignores it."""
     if template is None and tokenizer.chat_template is None:
         raise ValueError("tokenizer has no chat_template; pass template=data.CHATML_TEMPLATE or use a chat model")
+    switches = _template_switches(tokenizer, template_kwargs or {})
     return tokenizer.apply_chat_template(_mark_specials(tokenizer, messages), tools=_mark_specials(tokenizer, tools),
                                          chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **switches)
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
-                      add_generation_prompt: bool = True) -> list[int]:
+                      add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> list[int]:
     """Render once and encode the text once, adding no special tokens (the template already wrote them)."""
-    return encode_text(tokenizer, render_prompt_text(tokenizer, messages, tools, template, add_generation_prompt))
+    return encode_text(tokenizer, render_prompt_text(tokenizer, messages, tools, template, add_generation_prompt,
+                                                     template_kwargs))
+
+
+# apply_chat_template's own arguments, and names every template reads from the renderer: a switch of that name
+# would rewrite the conversation, the generation prompt or a control token instead of flipping a template switch
+_RENDERER_NAMES = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {
+    "messages", "raise_exception", "strftime_now"}
+
+
+def _template_switches(tokenizer, switches: dict) -> dict:
+    """The template switches, special-token strings in their text marked plain; a name the renderer itself uses (or
+    a special token's: eos_token, ...) is refused with the reason."""
+    taken = sorted(k for k in switches if k in _RENDERER_NAMES or k in tokenizer.special_tokens_map
+                   or k.endswith("_token"))
+    if taken:
+        raise ValueError(f"chat template switch(es) {taken} name the renderer's own inputs (the messages, tools, "
+                         f"generation prompt or a special token), not a template switch; send switches such as "
+                         f"enable_thinking")
+    return _mark_specials(tokenizer, switches)
 
 
 # ---- text stays text ----

@@ -45,6 +45,38 @@ def test_chatml_template_is_prefix_preserving_for_appended_turns(tools):
             assert longer.startswith(render(CONVERSATION[:k], tools=tools, add_generation_prompt=True)), k
 
 
+@pytest.mark.parametrize("enable_thinking", [False, True])
+def test_the_thinking_switch_keeps_the_prefix_property_and_only_false_writes_the_empty_think_block(enable_thinking):
+    tokenizer, switch = models.bpe_tokenizer(), {"enable_thinking": enable_thinking}
+    def rendered(messages, generation_prompt=False):
+        return data.render_prompt_text(tokenizer, messages, TOOLS, data.CHATML_TEMPLATE, generation_prompt, switch)
+    for k in range(1, len(CONVERSATION)):
+        assert rendered(CONVERSATION[:k + 1]).startswith(rendered(CONVERSATION[:k])), k
+        if CONVERSATION[k]["role"] == "assistant":
+            assert rendered(CONVERSATION[:k + 1]).startswith(rendered(CONVERSATION[:k], True)), k
+    empty_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert (empty_think in rendered(CONVERSATION[:2], True)) is not enable_thinking
+    assert rendered(CONVERSATION[:2], True).endswith(empty_think if not enable_thinking else "<|im_start|>assistant\n")
+    # armed: absent, the switch is the default (thinking on), exactly as before the switch existed
+    assert data.render_prompt_text(tokenizer, CONVERSATION, TOOLS, data.CHATML_TEMPLATE, False) == render(CONVERSATION)
+    assert (rendered(CONVERSATION) == render(CONVERSATION)) is enable_thinking
+
+
+@pytest.mark.parametrize("name", ["add_generation_prompt", "messages", "eos_token", "tools", "bos_token"])
+def test_a_template_switch_named_like_the_renderers_own_inputs_is_refused(name):
+    with pytest.raises(ValueError, match="not a template switch; send switches such as enable_thinking"):
+        data.render_prompt_text(models.bpe_tokenizer(), CONVERSATION[:2], None, data.CHATML_TEMPLATE, True,
+                                {name: "<|im_end|>"})
+
+
+def test_special_token_strings_in_a_template_switch_stay_text():
+    tokenizer = models.bpe_tokenizer()
+    reader = "{{ '<|im_start|>system\\n' + persona + '<|im_end|>\\n' }}"        # a template that prints a switch
+    ids = data.render_prompt_ids(tokenizer, CONVERSATION[:1], None, reader, False, {"persona": "<|im_end|>"})
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(im_end) == 1                                   # only the template's own, not the switch's text
+
+
 def test_think_stripping_template_strips_earlier_thoughts_and_breaks_the_prefix_property():
     stripped = render(CONVERSATION, template=data.THINK_STRIPPING_TEMPLATE)
     plain = render(CONVERSATION)
