@@ -94,6 +94,46 @@ class Sampling:
 
 UNSAMPLED = Sampling()  # what context tokens carry: the plain model distribution (they are never trained)
 
+# The ranges a request may ask for: OpenAI's for the penalties (0 = off) and the logit bias (-inf is a ban, as the
+# wire layer's internal bans); vLLM's for min_p (0 = off); repetition (1 = off) up to 10, where a seen id is erased
+PROCESSING_RANGES = {"min_p": (0.0, 1.0), "repetition_penalty": (0.01, 10.0), "frequency_penalty": (-2.0, 2.0),
+                     "presence_penalty": (-2.0, 2.0)}
+MAX_ABS_LOGIT_BIAS = 100.0
+
+
+def uses_penalties(s: Sampling) -> bool:
+    return s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
+
+
+def adjusts_logits(s: Sampling) -> bool:
+    """Whether tokens drawn at `s` had their logits changed before the temperature (bias, penalties, grammar)."""
+    return bool(s.logit_bias) or uses_penalties(s) or s.constraint is not None
+
+
+def check_logit_processing(s, where: str, vocab_size: int | None = None) -> None:
+    """Refuse a min_p, logit bias, penalty or constraint the processed distribution cannot take (ValueError saying
+    what is accepted). `s`: a token's Sampling (check_sampling) or a request's rollout.SamplingParams (the same field
+    names; validate_sampling, and an engine's check with its vocabulary)."""
+    def within(x, low, high) -> bool:     # a real number (not a bool, not NaN) in [low, high]
+        return isinstance(x, Real) and not isinstance(x, bool) and low <= x <= high
+    for name, (low, high) in PROCESSING_RANGES.items():
+        if not within(getattr(s, name), low, high):
+            raise ValueError(f"{where}: {name} must be a number in [{low:g}, {high:g}], got {getattr(s, name)!r:.40}")
+    if not (s.constraint is None or (isinstance(s.constraint, str) and s.constraint)):
+        raise ValueError(f"{where}: constraint must be None or a grammar spec (constraints.py's JSON text), got "
+                         f"{s.constraint!r:.60}")
+    logit_bias = s.logit_bias
+    pairs = isinstance(logit_bias, tuple) and all(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], Integral) and not isinstance(x[0], bool)
+        and x[0] >= 0 and (within(x[1], -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS) or x[1] == -math.inf)
+        for x in logit_bias)
+    ids = [x[0] for x in logit_bias] if pairs else []
+    if not pairs or any(b <= a for a, b in zip(ids, ids[1:])) or (vocab_size and ids and ids[-1] >= vocab_size):
+        vocab = f" < {vocab_size}" if vocab_size else ""
+        raise ValueError(f"{where}: logit_bias must be a tuple of (token id{vocab}, bias) pairs sorted by id, one per "
+                         f"id, each bias in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}] or -inf (a ban); got "
+                         f"{logit_bias!r:.80}")
+
 
 def check_sampling(sampling: Sampling, where: str) -> None:
     """Refuse a Sampling the processed distribution cannot be recomputed from."""
@@ -101,11 +141,18 @@ def check_sampling(sampling: Sampling, where: str) -> None:
         raise ValueError(f"{where}: sampling must be an invariants.Sampling (the engine's Generation.sampling), got "
                          f"{type(sampling).__name__}; a token without its sampling would be trained at a guessed "
                          f"temperature")
-    t, p, k = sampling.temperature, sampling.top_p, sampling.top_k
+    s = sampling
+    t, p, k = s.temperature, s.top_p, s.top_k
     if not (isinstance(t, Real) and math.isfinite(t) and t > 0 and isinstance(p, Real) and 0 < p <= 1
             and isinstance(k, Integral) and (k == -1 or k >= 1)):
         raise ValueError(f"{where}: sampling {sampling} is not a distribution: temperature must be finite and > 0, "
                          f"top_p in (0, 1], top_k -1 or >= 1")
+    check_logit_processing(s, where)
+    g, stateful = s.generation_start, uses_penalties(s) or s.constraint is not None
+    if not (isinstance(g, Integral) and not isinstance(g, bool) and (g >= 1 if stateful else g >= -1)):
+        raise ValueError(f"{where}: generation_start must be the row position of the generation's first token (the "
+                         f"prompt's length, >= 1) when penalties or a constraint are on (they depend on the ids "
+                         f"before each token), else -1; got {g!r:.40}")
 
 
 @dataclass(eq=False)
@@ -144,11 +191,7 @@ def _check_ids(token_ids: Sequence, what: str) -> list[int]:
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class TokenLedger:
@@ -292,9 +335,8 @@ class TokenLedger:
         if seg is None:
             raise ValueError(f"seal (rollout {self.rollout_id}): no open segment to seal")
         n = len(seg.token_ids)
-        if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == len(seg.sampling)
-                == n) or \
-                (seg.routes is not None and len(seg.routes) != n):
+        if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == len(seg.sampling) == n
+                and (seg.routes is None or len(seg.routes) == n)):
             raise AssertionError(f"segment {seg.segment_id} of rollout {self.rollout_id}: per-position arrays differ "
                                  f"in length from its {n} tokens; change segments only through the ledger")
         seg.seal_reason = reason
@@ -302,6 +344,11 @@ class TokenLedger:
     def rows(self) -> list[Segment]:
         """Segments (sealed or open) with at least one trainable token, in order."""
         return [s for s in self.segments if s.num_trainable > 0]
+
+
+# the per-token sampling a TrainBatch carries as [B, T] tensors: field -> (dtype, value on context and padding)
+SAMPLING_TENSORS = {"temperature": (torch.float32, 1.0), "top_p": (torch.float32, 1.0), "top_k": (torch.long, -1),
+                    "min_p": (torch.float32, 0.0)}
 
 
 @dataclass(eq=False)
@@ -316,16 +363,20 @@ class TrainBatch:
     temperature: Tensor        # float32 [B, T]; the temperature that drew each token (1 on context/padding)
     top_p: Tensor              # float32 [B, T]; its nucleus mass (1 = off)
     top_k: Tensor              # long [B, T]; its top-k (-1 = off)
+    min_p: Tensor              # float32 [B, T]; its min_p (0 = off)
     routes: Tensor | None      # long [B, T, L, k]; -1 where unknown; None if no row has routes
     rollout_ids: list[str]
     group_ids: list[str]
     images: list[list[ImageInput]]  # per row, the images of its pad runs in order; [] for a text row
+    runs: list[list[AdjustedRun]]   # per row, its tokens drawn from adjusted logits (bias, penalties, a grammar);
+                                    # [] for a plain row
 
 
 def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequence[float]],
-                pad_id: int) -> TrainBatch:
+                pad_id: int, tokenizer=None, vocab_size: int | None = None) -> TrainBatch:
     """Right-pad rows into a TrainBatch. advantages: one scalar per row (broadcast onto its trainable tokens) or
-    one list per row with a value per token (context positions are zeroed)."""
+    one list per row with a value per token (context positions are zeroed). tokenizer and vocab_size (the model's
+    logits width) are needed only by rows sampled under a grammar: their masks are replayed here, once."""
     if not rows:
         raise ValueError("build_batch: no rows; pass the ledgers' rows() (segments with trainable tokens)")
     if len(advantages) != len(rows):
@@ -337,8 +388,7 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     behavior = torch.zeros(B, T, dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
     adv = torch.zeros(B, T, dtype=torch.float32)
-    temperature, top_p = torch.ones(B, T, dtype=torch.float32), torch.ones(B, T, dtype=torch.float32)
-    top_k = torch.full((B, T), -1, dtype=torch.long)
+    sampled = {name: torch.full((B, T), fill, dtype=dtype) for name, (dtype, fill) in SAMPLING_TENSORS.items()}
     shapes = {r.routes.shape[1:] for r in rows if r.routes is not None}
     if len(shapes) > 1:
         raise ValueError(f"build_batch: rows carry routes of different [layers, top_k] shapes {sorted(shapes)}")
@@ -354,9 +404,8 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         loss_mask[b, :n] = mask.float()
         behavior[b, :n] = torch.tensor(row.behavior_logprobs, dtype=torch.float32)
         versions[b, :n] = torch.tensor(row.policy_versions, dtype=torch.long)
-        temperature[b, :n] = torch.tensor([x.temperature for x in row.sampling], dtype=torch.float32)
-        top_p[b, :n] = torch.tensor([x.top_p for x in row.sampling], dtype=torch.float32)
-        top_k[b, :n] = torch.tensor([x.top_k for x in row.sampling], dtype=torch.long)
+        for name, (dtype, _) in SAMPLING_TENSORS.items():
+            sampled[name][b, :n] = torch.tensor([getattr(x, name) for x in row.sampling], dtype=dtype)
         a = advantages[b]
         if isinstance(a, Real):
             per_token = torch.full((n,), float(a), dtype=torch.float32)
@@ -369,23 +418,19 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         adv[b, :n] = torch.where(mask, per_token, 0.0)
         if row.routes is not None:
             routes[b, :n] = torch.from_numpy(row.routes.astype(np.int64))
-    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, temperature, top_p, top_k, routes,
-                      [r.rollout_id for r in rows], [r.group_id for r in rows], [list(r.images) for r in rows])
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, **sampled, routes=routes,
+                      rollout_ids=[r.rollout_id for r in rows], group_ids=[r.group_id for r in rows],
+                      images=[list(r.images) for r in rows],
+                      runs=[adjusted_runs(r, tokenizer, vocab_size) for r in rows])
 
 
 def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
     """The TrainBatch restricted to rows `index`, at its full width (tensors sliced, per-row lists picked): a
     minibatch, or one FSDP2 rank's share of a step."""
-    picked = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, Tensor):
-            picked[f.name] = value[index]
-        elif isinstance(value, list):
-            picked[f.name] = [value[i] for i in index]
-        else:
-            picked[f.name] = value
-    return type(batch)(**picked)
+    def pick(value):
+        return value[index] if isinstance(value, Tensor) else [value[i] for i in index] if isinstance(value, list) \
+            else value
+    return type(batch)(**{f.name: pick(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
 
 def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: int | None = None) -> None:
@@ -397,8 +442,9 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
     B, T = batch.input_ids.shape
     if B != len(rows):
         raise ValueError(f"token identity: batch has {B} rows but {len(rows)} segments were given")
-    if len(batch.images) != B:
-        raise ValueError(f"token identity: batch has {B} rows but images for {len(batch.images)}; one list per row")
+    if len(batch.images) != B or len(batch.runs) != B:
+        raise ValueError(f"token identity: batch has {B} rows but images for {len(batch.images)} and adjusted runs "
+                         f"for {len(batch.runs)}; one list per row")
     for b, row in enumerate(rows):
         n = len(row.token_ids)
         if n > T:
@@ -426,9 +472,8 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
         t = trainable.nonzero().squeeze(-1)
         recorded = {"behavior logprob": (batch.behavior_logprobs, torch.tensor(row.behavior_logprobs)),
                     "policy version": (batch.policy_versions, torch.tensor(row.policy_versions)),
-                    "temperature": (batch.temperature, torch.tensor([x.temperature for x in row.sampling])),
-                    "top_p": (batch.top_p, torch.tensor([x.top_p for x in row.sampling])),
-                    "top_k": (batch.top_k, torch.tensor([x.top_k for x in row.sampling]))}
+                    **{name: (getattr(batch, name), torch.tensor([getattr(x, name) for x in row.sampling]))
+                       for name in SAMPLING_TENSORS}}
         for what, (in_batch, in_row) in recorded.items():
             bad = (in_batch[b, t].cpu() != in_row[t].to(in_batch.dtype)).nonzero()
             if len(bad):
@@ -436,6 +481,12 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
                 raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {p}: the "
                                  f"batch's {what} {in_batch[b, p].item()} differs from the one the token was sampled "
                                  f"with, {in_row[p].item()}; build batches with invariants.build_batch")
+        runs, spans = [(run.start, run.end, run.sampling) for run in batch.runs[b]], _adjusted_spans(row)
+        if runs != spans:
+            raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}): the batch adjusts the "
+                             f"logits of spans {[r[:2] for r in runs]} but the row's tokens were drawn from adjusted "
+                             f"logits (bias, penalties, a grammar) at {[r[:2] for r in spans]}; build batches with "
+                             f"invariants.build_batch")
         if (batch.attention_mask[b, :n] != 1).any() or (batch.attention_mask[b, n:] != 0).any():
             raise ValueError(f"token identity violated: row {b} attention_mask must be 1 on its {n} tokens and 0 "
                              f"on the right padding")
@@ -554,11 +605,9 @@ def per_sequence(row_values: Tensor, seq_index: Tensor | None, reduce: str = "su
     rollout, broadcast back to every one of its rows."""
     index = _seq_index(seq_index, len(row_values)).to(row_values.device)
     size = int(index.max()) + 1 if len(index) else 0
-    if reduce == "sum":
-        totals = torch.zeros(size, dtype=row_values.dtype, device=row_values.device).index_add(0, index, row_values)
-    else:
-        totals = torch.zeros(size, dtype=row_values.dtype, device=row_values.device).scatter_reduce(
-            0, index, row_values, reduce, include_self=False)
+    zeros = torch.zeros(size, dtype=row_values.dtype, device=row_values.device)
+    totals = zeros.index_add(0, index, row_values) if reduce == "sum" else \
+        zeros.scatter_reduce(0, index, row_values, reduce, include_self=False)
     return totals[index]
 
 
@@ -676,6 +725,149 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
     return w.detach(), metrics
 
 
+# ---- 3. forward consistency (the processed distribution) ----
+# Invariant: engine and trainer process the logits of a token in ONE order, vLLM's v1 sampler's (v1/sample/sampler.py,
+# ops/penalties.py, logits_processor/builtin.py; vLLM's model runner applies the grammar bitmask before it):
+#   z = fp32(logits); 1. constraint: z[v] = -inf where the grammar does not allow v next; 2. logit_bias: z += bias
+#   (-inf bans); 3. repetition: z[v] *= (1/r if z[v] > 0 else r) for v in the prompt or the output so far;
+#   4. frequency: z[v] -= f * count of v in the output so far; 5. presence: z[v] -= p * [v in the output so far];
+#   6. z /= temperature; 7. min_p: drop v with softmax(z)[v] < min_p * max softmax(z); 8. top_k; 9. top_p;
+#   log_softmax over what is left.
+# Steps 1-5 (`adjust_logits`) are functions of the row's ids: "the prompt" is the row before the generation's first
+# token (Sampling.generation_start), "the output" the generation's tokens before this one, as vLLM counts them (its
+# prompt_token_ids and output_token_ids); steps 6-9 are `processed_logprobs`. A row whose tokens need steps 1-5
+# carries AdjustedRuns in its TrainBatch; every other token pays nothing for them.
+
+
+def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
+                       top_k: Tensor | int = -1, min_p: Tensor | float = 0.0, keep: Tensor | None = None) -> Tensor:
+    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: steps 6-9 above (on logits
+    through adjust_logits where a token needs it), renormalised; the most likely token is always kept. The engine
+    samples from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's recorded
+    Sampling. temperature, top_p, top_k, min_p: scalars or tensors of shape logits.shape[:-1]. `keep` (long ids of
+    that shape), the trainer's sampled ids, is always kept: a sampled token was in the engine's set, and fp32
+    rounding moving a near-tie across a cut must not give it -inf. Only truncated positions pay for the sort."""
+    lead = logits.shape[:-1]
+    temperature, top_p, top_k, min_p = (torch.as_tensor(x, dtype=dtype, device=logits.device).expand(lead) for x, dtype
+                                        in ((temperature, torch.float32), (top_p, torch.float32), (top_k, torch.long),
+                                            (min_p, torch.float32)))
+    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
+    truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    if not truncated.any():
+        return torch.log_softmax(scaled, dim=-1)
+    rows, k, p, m = scaled[truncated], top_k[truncated], top_p[truncated], min_p[truncated]   # [N, V], [N] x 3
+    with torch.no_grad():   # which tokens are kept is a choice, not a function to differentiate
+        probs = torch.softmax(rows, dim=-1)
+        drop = probs < probs.amax(-1, keepdim=True) * m.unsqueeze(-1)        # min_p, as vLLM's MinPLogitsProcessor
+        ordered, order = rows.sort(dim=-1, descending=True)
+        kth = ordered.gather(-1, (k.clamp(1, rows.shape[-1]) - 1).unsqueeze(-1))
+        drop |= (k > 0).unsqueeze(-1) & (rows < kth)
+        probs = torch.softmax(rows.masked_fill(drop, float("-inf")), dim=-1).gather(-1, order)
+        drop_sorted = (probs.cumsum(-1) - probs) >= p.unsqueeze(-1)   # mass before a token already reaches p
+        drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
+        if keep is not None:
+            drop.scatter_(-1, keep.expand(lead)[truncated].unsqueeze(-1), False)
+    out = torch.log_softmax(scaled, dim=-1)
+    return out.masked_scatter(truncated.unsqueeze(-1), torch.log_softmax(rows.masked_fill(drop, float("-inf")), -1))
+
+
+def adjust_logits(logits: Tensor, sampling: Sampling, allowed: Tensor | None = None, seen: Tensor | None = None,
+                  counts: Tensor | None = None) -> Tensor:
+    """Steps 1-5 for L tokens drawn at one `sampling`: logits [L, V] -> fp32 [L, V]. allowed [L, V] bool: what the
+    grammar allowed before each token (None = unconstrained); seen, counts [L, V]: penalty_state (None without
+    penalties). Gradients flow through the logits; the repetition's factor (chosen by the logit's sign) is no-grad."""
+    z = logits.float()
+    if allowed is not None:
+        z = z.masked_fill(~allowed, float("-inf"))
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], device=z.device)
+        bias = torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32, device=z.device)
+        z = z.index_add(-1, ids, bias.expand(len(z), -1))
+    if uses_penalties(sampling):
+        r = torch.tensor(sampling.repetition_penalty, dtype=torch.float32, device=z.device)
+        with torch.no_grad():   # vLLM's apply_repetition_penalties: logits *= 1/r where > 0, else r, on seen ids
+            scale = torch.where(seen, torch.where(z > 0, 1.0 / r, r), torch.ones_like(z))
+        z = z * scale
+        z = z - torch.tensor(sampling.frequency_penalty, dtype=torch.float32, device=z.device) * counts
+        z = z - torch.tensor(sampling.presence_penalty, dtype=torch.float32, device=z.device) * (counts > 0)
+    return z
+
+
+def penalty_state(ids: Tensor, generation_start: int, first: int, count: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Before each of the row's tokens at first .. first+count-1 of a generation starting at generation_start: seen
+    [count, V] bool (in the prompt ids[:generation_start] or the output so far: repetition) and counts [count, V]
+    fp32 (in the output ids[generation_start:t]: frequency, presence). ids: long [>= first + count - 1], the row."""
+    base = torch.bincount(ids[generation_start:first], minlength=vocab_size).float()
+    joined = F.one_hot(ids[first:first + count - 1], vocab_size).float()   # each token joins the output after it
+    counts = base + F.pad(joined, (0, 0, 1, 0)).cumsum(0)
+    prompt = torch.bincount(ids[:generation_start], minlength=vocab_size) > 0
+    return prompt | (counts > 0), counts
+
+
+@dataclass(eq=False)
+class AdjustedRun:
+    """Consecutive tokens of one row drawn at one Sampling that adjusts logits (bias, penalties, a grammar): the
+    trainer repeats steps 1-5 on exactly these positions, from the row's own ids."""
+    start: int                       # row position of the first token (= sampling.generation_start when it is set)
+    end: int                         # one past the last
+    sampling: Sampling
+    masks: Tensor | None = None      # uint8 [U, ceil(V/8)] the distinct allowed-sets of the grammar, bit j of byte
+                                     # i = id 8i + j (V/8 bytes a set: 19 KB at a 152K vocabulary)
+    mask_index: Tensor | None = None  # long [end - start]: which of them was in force before each token
+
+    def logits(self, logits: Tensor, row_ids: Tensor, first: int, vocab_size: int) -> Tensor:
+        """adjust_logits [L, V] of the run's tokens at first .. first+L-1 from their logits and the row's ids."""
+        count, s = len(logits), self.sampling
+        seen = counts = allowed = None
+        if uses_penalties(s):
+            seen, counts = penalty_state(row_ids, s.generation_start, first, count, vocab_size)
+        if self.masks is not None:
+            packed = self.masks[self.mask_index[first - self.start:first - self.start + count]].to(logits.device)
+            bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+            allowed = bits.bool().flatten(-2)[:, :vocab_size]
+        return adjust_logits(logits, s, allowed, seen, counts)
+
+
+def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
+    """(start, end, sampling) of each maximal span of trainable tokens at one Sampling that adjusts logits."""
+    if not any(adjusts_logits(x) for x in {id(x): x for x in row.sampling}.values()):
+        return []           # a plain row: one pass over its few distinct Sampling objects
+    spans = []
+    t, n = 0, len(row.token_ids)
+    while t < n:
+        s, end = row.sampling[t], t + 1
+        while end < n and row.trainable[end] and (row.sampling[end] is s or row.sampling[end] == s):
+            end += 1
+        if row.trainable[t] and adjusts_logits(s):
+            spans.append((t, end, s))
+        t = end
+    return spans
+
+
+def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -> list[AdjustedRun]:
+    """The AdjustedRuns of a row, a grammar's masks replayed over each constrained run's ids
+    (constraints.replay_masks: a constrained run needs the tokenizer and the model's logits width). Refuses a run
+    that does not start at its generation_start: the prompt the engine penalised would not be the row before it."""
+    runs = []
+    for start, end, s in _adjusted_spans(row):
+        if s.generation_start >= 0 and s.generation_start != start:
+            raise ValueError(f"rollout {row.rollout_id}: tokens sampled with generation_start {s.generation_start} "
+                             f"begin at row position {start}; the engine's prompt must be the row before a "
+                             f"generation (penalties and grammars are recomputed from it)")
+        run = AdjustedRun(start, end, s)
+        if s.constraint is not None:
+            if tokenizer is None or vocab_size is None:
+                raise ValueError("build_batch: a row was sampled under a grammar constraint; pass tokenizer= and "
+                                 "vocab_size= (the model's logits width) so the trainer can replay its masks")
+            import constraints   # xgrammar is loaded only where a run was constrained
+            allowed = constraints.replay_masks(s.constraint, tokenizer, row.token_ids[start:end], vocab_size)
+            bits = F.pad(allowed, (0, -vocab_size % 8)).view(len(allowed), -1, 8).to(torch.uint8)
+            packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+            run.masks, run.mask_index = torch.unique(packed, dim=0, return_inverse=True)
+        runs.append(run)
+    return runs
+
+
 # ---- 3. forward consistency (R3) ----
 # Invariant: in every trainer forward that must match the sampler (behavior-logprob check, pi_prox recompute,
 # loss forward, activation recompute), each MoE layer uses the experts the engine selected for each token
@@ -687,38 +879,6 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
 # and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
 # the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
 # model's MoE router order (= decoder layer order when every layer is MoE).
-
-
-def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
-                       top_k: Tensor | int = -1, keep: Tensor | None = None) -> Tensor:
-    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: logits upcast to fp32, divided
-    by the temperature, then top-k (every logit below the k-th largest goes), then top-p (the smallest set of the
-    most likely tokens whose mass reaches top_p; the most likely is always kept), renormalised. The engine samples
-    from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's own recorded
-    Sampling, so pi_prox, pi_theta and mu are the same kind of distribution. temperature, top_p and top_k are
-    scalars or tensors of shape logits.shape[:-1]. `keep` (long ids, shape logits.shape[:-1]), the trainer's
-    sampled ids, is always kept: a sampled token was in the engine's set, and fp32 rounding moving a near-tie
-    across the cut must not give it -inf. Only truncated positions pay for the sort."""
-    lead = logits.shape[:-1]
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(lead)
-    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
-    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device).expand(lead)
-    top_k = torch.as_tensor(top_k, dtype=torch.long, device=logits.device).expand(lead)
-    truncated = (top_k > 0) | (top_p < 1)
-    if not truncated.any():
-        return torch.log_softmax(scaled, dim=-1)
-    rows, k, p = scaled[truncated], top_k[truncated], top_p[truncated]    # [N, V], [N], [N]
-    with torch.no_grad():   # which tokens are kept is a choice, not a function to differentiate
-        ordered, order = rows.sort(dim=-1, descending=True)
-        kth = ordered.gather(-1, (k.clamp(1, rows.shape[-1]) - 1).unsqueeze(-1))
-        drop = (k > 0).unsqueeze(-1) & (rows < kth)
-        probs = torch.softmax(rows.masked_fill(drop, float("-inf")), dim=-1).gather(-1, order)
-        drop_sorted = (probs.cumsum(-1) - probs) >= p.unsqueeze(-1)   # mass before a token already reaches p
-        drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
-        if keep is not None:
-            drop.scatter_(-1, keep.expand(lead)[truncated].unsqueeze(-1), False)
-    out = torch.log_softmax(scaled, dim=-1)
-    return out.masked_scatter(truncated.unsqueeze(-1), torch.log_softmax(rows.masked_fill(drop, float("-inf")), -1))
 
 
 def _router_classes() -> tuple[type, type, type]:

@@ -8,16 +8,19 @@
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
 #   invariant 2 (policy version) - each token carries the logprob of the distribution it was actually drawn
-#     from (invariants.processed_logprobs: post temperature/top-k/top-p, fp32), the sampling that defines that
-#     distribution, and the version of the weights that drew it; a weight swap in the middle of a request
-#     discards the KV cache and re-prefills (a cache filled by the old weights would condition new tokens on
-#     the old policy's keys and values, so their logprobs would belong to neither version);
+#     from (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature,
+#     min_p, top-k, top-p, fp32, in vLLM's order), the sampling that defines that distribution (a grammar bound to
+#     the row's stop ids; where the penalties start), and the version of the weights that drew it; a weight
+#     swap in the middle of a request discards the KV cache and re-prefills (a cache filled by the old weights
+#     would condition new tokens on the old policy's keys and values, so their logprobs would belong to neither
+#     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill;
 #   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay, and
 #     a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the trainer
 #     does (decode steps continue each row from its own next position, kept here, not in the model).
 # Never: computes rewards, touches the ledger, or trains; never drops an image (a text model refuses them).
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,14 +66,15 @@ class Generation:
     finish_reason: str                 # "stop" (a stop id or stop string was sampled) | "length" (max_tokens reached)
     stop_string: str | None = None     # the stop string that ended sampling; the tokens that wrote it are kept
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the k best (id, logprob), best first
-    sampling: invariants.Sampling = invariants.UNSAMPLED  # the temperature/top_p/top_k that drew every token: the
-                                                          # trainer recomputes their logprobs with exactly these
+    sampling: invariants.Sampling = invariants.UNSAMPLED  # the processing that drew every token (recorded_sampling):
+                                                          # the trainer recomputes their logprobs with exactly it
 
 
-def validate_sampling(params: SamplingParams) -> None:
+def validate_sampling(params: SamplingParams, vocab_size: int | None = None) -> None:
     """Refuse what the sampler cannot honour (ValueError saying why). Each bound is where the fp32 sampler breaks:
     logits / T overflows or T rounds to 0 in fp32 below MIN_TEMPERATURE or for huge integers; a top_p that rounds
-    to 0 in fp32 drops every token; torch seeds live in [-2**63, 2**64)."""
+    to 0 in fp32 drops every token; torch seeds live in [-2**63, 2**64). min_p, logit_bias (ids checked against
+    `vocab_size` where the engine knows it), the penalties and the constraint: invariants.check_logit_processing."""
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -94,12 +98,25 @@ def validate_sampling(params: SamplingParams) -> None:
                          f"characters each, got {len(params.stop)} of lengths {[len(s) for s in params.stop][:8]}")
     if not integer(params.top_logprobs) or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r:.40}")
+    invariants.check_logit_processing(params, "sampling", vocab_size)
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 MIN_TOP_P = 1e-6
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000   # each sampled token is checked against every stop string
 MAX_TOP_LOGPROBS = 20
+
+
+def recorded_sampling(params: SamplingParams, prompt_length: int, constraint: str | None = None) -> invariants.Sampling:
+    """The Sampling every token of a request is drawn at (Generation.sampling): its fields, its grammar bound to the
+    engine's stop ids (`constraint`, from constraints.bind), and generation_start = the prompt's length where the
+    penalties or a grammar depend on the ids before each token (else -1, so plain records stay equal)."""
+    p = params
+    sampling = invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k), float(p.min_p),
+                                   tuple((int(t), float(b)) for t, b in p.logit_bias), float(p.repetition_penalty),
+                                   float(p.frequency_penalty), float(p.presence_penalty), constraint)
+    stateful = invariants.uses_penalties(sampling) or constraint is not None
+    return dataclasses.replace(sampling, generation_start=prompt_length) if stateful else sampling
 
 
 def params_per_prompt(params: SamplingParams | list[SamplingParams], n_prompts: int) -> list[SamplingParams]:
@@ -166,6 +183,10 @@ class _Row:
     text: IncrementalText | None       # the reply decoded so far, kept only when stop strings are asked for
     images: list[invariants.ImageInput]  # the images of the prompt's pad runs, in order (VLMs; [] for text)
     on_token: Callable[[int], None] | None   # the caller's listener for this row's tokens
+    sampling: invariants.Sampling      # what every token is drawn at (recorded_sampling)
+    matcher: object | None = None      # a constrained row's constraints.Matcher: the ids its grammar allows next
+    penalty: tuple[torch.Tensor, torch.Tensor] | None = None  # a penalised row's (seen, counts) [1, V] before its
+                                                              # next token (invariants.penalty_state)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -195,7 +216,8 @@ class EmbeddedEngine:
     and each leaves as soon as it finishes, so a long reply never holds a short one. One decoding thread runs
     while there is work. A request fails alone: bad input is refused in its caller, and an error while
     prefilling or sampling one row fails that row only. `update_weights`, `pause` and `resume` may be called
-    from any thread; they take effect between decode steps. The tokenizer is needed only for stop strings."""
+    from any thread; they take effect between decode steps. The tokenizer is needed only for stop strings and
+    grammar constraints."""
 
     def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None):
         self.model = model.eval()
@@ -205,6 +227,7 @@ class EmbeddedEngine:
         self.eos_ids = _eos_ids(model)
         self.is_moe = bool(invariants.moe_routers(model))
         self.is_vision = models.is_vision_model(model)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
         self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
@@ -249,10 +272,10 @@ class EmbeddedEngine:
 
     def check(self, params: SamplingParams) -> None:
         """Refuse sampling parameters this engine cannot honour (ValueError saying why)."""
-        validate_sampling(params)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings are matched in decoded text: build the engine with "
-                             "EmbeddedEngine(model, tokenizer=...)")
+        validate_sampling(params, self.vocab_size)
+        if (params.stop or params.constraint is not None) and self.tokenizer is None:
+            raise ValueError("stop strings are matched in decoded text and a grammar in the tokens' text: build the "
+                             "engine with EmbeddedEngine(model, tokenizer=...)")
 
     def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
         """Refuse images this engine cannot place (ValueError saying why): any image on a text-only model (it
@@ -284,8 +307,7 @@ class EmbeddedEngine:
             generator = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
-            rows.append(_Row(list(prompt), p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None,
-                             row_images, listener))
+            rows.append(self._row(list(prompt), p, stop, generator, row_images, listener))
         if rows:
             with self._admission:
                 self._waiting += rows
@@ -298,6 +320,23 @@ class EmbeddedEngine:
             if row.error is not None:
                 raise row.error
         return [self._finish(row) for row in rows]
+
+    def _row(self, prompt: list[int], p: SamplingParams, stop: frozenset[int], generator, images, listener) -> _Row:
+        """A request's row, with the state its logit processing starts from: a constrained row's matcher (its
+        grammar bound to the stop ids this row ends on, so that a finished grammar allows only them and the row
+        ends on one), a penalised row's view of its prompt. Built in the caller: a bad grammar fails there."""
+        constraint = None
+        if p.constraint is not None:
+            import constraints   # xgrammar is loaded only when a request is constrained
+            constraint = constraints.bind(p.constraint, sorted(stop))
+        row = _Row(prompt, p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None, images, listener,
+                   recorded_sampling(p, len(prompt), constraint))
+        if constraint is not None:
+            row.matcher = constraints.matcher(constraint, self.tokenizer, self.vocab_size)
+        if invariants.uses_penalties(row.sampling):
+            ids = torch.tensor(prompt, device=self.device)
+            row.penalty = invariants.penalty_state(ids, len(prompt), len(prompt), 1, self.vocab_size)
+        return row
 
     # -- the decoding thread --
 
@@ -364,20 +403,21 @@ class EmbeddedEngine:
         """One token for every row, each from its own processed distribution, all computed and drawn at once on
         the model's device: the rows drawing from the engine's stream in one multinomial call, each seeded row
         from its own generator, so a seeded row draws the same ids whatever else is in the batch. If the batch
-        call fails (some row's parameters), each row is tried alone and only the one at fault fails."""
+        call fails (some row's parameters or grammar), each row is tried alone and only the one at fault fails."""
         rows = batch.rows
         try:
-            logprobs = invariants.processed_logprobs(batch.logits, torch.tensor([r.params.temperature for r in rows]),
-                                                     torch.tensor([r.params.top_p for r in rows]),
-                                                     torch.tensor([r.params.top_k for r in rows]))   # [B, vocab]
-            drawn = self._draw(rows, logprobs)
+            logprobs = invariants.processed_logprobs(self._adjusted(rows, batch.logits),
+                                                     *(torch.tensor([getattr(r.params, name) for r in rows])
+                                                       for name in ("temperature", "top_p", "top_k", "min_p")))
+            drawn = self._draw(rows, logprobs)      # [B, vocab] above
         except Exception:
             logprobs, drawn = None, [None] * len(rows)
         for b, row in enumerate(rows):
             try:
                 if drawn[b] is None:              # alone: this row's own distribution and draw
-                    row_logprobs = invariants.processed_logprobs(batch.logits[b], row.params.temperature,
-                                                                 row.params.top_p, row.params.top_k)
+                    p = row.params
+                    row_logprobs = invariants.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
+                                                                 p.temperature, p.top_p, p.top_k, p.min_p)
                     token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
                     drawn[b] = (token, float(row_logprobs[token]))
                 self._record(row, *drawn[b], logprobs[b] if logprobs is not None else row_logprobs)
@@ -388,6 +428,25 @@ class EmbeddedEngine:
                     row.on_token(row.token_ids[-1])
             except Exception as error:           # this row's sampling or its listener: this row fails
                 row.error = error
+
+    def _adjusted(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, vocab] with invariants.adjust_logits applied to each row that asked for a logit bias,
+        penalties or a grammar, from its own state (matcher, penalty view); the other rows' logits are untouched
+        and cost nothing."""
+        special = [b for b, row in enumerate(rows) if row.matcher is not None or row.penalty is not None
+                   or row.sampling.logit_bias]
+        if not special:
+            return logits
+        logits = logits.float().clone()
+        for b in special:
+            row = rows[b]
+            allowed = None if row.matcher is None else row.matcher.allowed().to(self.device)[None]
+            z = invariants.adjust_logits(logits[b:b + 1], row.sampling, allowed, *(row.penalty or (None, None)))
+            if not torch.isfinite(z).any():
+                raise ValueError(f"no token is left to sample: the request's grammar and logit_bias ban every id "
+                                 f"(after {len(row.token_ids)} tokens); send a grammar and bans that leave one")
+            logits[b] = z[0]
+        return logits
 
     def _draw(self, rows: list[_Row], logprobs: torch.Tensor) -> list[tuple[int, float]]:
         """(token, its logprob) per row, with one device-to-host copy for the whole batch."""
@@ -477,6 +536,12 @@ class EmbeddedEngine:
             row.finish_reason = "stop"
         elif len(row.token_ids) >= row.params.max_tokens:
             row.finish_reason = "length"
+        if not row.finish_reason:               # the state the next token's logit processing reads
+            if row.matcher is not None:
+                row.matcher.accept(token)
+            if row.penalty is not None:
+                seen, counts = row.penalty
+                seen[0, token], counts[0, token] = True, counts[0, token] + 1
 
     @staticmethod
     def _wrote_stop_string(row: _Row, token: int) -> bool:
@@ -495,10 +560,8 @@ class EmbeddedEngine:
         if self.is_moe:
             # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
-        p = row.params
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
-                          row.stop_string, row.top if p.top_logprobs else None,
-                          invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
+                          row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
 
 
 # ---- the batch's KV cache: rows join and leave between steps ----------------------------------------------
