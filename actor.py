@@ -5,11 +5,13 @@
 # atomic checkpoints.
 # Never does: compute rewards or advantages, sample tokens, talk to an engine, or decide correction math itself.
 # Invariants kept:
-#   3 (forward consistency): logprobs are the engine's processed distribution (invariants.processed_logprobs:
-#     fp32 logits / T, top-k, top-p) at each token's own recorded sampling, with the engine's position ids, the
-#     model in eval mode for recompute AND training (no dropout/jitter differences), no autocast, MoE routes
-#     replayed through the forward and the backward (invariants.replay_routes), and a VLM row fed the very
-#     images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
+#   3 (forward consistency): logprobs are the engine's processed distribution (invariants.adjust_logits on the
+#     rows that need it: grammar mask, logit bias, penalties recomputed from the row's ids; then
+#     invariants.processed_logprobs: fp32 logits / T, min_p, top-k, top-p) at each token's own recorded sampling,
+#     in the recompute and in the loss forward alike (gradients through the live logits), with the engine's
+#     position ids, the model in eval mode for recompute AND training (no dropout/jitter differences), no
+#     autocast, MoE routes replayed through the forward and the backward (invariants.replay_routes), and a VLM
+#     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
 #   2 (policy version): the version gate and the train/infer IS weights come from invariants.gate_sequences and
 #     invariants.correction_weights, over whole rollouts; this module applies them, drops what they reject from
 #     the mask, and weighs each token by algo.loss_weights over the step's GLOBAL counts.
@@ -94,15 +96,18 @@ def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int
     return x[:, 1:][real] if isinstance(x, Tensor) and x.dim() == 2 else x
 
 
-def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tensor, temperature, top_p, top_k,
-                           with_entropy: bool) -> Tensor:
+def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tensor, temperature, top_p, top_k, min_p,
+                           with_entropy: bool, adjust=None) -> Tensor:
     """[N, 2]: each position's logprob of its next id under the processed distribution, and that distribution's
     detached entropy, from hidden states [N, H]. The output projection runs LOGPROB_CHUNK positions at a time, and
     under autograd each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab] logits never
-    exist at once: at a 152K vocabulary that tensor is the largest of the whole step."""
-    def chunk(h, ids, t, p, k):
-        logits = F.linear(h, head.weight, head.bias).float()     # fp32 BEFORE the temperature, as the engine
-        log_probs = invariants.processed_logprobs(logits, t, p, k, keep=ids)
+    exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits, begin)`
+    (_run_adjuster) applies invariants.adjust_logits to the positions of a chunk starting at `begin` that need it."""
+    def chunk(begin, h, ids, t, p, k, m):
+        logits = F.linear(h, head.weight, head.bias).float()     # fp32 BEFORE any processing, as the engine
+        if adjust is not None:
+            logits = adjust(logits, begin)
+        log_probs = invariants.processed_logprobs(logits, t, p, k, m, keep=ids)
         token = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         if not with_entropy:
             return torch.stack([token, torch.zeros_like(token)], -1)
@@ -113,10 +118,33 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
     pieces = []
     for start in range(0, len(hidden), LOGPROB_CHUNK):
         part = slice(start, start + LOGPROB_CHUNK)
-        args = [hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
-                                                 for x in (temperature, top_p, top_k)]
+        args = [start, hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
+                                                        for x in (temperature, top_p, top_k, min_p)]
         pieces.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
     return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2), dtype=torch.float32)
+
+
+def _run_adjuster(runs: list[list[invariants.AdjustedRun]], real: Tensor, input_ids: Tensor):
+    """The `adjust` of _chunked_head_logprobs for a micro-batch whose rows carry AdjustedRuns (None if none does):
+    the tokens start..end-1 of row b's run are predicted at the flattened real positions offset_b + start - 1 ..
+    offset_b + end - 2 (right padding: row b's real positions are its first ones). Each chunk splices the adjusted
+    logits of the runs it meets between the others, in one concatenation."""
+    if not any(runs):
+        return None
+    offsets = F.pad(real.sum(-1).cumsum(0), (1, 0)).tolist()      # flat index of each row's first position
+    spans = [(offsets[b] + run.start - 1, offsets[b] + run.end - 1, b, run)
+             for b, row_runs in enumerate(runs) for run in row_runs]
+
+    def adjust(logits: Tensor, begin: int) -> Tensor:              # logits [n, V] of flat positions begin ..
+        pieces, at = [], 0
+        for low, high, b, run in spans:
+            a, z = max(low, begin) - begin, min(high, begin + len(logits)) - begin
+            if a < z:
+                pieces += [logits[at:a], run.logits(logits[a:z], input_ids[b], run.start + begin + a - low,
+                                                    logits.shape[-1])]
+                at = z
+        return torch.cat(pieces + [logits[at:]]) if pieces else logits
+    return adjust
 
 
 @contextlib.contextmanager
@@ -133,21 +161,25 @@ def _head_returns(model, forward):
 
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                     images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
-                    top_p: Tensor | float = 1.0, top_k: Tensor | int = -1) -> tuple[Tensor, Tensor | None]:
+                    top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
+                    runs: list[list[invariants.AdjustedRun]] | None = None) -> tuple[Tensor, Tensor | None]:
     """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) under the distribution that
-    drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k: scalars, or
-    [B,T] tensors aligned to tokens (TrainBatch.temperature/top_p/top_k: each token's own recorded sampling).
-    `images`: per row, for a VLM. Only real positions reach the output projection, in chunks."""
+    drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
+    scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling); runs: per row,
+    its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM. Only real
+    positions reach the output projection, in chunks."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
     width = input_ids.shape[1]
     real = attention_mask[:, 1:].bool()                  # [B, T-1]: positions whose next token is a real token
     head = model.get_output_embeddings()
+    adjust = _run_adjuster(runs, real, input_ids) if runs else None
 
     def head_forward(hidden: Tensor) -> Tensor:          # hidden [B, T', H]; T' > T with a blank image
         return _chunked_head_logprobs(hidden[:, :width - 1][real], head, input_ids[:, 1:][real],
-                                      *(_per_position(x, real) for x in (temperature, top_p, top_k)), with_entropy)
+                                      *(_per_position(x, real) for x in (temperature, top_p, top_k, min_p)),
+                                      with_entropy, adjust)
 
     ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
     with _head_returns(model, head_forward):
@@ -162,22 +194,25 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                       routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None,
-                      top_p: Tensor | float = 1.0, top_k: Tensor | int = -1) -> Tensor:
-    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits,
-    temperature, top_p, top_k) at the sampled id. [B,T] fp32 aligned to tokens; position 0 and padding are 0.0.
-    The sampling arguments are scalars or [B,T] per-token tensors (a batch's recorded sampling). `routes` (long
-    [B,T,L,k]) replays the engine's MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad
-    runs. Gradients flow unless the caller is under torch.no_grad()."""
+                      top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
+                      runs: list[list[invariants.AdjustedRun]] | None = None) -> Tensor:
+    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits
+    through invariants.adjust_logits where `runs` say, temperature, top_p, top_k, min_p) at the sampled id. [B,T]
+    fp32 aligned to tokens; position 0 and padding are 0.0. The sampling arguments are scalars or [B,T] per-token
+    tensors, and runs a TrainBatch's (a batch's recorded sampling). `routes` (long [B,T,L,k]) replays the engine's
+    MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs. Gradients flow unless the
+    caller is under torch.no_grad()."""
     replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
-        return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k)[0]
+        return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
+                               min_p=min_p, runs=runs)[0]
 
 
 def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:
     """sequence_logprobs of a whole TrainBatch at each token's recorded sampling, without routes (a frozen
     reference or teacher model, which has no routes of its own to replay)."""
-    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature, images=batch.images,
-                             top_p=batch.top_p, top_k=batch.top_k)
+    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, images=batch.images, runs=batch.runs,
+                             **{name: getattr(batch, name) for name in invariants.SAMPLING_TENSORS})
 
 
 # ---- config ----
@@ -392,7 +427,8 @@ class Actor:
         (right padding), and that width."""
         width = max(int(batch.attention_mask[rows].sum(-1).max()), 1)
         routes = self._cut(batch.routes, rows, width) if batch.routes is not None else None
-        sampling = {name: self._cut(getattr(batch, name), rows, width) for name in ("temperature", "top_p", "top_k")}
+        sampling = {name: self._cut(getattr(batch, name), rows, width) for name in invariants.SAMPLING_TENSORS}
+        sampling["runs"] = batch.runs[rows]
         return (self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width), routes,
                 batch.images[rows], sampling, width)
 
@@ -401,7 +437,7 @@ class Actor:
     @torch.no_grad()
     def recompute_logprobs(self, batch: invariants.TrainBatch) -> Tensor:
         """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, each token at its own recorded
-        sampling (temperature, top_p, top_k), with MoE routes replayed."""
+        sampling (TrainBatch.temperature/top_p/top_k/min_p and runs), with MoE routes replayed."""
         _check_right_padded(batch.attention_mask)
         batch_size, length = batch.input_ids.shape
         out = torch.zeros((batch_size, length), dtype=torch.float32)
