@@ -1,0 +1,305 @@
+# constraints.py — grammar constraints on sampling: OpenAI response_format (json_object, json_schema) and a forced
+# tool call (tool_choice required / a named function), as masks over the next token.
+# Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
+#   refusal of schemas that are invalid, unsupported or too large, and the one function of (spec, tokenizer, ids)
+#   that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks` for the recompute.
+# Never: samples, touches logits or the ledger, or reads the network (a remote $ref is refused).
+# Invariants: 3 (forward consistency) - the engine masks with `matcher` and the trainer with `replay_masks`, both
+#   walking the same grammar over the same ids, so the recomputed distribution is the one each token was drawn from;
+#   1 (token identity) - a row whose ids its recorded grammar does not allow is refused by position, never trained.
+#
+# Engine: llguidance (a maintained grammar engine; vLLM ships it as its "guidance" backend), chosen over xgrammar
+# (vLLM's default) by measurement on SmolLM2's 49,152-id tokenizer (2 shared CPU cores; /tmp comparison, see the
+# project notes):
+#   - compile time: xgrammar precomputes per-state token masks, which an attacker can make slow with small schemas:
+#     an object of 2,000 optional string properties (56 KB) took 53 s, the 60-character regex
+#     ^([a-z]{1,64}\.){1,64}[a-z]{2,8}$ 7.2 s, one {"maxLength": 64} 0.6 s; llguidance builds each in 0.7 s,
+#     1 ms and 1 ms, and bounds the work of every later mask step with deterministic fuel (LLParserLimits defaults),
+#     so a replay hits any limit exactly where the engine did;
+#   - coverage: xgrammar compiles but does not enforce "not", "if"/"then", "uniqueItems", "contains" and more (the
+#     engine would emit JSON its own schema rejects); llguidance refuses them ("Unimplemented keys: [...]");
+#   - special tokens: llguidance never allows a special token as text (xgrammar let <|endoftext|> into a JSON
+#     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
+#   Per-token mask time is sub-millisecond for both (numbers: `python constraints.py`).
+# Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
+#   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from numbers import Integral
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+# ---- bounds: checked before any grammar is built, so a cheap request never costs much ----
+# Measured (python constraints.py): a schema at these bounds builds in well under a second for a 49K vocabulary.
+MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema (OpenAI's own strict limits are in this range)
+MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
+MAX_SCHEMA_NODES = 16_384    # JSON values in one schema
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
+TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
+SPEC_FIELDS = ("kind", "schema", "suffix")  # + "stop" once bound
+
+
+# ---- specs: what a request asks for, as canonical JSON text ----
+# The spec is the whole constraint: the (strict-expanded) JSON schema, a literal suffix, and after bind() the stop
+# ids, so another process (a Ray trainer) rebuilds the same grammar from the text alone. Outer keys are sorted and
+# there is no whitespace, so equal constraints are equal strings. The schema travels as its own compact text, key
+# order kept: the grammar emits an object's properties in the schema's order, so that order is part of the
+# constraint and must not be sorted away.
+
+def _spec(kind: str, schema: dict, suffix: str) -> str:
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps({"kind": kind, "schema": text, "suffix": suffix}, sort_keys=True, separators=(",", ":"))
+
+
+def json_object_spec() -> str:
+    """response_format {"type": "json_object"}: any one JSON object."""
+    return _spec("json_object", {"type": "object"}, "")
+
+
+def json_schema_spec(schema: dict, strict: bool = True) -> str:
+    """response_format {"type": "json_schema"}: one JSON value valid for `schema`. strict=True (OpenAI's strict
+    mode) also closes every object schema that does not say otherwise (additionalProperties: false), so only
+    declared properties are written; strict=False keeps JSON Schema's default (extra properties allowed).
+    Raises ValueError for an invalid, unsupported or oversized schema, saying what is accepted."""
+    _check_schema(schema, "the JSON schema")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be true or false, got {strict!r}")
+    spec = _spec("json_schema", _strict(schema) if strict else schema, "")
+    _check_grammar(_parse(spec), "the JSON schema")
+    return spec
+
+
+def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
+    """The text after a server-forced "<tool_call>\\n": one object {"name": <a tool's name, or `name`>,
+    "arguments": <valid for that tool's parameters; a tool without parameters takes any object>}, "name" first,
+    then TOOL_CALL_SUFFIX. `tools` are OpenAI function tools ({"type": "function", "function": {"name", "parameters",
+    "strict"}}); a tool marked strict gets strict arguments (as json_schema_spec). Raises ValueError for a malformed
+    tool, a bad parameters schema, a duplicate or unknown name."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"tools must be a non-empty list of function tools, got {tools!r:.80}; a forced tool call "
+                         f"needs a tool to call")
+    branches, names = [], []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": <non-empty "
+                             f"string>, \"parameters\": <JSON schema>}}}}, got {tool!r:.120}")
+        tool_name = function["name"]
+        if tool_name in names:
+            raise ValueError(f"tools[{i}]: the name {tool_name!r} is used twice; tool names must be unique")
+        names.append(tool_name)
+        if name is not None and tool_name != name:
+            continue
+        parameters = function.get("parameters", {"type": "object"})
+        _check_schema(parameters, f"tools[{i}].function.parameters")
+        if function.get("strict") is True:
+            parameters = _strict(parameters)
+        branches.append({"type": "object", "properties": {"name": {"const": tool_name}, "arguments": parameters},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    if name is not None and not branches:
+        raise ValueError(f"tool_choice names the function {name!r:.80}, which is not among the tools "
+                         f"{names!r:.400}; name one of them")
+    spec = _spec("tool_call", branches[0] if len(branches) == 1 else {"anyOf": branches}, TOOL_CALL_SUFFIX)
+    fields = _parse(spec)
+    if len(fields["schema"]) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"the tools' parameters come to {len(fields['schema'])} characters of JSON schema, more "
+                         f"than {MAX_SCHEMA_CHARS}; send fewer or smaller tools, or name the one to call")
+    _check_grammar(fields, "tools")
+    return spec
+
+
+def bind(spec: str, stop_token_ids: Sequence[int]) -> str:
+    """The spec with the stop ids the engine ends on (sorted, unique): the grammar allows one of them, and only
+    them, once the JSON (and suffix) is complete. The engine records the bound spec in Sampling.constraint."""
+    fields = _parse(spec)
+    if (not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str) or not stop_token_ids
+            or not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids)):
+        raise ValueError(f"bind needs a non-empty sequence of non-negative int stop ids, got {stop_token_ids!r:.80}")
+    fields["stop"] = sorted({int(t) for t in stop_token_ids})
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+def _parse(spec: str) -> dict:
+    """The fields of a spec made here; ValueError for anything else (a constraint must be rebuilt exactly)."""
+    try:
+        fields = json.loads(spec)
+    except (TypeError, ValueError):
+        fields = None
+    if (not isinstance(fields, dict) or set(fields) - {"stop"} != set(SPEC_FIELDS)
+            or not all(isinstance(fields[k], str) for k in SPEC_FIELDS)):
+        raise ValueError(f"{spec!r:.120} is not a constraint spec; build one with constraints.json_object_spec, "
+                         f"json_schema_spec or tool_call_spec (and bind it to the stop ids)")
+    return fields
+
+
+# ---- schema checks ----
+# Order: bounded walk (stops at the first excess), then the text size, the JSON Schema meta-schema, and llguidance's
+# own check of what it can enforce; each refusal says what is accepted.
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+                  "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def _check_schema(schema: dict, where: str) -> None:
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON object (a JSON Schema such as {{\"type\": \"object\", "
+                         f"\"properties\": {{...}}}}), got {type(schema).__name__}")
+    stack, nodes = [(schema, 1)], 0
+    while stack:   # iterative: a hostile nesting never reaches Python's recursion limit
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"{where} has more than {MAX_SCHEMA_NODES} JSON values; send a smaller schema")
+        if isinstance(value, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"{where} is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten it (shared parts "
+                                 f"can move to $defs and be reused with $ref)")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where} is not plain JSON ({error}); use only objects, arrays, strings, finite numbers, "
+                         f"booleans and null") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"{where} is {len(text)} characters of JSON, more than {MAX_SCHEMA_CHARS}; send a smaller "
+                         f"schema")
+    if "x-guidance" in schema:
+        raise ValueError(f"{where} sets \"x-guidance\", the grammar engine's own options; remove it (the layout "
+                         f"is fixed: one line, \", \" and \": \" separators)")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        at = "/".join(str(p) for p in error.absolute_path) or "the top level"
+        raise ValueError(f"{where} is not a valid JSON Schema at {at}: {error.message:.200}") from None
+
+
+def _strict(schema: dict) -> dict:
+    """A copy of `schema` in which every object schema that does not say otherwise (additionalProperties,
+    unevaluatedProperties or patternProperties) takes only its declared properties (OpenAI's strict mode)."""
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _strict(v) if isinstance(v, dict) else v for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS + _SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key])
+        elif isinstance(out.get(key), list):
+            out[key] = [_strict(v) if isinstance(v, dict) else v for v in out[key]]
+    kinds = out.get("type", [])
+    is_object = "object" in (kinds if isinstance(kinds, list) else [kinds]) or "properties" in out
+    if is_object and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
+def _check_grammar(fields: dict, where: str) -> None:
+    """llguidance's verdict on the schema, without a tokenizer (what it cannot enforce is refused, not ignored)."""
+    body = llguidance.LLMatcher.grammar_from_json_schema(json.loads(fields["schema"]), defaults=JSON_LAYOUT)
+    error = llguidance.LLMatcher.validate_grammar(body)
+    if error:
+        raise ValueError(f"{where} uses what constrained decoding cannot enforce: {error.strip():.300}; accepted is "
+                         f"JSON Schema's type, properties, required, additionalProperties, items, prefixItems, "
+                         f"enum, const, anyOf, allOf, $ref/$defs, minimum/maximum, minLength/maxLength, pattern, "
+                         f"format and min/maxItems")
+
+
+# ---- grammars: a spec and a tokenizer -> an llguidance matcher (built once, copied per row) ----
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """The tokenizer as llguidance sees it, with the model's logits width (ids past the tokenizer are special,
+    never allowed). Built once per tokenizer object (about 0.5 s for a 49K vocabulary)."""
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} ids; pass the "
+                         f"model's logits width (config.vocab_size), which covers every id the tokenizer makes")
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+
+def _suffix_lark(suffix: str, tokenizer) -> str:
+    """The suffix as a Lark sequence. llguidance treats every added token as special, so a non-special added token
+    of this tokenizer that spells part of the suffix (Qwen's "</tool_call>") is allowed as itself or as text."""
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if not t.special and t.content and t.content in suffix}
+    if not suffix:
+        return ""
+    if not added:
+        return json.dumps(suffix)
+    pieces = re.split("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")", suffix)
+    return " ".join(f"({json.dumps(p)} | <[{added[p]}]>)" if p in added else json.dumps(p) for p in pieces if p)
+
+
+@functools.lru_cache(maxsize=256)
+def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
+    fields = _parse(spec)
+    if "stop" not in fields:
+        raise ValueError("the constraint is not bound to stop ids; the engine calls constraints.bind(spec, "
+                         "stop_token_ids) and records the bound spec")
+    if max(fields["stop"]) >= vocab_size:
+        raise ValueError(f"stop ids {fields['stop']} are outside the vocabulary of {vocab_size} ids")
+    stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
+    lark = f"start: @body {_suffix_lark(fields['suffix'], tokenizer)} ({stop})"
+    body = dict(json.loads(fields["schema"]), **{"x-guidance": JSON_LAYOUT})
+    grammar = json.dumps({"grammars": [{"lark_grammar": lark}, {"name": "body", "json_schema": body}]})
+    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+    template.compute_bitmask()   # warms the lexer caches the per-row copies share
+    if template.is_error():
+        raise ValueError(f"the constraint does not build a grammar: {template.get_error():.300}")
+    return template
+
+
+# ---- matching: the allowed ids before each token ----
+
+def _unpack(packed: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """[rows, 4 * ceil(V / 32)] uint8 little-endian bitmask -> [rows, V] bool."""
+    return torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size].astype(bool))
+
+
+class Matcher:
+    """One row's place in its grammar. allowed(): the ids the grammar allows next, [vocab_size] bool (the engine
+    sets the others to -inf before anything else); accept(id): the sampled id, ValueError if it was not allowed."""
+
+    def __init__(self, ll: llguidance.LLMatcher, vocab_size: int):
+        self._ll, self.vocab_size, self.n_accepted = ll, vocab_size, 0
+
+    def _packed(self) -> np.ndarray:
+        if self._ll.is_error():
+            raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: {self._ll.get_error():.300}")
+        return np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)
+
+    def allowed(self) -> torch.Tensor:
+        return _unpack(self._packed()[None], self.vocab_size)[0]
+
+    def accept(self, token_id: int) -> None:
+        if not (0 <= token_id < self.vocab_size) or self._ll.is_error() or not self._ll.consume_token(int(token_id)):
+            raise ValueError(f"token id {token_id} at generated position {self.n_accepted} is not allowed by the "
+                             f"grammar constraint (or the grammar had already ended at its stop id); a constrained "
+                             f"row samples only from Matcher.allowed()")
+        self.n_accepted += 1
+
+
+def matcher(spec: str, tokenizer, vocab_size: int) -> Matcher:
+    """A fresh Matcher for one row (spec bound with bind()); the grammar is built once per (spec, tokenizer,
+    vocab_size) and copied, so a row costs microseconds."""
+    return Matcher(_template(spec, tokenizer, vocab_size).deep_copy(), vocab_size)
+
+
+def replay_masks(spec: str, tokenizer, token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[len(token_ids), vocab_size] bool: row i is the allowed set before token_ids[i], the mask the engine sampled
+    it under (what the trainer's recompute applies). ValueError naming the position of the first id the grammar
+    does not allow: such a row was not sampled under its recorded constraint and must not train."""
+    m = matcher(spec, tokenizer, vocab_size)
+    packed = []
+    for token_id in token_ids:
+        packed.append(m._packed())
+        m.accept(int(token_id))
+    width = 4 * -(-vocab_size // 32)
+    return _unpack(np.stack(packed) if packed else np.zeros((0, width), np.uint8), vocab_size)
