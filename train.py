@@ -440,7 +440,9 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
         advantages = algo.rollout_advantages([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
                                              [r.rollout_id for r, _ in rows], a.estimator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = invariants.build_batch(segs, advantages, pad_id=pad_id)
+    # a row sampled under a grammar has its masks replayed here, with the policy's tokenizer and logits width
+    batch = invariants.build_batch(segs, advantages, pad_id=pad_id, tokenizer=tokenizer,
+                                   vocab_size=policy.model.config.get_text_config().vocab_size)
     # invariant 1, at the last moment before the loss (a VLM's rows: also each image on exactly its pad run)
     invariants.check_token_identity(batch, segs, image_pad_id=getattr(policy.model.config, "image_token_id", None))
 

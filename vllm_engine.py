@@ -8,8 +8,10 @@
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - prompts go in as token ids (`TokensPrompt`) and the ids vLLM sampled come back
 #     untouched; nothing is detokenized and re-encoded;
-#   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after temperature, top-k,
-#     top-p; fp32), the same distribution invariants.processed_logprobs recomputes in the trainer; the version of
+#   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's mask,
+#     logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution invariants.adjust_logits
+#     and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by field; a grammar runs
+#     on vLLM's llguidance backend as the very grammar constraints.py replays); the version of
 #     every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
 #     request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a request kept across
 #     an update is re-prefilled by the new weights
@@ -42,9 +44,11 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
+import transformers
 
 import invariants
-from rollout import Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+from rollout import (Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling,
+                     validate_sampling)
 
 
 def available() -> bool:
@@ -110,6 +114,7 @@ class VLLMEngine:
                  transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
                  max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
         from vllm import AsyncEngineArgs
+        from vllm.config import StructuredOutputsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
         if transfer not in ("ipc", "rpc"):
             raise ValueError(f"transfer must be 'ipc' (CUDA IPC) or 'rpc' (a state dict, CPU), got {transfer!r}")
@@ -122,6 +127,15 @@ class VLLMEngine:
         text_config = config.get("text_config", config)
         self.is_moe = is_moe_config(config)
         self.is_vision = "vision_config" in config
+        self.vocab_size = text_config["vocab_size"]
+        # the ids a request without stop ids ends on, as the embedded engine reads them (a grammar is bound to them)
+        eos = None
+        if os.path.exists(os.path.join(model_path, "generation_config.json")):
+            with open(os.path.join(model_path, "generation_config.json")) as f:
+                eos = json.load(f).get("eos_token_id")
+        eos = eos if eos is not None else text_config.get("eos_token_id")
+        self.eos_ids = sorted(eos if isinstance(eos, list) else [eos])
+        self._tokenizer = None                        # loaded for the first constrained request
         self._image_pad = config.get("image_token_id")
         self._checkpoint_keys = _checkpoint_keys(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
@@ -134,6 +148,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
             enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # constraints.py's engine
             weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
         if transfer == "ipc":
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
@@ -256,7 +271,7 @@ class VLLMEngine:
 
     def check(self, params: SamplingParams) -> None:
         """Refuse sampling parameters this engine cannot honour (ValueError saying why)."""
-        validate_sampling(params)
+        validate_sampling(params, self.vocab_size)
 
     def check_images(self, prompt: list[int], images: Sequence[invariants.ImageInput]) -> None:
         """Refuse images this engine cannot place (ValueError saying why), as rollout.EmbeddedEngine does: any
@@ -286,7 +301,15 @@ class VLLMEngine:
                 raise ValueError("a prompt must hold at least one token id")
             self.check_images(prompt, row_images)
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
-            requests.append(_Request(list(prompt), p, listener, row_images))
+            grammar = None
+            if p.constraint is not None:    # bound to the ids the request ends on, as the embedded engine binds it
+                import constraints
+                grammar = constraints.bind(p.constraint, sorted(p.stop_token_ids or self.eos_ids))
+                if self._tokenizer is None:
+                    self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_path)
+                constraints.matcher(grammar, self._tokenizer, self.vocab_size)   # one that cannot build fails here
+            requests.append(_Request(list(prompt), p, listener, row_images,
+                                     recorded_sampling(p, len(prompt), grammar), self._tokenizer))
         futures = [asyncio.run_coroutine_threadsafe(self._run(r), self._loop) for r in requests]
         errors = []
         for future in futures:
@@ -367,8 +390,9 @@ class _Request:
     can take vLLM's final output alone (per-step outputs cost throughput) and still version every token."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, listener: Callable[[int], None] | None,
-                 images: Sequence[invariants.ImageInput] = ()):
+                 images: Sequence[invariants.ImageInput], sampling: invariants.Sampling, tokenizer=None):
         self.prompt_ids, self.params, self.listener, self.images = prompt_ids, params, listener, list(images)
+        self.sampling, self.tokenizer = sampling, tokenizer   # what every token is drawn at; a grammar's tokenizer
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
@@ -420,8 +444,7 @@ class _Request:
         if self.routes is not None:   # positions 0 .. len(prompt)+len(tokens)-2 were forwarded
             routes = self.routes[: len(self.prompt_ids) + len(self.token_ids) - 1]
         return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
-                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None,
-                          invariants.Sampling(float(p.temperature), float(p.top_p), int(p.top_k)))
+                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None, self.sampling)
 
 
 def _collapse_pad_runs(token_ids: list[int], pad_id: int) -> list[int]:
@@ -431,16 +454,39 @@ def _collapse_pad_runs(token_ids: list[int], pad_id: int) -> list[int]:
 
 def _vllm_params(request: _Request):
     """tracerl's SamplingParams -> vLLM's, with the same meaning: stop ids replace the model's eos ids (and are
-    kept); the tokens that wrote a stop string are kept; the sampled token's processed logprob is always returned."""
+    kept); the tokens that wrote a stop string are kept; the sampled token's processed logprob is always returned.
+    min_p, the logit bias and the three penalties go in as themselves: vLLM's sampler applies them in the order
+    invariants.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids are the row before and
+    after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
+    e^-100 against the rest, is below what an fp32 logprob resolves, and the trainer's -inf agrees (tested). A
+    grammar goes in as _guidance_grammar, with its stop ids as the request's (so it ends where the grammar does)."""
     from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    p = request.params
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    p, grammar = request.params, request.sampling.constraint
+    stop_ids = json.loads(grammar)["stop"] if grammar is not None else list(p.stop_token_ids)
     return VLLMSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, max_tokens=p.max_tokens,
-        stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=bool(p.stop_token_ids), stop=list(p.stop) or None,
+        stop_token_ids=stop_ids or None, ignore_eos=bool(stop_ids), stop=list(p.stop) or None,
+        structured_outputs=None if grammar is None else
+        StructuredOutputsParams(grammar=_guidance_grammar(grammar, request.tokenizer)),
         include_stop_str_in_output=True, seed=p.seed, logprobs=p.top_logprobs,
+        min_p=p.min_p, logit_bias={t: max(b, -100.0) for t, b in p.logit_bias} or None,
+        repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
         output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
         detokenize=bool(p.stop))
+
+
+def _guidance_grammar(spec: str, tokenizer) -> str:
+    """A bound constraints.py spec as the one Lark grammar vLLM's guidance backend takes: constraints.py's grammar
+    (its JSON body with its layout, its suffix, its stop ids) with the body inlined as %json rather than named as a
+    sub-grammar; both are llguidance, and tests/test_vllm_engine.py shows they give the same masks."""
+    import constraints
+    fields = json.loads(spec)
+    body = dict(json.loads(fields["schema"]), **{"x-guidance": constraints.JSON_LAYOUT})
+    stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
+    suffix = constraints._suffix_lark(fields["suffix"], tokenizer)
+    return f"start: body {suffix} ({stop})\nbody: %json {json.dumps(body)}"
 
 
 def _checkpoint_keys(model_path: str) -> set[str]:
