@@ -31,17 +31,21 @@ import re
 from collections.abc import Sequence
 from numbers import Integral
 
-import jsonschema
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
 
 # ---- bounds: checked before any grammar is built, so a cheap request never costs much ----
-# Measured (python constraints.py): a schema at these bounds builds in well under a second for a 49K vocabulary.
-MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema (OpenAI's own strict limits are in this range)
+# The work of a mask step grows with the alternatives open at one position (an object's optional properties, a
+# union's branches): 2,400 optional properties took 1.3 s to build and overflowed llguidance's default 2,000 parser
+# items in a row at the first '{"'. Within these bounds a grammar builds in under 0.3 s and a mask step takes under
+# 20 ms for a 49K vocabulary (python constraints.py), and PARSER_LIMITS is never reached by a schema that passed.
+MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema
 MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
-MAX_SCHEMA_NODES = 16_384    # JSON values in one schema
+MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
+MAX_SCHEMA_MEMBERS = 1_024   # declared properties + anyOf/oneOf/allOf branches, over the whole schema (or all tools)
+PARSER_LIMITS = dict(max_items_in_row=10_000)   # ~4 parser items per member; the rest are llguidance's defaults
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
 TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
 SPEC_FIELDS = ("kind", "schema", "suffix")  # + "stop" once bound
@@ -72,9 +76,9 @@ def json_schema_spec(schema: dict, strict: bool = True) -> str:
     _check_schema(schema, "the JSON schema")
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be true or false, got {strict!r}")
-    spec = _spec("json_schema", _strict(schema) if strict else schema, "")
-    _check_grammar(_parse(spec), "the JSON schema")
-    return spec
+    schema = _strict(schema) if strict else schema
+    _check_grammar(schema, "the JSON schema")
+    return _spec("json_schema", schema, "")
 
 
 def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
@@ -86,7 +90,7 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     if not isinstance(tools, list) or not tools:
         raise ValueError(f"tools must be a non-empty list of function tools, got {tools!r:.80}; a forced tool call "
                          f"needs a tool to call")
-    branches, names = [], []
+    branches, names, members = [], [], 0
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -99,9 +103,13 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
         if name is not None and tool_name != name:
             continue
         parameters = function.get("parameters", {"type": "object"})
-        _check_schema(parameters, f"tools[{i}].function.parameters")
+        members += 3 + _check_schema(parameters, f"tools[{i}].function.parameters")   # + the branch, name, arguments
+        if members > MAX_SCHEMA_MEMBERS:
+            raise ValueError(f"the tools up to tools[{i}] declare {members} properties and branches in all, more than "
+                             f"{MAX_SCHEMA_MEMBERS}; send fewer or smaller tools, or name the one to call")
         if function.get("strict") is True:
             parameters = _strict(parameters)
+        _check_grammar(parameters, f"tools[{i}].function.parameters")
         branches.append({"type": "object", "properties": {"name": {"const": tool_name}, "arguments": parameters},
                          "required": ["name", "arguments"], "additionalProperties": False})
     if name is not None and not branches:
@@ -112,7 +120,6 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     if len(fields["schema"]) > MAX_SCHEMA_CHARS:
         raise ValueError(f"the tools' parameters come to {len(fields['schema'])} characters of JSON schema, more "
                          f"than {MAX_SCHEMA_CHARS}; send fewer or smaller tools, or name the one to call")
-    _check_grammar(fields, "tools")
     return spec
 
 
@@ -141,8 +148,10 @@ def _parse(spec: str) -> dict:
 
 
 # ---- schema checks ----
-# Order: bounded walk (stops at the first excess), then the text size, the JSON Schema meta-schema, and llguidance's
-# own check of what it can enforce; each refusal says what is accepted.
+# Order: a bounded walk (it stops at the first excess), the text size, then llguidance's own check, which refuses
+# both an invalid schema ("Invalid type: strnig", "Expected array for 'required'") and what it cannot enforce; each
+# refusal says what is accepted. (jsonschema's meta-schema check would add the path of an error but costs 0.56 s
+# for a 1,000-property schema, more than everything else here together.)
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
@@ -150,11 +159,12 @@ _SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "contains"
                   "propertyNames", "unevaluatedItems", "unevaluatedProperties")
 
 
-def _check_schema(schema: dict, where: str) -> None:
+def _check_schema(schema: dict, where: str) -> int:
+    """Refuse a schema that is not plain, valid, bounded JSON Schema; returns its members (for the tools' total)."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object (a JSON Schema such as {{\"type\": \"object\", "
                          f"\"properties\": {{...}}}}), got {type(schema).__name__}")
-    stack, nodes = [(schema, 1)], 0
+    stack, nodes, members = [(schema, 1)], 0, 0
     while stack:   # iterative: a hostile nesting never reaches Python's recursion limit
         value, depth = stack.pop()
         nodes += 1
@@ -165,6 +175,12 @@ def _check_schema(schema: dict, where: str) -> None:
                 raise ValueError(f"{where} is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten it (shared parts "
                                  f"can move to $defs and be reused with $ref)")
             stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+        if isinstance(value, dict):   # counted wherever they appear (inside a "default" too): errs on the safe side
+            members += sum(len(value[k]) for k in ("properties", "anyOf", "oneOf", "allOf")
+                           if isinstance(value.get(k), (dict, list)))
+    if members > MAX_SCHEMA_MEMBERS:
+        raise ValueError(f"{where} declares {members} properties and anyOf/oneOf/allOf branches, more than "
+                         f"{MAX_SCHEMA_MEMBERS}; send a smaller schema")
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
@@ -176,11 +192,7 @@ def _check_schema(schema: dict, where: str) -> None:
     if "x-guidance" in schema:
         raise ValueError(f"{where} sets \"x-guidance\", the grammar engine's own options; remove it (the layout "
                          f"is fixed: one line, \", \" and \": \" separators)")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as error:
-        at = "/".join(str(p) for p in error.absolute_path) or "the top level"
-        raise ValueError(f"{where} is not a valid JSON Schema at {at}: {error.message:.200}") from None
+    return members
 
 
 def _strict(schema: dict) -> dict:
@@ -202,15 +214,17 @@ def _strict(schema: dict) -> dict:
     return out
 
 
-def _check_grammar(fields: dict, where: str) -> None:
+def _check_grammar(schema: dict, where: str) -> None:
     """llguidance's verdict on the schema, without a tokenizer (what it cannot enforce is refused, not ignored)."""
-    body = llguidance.LLMatcher.grammar_from_json_schema(json.loads(fields["schema"]), defaults=JSON_LAYOUT)
-    error = llguidance.LLMatcher.validate_grammar(body)
+    body = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    error = llguidance.LLMatcher.validate_grammar(body, limits=llguidance.LLParserLimits(**PARSER_LIMITS))
     if error:
-        raise ValueError(f"{where} uses what constrained decoding cannot enforce: {error.strip():.300}; accepted is "
-                         f"JSON Schema's type, properties, required, additionalProperties, items, prefixItems, "
-                         f"enum, const, anyOf, allOf, $ref/$defs, minimum/maximum, minLength/maxLength, pattern, "
-                         f"format and min/maxItems")
+        raise ValueError(f"{where} is not a JSON Schema the grammar engine can enforce: {error.strip():.300}. "
+                         f"Enforced are type, "
+                         f"properties, required, additionalProperties, patternProperties, items, prefixItems, "
+                         f"minItems/maxItems, enum, const, anyOf, allOf, oneOf with disjoint branches, $ref/$defs, "
+                         f"minimum/maximum (exclusive too), multipleOf, minLength/maxLength, pattern and format; not "
+                         f"enforced, so refused: not, if/then/else, uniqueItems, contains, dependentRequired/Schemas")
 
 
 # ---- grammars: a spec and a tokenizer -> an llguidance matcher (built once, copied per row) ----
@@ -228,7 +242,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 def _suffix_lark(suffix: str, tokenizer) -> str:
     """The suffix as a Lark sequence. llguidance treats every added token as special, so a non-special added token
     of this tokenizer that spells part of the suffix (Qwen's "</tool_call>") is allowed as itself or as text."""
-    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if not t.special and t.content and t.content in suffix}
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
+             if not t.special and t.content and t.content in suffix}
     if not suffix:
         return ""
     if not added:
@@ -249,7 +264,8 @@ def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
     lark = f"start: @body {_suffix_lark(fields['suffix'], tokenizer)} ({stop})"
     body = dict(json.loads(fields["schema"]), **{"x-guidance": JSON_LAYOUT})
     grammar = json.dumps({"grammars": [{"lark_grammar": lark}, {"name": "body", "json_schema": body}]})
-    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
+                                    limits=llguidance.LLParserLimits(**PARSER_LIMITS))
     template.compute_bitmask()   # warms the lexer caches the per-row copies share
     if template.is_error():
         raise ValueError(f"the constraint does not build a grammar: {template.get_error():.300}")
@@ -303,3 +319,62 @@ def replay_masks(spec: str, tokenizer, token_ids: Sequence[int], vocab_size: int
         m.accept(int(token_id))
     width = 4 * -(-vocab_size // 32)
     return _unpack(np.stack(packed) if packed else np.zeros((0, width), np.uint8), vocab_size)
+
+
+# ---- measurement: python constraints.py [model] (compile and per-token mask time on a real tokenizer) ----
+
+if __name__ == "__main__":
+    import sys
+    import time
+
+    import models
+
+    tokenizer = models.load_tokenizer(models.resolve_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2"))
+    vocab, stop = len(tokenizer), [tokenizer.eos_token_id]
+    start = time.perf_counter()
+    _ll_tokenizer(tokenizer, vocab)
+    print(f"tokenizer ({vocab} ids): {time.perf_counter() - start:.3f} s, once per tokenizer")
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+               "required": ["city", "unit"]}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": weather}} for i in range(8)]
+    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "string"} for i in range(MAX_SCHEMA_MEMBERS)}}
+    union = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {f"k{j}_{i}": {"type": "integer"}
+                                                   for i in range(MAX_SCHEMA_MEMBERS // 8 - 1)}} for j in range(8)]}}
+    deep = {"type": "integer"}
+    while True:   # the deepest chain of nested objects the depth bound takes
+        deeper = {"type": "object", "properties": {"a": deep, "b": {"type": "string", "maxLength": 64}}}
+        try:
+            _check_schema(deeper, "deep")
+        except ValueError:
+            break
+        deep = deeper
+    cases = {"json_object": json_object_spec(), "weather schema": json_schema_spec(weather),
+             "8 tools": tool_call_spec(tools), f"{MAX_SCHEMA_MEMBERS} optional properties":
+             json_schema_spec(wide, strict=False), "array of a union of 8 objects": json_schema_spec(union, False),
+             "deepest nesting, maxLength 64 each": json_schema_spec(deep),
+             "pattern ^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$":
+             json_schema_spec({"type": "string", "pattern": "^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$"})}
+    for name, spec in cases.items():
+        bound = bind(spec, stop)
+        start = time.perf_counter()
+        m = matcher(bound, tokenizer, vocab)
+        compiled = time.perf_counter() - start
+        generator, ids, times = torch.Generator().manual_seed(0), [], []
+        while len(ids) < 256 and (not ids or ids[-1] not in stop):   # a uniform walk over the allowed ids
+            start = time.perf_counter()
+            allowed = m.allowed()
+            times.append(time.perf_counter() - start)
+            choices = allowed.nonzero().flatten()
+            ids.append(int(choices[torch.randint(len(choices), (1,), generator=generator)]))
+            start = time.perf_counter()
+            m.accept(ids[-1])
+            times[-1] += time.perf_counter() - start
+        start = time.perf_counter()
+        replay_masks(bound, tokenizer, ids, vocab)
+        replayed = (time.perf_counter() - start) / len(ids)
+        ms = sorted(1e3 * t for t in times)
+        print(f"{name}: compile {compiled:.3f} s; mask + accept per token over {len(ids)} tokens mean "
+              f"{sum(ms) / len(ms):.3f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.3f}, max {ms[-1]:.3f}; "
+              f"replay {1e3 * replayed:.3f} ms/token")

@@ -1,0 +1,352 @@
+# Tests for constraints.py: grammar-constrained random walks over real tokenizers (the tiny BPE one and SmolLM2's)
+# always end in JSON valid for the schema, the trainer's replay gives the walk's masks exactly, a row that leaves its
+# grammar is refused by position, forced tool calls parse as calls of a listed tool, specs are canonical, and hostile
+# schemas are refused quickly with messages that say what is accepted.
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+
+import constraints
+import invariants
+import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAD = 13   # the model's logits are wider than the tokenizer (as Qwen's are): those ids must never be allowed
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.load_tokenizer(models.tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return models.load_tokenizer(models.resolve_model("smollm2"))
+
+
+def walk(spec: str, tokenizer, seed: int, stop: int | None = None, max_steps: int = 4000):
+    """Sample uniformly among the allowed ids (seeded) until the stop id; returns (ids, masks seen, bound spec)."""
+    stop = tokenizer.eos_token_id if stop is None else stop
+    bound = constraints.bind(spec, [stop])
+    vocab = len(tokenizer) + PAD
+    m, generator, ids, masks = constraints.matcher(bound, tokenizer, vocab), torch.Generator().manual_seed(seed), [], []
+    while not ids or ids[-1] != stop:
+        assert len(ids) < max_steps, f"the walk did not reach the stop in {max_steps} tokens"
+        masks.append(m.allowed())
+        choices = masks[-1].nonzero().flatten()
+        ids.append(int(choices[torch.randint(len(choices), (1,), generator=generator)]))
+        m.accept(ids[-1])
+    return ids, torch.stack(masks), bound
+
+
+def enforced_schema(spec: str) -> dict:
+    return json.loads(json.loads(spec)["schema"])
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+    "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "ok": {"type": "boolean"}},
+            "required": ["ok"]}},
+    "required": ["city", "unit"]}
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+    "required": ["value"]}}, "$ref": "#/$defs/node"}
+UNION = {"anyOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": ["integer", "null"]}},
+                    "required": ["kind", "n"]},
+                   {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, "two", None]}], "minItems": 2,
+                    "items": False}]}
+FORMATS = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                            "when": {"type": "string", "format": "date"},
+                                            "n": {"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 99}},
+           "required": ["code", "when", "n"]}
+OPEN = {"type": "object", "properties": {"a": {"type": "integer"}}}   # strict=False: extra properties allowed
+SPECS = {"weather": lambda: constraints.json_schema_spec(WEATHER), "tree": lambda: constraints.json_schema_spec(TREE),
+         "union": lambda: constraints.json_schema_spec(UNION), "formats": lambda: constraints.json_schema_spec(FORMATS),
+         "open": lambda: constraints.json_schema_spec(OPEN, strict=False), "json_object": constraints.json_object_spec}
+SCHEMAS = {"weather": WEATHER, "tree": TREE, "union": UNION, "formats": FORMATS, "open": OPEN,
+           "json_object": {"type": "object"}}
+
+
+# ---- walks: what a constrained engine can produce ----
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_constrained_walks_always_end_in_json_valid_for_the_schema(tiny, name):
+    spec = SPECS[name]()
+    checker = jsonschema.FormatChecker()
+    for seed in range(6):
+        ids, _, _ = walk(spec, tiny, seed)
+        text = tiny.decode(ids[:-1])
+        value = json.loads(text)
+        jsonschema.validate(value, SCHEMAS[name], format_checker=checker)
+        jsonschema.validate(value, enforced_schema(spec), format_checker=checker)   # strict: no undeclared keys
+        assert "\n" not in text, text   # one line: a raw newline could only be whitespace between tokens of JSON
+
+
+def test_strict_walks_never_write_undeclared_properties_and_open_ones_do(tiny):
+    # the trap is armed: the same schema without strict lets the walk add keys, so the strict check can fail
+    strict = constraints.json_schema_spec({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert enforced_schema(strict)["additionalProperties"] is False
+    open_spec, extra = constraints.json_schema_spec(OPEN, strict=False), []
+    for seed in range(12):
+        assert set(json.loads(tiny.decode(walk(strict, tiny, seed)[0][:-1]))) <= {"a"}
+        extra += set(json.loads(tiny.decode(walk(open_spec, tiny, seed)[0][:-1])))
+    assert set(extra) - {"a"}
+
+
+def test_walks_on_smollm2s_tokenizer_validate_too(smollm2):
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "ok": {"type": "boolean"},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                               "city": {"type": "string", "maxLength": 6}},
+              "required": ["unit", "ok", "days", "city"]}
+    spec = constraints.json_schema_spec(schema)
+    for seed in range(3):
+        ids, masks, bound = walk(spec, smollm2, seed)
+        jsonschema.validate(json.loads(smollm2.decode(ids[:-1])), schema)
+        assert torch.equal(constraints.replay_masks(bound, smollm2, ids, len(smollm2) + PAD), masks)
+
+
+def test_masks_allow_no_special_token_but_the_stop_and_no_id_past_the_tokenizer(tiny):
+    specials = set(tiny.all_special_ids) | {i for i, t in tiny.added_tokens_decoder.items() if t.special}
+    for name in ("weather", "union"):
+        ids, masks, _ = walk(SPECS[name](), tiny, seed=1)
+        assert not masks[:, len(tiny):].any()                     # padded logits columns: never
+        for i in specials - {tiny.eos_token_id}:
+            assert not masks[:, i].any(), tiny.convert_ids_to_tokens(i)
+        # the stop is the one special id allowed, and only where the JSON is complete (here: the last step only);
+        # seeing it allowed there shows these checks look at special columns at all
+        assert masks[-1, tiny.eos_token_id] and not masks[:-1, tiny.eos_token_id].any()
+        assert masks[-1].nonzero().flatten().tolist() == [tiny.eos_token_id]
+
+
+# ---- replay: what the trainer applies ----
+
+@pytest.mark.parametrize("name", ["weather", "tree", "json_object"])
+def test_replay_masks_equal_the_masks_the_walk_sampled_under(tiny, name):
+    for seed in range(3):
+        ids, masks, bound = walk(SPECS[name](), tiny, seed)
+        replayed = constraints.replay_masks(bound, tiny, ids, len(tiny) + PAD)
+        assert replayed.dtype == torch.bool and replayed.shape == (len(ids), len(tiny) + PAD)
+        assert torch.equal(replayed, masks)
+        assert torch.equal(constraints.replay_masks(bound, tiny, ids[:5], len(tiny) + PAD), masks[:5])
+    assert constraints.replay_masks(bound, tiny, [], len(tiny) + PAD).shape == (0, len(tiny) + PAD)
+
+
+def test_a_row_that_leaves_its_grammar_is_refused_by_position(tiny):
+    vocab = len(tiny) + PAD
+    ids, masks, bound = walk(SPECS["weather"](), tiny, seed=2)
+    k = len(ids) // 2
+    outside = int((~masks[k]).nonzero().flatten()[0])
+    with pytest.raises(ValueError, match=f"token id {outside} at generated position {k} is not allowed"):
+        constraints.replay_masks(bound, tiny, ids[:k] + [outside] + ids[k + 1:], vocab)
+    with pytest.raises(ValueError, match=f"position {len(ids)} .*already ended at its stop id"):
+        constraints.replay_masks(bound, tiny, ids + [ids[0]], vocab)          # nothing may follow the stop
+    with pytest.raises(ValueError, match="not allowed"):
+        constraints.replay_masks(bound, tiny, ids[:k] + [vocab + 5], vocab)   # an id outside the logits
+    m = constraints.matcher(bound, tiny, vocab)
+    with pytest.raises(ValueError, match="position 0"):
+        m.accept(tiny.eos_token_id)   # the stop before any JSON
+
+
+def test_matchers_are_independent_rows_of_one_cached_grammar(tiny):
+    bound = constraints.bind(SPECS["weather"](), [tiny.eos_token_id])
+    vocab = len(tiny) + PAD
+    first = constraints.matcher(bound, tiny, vocab)
+    hits = constraints._template.cache_info().hits
+    second = constraints.matcher(bound, tiny, vocab)
+    assert constraints._template.cache_info().hits == hits + 1   # built once per (spec, tokenizer, width)
+    start = second.allowed()
+    for token_id in tiny.encode('{"city": "Pa', add_special_tokens=False):
+        first.accept(token_id)
+    assert torch.equal(second.allowed(), start) and not torch.equal(first.allowed(), start)
+
+
+def test_matcher_refuses_an_unbound_spec_a_foreign_spec_and_a_narrow_vocabulary(tiny):
+    with pytest.raises(ValueError, match="not bound to stop ids"):
+        constraints.matcher(constraints.json_object_spec(), tiny, len(tiny))
+    with pytest.raises(ValueError, match="not a constraint spec"):
+        constraints.matcher('{"type":"object"}', tiny, len(tiny))
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        constraints.matcher(constraints.bind(constraints.json_object_spec(), [2]), tiny, len(tiny) - 1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        constraints.matcher(constraints.bind(constraints.json_object_spec(), [len(tiny) + 1]), tiny, len(tiny))
+
+
+# ---- forced tool calls ----
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
+             "required": ["city", "unit"]}}},
+         {"type": "function", "function": {"name": "ping"}},   # no parameters: any object
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def parse_tool_call(text: str) -> dict:
+    assert text.endswith(constraints.TOOL_CALL_SUFFIX), text
+    call = json.loads(text[:-len(constraints.TOOL_CALL_SUFFIX)])
+    assert list(call) == ["name", "arguments"], text   # "name" first, as the chat template renders a call
+    return call
+
+
+def test_tool_call_walks_parse_as_a_call_of_a_listed_tool_with_valid_arguments(tiny):
+    spec, parameters, names = constraints.tool_call_spec(TOOLS), {}, []
+    for tool in TOOLS:
+        parameters[tool["function"]["name"]] = tool["function"].get("parameters", {"type": "object"})
+    for seed in range(12):
+        call = parse_tool_call(tiny.decode(walk(spec, tiny, seed)[0][:-1]))
+        jsonschema.validate(call["arguments"], parameters[call["name"]])
+        if call["name"] == "get_weather":   # strict: only the declared keys
+            assert set(call["arguments"]) <= {"city", "unit"}
+        names.append(call["name"])
+    assert set(names) == set(parameters)   # every tool is reachable
+
+
+def test_a_named_tool_call_calls_only_that_tool(tiny, smollm2):
+    for tokenizer in (tiny, smollm2):
+        spec = constraints.tool_call_spec(TOOLS, name="get_weather")
+        for seed in range(3):
+            call = parse_tool_call(tokenizer.decode(walk(spec, tokenizer, seed)[0][:-1]))
+            assert call["name"] == "get_weather"
+            jsonschema.validate(call["arguments"], TOOLS[0]["function"]["parameters"])
+
+
+def test_the_tool_call_suffix_takes_the_tokenizers_own_closing_token(tiny):
+    # the tiny tokenizer (like Qwen's) has "</tool_call>" as one added token: a taught model emits that id, so
+    # the grammar must allow it, and the spelled-out text too
+    bound = constraints.bind(constraints.tool_call_spec(TOOLS, name="ping"), [tiny.eos_token_id])
+    closing = tiny.convert_tokens_to_ids("</tool_call>")
+    text = '{"name": "ping", "arguments": {}}\n</tool_call>'
+    ids = tiny.encode(text, add_special_tokens=False) + [tiny.eos_token_id]
+    assert closing in ids
+    masks = constraints.replay_masks(bound, tiny, ids, len(tiny))
+    assert masks[-1].nonzero().flatten().tolist() == [tiny.eos_token_id]
+    spelled = tiny.encode(text[:-len("</tool_call>")], add_special_tokens=False)
+    spelled += [tiny.convert_tokens_to_ids(c) for c in "</tool_call>"] + [tiny.eos_token_id]   # byte by byte
+    assert constraints.replay_masks(bound, tiny, spelled, len(tiny)).shape[0] == len(spelled)
+
+
+# ---- specs ----
+
+def test_specs_are_canonical_deterministic_and_bind_round_trips(tiny):
+    a = constraints.json_schema_spec(WEATHER)
+    assert a == constraints.json_schema_spec(json.loads(json.dumps(WEATHER)))
+    fields = json.loads(a)
+    assert list(fields) == sorted(fields) and a == json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    # equal constraints are equal strings: strict mode is the explicit additionalProperties: false
+    explicit = {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}
+    assert constraints.json_schema_spec(explicit, strict=False) == constraints.json_schema_spec(
+        {"type": "object", "properties": {"x": {"type": "integer"}}})
+    # property order is part of the constraint: the grammar writes keys in the schema's order
+    ab = {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}}, "required": ["a", "b"]}
+    ba = {"type": "object", "properties": {"b": {"const": 2}, "a": {"const": 1}}, "required": ["a", "b"]}
+    assert constraints.json_schema_spec(ab) != constraints.json_schema_spec(ba)
+    assert tiny.decode(walk(constraints.json_schema_spec(ba), tiny, 0)[0][:-1]) == '{"b": 2, "a": 1}'
+    bound = constraints.bind(a, (7, 2, 2))
+    assert json.loads(bound)["stop"] == [2, 7] and constraints.bind(bound, [2, 7]) == bound
+    assert {k: v for k, v in json.loads(bound).items() if k != "stop"} == fields
+    rows = {invariants.Sampling(constraint=constraints.bind(constraints.json_schema_spec(WEATHER), [7, 2]))
+            for _ in range(3)}
+    assert len(rows) == 1   # hashable inside the frozen Sampling, and equal across rebuilds
+    for bad in ([], [-1], "2", [True], [2.0]):
+        with pytest.raises(ValueError, match="non-empty sequence of non-negative int stop ids"):
+            constraints.bind(a, bad)
+
+
+def test_a_bound_spec_rebuilds_the_same_masks_in_another_process(tiny, tmp_path):
+    # the trainer may be a Ray actor: the spec text alone (plus its own tokenizer) must give the engine's masks
+    ids, masks, bound = walk(SPECS["tree"](), tiny, seed=3)
+    job = {"spec": bound, "ids": ids, "vocab": len(tiny) + PAD, "out": str(tmp_path / "masks.pt")}
+    code = ("import json, sys, torch, constraints, models; job = json.loads(sys.argv[1]); "
+            "tok = models.load_tokenizer(models.tiny_model_dir()); "
+            "torch.save(constraints.replay_masks(job['spec'], tok, job['ids'], job['vocab']), job['out'])")
+    subprocess.run([sys.executable, "-c", code, json.dumps(job)], cwd=ROOT, check=True, timeout=300)
+    assert torch.equal(torch.load(job["out"]), masks)
+
+
+# ---- refusals: hostile or unsupported requests cost little and say what is accepted ----
+
+def _deep(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _one_tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, **({"parameters": parameters} if parameters else {})}}
+
+
+SCHEMA, TOOL_CALL = constraints.json_schema_spec, constraints.tool_call_spec
+ATTACKS = {   # name: (the spec function, a builder of its arguments (built outside the timer), the message)
+    "1 MB schema": (SCHEMA, lambda: ({"type": "object", "properties": {
+        f"k{i}": {"type": "string", "description": "x" * 1000} for i in range(1000)}},), r"1\d{6} characters .* 65536"),
+    "100,000 levels deep": (SCHEMA, lambda: (_deep(100_000),), "nested deeper than 32 levels"),
+    "50,000 enum values": (SCHEMA, lambda: ({"enum": list(range(50_000))},), "more than 16384 JSON values"),
+    "2,000 optional properties": (SCHEMA, lambda: ({"type": "object",
+                                                     "properties": {f"k{i}": {} for i in range(2000)}},),
+                                  "declares 2000 properties .* more than 1024"),
+    "invalid type": (SCHEMA, lambda: ({"type": "strnig"},), "engine can enforce: Invalid type: strnig"),
+    "invalid required": (SCHEMA, lambda: ({"type": "object", "required": "a"},), "Expected array for 'required'"),
+    "not": (SCHEMA, lambda: ({"not": {"type": "string"}},), r'Unimplemented keys: \["not"\].*Enforced are type'),
+    "if/then": (SCHEMA, lambda: ({"if": {"type": "string"}, "then": {"maxLength": 2}},), "Unimplemented keys"),
+    "overlapping oneOf": (SCHEMA, lambda: ({"oneOf": [{"type": "integer"}, {"type": "number"}]},), "oneOf"),
+    "remote $ref": (SCHEMA, lambda: ({"$ref": "http://example.com/s.json"},), "engine can enforce"),
+    "missing $ref": (SCHEMA, lambda: ({"$ref": "#/$defs/nope"},), "does not exist"),
+    "a list": (SCHEMA, lambda: ([{"type": "string"}],), "must be a JSON object"),
+    "NaN": (SCHEMA, lambda: ({"type": "number", "maximum": float("nan")},), "finite numbers"),
+    "engine options": (SCHEMA, lambda: ({"x-guidance": {"lenient": True}, "not": {}},), "x-guidance"),
+    "strict flag": (SCHEMA, lambda: ({"type": "object"}, "yes"), "true or false"),
+    "unknown tool": (TOOL_CALL, lambda: ([_one_tool("a"), _one_tool("b")], "c"),
+                     r"'c', which is not among the tools \['a', 'b'\]"),
+    "duplicate tool": (TOOL_CALL, lambda: ([_one_tool("a"), _one_tool("a")],), "used twice"),
+    "malformed tool": (TOOL_CALL, lambda: ([{"type": "function", "name": "a"}],), r"tools\[0\] must be"),
+    "no tools": (TOOL_CALL, lambda: ([],), "non-empty list"),
+    "bad parameters": (TOOL_CALL, lambda: ([_one_tool("a"), _one_tool("b", {"type": "strnig"})],),
+                       r"tools\[1\]\.function\.parameters is not a JSON Schema the grammar engine can"),
+    "tools too large together": (TOOL_CALL, lambda: ([_one_tool(f"t{i}", {"type": "object", "properties": {
+        f"p{j}": {"type": "integer"} for j in range(100)}}) for i in range(12)],),
+                                 r"the tools up to tools\[9\] declare 1030 properties"),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_hostile_or_unsupported_requests_are_refused_quickly_with_the_reason(name):
+    spec_function, arguments, message = ATTACKS[name]
+    arguments = arguments()
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        spec_function(*arguments)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_schemas_at_the_bounds_build_and_walk_within_the_parser_limits(smollm2):
+    # the widest shapes the bounds admit: one object of MAX_SCHEMA_MEMBERS optional properties, and an array of a
+    # union of objects (every branch's properties open at once)
+    n = constraints.MAX_SCHEMA_MEMBERS
+    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "boolean"} for i in range(n)}}
+    union = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
+        f"k{j}_{i}": {"type": "boolean"} for i in range(n // 8 - 1)}} for j in range(8)]}, "maxItems": 2}
+    for schema in (wide, union):
+        spec = constraints.json_schema_spec(schema, strict=False)
+        start = time.perf_counter()
+        ids, _, _ = walk(spec, smollm2, seed=0, max_steps=20_000)
+        jsonschema.validate(json.loads(smollm2.decode(ids[:-1])), schema)
+        assert time.perf_counter() - start < 60
+    # the trap is armed: under llguidance's default limits the union's grammar stops at its first object key
+    grammar = json.dumps({"grammars": [{"lark_grammar": "start: @body"}, {"name": "body", "json_schema": dict(
+        json.loads(json.loads(constraints.json_schema_spec(union, strict=False))["schema"]),
+        **{"x-guidance": constraints.JSON_LAYOUT})}]})
+    m = llguidance.LLMatcher(constraints._ll_tokenizer(smollm2, len(smollm2) + PAD), grammar, log_level=0)
+    assert m.try_consume_tokens(smollm2.encode('[{"', add_special_tokens=False)) < 3 or m.is_error()
+    assert "max is 2000" in m.get_error()
