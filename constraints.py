@@ -9,8 +9,7 @@
 #   1 (token identity) - a row whose ids its recorded grammar does not allow is refused by position, never trained.
 #
 # Engine: llguidance (a maintained grammar engine; vLLM ships it as its "guidance" backend), chosen over xgrammar
-# (vLLM's default) by measurement on SmolLM2's 49,152-id tokenizer (2 shared CPU cores; /tmp comparison, see the
-# project notes):
+# 0.2.8 (vLLM's default) by measuring both on SmolLM2's 49,152-id tokenizer (2 shared CPU cores):
 #   - compile time: xgrammar precomputes per-state token masks, which an attacker can make slow with small schemas:
 #     an object of 2,000 optional string properties (56 KB) took 53 s, the 60-character regex
 #     ^([a-z]{1,64}\.){1,64}[a-z]{2,8}$ 7.2 s, one {"maxLength": 64} 0.6 s; llguidance builds each in 0.7 s,
@@ -20,7 +19,7 @@
 #     engine would emit JSON its own schema rejects); llguidance refuses them ("Unimplemented keys: [...]");
 #   - special tokens: llguidance never allows a special token as text (xgrammar let <|endoftext|> into a JSON
 #     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
-#   Per-token mask time is sub-millisecond for both (numbers: `python constraints.py`).
+#   Per-token mask time is sub-millisecond on average for both (llguidance's: `python constraints.py`).
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
 from __future__ import annotations
@@ -37,15 +36,17 @@ import numpy as np
 import torch
 
 # ---- bounds: checked before any grammar is built, so a cheap request never costs much ----
-# The work of a mask step grows with the alternatives open at one position (an object's optional properties, a
-# union's branches): 2,400 optional properties took 1.3 s to build and overflowed llguidance's default 2,000 parser
-# items in a row at the first '{"'. Within these bounds a grammar builds in under 0.3 s and a mask step takes under
-# 20 ms for a 49K vocabulary (python constraints.py), and PARSER_LIMITS is never reached by a schema that passed.
+# The work of one parser step grows with the alternatives open at one position: an object's optional properties
+# and a union's branches. llguidance refuses a step with more than 2,000 parser items in a row (its default, which
+# vLLM's guidance backend keeps too, so both engines and the replay stop at the same places); measured on the
+# first tokens of uniform walks, that limit was reached by 498 optional properties of one object, 282 branches of a
+# union of open objects, 181 of objects with one optional property each (counted below: 282 * 2 = 564 and 181 * 3 =
+# 543). MAX_SCHEMA_BREADTH keeps every schema at half of the least of these. Within the bounds a grammar builds in
+# well under a second and a mask step takes milliseconds for a 49K vocabulary (python constraints.py).
 MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema
 MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
 MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
-MAX_SCHEMA_MEMBERS = 1_024   # declared properties + anyOf/oneOf/allOf branches, over the whole schema (or all tools)
-PARSER_LIMITS = dict(max_items_in_row=10_000)   # ~4 parser items per member; the rest are llguidance's defaults
+MAX_SCHEMA_BREADTH = 256     # optional properties + 2 per anyOf/oneOf/allOf branch, whole schema (or all the tools)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
 TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
 SPEC_FIELDS = ("kind", "schema", "suffix")  # + "stop" once bound
@@ -90,7 +91,7 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     if not isinstance(tools, list) or not tools:
         raise ValueError(f"tools must be a non-empty list of function tools, got {tools!r:.80}; a forced tool call "
                          f"needs a tool to call")
-    branches, names, members = [], [], 0
+    branches, names, breadth = [], [], 0
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -102,11 +103,12 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
         names.append(tool_name)
         if name is not None and tool_name != name:
             continue
-        parameters = function.get("parameters", {"type": "object"})
-        members += 3 + _check_schema(parameters, f"tools[{i}].function.parameters")   # + the branch, name, arguments
-        if members > MAX_SCHEMA_MEMBERS:
-            raise ValueError(f"the tools up to tools[{i}] declare {members} properties and branches in all, more than "
-                             f"{MAX_SCHEMA_MEMBERS}; send fewer or smaller tools, or name the one to call")
+        parameters = function.get("parameters") or {"type": "object"}   # none (or null): any object
+        breadth += 2 + _check_schema(parameters, f"tools[{i}].function.parameters")   # each tool is a branch
+        if breadth > MAX_SCHEMA_BREADTH:
+            raise ValueError(f"the tools up to tools[{i}] come to a breadth of {breadth} (2 per tool, plus their "
+                             f"optional parameters and union branches), more than {MAX_SCHEMA_BREADTH}; send fewer "
+                             f"tools or name the one to call")
         if function.get("strict") is True:
             parameters = _strict(parameters)
         _check_grammar(parameters, f"tools[{i}].function.parameters")
@@ -115,12 +117,12 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     if name is not None and not branches:
         raise ValueError(f"tool_choice names the function {name!r:.80}, which is not among the tools "
                          f"{names!r:.400}; name one of them")
-    spec = _spec("tool_call", branches[0] if len(branches) == 1 else {"anyOf": branches}, TOOL_CALL_SUFFIX)
-    fields = _parse(spec)
-    if len(fields["schema"]) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"the tools' parameters come to {len(fields['schema'])} characters of JSON schema, more "
-                         f"than {MAX_SCHEMA_CHARS}; send fewer or smaller tools, or name the one to call")
-    return spec
+    schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_SCHEMA_CHARS:
+        raise ValueError(f"the tools' parameters come to {size} characters of JSON schema, more than "
+                         f"{MAX_SCHEMA_CHARS}; send fewer or smaller tools, or name the one to call")
+    return _spec("tool_call", schema, TOOL_CALL_SUFFIX)
 
 
 def bind(spec: str, stop_token_ids: Sequence[int]) -> str:
@@ -160,11 +162,11 @@ _SCHEMA_VALUES = ("additionalProperties", "items", "additionalItems", "contains"
 
 
 def _check_schema(schema: dict, where: str) -> int:
-    """Refuse a schema that is not plain, valid, bounded JSON Schema; returns its members (for the tools' total)."""
+    """Refuse a schema that is not plain, bounded JSON; returns its breadth (for the tools' total)."""
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object (a JSON Schema such as {{\"type\": \"object\", "
                          f"\"properties\": {{...}}}}), got {type(schema).__name__}")
-    stack, nodes, members = [(schema, 1)], 0, 0
+    stack, nodes, breadth = [(schema, 1)], 0, 0
     while stack:   # iterative: a hostile nesting never reaches Python's recursion limit
         value, depth = stack.pop()
         nodes += 1
@@ -176,11 +178,14 @@ def _check_schema(schema: dict, where: str) -> int:
                                  f"can move to $defs and be reused with $ref)")
             stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
         if isinstance(value, dict):   # counted wherever they appear (inside a "default" too): errs on the safe side
-            members += sum(len(value[k]) for k in ("properties", "anyOf", "oneOf", "allOf")
-                           if isinstance(value.get(k), (dict, list)))
-    if members > MAX_SCHEMA_MEMBERS:
-        raise ValueError(f"{where} declares {members} properties and anyOf/oneOf/allOf branches, more than "
-                         f"{MAX_SCHEMA_MEMBERS}; send a smaller schema")
+            required = value.get("required") if isinstance(value.get("required"), list) else []
+            if isinstance(value.get("properties"), dict):
+                breadth += sum(key not in required for key in value["properties"])
+            breadth += sum(2 * len(value[k]) for k in ("anyOf", "oneOf", "allOf") if isinstance(value.get(k), list))
+    if breadth > MAX_SCHEMA_BREADTH:
+        raise ValueError(f"{where} has a breadth of {breadth} (optional properties, plus 2 per anyOf/oneOf/allOf "
+                         f"branch), more than {MAX_SCHEMA_BREADTH}: the alternatives open at one step would make "
+                         f"every token slow; mark properties required, or split the schema")
     try:
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
@@ -192,7 +197,7 @@ def _check_schema(schema: dict, where: str) -> int:
     if "x-guidance" in schema:
         raise ValueError(f"{where} sets \"x-guidance\", the grammar engine's own options; remove it (the layout "
                          f"is fixed: one line, \", \" and \": \" separators)")
-    return members
+    return breadth
 
 
 def _strict(schema: dict) -> dict:
@@ -217,14 +222,14 @@ def _strict(schema: dict) -> dict:
 def _check_grammar(schema: dict, where: str) -> None:
     """llguidance's verdict on the schema, without a tokenizer (what it cannot enforce is refused, not ignored)."""
     body = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-    error = llguidance.LLMatcher.validate_grammar(body, limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+    error = llguidance.LLMatcher.validate_grammar(body)
     if error:
         raise ValueError(f"{where} is not a JSON Schema the grammar engine can enforce: {error.strip():.300}. "
-                         f"Enforced are type, "
-                         f"properties, required, additionalProperties, patternProperties, items, prefixItems, "
-                         f"minItems/maxItems, enum, const, anyOf, allOf, oneOf with disjoint branches, $ref/$defs, "
-                         f"minimum/maximum (exclusive too), multipleOf, minLength/maxLength, pattern and format; not "
-                         f"enforced, so refused: not, if/then/else, uniqueItems, contains, dependentRequired/Schemas")
+                         f"Enforced are type, properties, required, additionalProperties, patternProperties, items, "
+                         f"prefixItems, minItems/maxItems, enum, const, anyOf, allOf, oneOf with disjoint branches, "
+                         f"$ref/$defs, minimum/maximum (exclusive too), multipleOf, minLength/maxLength, pattern and "
+                         f"format; refused, as not enforceable: not, if/then/else, uniqueItems, contains, "
+                         f"dependentRequired/dependentSchemas")
 
 
 # ---- grammars: a spec and a tokenizer -> an llguidance matcher (built once, copied per row) ----
@@ -242,34 +247,44 @@ def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 def _suffix_lark(suffix: str, tokenizer) -> str:
     """The suffix as a Lark sequence. llguidance treats every added token as special, so a non-special added token
     of this tokenizer that spells part of the suffix (Qwen's "</tool_call>") is allowed as itself or as text."""
-    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
-             if not t.special and t.content and t.content in suffix}
     if not suffix:
         return ""
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
+             if not t.special and t.content and t.content in suffix}
     if not added:
         return json.dumps(suffix)
     pieces = re.split("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")", suffix)
     return " ".join(f"({json.dumps(p)} | <[{added[p]}]>)" if p in added else json.dumps(p) for p in pieces if p)
 
 
-@functools.lru_cache(maxsize=256)
-def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
+def lark_grammar(spec: str, tokenizer) -> str:
+    """The bound spec as one llguidance Lark grammar for this tokenizer: the JSON body (its schema with JSON_LAYOUT),
+    the suffix, then one of the stop ids. vLLM's guidance backend takes this same text, so the vLLM engine, the
+    embedded engine and the replay all mask with one grammar."""
     fields = _parse(spec)
     if "stop" not in fields:
         raise ValueError("the constraint is not bound to stop ids; the engine calls constraints.bind(spec, "
                          "stop_token_ids) and records the bound spec")
-    if max(fields["stop"]) >= vocab_size:
-        raise ValueError(f"stop ids {fields['stop']} are outside the vocabulary of {vocab_size} ids")
-    stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
-    lark = f"start: @body {_suffix_lark(fields['suffix'], tokenizer)} ({stop})"
     body = dict(json.loads(fields["schema"]), **{"x-guidance": JSON_LAYOUT})
-    grammar = json.dumps({"grammars": [{"lark_grammar": lark}, {"name": "body", "json_schema": body}]})
-    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
-                                    limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+    stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
+    return f"start: body {_suffix_lark(fields['suffix'], tokenizer)} ({stop})\nbody: %json {json.dumps(body)}"
+
+
+@functools.lru_cache(maxsize=256)
+def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
+    grammar, stop = lark_grammar(spec, tokenizer), _parse(spec)["stop"]
+    if max(stop) >= vocab_size:
+        raise ValueError(f"stop ids {stop} are outside the vocabulary of {vocab_size} ids")
+    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
     template.compute_bitmask()   # warms the lexer caches the per-row copies share
     if template.is_error():
-        raise ValueError(f"the constraint does not build a grammar: {template.get_error():.300}")
+        raise ValueError(f"the constraint does not build a grammar: {_first_line(template)}")
     return template
+
+
+def _first_line(ll: llguidance.LLMatcher) -> str:
+    """llguidance's error without the parser state it appends."""
+    return (ll.get_error().splitlines() or ["no message"])[0][:300]
 
 
 # ---- matching: the allowed ids before each token ----
@@ -288,17 +303,25 @@ class Matcher:
 
     def _packed(self) -> np.ndarray:
         if self._ll.is_error():
-            raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: {self._ll.get_error():.300}")
+            raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: "
+                             f"{_first_line(self._ll)}")
         return np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)
 
     def allowed(self) -> torch.Tensor:
         return _unpack(self._packed()[None], self.vocab_size)[0]
 
     def accept(self, token_id: int) -> None:
-        if not (0 <= token_id < self.vocab_size) or self._ll.is_error() or not self._ll.consume_token(int(token_id)):
+        if not 0 <= token_id < self.vocab_size:
+            reason = f"outside the {self.vocab_size} logits"
+        elif self._ll.is_stopped():
+            reason = "the grammar had already ended at its stop id"
+        elif not self._ll.is_error() and self._ll.consume_token(int(token_id)):
+            reason = None
+        else:   # llguidance's own first line: a token the grammar refuses, or a parser limit reached
+            reason = _first_line(self._ll)
+        if reason is not None:
             raise ValueError(f"token id {token_id} at generated position {self.n_accepted} is not allowed by the "
-                             f"grammar constraint (or the grammar had already ended at its stop id); a constrained "
-                             f"row samples only from Matcher.allowed()")
+                             f"grammar constraint ({reason}); a constrained row samples only from Matcher.allowed()")
         self.n_accepted += 1
 
 
@@ -339,9 +362,11 @@ if __name__ == "__main__":
                                                 "days": {"type": "integer", "minimum": 1, "maximum": 14}},
                "required": ["city", "unit"]}
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": weather}} for i in range(8)]
-    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "string"} for i in range(MAX_SCHEMA_MEMBERS)}}
-    union = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {f"k{j}_{i}": {"type": "integer"}
-                                                   for i in range(MAX_SCHEMA_MEMBERS // 8 - 1)}} for j in range(8)]}}
+    n = MAX_SCHEMA_BREADTH
+    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "string"} for i in range(n)}}
+    union = {"anyOf": [{"type": "object", "description": f"shape {j}"} for j in range(n // 2)]}
+    items = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
+        f"k{j}_{i}": {"type": "integer"} for i in range(n // 8 - 2)}} for j in range(8)]}}
     deep = {"type": "integer"}
     while True:   # the deepest chain of nested objects the depth bound takes
         deeper = {"type": "object", "properties": {"a": deep, "b": {"type": "string", "maxLength": 64}}}
@@ -351,8 +376,9 @@ if __name__ == "__main__":
             break
         deep = deeper
     cases = {"json_object": json_object_spec(), "weather schema": json_schema_spec(weather),
-             "8 tools": tool_call_spec(tools), f"{MAX_SCHEMA_MEMBERS} optional properties":
-             json_schema_spec(wide, strict=False), "array of a union of 8 objects": json_schema_spec(union, False),
+             "8 tools": tool_call_spec(tools), f"{n} optional properties": json_schema_spec(wide, strict=False),
+             f"a union of {n // 2} open objects": json_schema_spec(union, strict=False),
+             "an array of a union of 8 objects": json_schema_spec(items, strict=False),
              "deepest nesting, maxLength 64 each": json_schema_spec(deep),
              "pattern ^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$":
              json_schema_spec({"type": "string", "pattern": "^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$"})}

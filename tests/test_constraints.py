@@ -290,12 +290,13 @@ def _one_tool(name: str, parameters: dict | None = None) -> dict:
 SCHEMA, TOOL_CALL = constraints.json_schema_spec, constraints.tool_call_spec
 ATTACKS = {   # name: (the spec function, a builder of its arguments (built outside the timer), the message)
     "1 MB schema": (SCHEMA, lambda: ({"type": "object", "properties": {
-        f"k{i}": {"type": "string", "description": "x" * 1000} for i in range(1000)}},), r"1\d{6} characters .* 65536"),
+        f"k{i}": {"type": "string", "description": "x" * 5000} for i in range(200)}},), r"1\d{6} characters .* 65536"),
     "100,000 levels deep": (SCHEMA, lambda: (_deep(100_000),), "nested deeper than 32 levels"),
     "50,000 enum values": (SCHEMA, lambda: ({"enum": list(range(50_000))},), "more than 16384 JSON values"),
     "2,000 optional properties": (SCHEMA, lambda: ({"type": "object",
                                                      "properties": {f"k{i}": {} for i in range(2000)}},),
-                                  "declares 2000 properties .* more than 1024"),
+                                  r"breadth of 2000 \(optional properties, plus 2 per anyOf/oneOf/allOf branch\), "
+                                  r"more than 256"),
     "invalid type": (SCHEMA, lambda: ({"type": "strnig"},), "engine can enforce: Invalid type: strnig"),
     "invalid required": (SCHEMA, lambda: ({"type": "object", "required": "a"},), "Expected array for 'required'"),
     "not": (SCHEMA, lambda: ({"not": {"type": "string"}},), r'Unimplemented keys: \["not"\].*Enforced are type'),
@@ -316,7 +317,7 @@ ATTACKS = {   # name: (the spec function, a builder of its arguments (built outs
                        r"tools\[1\]\.function\.parameters is not a JSON Schema the grammar engine can"),
     "tools too large together": (TOOL_CALL, lambda: ([_one_tool(f"t{i}", {"type": "object", "properties": {
         f"p{j}": {"type": "integer"} for j in range(100)}}) for i in range(12)],),
-                                 r"the tools up to tools\[9\] declare 1030 properties"),
+                                 r"the tools up to tools\[2\] come to a breadth of 306 .* name the one to call"),
 }
 
 
@@ -330,23 +331,31 @@ def test_hostile_or_unsupported_requests_are_refused_quickly_with_the_reason(nam
     assert time.perf_counter() - start < 1.0
 
 
-def test_schemas_at_the_bounds_build_and_walk_within_the_parser_limits(smollm2):
-    # the widest shapes the bounds admit: one object of MAX_SCHEMA_MEMBERS optional properties, and an array of a
-    # union of objects (every branch's properties open at once)
-    n = constraints.MAX_SCHEMA_MEMBERS
-    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "boolean"} for i in range(n)}}
-    union = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
-        f"k{j}_{i}": {"type": "boolean"} for i in range(n // 8 - 1)}} for j in range(8)]}, "maxItems": 2}
-    for schema in (wide, union):
+def test_schemas_at_the_bounds_walk_within_the_grammar_engines_limits(smollm2):
+    # the widest shapes the breadth bound admits: one object of optional properties, a union of open objects, an
+    # array of a union of objects (every branch's properties open at each item)
+    n = constraints.MAX_SCHEMA_BREADTH
+    shapes = [{"type": "object", "properties": {f"k{i:03d}": {"type": "boolean"} for i in range(n)}},
+              {"anyOf": [{"type": "object", "description": f"shape {j}"} for j in range(n // 2)]},
+              {"type": "array", "maxItems": 2, "items": {"anyOf": [{"type": "object", "properties": {
+                  f"k{j}_{i}": {"type": "boolean"} for i in range(n // 8 - 2)}} for j in range(8)]}}]
+    for schema in shapes:
         spec = constraints.json_schema_spec(schema, strict=False)
-        start = time.perf_counter()
-        ids, _, _ = walk(spec, smollm2, seed=0, max_steps=20_000)
-        jsonschema.validate(json.loads(smollm2.decode(ids[:-1])), schema)
-        assert time.perf_counter() - start < 60
-    # the trap is armed: under llguidance's default limits the union's grammar stops at its first object key
-    grammar = json.dumps({"grammars": [{"lark_grammar": "start: @body"}, {"name": "body", "json_schema": dict(
-        json.loads(json.loads(constraints.json_schema_spec(union, strict=False))["schema"]),
-        **{"x-guidance": constraints.JSON_LAYOUT})}]})
-    m = llguidance.LLMatcher(constraints._ll_tokenizer(smollm2, len(smollm2) + PAD), grammar, log_level=0)
-    assert m.try_consume_tokens(smollm2.encode('[{"', add_special_tokens=False)) < 3 or m.is_error()
-    assert "max is 2000" in m.get_error()
+        for seed in range(2):
+            ids, _, _ = walk(spec, smollm2, seed, max_steps=20_000)
+            jsonschema.validate(json.loads(smollm2.decode(ids[:-1])), schema)
+    # the trap is armed: past the bound (twice the optional properties, the bound's check skipped) the grammar
+    # engine stops in the first tokens, which a row would then fail on
+    wide = {"type": "object", "properties": {f"k{i:03d}": {"type": "boolean"} for i in range(2 * n)}}
+    with pytest.raises(ValueError, match="breadth of 512"):
+        constraints.json_schema_spec(wide, strict=False)
+    with pytest.raises(ValueError, match=r"position \d+ is not allowed .*max is 2000"):
+        walk(constraints._spec("json_schema", wide, ""), smollm2, seed=0)
+
+
+def test_schema_text_cannot_escape_its_place_in_the_grammar(tiny):
+    # property names and constants that look like Lark or JSON syntax stay data: the walk writes them verbatim
+    name = 'a"}\nstart: "x" | %json {'
+    schema = {"type": "object", "properties": {name: {"const": "} <[2]> \"\n"}}, "required": [name]}
+    ids, _, _ = walk(constraints.json_schema_spec(schema), tiny, seed=0)
+    assert json.loads(tiny.decode(ids[:-1])) == {name: "} <[2]> \"\n"}
