@@ -385,8 +385,9 @@ class ChatAgentRunner:
                     raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
             except asyncio.TimeoutError:
                 failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
-            except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure
-                failure, detail = "agent_error", f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure, counted under
+                # its `reason` where it names one (agents.process.ProcessFailure), else as agent_error
+                failure, detail = getattr(exc, "reason", "agent_error"), f"{type(exc).__name__}: {exc}"
         session = self.server.close_session(info.session_id)
         if not failure and session.image_pad_turns:   # a pad no image fills: the row could never be forwarded
             failure, detail = "sampled_image_pad", f"{data.IMAGE_PAD} sampled in {session.image_pad_turns} turns"

@@ -1,0 +1,459 @@
+# agents/process.py — agents as processes: a rollout may be any program (another interpreter with its own packages,
+# a CLI harness, a program in another language) that talks to its loopback session over HTTP.
+#
+# Owns: `ProcessAgent` (a ChatAgent that runs one program per rollout), `Workspace` (its two directories),
+# `ProcessRun` (what the program did), `ProcessFailure` (a failed rollout and the reason it is counted under),
+# `reward_from_stdout` (the output convention), and the launcher (this file run as `python -I -S agents/process.py
+# SPEC`), the process between the caller and the program that holds the program's whole process tree.
+# One rollout, run by ChatAgentRunner against its own loopback session:
+#   - a fresh directory holds `work/` (the program's cwd: the recipe's `prepare` fills it from the task, its `grade`
+#     reads what the program left there) and `home/` (its HOME and TMPDIR); all of it is removed afterwards;
+#   - the program starts with stdin at /dev/null and an environment built from nothing: the session's URL and key
+#     in the variables the stock SDKs read (OPENAI_BASE_URL, OPENAI_API_BASE (litellm's older name), OPENAI_API_KEY,
+#     ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY), the model name in TRACERL_MODEL, and what the recipe's `environment`
+#     adds. The caller's own variables (its API keys, tokens, proxies) never reach it unless the recipe names them;
+#   - the tails of its stdout and stderr are kept (`output_bytes` each; the rest is read and dropped);
+#   - at its deadline (`timeout_s`), or when the runner cancels the rollout, the whole tree gets SIGTERM and, after
+#     a grace of GRACE_S, SIGKILL; when the program exits, whatever it left running is SIGKILLed. The launcher holds
+#     the tree two ways: it is a child subreaper (PR_SET_CHILD_SUBREAPER: a descendant orphaned by a double fork or
+#     a setsid is reparented to it, so it stays a descendant, and it kills every descendant it finds in /proc until
+#     none is left), and where namespaces work (root on Linux) it is the parent of a PID namespace whose first
+#     process dies with it, the kernel then killing every process in the namespace;
+#   - the reward comes from the program's last stdout line, a JSON object {"reward": r, "score": s, "info": {...}}
+#     (the default `grade`; score and info optional), or from the recipe's `grade` over what is left in `work/`.
+#   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py): a chroot into a tmpfs with the
+#     system libraries, the Python prefix and the recipe's `jail_binds` read-only, its two directories writable, a
+#     uid of its own with a process limit, and its own mount, PID, IPC and UTS namespaces; but the host's network,
+#     which the session's URL is on. Where namespaces do not work, a jailed rollout is refused, never run unjailed.
+# Keeps invariant 1 by construction: the program's tokens are its session's (loopback.py); nothing here sees ids.
+# Never: passes the caller's environment through, leaves a process or a directory behind, or lets a failing program
+# fail more than its own rollout (a ProcessFailure names the reason ChatAgentRunner counts it under).
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+if __name__ == "__main__":       # the launcher: -I -S put neither the repository nor site-packages on its path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import sandbox               # the standard library only, like this launcher
+else:
+    from agents import sandbox
+
+GRACE_S = 2.0                    # between SIGTERM and SIGKILL for a tree stopped at its deadline
+JAIL_PROCESSES = 512             # RLIMIT_NPROC of a jailed program's own uid: room for a harness, not a fork bomb
+_PR_SET_CHILD_SUBREAPER = 36
+_MS_REC, _MS_PRIVATE, _MS_BIND = 16384, 1 << 18, 4096
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# ---- the launcher (its own process: python -I -S agents/process.py SPEC) ------------------------------------------
+
+class _Stop(Exception):
+    """A stop signal reached the launcher: the deadline passed, the rollout was cancelled, or the caller died."""
+
+
+def _on_stop(signum, frame):
+    for sig in _STOP_SIGNALS:    # one stop is enough: the tree is being taken down
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stop()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process whose chain of parents reaches `root`, read from /proc (the host's view, host pids)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])   # the command name may hold spaces and ')'
+            except (OSError, IndexError, ValueError):                 # it exited while we looked
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_tree(sig: int) -> None:
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap() -> bool:
+    """Reap every child that has ended; False once the launcher has no children at all. As the subreaper, no
+    children means no descendants: an orphan is reparented here before it could be anywhere else."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+        return True
+    except ChildProcessError:
+        return False
+
+
+def _kill_tree() -> None:
+    """SIGKILL every descendant until none is left (one forked meanwhile is found on the next pass)."""
+    while True:
+        _signal_tree(signal.SIGKILL)
+        if not _reap():
+            return
+        time.sleep(0.005)
+
+
+def _grace(seconds: float) -> None:
+    """SIGTERM the whole tree, then give it `seconds` to end by itself."""
+    _signal_tree(signal.SIGTERM)
+    end = time.monotonic() + seconds
+    while _reap() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _exec_program(spec: dict, report_fd: int) -> None:
+    """The program's side of the fork: default signals, its cwd, (jailed) its uid and limits, then exec."""
+    try:
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)          # an ignored signal would stay ignored across exec
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        if spec["jail"] is None:                        # jailed, the namespace's first process is its parent
+            sandbox._check(sandbox._libc().prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        os.chdir(spec["cwd"])
+        if spec["jail"] is not None:
+            import resource
+            uid = spec["jail"]["uid"]
+            resource.setrlimit(resource.RLIMIT_NPROC, (JAIL_PROCESSES, JAIL_PROCESSES))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        os.execvpe(spec["argv"][0], spec["argv"], spec["env"])   # the report pipe closes on exec (O_CLOEXEC)
+    except BaseException as exc:
+        os.write(report_fd, f"spawn {type(exc).__name__}: {exc}\n".encode())
+    os._exit(127)
+
+
+def _namespace_init(spec: dict, report_fd: int) -> None:
+    """Process 1 of the new PID namespace: a mount namespace of its own with a /proc of the namespace (jailed: the
+    sandbox's root, chrooted), then the program as its child; it reaps orphans until the program ends, reports the
+    program's wait status and exits, and the kernel kills whatever else is left in the namespace."""
+    try:
+        libc = sandbox._libc()
+        sandbox._check(libc.prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # dies with launcher
+        jail = spec["jail"]
+        spaces = ("mount", "ipc", "uts") if jail else ("mount",)
+        sandbox._check(libc.unshare(sum(sandbox._CLONE[name] for name in spaces)), "unshare")
+        sandbox._mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)     # nothing mounted here reaches the host
+        if jail:
+            root = jail["root"]
+            sandbox._build_root(libc, root, jail["uid"], jail["disk_mb"])
+            for path in jail["binds"]:
+                sandbox._bind(libc, path, root + path)
+            for path in jail["writable"]:
+                os.makedirs(root + path, exist_ok=True)
+                sandbox._mount(libc, path, root + path, None, _MS_BIND | _MS_REC)
+            os.chroot(root)
+        else:
+            sandbox._mount(libc, "proc", "/proc", "proc", 0)            # this namespace's processes only
+        program = os.fork()
+        if program == 0:
+            _exec_program(spec, report_fd)
+        while True:
+            pid, status = os.wait()
+            if pid == program:
+                break
+        os.write(report_fd, f"status {status}\n".encode())
+    except BaseException as exc:
+        os.write(report_fd, f"spawn {type(exc).__name__}: {exc}\n".encode())
+    os._exit(0)
+
+
+def _start_and_wait(spec: dict) -> dict:
+    """Fork the program (or the namespace's init) and wait for it, reaping orphans meanwhile."""
+    libc = sandbox._libc()
+    sandbox._check(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+    if spec["namespaces"]:
+        sandbox._check(libc.unshare(sandbox._CLONE["pid"]), "unshare")  # the next child is the namespace's pid 1
+    read_end, write_end = os.pipe()
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)     # a stop must not reach the child before its exec
+    first = os.fork()
+    if first == 0:
+        os.close(read_end)
+        (_namespace_init if spec["namespaces"] else _exec_program)(spec, write_end)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    os.close(write_end)
+    while True:
+        pid, status = os.wait()
+        if pid == first:
+            break
+    with os.fdopen(read_end) as f:
+        lines = f.read().splitlines()
+    spawn = [line[6:] for line in lines if line.startswith("spawn ")]
+    if spawn:
+        return {"spawn_error": spawn[0]}
+    reported = [int(line[7:]) for line in lines if line.startswith("status ")]
+    if spec["namespaces"] and not reported:
+        return {"spawn_error": f"the namespace's first process ended without a report (wait status {status})"}
+    return {"wait_status": reported[0] if reported else status}
+
+
+def _launch(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, _on_stop)
+    report = {"wait_status": None, "spawn_error": "", "stopped": False}
+    try:
+        sandbox._check(sandbox._libc().prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
+        report.update(_start_and_wait(spec))
+    except _Stop:
+        report["stopped"] = True
+        _grace(spec["grace_s"])
+    except OSError as exc:
+        report["spawn_error"] = f"the launcher could not start the program: {exc}"
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    _kill_tree()                 # what the program left running, or what the grace did not end
+    with open(spec["report"], "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+if __name__ == "__main__":       # the launcher ends here; what follows is the caller's side
+    _launch(sys.argv[1])
+
+
+# ---- the caller's side: one rollout is one program ----------------------------------------------------------------
+
+from agents import ChatAgent, ChatContext, Result  # noqa: E402  (after the launcher, which must not import them)
+
+
+class ProcessFailure(Exception):
+    """A process rollout that failed. `reason` is the counter ChatAgentRunner adds it to: process_spawn (it could
+    not start), process_exit (non-zero status or a signal), process_timeout (killed at its deadline),
+    process_reward (no reward in its output)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Workspace:
+    work: str                    # the program's cwd: prepared from the task, graded after the program exits
+    home: str                    # its HOME and TMPDIR: config files, caches, a harness's own logs
+
+
+@dataclass
+class ProcessRun:
+    stdout: str                  # the last `output_bytes` it wrote to stdout (decoded, invalid bytes replaced)
+    stderr: str                  # the same for stderr
+    exit_code: int               # 0 (any other status fails the rollout before `grade`)
+    seconds: float               # wall-clock time from start to the end of its whole tree
+    dropped_bytes: int           # output beyond the tails, read and dropped
+
+
+_REWARD_KEYS = {"reward", "score", "info"}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def reward_from_stdout(stdout: str) -> Result:
+    """The output convention: the last non-empty stdout line is a JSON object {"reward": <number>, "score":
+    <number>, "info": {<name>: <number>}}, score and info optional. Raises ProcessFailure("process_reward")."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    expected = 'its last stdout line must be a JSON object like {"reward": 1.0, "score": 1.0, "info": {"steps": 3}}'
+    if not lines:
+        raise ProcessFailure("process_reward", f"the program printed nothing; {expected}")
+    try:
+        value = json.loads(lines[-1])
+    except ValueError:
+        raise ProcessFailure("process_reward", f"its last stdout line is not JSON: {lines[-1][:200]!r}; "
+                                               f"{expected}") from None
+    info = value.get("info", {}) if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and _number(value.get("reward")) and set(value) <= _REWARD_KEYS
+            and (value.get("score") is None or _number(value["score"])) and isinstance(info, dict)
+            and all(isinstance(k, str) and _number(v) for k, v in info.items())):
+        raise ProcessFailure("process_reward", f"its last stdout line is {lines[-1][:200]!r}; {expected} (keys "
+                                               f"{sorted(_REWARD_KEYS)} only, numbers for values)")
+    score = value.get("score")
+    return Result(reward=float(value["reward"]), score=None if score is None else float(score),
+                  info={k: float(v) for k, v in info.items()})
+
+
+class ProcessAgent(ChatAgent):
+    """One rollout = one program. Subclass, name the program in `command`, and export a ChatAgentRunner with
+    `agent_cls = YourAgent` as the recipe's AgentRunner:
+
+        class Echo(ProcessAgent):
+            def command(self, ctx, ws):
+                return ["node", "agent.js", ctx.prompt]     # it prints {"reward": ...} as its last line
+
+    prepare(ctx, ws) fills ws.work from the task; environment(ctx, ws) adds variables (a host variable reaches the
+    program only if named here, e.g. {"HF_TOKEN": os.environ["HF_TOKEN"]}); grade(ctx, ws, run) turns what the
+    program left behind (ws.work, its output) into the Result. Keep `timeout_s` below the runner's budget
+    (--rollout.step_timeout_s x max_turns), or the runner's own deadline ends the rollout first (counted as
+    agent_timeout; the tree is cleaned up all the same)."""
+
+    timeout_s: float = 60.0                  # the program's wall-clock deadline, its whole tree's
+    output_bytes: int = 1 << 20              # the tail of stdout, and of stderr, that is kept
+    jail: bool = False                       # run inside the python sandbox's jail (header)
+    jail_binds: tuple[str, ...] = ()         # paths the jailed program reads (an interpreter, a venv), read-only
+
+    def command(self, ctx: ChatContext, ws: Workspace) -> list[str]:
+        raise NotImplementedError("a ProcessAgent must implement command(ctx, ws) -> argv (a list of strings)")
+
+    def prepare(self, ctx: ChatContext, ws: Workspace) -> None:
+        """Fill ws.work from the task (a repository, input files). Nothing by default."""
+
+    def environment(self, ctx: ChatContext, ws: Workspace) -> dict[str, str]:
+        """Variables beyond the session's (header). None by default."""
+        return {}
+
+    def grade(self, ctx: ChatContext, ws: Workspace, run: ProcessRun) -> Result:
+        """The Result of a program that exited 0. By default its last stdout line (reward_from_stdout)."""
+        return reward_from_stdout(run.stdout)
+
+    async def run(self, ctx: ChatContext) -> Result:
+        top = tempfile.mkdtemp(prefix="tracerl-process-")
+        ws = Workspace(os.path.join(top, "work"), os.path.join(top, "home"))
+        try:
+            os.mkdir(ws.work)
+            os.mkdir(ws.home)
+            self.prepare(ctx, ws)
+            run = await self._run_program(ctx, ws, top)
+            return await asyncio.to_thread(self.grade, ctx, ws, run)   # a grader may take seconds (a sandbox run)
+        finally:
+            _remove(top)
+
+    def _environment(self, ctx: ChatContext, ws: Workspace) -> dict[str, str]:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": ws.home, "TMPDIR": ws.home, "LANG": "C.UTF-8",
+               "OPENAI_BASE_URL": ctx.base_url, "OPENAI_API_BASE": ctx.base_url, "OPENAI_API_KEY": ctx.api_key,
+               "ANTHROPIC_BASE_URL": ctx.session_url, "ANTHROPIC_API_KEY": ctx.api_key,
+               "TRACERL_MODEL": ctx.model_name}
+        env.update(self.environment(ctx, ws))
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise TypeError(f"{type(self).__name__}.environment must return str -> str, got {env!r}")
+        return env
+
+    def _spec(self, ctx: ChatContext, ws: Workspace, top: str) -> dict:
+        argv = self.command(ctx, ws)
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+            raise TypeError(f"{type(self).__name__}.command must return a non-empty list of strings, got {argv!r}")
+        namespaces = sandbox._namespaces_work()
+        jail = None
+        if self.jail:
+            if not namespaces:
+                raise ProcessFailure("process_spawn", "the recipe asks for the jail, which needs Linux namespaces "
+                                                      "(root) on this machine; run it where they work, or set "
+                                                      "jail = False to run the program unjailed knowingly")
+            jail = {"root": os.path.join(top, "root"), "uid": 100_000 + secrets.randbelow(900_000), "disk_mb": 64,
+                    "binds": [os.path.realpath(p) for p in self.jail_binds], "writable": [ws.work, ws.home]}
+            os.mkdir(jail["root"])
+            for path in (ws.work, ws.home):       # the program's own uid writes there
+                for folder, _, files in os.walk(path):
+                    for name in [folder] + [os.path.join(folder, f) for f in files]:
+                        os.lchown(name, jail["uid"], jail["uid"])
+        return {"argv": argv, "env": self._environment(ctx, ws), "cwd": ws.work, "namespaces": namespaces,
+                "jail": jail, "grace_s": GRACE_S, "report": os.path.join(top, "report.json")}
+
+    async def _run_program(self, ctx: ChatContext, ws: Workspace, top: str) -> ProcessRun:
+        spec = self._spec(ctx, ws, top)
+        spec_path = os.path.join(top, "launch.json")         # beside work/ and home/, never inside the jail
+        with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            json.dump(spec, f)
+        start = time.monotonic()
+        try:
+            launcher = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, env={})
+        except OSError as exc:
+            raise ProcessFailure("process_spawn", f"the launcher could not start: {exc}") from None
+        out, err = _Tail(self.output_bytes), _Tail(self.output_bytes)
+        readers = [asyncio.ensure_future(out.drain(launcher.stdout)), asyncio.ensure_future(err.drain(launcher.stderr))]
+        timed_out = False
+        try:
+            await asyncio.wait_for(launcher.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:                                  # the deadline, a cancelled rollout, or a normal end
+            await _stop(launcher)
+            _, pending = await asyncio.wait(readers, timeout=5.0)   # the tree is gone, so the pipes close
+            for reader in pending:
+                reader.cancel()
+        seconds = time.monotonic() - start
+        try:
+            with open(spec["report"]) as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            raise ProcessFailure("process_spawn", f"the launcher ended (status {launcher.returncode}) without a "
+                                                  f"report: {_last_line(err.text())}") from None
+        if timed_out or report["stopped"]:
+            raise ProcessFailure("process_timeout", f"still running after {self.timeout_s:g} s; its whole process "
+                                                    f"tree was killed")
+        if report["spawn_error"]:
+            raise ProcessFailure("process_spawn", f"{spec['argv'][0]!r} could not start: {report['spawn_error']}")
+        code = os.waitstatus_to_exitcode(report["wait_status"])
+        if code != 0:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            raise ProcessFailure("process_exit", f"{spec['argv'][0]!r} {how}: {_last_line(err.text())}")
+        return ProcessRun(out.text(), err.text(), code, seconds, out.dropped + err.dropped)
+
+
+class _Tail:
+    """The last `cap` bytes of a stream; the rest is read (so the writer never blocks) and counted."""
+
+    def __init__(self, cap: int):
+        self.cap, self.kept, self.dropped = cap, bytearray(), 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            self.kept += chunk
+            if len(self.kept) > self.cap:
+                self.dropped += len(self.kept) - self.cap
+                del self.kept[:len(self.kept) - self.cap]
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", "replace")
+
+
+async def _stop(launcher: asyncio.subprocess.Process) -> None:
+    """Ask the launcher to take the tree down (SIGTERM, grace, SIGKILL); kill it if it does not end in time."""
+    if launcher.returncode is not None:
+        return
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(launcher.wait(), GRACE_S + 10.0)
+    except ProcessLookupError:
+        pass
+    except asyncio.TimeoutError:              # a launcher that hangs: its PID namespace dies with it
+        launcher.kill()
+    await launcher.wait()
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:500] if lines else "(no stderr)"
+
+
+def _remove(top: str) -> None:
+    """Remove a rollout's directory, even where the program took away its own permissions."""
+    for folder, dirs, _ in os.walk(top):
+        for name in dirs:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o700)
+    shutil.rmtree(top, ignore_errors=True)
