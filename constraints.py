@@ -15,10 +15,13 @@
 #     ^([a-z]{1,64}\.){1,64}[a-z]{2,8}$ 7.2 s, one {"maxLength": 64} 0.6 s; llguidance builds each in 0.7 s,
 #     1 ms and 1 ms, and bounds the work of every later mask step with deterministic fuel (LLParserLimits defaults),
 #     so a replay hits any limit exactly where the engine did;
-#   - coverage: xgrammar compiles but does not enforce "not", "if"/"then", "uniqueItems", "contains" and more (the
-#     engine would emit JSON its own schema rejects); llguidance refuses them ("Unimplemented keys: [...]");
+#   - coverage: xgrammar compiles but does not enforce "not", "if"/"then" or a two-branch "allOf" ({"not": {"type":
+#     "string"}} lets "a" through: the engine would emit JSON its own schema rejects); llguidance refuses what it
+#     cannot enforce ("Unimplemented keys: [...]");
 #   - special tokens: llguidance never allows a special token as text (xgrammar let <|endoftext|> into a JSON
 #     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
+#     (It counts every added token as special, so a JSON string spells "<think>" out; the tool-call suffix takes
+#     the tokenizer's own "</tool_call>" id as well, see _suffix_lark.)
 #   Per-token mask time is sub-millisecond on average for both (llguidance's: `python constraints.py`).
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
