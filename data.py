@@ -1,7 +1,8 @@
 # data.py — prompt datasets, chat templates and images.
 # Owns: the ChatML chat templates (plain and Qwen3-style think-stripping, both with Qwen3's enable_thinking
-# switch), rendering a conversation to prompt token ids (render once, encode once) with the template's switches, text that stays text (a special-token string inside a message
-# or an observation is encoded as its characters; only the template's own control tokens are control tokens),
+# switch), rendering a conversation to prompt token ids (render once, encode once) with the template's switches,
+# text that stays text (a special-token string inside a message or an observation is encoded as its characters;
+# only the template's own control tokens are control tokens),
 # images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, the built-in
 # arithmetic dataset, and geo3k (hiyouga/geometry3k through `datasets`, or a synthetic stand-in drawn with PIL).
 # Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network (an image

@@ -12,8 +12,15 @@
 # and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
 # context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
-# A retried request (identical messages, tools and sampling to the last one) is answered from the record:
-# the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
+# A retried request (identical messages, tools, sampling and turn options to the last one) is answered from the
+# record: the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
+# Tool choice (wires.TurnOptions): a forced call (required / named) has the session write '<tool_call>\n' after the
+# generation prompt on the model's behalf — context in the record, never trainable — and the sampling carries the
+# tools' grammar for the text after it; the reply the agent reads, and the text its echo must open with, include
+# that opening, so an echo still extends the record bitwise. 'none' keeps the tools in the prompt (so the next
+# turn extends), never parses a call out of the reply, and bans a one-token '<tool_call>' with a -inf logit bias,
+# recorded in the sampling. Without parallel calls sampling ends at the first '</tool_call>', a stop string whose
+# text is kept (the tokens that wrote it are sampled and trainable, as a stop token is).
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
 # key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
@@ -36,6 +43,7 @@ import copy
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import threading
@@ -61,6 +69,7 @@ log = logging.getLogger("tracerl.loopback")
 # ---- tool calls: read structure out of the sampled text, never write it back ------------------------
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_OPENING, CALL_CLOSING = "<tool_call>\n", "</tool_call>"    # a forced call's opening; where one call ends
 
 
 def _call_arguments(call: dict) -> dict | None:
@@ -104,11 +113,11 @@ def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
     return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
-def reply_text(tokenizer, gen: Generation) -> str:
-    """The reply as the agent reads it: the sampled ids decoded (special tokens skipped), cut before the stop
-    string that ended it (OpenAI and Anthropic both leave it out)."""
+def reply_text(tokenizer, gen: Generation, stops: tuple[str, ...]) -> str:
+    """The reply as the agent reads it: the sampled ids decoded (special tokens skipped), cut before the agent's
+    stop string that ended it (OpenAI and Anthropic both leave it out; a stop the session added is kept)."""
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-    hit = find_stop(text, (gen.stop_string,)) if gen.stop_string else None
+    hit = find_stop(text, (gen.stop_string,)) if gen.stop_string in stops else None
     return text[:hit[0]] if hit else text
 
 
@@ -138,32 +147,35 @@ class ChatSession:
                                                # run-time check that the ledger trains each sampled token once
         self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
                                                # no image fills that pad, so the row cannot be trained on
-        self._last_request: tuple | None = None   # (messages, tools, sampling) of the last committed turn
+        self._last_request: tuple | None = None   # (messages, tools, sampling, options) of the last committed turn
         self._last_turn: wires.ChatTurn | None = None
         self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
-             on_token: Callable[[list[int], int], None] | None = None) -> wires.ChatTurn:
+             on_token: Callable[[list[int], int], None] | None = None,
+             options: wires.TurnOptions | None = None) -> wires.ChatTurn:
         """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id)` is
         called as each token is sampled (a streaming server's hook); a retry answered from the record never
-        calls it."""
-        params = sampling or self.sampling
+        calls it. `options`: the tool choice and the chat template's switches (default: auto, none)."""
+        params, options = sampling or self.sampling, options or wires.TurnOptions()
         with self.lock:
             self.last_used = time.monotonic()
-            if self._last_request == (messages, tools, params):   # a retry: answer from the record
+            if self._last_request == (messages, tools, params, options):   # a retry: answer from the record
                 return self._last_turn
-            request = (copy.deepcopy(messages), copy.deepcopy(tools), params)   # copied before anything commits
-            turn = self._generate_and_commit(messages, tools, params, on_token)
+            # copied before anything commits
+            request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
+            turn = self._generate_and_commit(messages, tools, params, options, on_token)
             self._last_request, self._last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
 
-    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams,
+    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams, options: wires.TurnOptions,
                              on_token) -> wires.ChatTurn:
         """Generate, build the reply, then commit. Nothing that can fail runs after the ledger changes: a client
         answered with an error must find the session as it was, or its retry would sample the turn twice."""
         self._bound_prompt(messages, tools)
-        prompt_ids, images, prompt_text = self._prompt(messages, tools)
+        opening = CALL_OPENING if options.tool_choice in ("required", "named") else ""
+        prompt_ids, images, prompt_text = self._prompt(messages, tools, options.template_kwargs, opening)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
@@ -171,14 +183,19 @@ class ChatSession:
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
-        gen = self.engine.generate([prompt_ids], replace(params, max_tokens=min(params.max_tokens, room)), relay,
-                                   images=[images] if images else None, **sticky)[0]
-        text = reply_text(self.tokenizer, gen)
-        message = parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
-        # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"). A reply cut at a
-        # stop string opens with the text the agent got: the record keeps the ids that wrote the stop string
-        # (the model did write them) and the template's closing follows them as context.
-        echo_text = text if gen.stop_string else self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        engine_params = replace(self._tool_sampling(params, options), max_tokens=min(params.max_tokens, room))
+        gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
+                                   **sticky)[0]
+        text = opening + reply_text(self.tokenizer, gen, params.stop)
+        message = {"role": "assistant", "content": text} if options.tool_choice == "none" else \
+            parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
+        # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"), after the opening the
+        # session forced. A reply cut at the agent's stop string opens with the text the agent got: the record keeps
+        # the ids that wrote the stop string (the model did write them) and the template's closing follows them as
+        # context.
+        stop_sequence = gen.stop_string if gen.stop_string in params.stop else None
+        echo_text = text if stop_sequence else \
+            opening + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         sampled_pad = self.image_processor is not None and \
             self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
@@ -194,7 +211,19 @@ class ChatSession:
         self._expected = [*messages, message]
         self._expected_prompt_text = prompt_text
         self._echo_text = echo_text
-        return wires.ChatTurn(message, gen, extended)
+        return wires.ChatTurn(message, gen, extended, stop_sequence)
+
+    def _tool_sampling(self, params: SamplingParams, options: wires.TurnOptions) -> SamplingParams:
+        """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'
+        (a -inf logit bias, recorded per token like any bias); no parallel calls stop at the first '</tool_call>'."""
+        if options.tool_choice == "none":
+            opening = self.tokenizer.encode(CALL_OPENING.strip(), add_special_tokens=False)
+            if len(opening) == 1:
+                bias = {**dict(params.logit_bias), opening[0]: -math.inf}
+                params = replace(params, logit_bias=tuple(sorted(bias.items())))
+        if not options.parallel_tool_calls and CALL_CLOSING not in params.stop:
+            params = replace(params, stop=(*params.stop, CALL_CLOSING))
+        return params
 
     def _bound_prompt(self, messages: list[dict], tools) -> None:
         """Refuse a request whose text cannot fit the context before rendering or encoding any of it: no token
@@ -206,21 +235,23 @@ class ChatSession:
             raise ValueError(f"the request holds {chars} characters of text, more than a context of "
                              f"{self.max_length} tokens can hold (at most {limit}); shorten the conversation")
 
-    def _render(self, messages, tools, generation_prompt: bool) -> str:
-        return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt)
+    def _render(self, messages, tools, generation_prompt: bool, template_kwargs: dict | None) -> str:
+        return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt,
+                                       template_kwargs)
 
-    def _prompt(self, messages: list[dict], tools) -> tuple[list[int], list[invariants.ImageInput], str]:
+    def _prompt(self, messages: list[dict], tools, template_kwargs: dict | None = None,
+                opening: str = "") -> tuple[list[int], list[invariants.ImageInput], str]:
         """The engine prompt for this request (ids, and every image its pads stand for) and the request rendered
         up to the generation prompt. When the request only appends messages, the prompt is the record's exact
         tokens plus the new messages encoded (and only their images are new); otherwise it is encoded whole,
-        and the ledger will seal."""
+        and the ledger will seal. `opening` (a forced call's) is written after the generation prompt, as context."""
         images = self._prompt_images(messages)
-        full = self._render(messages, tools, generation_prompt=True)
-        delta = self._delta_text(messages, tools, full)
+        full = self._render(messages, tools, True, template_kwargs)
+        delta = self._delta_text(messages, tools, full, template_kwargs)
         if delta is None:
-            return self._encode(full, images), images, full
+            return self._encode(full + opening, images), images, full
         fresh = images[len(self.ledger.open_images):]
-        return self.ledger.open_token_ids + self._encode(delta, fresh), images, full
+        return self.ledger.open_token_ids + self._encode(delta + opening, fresh), images, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)
@@ -239,17 +270,18 @@ class ChatSession:
             return ids
         return data.expand_image_pads(ids, images, self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD))
 
-    def _delta_text(self, messages, tools, full: str) -> str | None:
+    def _delta_text(self, messages, tools, full: str, template_kwargs: dict | None = None) -> str | None:
         """Text to append after the record's exact tokens, or None when this request is not an append.
         Three checks, each of which must hold: (1) the messages start with the last request plus our
         reply, unedited; (2) rendering that prefix is a string prefix of the new rendering (a template
         that strips earlier <think> fails here); (3) the prefix's assistant block starts with exactly the
         reply as sampled (re-serialized tool JSON fails here). What the template writes after the sampled text
         (the '\\n' after <|im_end|>, or a closing <|im_end|> when the reply hit max_tokens or a stop string)
-        is context."""
+        is context. The prefix is rendered with this request's tools and template switches: a change to either that
+        rewrites the record's text fails (2)."""
         if self._expected is None or messages[:len(self._expected)] != self._expected:
             return None
-        prefix = self._render(self._expected, tools, generation_prompt=False)
+        prefix = self._render(self._expected, tools, False, template_kwargs)
         if not full.startswith(prefix) or not prefix.startswith(self._expected_prompt_text):
             return None
         assistant_block = prefix[len(self._expected_prompt_text):]
@@ -270,16 +302,20 @@ def _text_chars(value) -> int:
 
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
-    """The session's ledger as JSON: what the trainer will see, token by token."""
+    """The session's ledger as JSON: what the trainer will see, token by token. Each token's sampling is an index
+    into `samplings` (what was enforced: greedy, a bias or ban, penalties, a grammar; the first entry is context's)."""
+    samplings: dict[invariants.Sampling, int] = {invariants.UNSAMPLED: 0}
     with session.ledger_lock:
         segments = [{"segment_id": s.segment_id, "token_ids": s.token_ids,
                      "tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in s.token_ids],
                      "trainable": s.trainable, "behavior_logprobs": s.behavior_logprobs,
+                     "sampling": [samplings.setdefault(x, len(samplings)) for x in s.sampling],
                      "policy_versions": s.policy_versions, "seal_reason": s.seal_reason,
                      "common_prefix_len": s.common_prefix_len,
                      "images": [{"grid_thw": image.grid_thw, "n_tokens": image.n_tokens} for image in s.images]}
                     for s in session.ledger.segments]
-    return {"rollout_id": session.ledger.rollout_id, "group_id": session.ledger.group_id, "segments": segments}
+    return {"rollout_id": session.ledger.rollout_id, "group_id": session.ledger.group_id, "segments": segments,
+            "samplings": [wires.sampling_json(x) for x in samplings]}
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -515,7 +551,8 @@ class LoopbackServer:
     async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> wires.ChatTurn:
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor, session.turn, request.messages, request.tools, request.sampling, on_token)
+                self._executor, session.turn, request.messages, request.tools, request.sampling, on_token,
+                request.options)
         except (ValueError, TemplateError) as error:   # an overlong prompt, a bad image, a template that refuses
             raise wires.WireError(400, str(error)) from None
 
@@ -532,7 +569,8 @@ class LoopbackServer:
 
         job = asyncio.ensure_future(self._turn(session, wire_request, on_token))
         job.add_done_callback(lambda done: done.cancelled() or done.exception())   # retrieved even if we hang up
-        live, response = wires.LiveText(self.tokenizer, wire_request.sampling.stop), None
+        opening = CALL_OPENING if wire_request.options.tool_choice in ("required", "named") else ""
+        live, response = wires.LiveText(self.tokenizer, wire_request.sampling.stop, opening), None
         try:
             while not (job.done() and sampled.empty()):
                 arrival = asyncio.ensure_future(sampled.get())
@@ -607,7 +645,7 @@ class LoopbackServer:
             stream = wires.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
             return await self._stream(request, session, wire_request, stream)
         turn = await self._turn(session, wire_request)
-        return web.json_response(wires.anthropic_reply(turn, self.model_name, reply_id))
+        return web.json_response(wires.anthropic_reply(turn, wire_request, self.model_name, reply_id))
 
     async def _trace(self, request: web.Request) -> web.Response:
         session = self._authorize(request)

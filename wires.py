@@ -1,28 +1,42 @@
 # wires.py — the OpenAI and Anthropic wire formats, to and from one canonical chat turn.
 #
-# Owns: decoding an OpenAI chat.completions or Anthropic messages request into canonical messages, tools and
-# sampling parameters (`WireRequest`), refusing what cannot be honoured (`WireError`, in each wire's own error
-# format), and encoding a finished `ChatTurn` (what a loopback.ChatSession returns) as each wire's reply,
-# whole or as server-sent events whose text goes out token by token as it is sampled (`LiveText`,
-# `OpenAIStream`, `AnthropicStream`).
+# Owns: answering every request field as wire_params.py's tables decide (honoured, a documented no-op, or refused
+# with what would be accepted instead), decoding an OpenAI chat.completions or Anthropic messages request into
+# canonical messages, tools, sampling parameters and turn options (`WireRequest`), refusing what cannot be honoured
+# (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a loopback.ChatSession
+# returns) as each wire's reply, whole or as server-sent events whose text goes out token by token as it is sampled
+# (`LiveText`, `OpenAIStream`, `AnthropicStream`).
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
 # message is built in exactly the shape the tool-call parser returns, so an echoed reply compares equal and
-# the session can tell an append from an edit.
+# the session can tell an append from an edit. A reply that opens with <think>...</think> is, on the Anthropic
+# wire, a thinking block (its signature carries the exact sampled text) and a text block; echoed, they decode back
+# to that text, so the echo still extends the record.
+# Every field changes sampling only through `SamplingParams` (recorded per token by the engine, so the trainer
+# recomputes the distribution each token was drawn from: invariant 3) or through `TurnOptions` (tool use and the
+# chat template's switches, which change the prompt the ledger records); a no-op changes neither, and a reply asked
+# for it (`return_token_ids`) lists the no-ops it got and the sampling that was enforced.
 # Refuses at the boundary what would fail later, where it could hurt others: JSON nested past MAX_JSON_DEPTH,
 # lone surrogates, integers Python will not convert, sampling values the fp32 sampler cannot honour
-# (rollout.validate_sampling), images and parts in the wrong shape.
+# (rollout.validate_sampling), images and parts in the wrong shape; a field in neither table (it might change what
+# is sampled, and a guess would train on a distribution nobody recorded).
 # Keeps invariant 1 at the edge: both wires decode to the same canonical request, so token accounting does
 # not depend on the wire; nothing here encodes text into ids. Never: holds state, generates, or records.
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
+import constraints
+from invariants import MAX_ABS_LOGIT_BIAS, Sampling
 from rollout import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
+from wire_params import ANTHROPIC_FIELDS, NO_OP, OPENAI_FIELDS, REFUSED
 
 
 @dataclass
@@ -32,9 +46,10 @@ class ChatTurn:
     generation: Generation         # ids, behavior logprobs, versions and routes, exactly as sampled
     extended: bool                 # the ledger's answer: False when this request sealed the segment (or was the
                                    # first turn), True when its prompt extended the record bitwise
+    stop_sequence: str | None = None   # the agent's stop string that ended the reply (cut from it), or None
 
 
-# ---- decoding: OpenAI / Anthropic requests -> one canonical request ----------------------------------
+# ---- refusals, and the request body --------------------------------------------------------------
 
 class WireError(Exception):
     """A refused request: its HTTP status, the error type, and a message saying what was wrong."""
@@ -87,6 +102,39 @@ def check_json(value, where: str) -> None:
             stack.extend((child, depth + 1) for child in children)
 
 
+# ---- fields: each one honoured, a documented no-op, or refused (wire_params.py's tables) ----------------
+
+def check_fields(body: dict, fields: dict[str, tuple[str, str]]) -> tuple[str, ...]:
+    """Refuse a key in no row and a refused field that is set; returns the no-op fields the body holds."""
+    unknown = sorted(set(body) - set(fields))
+    require(not unknown, f"unsupported parameter(s) {unknown}: this server decides every field it takes, and these "
+                         f"are none of them; it takes {sorted(fields)} (docs/wire-params.md says what each does)")
+    for key in sorted(body):
+        disposition, reason = fields[key]
+        require(disposition != REFUSED or body[key] is None, f"'{key}' is refused: {reason}")
+    return tuple(sorted(key for key in body if fields[key][0] == NO_OP))
+
+
+def refuse_unknown_keys(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    require(not unknown, f"unsupported parameter(s) {unknown}; this server honours {sorted(allowed)}")
+
+
+# ---- decoding: OpenAI / Anthropic requests -> one canonical request ----------------------------------
+
+@dataclass
+class TurnOptions:
+    """What a request asks of its turn besides the sampling: how tools may be used, and the chat template's switches.
+    Part of a request's identity (a retry must match it); the switches are part of the extension check (the record
+    is rendered with them)."""
+    tool_choice: str = "auto"      # "auto" | "none" (no call parsed, a one-token '<tool_call>' banned) | "required"
+                                   # (a call to some tool) | "named" (a call to tool_name): the last two force the
+                                   # opening '<tool_call>\n' as context and carry the tools' grammar in the sampling
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True   # False: sampling ends at the first '</tool_call>'
+    template_kwargs: dict = field(default_factory=dict)   # the template's switches, e.g. {"enable_thinking": False}
+
+
 @dataclass
 class WireRequest:
     messages: list[dict]           # canonical messages
@@ -94,7 +142,11 @@ class WireRequest:
     sampling: SamplingParams       # the session's defaults overridden by the request
     stream: bool
     logprobs: bool = False         # OpenAI: return the behavior logprob of each sampled token
-    return_token_ids: bool = False  # extension: return prompt_token_ids and token_ids
+    return_token_ids: bool = False  # extension: return the token ids, the recorded sampling and the no-ops
+    options: TurnOptions = field(default_factory=TurnOptions)
+    include_usage: bool = False    # OpenAI stream_options.include_usage: a last chunk with the usage
+    no_ops: tuple[str, ...] = ()   # the no-op fields the request held
+    omit_thinking: bool = False    # Anthropic thinking.display 'omitted': thoughts go back empty (signature kept)
 
 
 def _arguments_from_json(text: str):
@@ -121,14 +173,19 @@ def _assistant(content, tool_calls: list[dict]) -> dict:
     return {"role": "assistant", "content": content or ""}
 
 
-def _function_tool(name, description, parameters, where: str) -> dict:
+def _function_tool(name, description, parameters, where: str, strict=None) -> dict:
+    """A tool as the template renders it and constraints.tool_call_spec reads it (strict: a forced call's arguments
+    follow the schema strictly)."""
     require(isinstance(name, str) and name, f"{where} needs a string 'name'")
+    require(strict is None or isinstance(strict, bool), f"{where}: 'strict' must be true or false")
     function = {"name": name}
     if description is not None:
         function["description"] = description
     if parameters is not None:
         require(isinstance(parameters, dict), f"{where}: the parameter schema must be a JSON object")
         function["parameters"] = parameters
+    if strict is not None:
+        function["strict"] = strict
     return {"type": "function", "function": function}
 
 
@@ -153,10 +210,21 @@ def number_field(body: dict, key: str, integer: bool = False):
     return value
 
 
-def _flag(body: dict, key: str) -> bool:
-    value = body.get(key, False)
+def _real(body: dict, key: str) -> float | None:
+    value = number_field(body, key)
+    return None if value is None else float(value)
+
+
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
     require(isinstance(value, bool) or value is None, f"'{key}' must be true or false, got {value!r:.40}")
-    return bool(value)
+    return default if value is None else value
+
+
+def _object(body: dict, key: str) -> dict:
+    value = body.get(key)
+    require(value is None or isinstance(value, dict), f"'{key}' must be an object, got {value!r:.60}")
+    return value or {}
 
 
 def _stop_strings(value, key: str) -> tuple[str, ...] | None:
@@ -169,8 +237,36 @@ def _stop_strings(value, key: str) -> tuple[str, ...] | None:
     return tuple(stops)
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"<token id>": bias} -> (id, bias) pairs sorted by id (the sampler bounds the bias and the ids)."""
+    if value is None:
+        return None
+    require(isinstance(value, dict) and all(isinstance(k, str) and re.fullmatch(r"[0-9]{1,10}", k) for k in value),
+            f"'logit_bias' must map token ids (decimal strings, as {{\"1234\": -100}}) to numbers, got {value!r:.80}")
+    biases = {}
+    for key, bias in value.items():
+        require(isinstance(bias, (int, float)) and not isinstance(bias, bool) and abs(bias) <= MAX_ABS_LOGIT_BIAS,
+                f"'logit_bias' values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}] (-100 all "
+                f"but bans a token), got {bias!r:.40} for token {key}")
+        biases[int(key)] = float(bias)
+    return tuple(sorted(biases.items()))
+
+
+def _spec(make, *args) -> str:
+    """A constraints.py spec, its ValueError (what is wrong, what is accepted) a 400."""
+    try:
+        return make(*args)
+    except ValueError as error:
+        raise WireError(400, str(error)) from None
+
+
 def sampling_from(base: SamplingParams, **overrides) -> SamplingParams:
-    params = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    """The base overridden by what the request set; temperature 0 is greedy decoding, recorded as what it is: top_k 1,
+    the point mass (temperature and top_p cannot change it, so they are recorded as off)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides.get("temperature") == 0:
+        overrides.update(temperature=1.0, top_p=1.0, top_k=1)
+    params = replace(base, **overrides)
     try:
         validate_sampling(params)
     except ValueError as error:
@@ -179,14 +275,60 @@ def sampling_from(base: SamplingParams, **overrides) -> SamplingParams:
     return replace(params, temperature=float(params.temperature), top_p=float(params.top_p))
 
 
-def refuse_unknown_keys(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    require(not unknown, f"unsupported parameter(s) {unknown}; this server honours {sorted(allowed)}")
+def _template_kwargs(body: dict, enable_thinking: bool | None, extra: dict) -> dict:
+    """chat_template_kwargs, with the thinking switch a wire field asked for (a contradiction is refused)."""
+    kwargs = _object(body, "chat_template_kwargs")
+    require(all(isinstance(k, str) and k.isidentifier() for k in kwargs)
+            and all(v is None or isinstance(v, (bool, int, float, str)) for v in kwargs.values()),
+            "'chat_template_kwargs' must map names to true/false, numbers, strings or null, got "
+            f"{kwargs!r:.80}")
+    if enable_thinking is not None:
+        asked = kwargs.get("enable_thinking", enable_thinking)
+        require(asked == enable_thinking, f"chat_template_kwargs.enable_thinking={asked} contradicts the request's "
+                                          f"thinking setting (enable_thinking={enable_thinking}); send one of them")
+        kwargs = {"enable_thinking": enable_thinking, **extra, **kwargs}
+    return kwargs
 
 
-OPENAI_PARAMS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-                 "max_completion_tokens", "seed", "stop", "logprobs", "top_logprobs", "n", "stream",
-                 "stream_options", "return_token_ids", "user"}
+def _tool_options(mode: str, name: str | None, tools: list[dict] | None, parallel: bool,
+                  kwargs: dict) -> tuple[TurnOptions, str | None]:
+    """The turn options and, for a forced call, the tools' grammar (the text after the forced '<tool_call>\\n'; no
+    tools, or a name that is none of theirs, is refused by constraints.tool_call_spec saying so)."""
+    forced = _spec(constraints.tool_call_spec, tools or [], name) if mode in ("required", "named") else None
+    return TurnOptions(mode, name, parallel, kwargs), forced
+
+
+OPENAI_TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'function': {'name': <a tool's name>}} "
+                      "(for allowed_tools, send only the allowed tools in 'tools')")
+
+
+def _openai_tool_choice(choice) -> tuple[str, str | None]:
+    if choice is None or choice == "auto":
+        return "auto", None
+    if choice in ("none", "required"):
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    require(isinstance(function, dict) and isinstance(function.get("name"), str),
+            f"tool_choice must be {OPENAI_TOOL_CHOICE}, got {choice!r:.80}")
+    return "named", function["name"]
+
+
+def _response_format(value) -> str | None:
+    """OpenAI response_format -> the grammar spec its reply is masked by (None: unconstrained text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return constraints.json_object_spec()
+    schema = value.get("json_schema") if kind == "json_schema" else None
+    require(isinstance(schema, dict) and isinstance(schema.get("schema", {}), dict)
+            and isinstance(schema.get("strict", False), (bool, type(None))),
+            "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
+            f"'json_schema': {{'name', 'schema': <a JSON schema>, 'strict': bool}}}}, got {value!r:.80}")
+    return _spec(constraints.json_schema_spec, schema.get("schema", {}), bool(schema.get("strict")))
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _openai_content(content, where: str):
@@ -218,7 +360,9 @@ def _openai_message(message, where: str) -> dict:
     if role == "tool":
         return {"role": "tool", "content": _text_only(content, f"{where}.content"),
                 "tool_call_id": message.get("tool_call_id")}
-    require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}")
+    require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}"
+                                 + ("; 'function' messages go with the deprecated 'functions': send tool messages"
+                                    if role == "function" else ""))
     calls = message.get("tool_calls") or []
     require(isinstance(calls, list), f"{where}.tool_calls must be a list")
     canonical = []
@@ -232,40 +376,58 @@ def _openai_message(message, where: str) -> dict:
     return _assistant(_text_only(content or "", f"{where}.content"), canonical)
 
 
+def _openai_tools(tools) -> list[dict]:
+    require(tools is None or isinstance(tools, list), "'tools' must be a list of {type: function, function} objects")
+    canonical = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}"
+                                            + ("; custom (free-form or grammar) tools are not served: declare a "
+                                               "function tool with a JSON schema" if isinstance(tool, dict)
+                                               and tool.get("type") == "custom" else ""))
+        canonical.append(_function_tool(function.get("name"), function.get("description"),
+                                        function.get("parameters"), f"tools[{i}].function", function.get("strict")))
+    return canonical
+
+
 def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     """An OpenAI chat.completions request -> the canonical request; anything it cannot honour is a WireError."""
-    refuse_unknown_keys(body, OPENAI_PARAMS)
-    require(body.get("n") in (None, 1), f"n must be 1 (got {body.get('n')!r}): a session samples one completion "
-                                       "per request; send n separate requests (or sessions) for n samples")
+    no_ops = check_fields(body, OPENAI_FIELDS)
+    require(body.get("n") in (None, 1), f"n must be 1 (got {body.get('n')!r:.20}): {OPENAI_FIELDS['n'][1]}")
+    require(body.get("modalities") in (None, ["text"]), f"'modalities' must be ['text']: this server writes text, "
+                                                        f"not audio; got {body.get('modalities')!r:.60}")
+    stream_options = _object(body, "stream_options")
+    require(set(stream_options) <= {"include_usage", "include_obfuscation"}, "'stream_options' takes include_usage "
+                                                                             "and include_obfuscation")
     top_logprobs = number_field(body, "top_logprobs", integer=True)
     require(top_logprobs in (None, 0) or body.get("logprobs") is True,
             "'top_logprobs' needs 'logprobs': true (as on the OpenAI API)")
     require(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
             f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-    require(body.get("tool_choice") in (None, "auto"), f"tool_choice must be 'auto', got "
-                                                       f"{body.get('tool_choice')!r:.60}; the model decides")
     messages = body.get("messages")
     require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
-    tools = body.get("tools")
-    require(tools is None or isinstance(tools, list), "'tools' must be a list of {type: function, function} objects")
-    canonical_tools = []
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}")
-        canonical_tools.append(_function_tool(function.get("name"), function.get("description"),
-                                              function.get("parameters"), f"tools[{i}].function"))
+    tools = _openai_tools(body.get("tools")) or None
+    effort = body.get("reasoning_effort")
+    require(effort is None or effort in REASONING_EFFORTS,
+            f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r:.40}")
+    kwargs = _template_kwargs(body, None if effort is None else effort != "none",
+                              {} if effort is None else {"reasoning_effort": effort})
+    mode, name = _openai_tool_choice(body.get("tool_choice"))
+    options, forced = _tool_options(mode, name, tools, _flag(body, "parallel_tool_calls", True), kwargs)
     max_tokens = number_field(body, "max_completion_tokens", integer=True)
     max_tokens = number_field(body, "max_tokens", integer=True) if max_tokens is None else max_tokens
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
+                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
                              max_tokens=max_tokens, seed=number_field(body, "seed", integer=True),
-                             stop=_stop_strings(body.get("stop"), "stop"), top_logprobs=top_logprobs)
-    return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)],
-                       canonical_tools or None, sampling, _flag(body, "stream"), _flag(body, "logprobs"),
-                       _flag(body, "return_token_ids"))
-
-
-ANTHROPIC_PARAMS = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
-                    "stream", "tools", "tool_choice", "metadata"}
+                             stop=_stop_strings(body.get("stop"), "stop"), top_logprobs=top_logprobs,
+                             logit_bias=_logit_bias(body.get("logit_bias")),
+                             frequency_penalty=_real(body, "frequency_penalty"),
+                             presence_penalty=_real(body, "presence_penalty"),
+                             repetition_penalty=_real(body, "repetition_penalty"),
+                             constraint=forced or _response_format(body.get("response_format")))
+    return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)], tools, sampling,
+                       _flag(body, "stream"), _flag(body, "logprobs"), _flag(body, "return_token_ids"), options,
+                       _flag(stream_options, "include_usage"), no_ops)
 
 
 def _anthropic_text(blocks, where: str) -> str:
@@ -290,11 +452,37 @@ def _anthropic_image(block: dict, where: str) -> dict:
     return {"type": "image", "image": source["url"]}
 
 
+def _anthropic_document(block: dict, where: str) -> list[dict]:
+    """A document block as the parts the model reads: its title, context and text (a content source's images stay
+    images), then a blank line. A PDF or a file has no text here to read, so it is refused."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    require(kind in ("text", "content"),
+            f"{where}: a document's source must be plain text {{'type': 'text', 'media_type': 'text/plain', 'data': "
+            f"str}} or content {{'type': 'content', 'content': [text or image blocks]}}; a {kind!r:.20} source (a "
+            f"PDF or a file) has no text this server can read: extract its text and send that")
+    head = "".join(f"{block[k]}\n\n" for k in ("title", "context") if isinstance(block.get(k), str) and block[k])
+    if kind == "text":
+        require(isinstance(source.get("data"), str), f"{where}.source.data must be the document's text")
+        body = [{"type": "text", "text": source["data"]}]
+    else:
+        content = source.get("content")
+        content = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        require(isinstance(content, list) and all(isinstance(b, dict) for b in content),
+                f"{where}.source.content must be a string or a list of text and image blocks")
+        body = [_anthropic_image(b, f"{where}.source.content[{i}]") if b.get("type") == "image"
+                else {"type": "text", "text": _anthropic_text([b], f"{where}.source.content[{i}]")}
+                for i, b in enumerate(content)]
+    return [{"type": "text", "text": head}, *body, {"type": "text", "text": "\n\n"}]
+
+
 def _anthropic_messages(message, where: str) -> list[dict]:
     """One Anthropic message -> canonical messages (a user turn's tool_result blocks become tool messages)."""
-    require(isinstance(message, dict) and message.get("role") in ("user", "assistant"),
-            f"{where} must be an object with role 'user' or 'assistant' and content")
+    require(isinstance(message, dict) and message.get("role") in ("user", "assistant", "system"),
+            f"{where} must be an object with role 'user', 'assistant' or 'system' and content")
     role, content = message["role"], message.get("content")
+    if role == "system":
+        return [{"role": "system", "content": _anthropic_text(content, f"{where}.content")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     require(isinstance(content, list), f"{where}.content must be a string or a list of content blocks")
@@ -305,6 +493,10 @@ def _anthropic_messages(message, where: str) -> list[dict]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and role == "user":
             parts.append(_anthropic_image(block, at))
+        elif kind == "document" and role == "user":
+            parts += _anthropic_document(block, at)
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            parts.append({"type": "text", "text": _thought_text(block, at)})
         elif kind == "tool_use" and role == "assistant":
             require(isinstance(block.get("name"), str) and isinstance(block.get("input"), dict),
                     f"{at} (tool_use) needs 'id', a string 'name' and an object 'input'")
@@ -316,36 +508,140 @@ def _anthropic_messages(message, where: str) -> list[dict]:
             out.append({"role": "tool", "content": _anthropic_text(block.get("content", ""), f"{at}.content"),
                         "tool_call_id": block.get("tool_use_id")})
         else:
-            takes = "text, image and tool_result" if role == "user" else "text and tool_use"
-            raise WireError(400, f"{at}: a {role} message takes {takes} blocks, got {block!r:.80}")
+            takes = "text, image, document and tool_result" if role == "user" else \
+                "text, thinking, redacted_thinking and tool_use"
+            raise WireError(400, f"{at}: a {role} message takes {takes} blocks (server tools' blocks are not "
+                                 f"served), got {block!r:.80}")
     if role == "assistant":
         return [_assistant(_text_only(_join_parts(parts), f"{where}.content"), calls)]
     return out + ([{"role": "user", "content": _join_parts(parts)}] if parts or not out else [])
 
 
+def _anthropic_tools(tools) -> list[dict]:
+    require(tools is None or isinstance(tools, list), "'tools' must be a list of {name, description, input_schema}")
+    canonical = []
+    for i, tool in enumerate(tools or []):
+        require(isinstance(tool, dict), f"tools[{i}] must be an object {{name, description, input_schema}}")
+        require(tool.get("type") in (None, "custom"),
+                f"tools[{i}] is the server tool {tool.get('type')!r:.40}, which runs on Anthropic's servers and not "
+                f"here; declare a client tool {{'name', 'description', 'input_schema'}} and run it in the agent")
+        canonical.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                        f"tools[{i}]", tool.get("strict")))
+    return canonical
+
+
+def _anthropic_tool_choice(choice) -> tuple[str, str | None, bool]:
+    """(mode, name, parallel) from {'type': auto | any | tool | none, 'name', 'disable_parallel_tool_use'}."""
+    if choice is None:
+        return "auto", None, True
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}.get(kind)
+    require(mode is not None and (mode != "named" or isinstance(choice.get("name"), str))
+            and isinstance(choice.get("disable_parallel_tool_use", False), bool),
+            "tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': 'tool', 'name': <a tool's name>} or "
+            f"{{'type': 'none'}} (with 'disable_parallel_tool_use': bool), got {choice!r:.80}")
+    return mode, choice.get("name"), not choice.get("disable_parallel_tool_use", False)
+
+
+def _anthropic_thinking(value) -> tuple[bool | None, bool]:
+    """(enable_thinking, omit the thoughts from the reply) from `thinking`."""
+    if value is None:
+        return None, False
+    kind = value.get("type") if isinstance(value, dict) else None
+    budget = value.get("budget_tokens") if isinstance(value, dict) else None
+    display = value.get("display") if isinstance(value, dict) else None
+    require(kind in ("enabled", "adaptive", "between_tools", "disabled") and display in (None, "summarized", "omitted")
+            and (kind != "enabled" or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)),
+            "thinking must be {'type': 'enabled', 'budget_tokens': int >= 1}, {'type': 'adaptive'}, {'type': "
+            f"'between_tools'}} or {{'type': 'disabled'}} (display 'summarized' or 'omitted'), got {value!r:.80}")
+    return kind != "disabled", display == "omitted"
+
+
+def _output_format(config: dict) -> str | None:
+    """Anthropic output_config -> the grammar of its format (None: unconstrained); effort is a no-op."""
+    require(set(config) <= {"effort", "format"}, f"'output_config' takes effort and format, got {sorted(config)}")
+    form = config.get("format")
+    if form is None:
+        return None
+    require(isinstance(form, dict) and form.get("type") == "json_schema" and isinstance(form.get("schema"), dict),
+            f"output_config.format must be {{'type': 'json_schema', 'schema': <a JSON schema>}}, got {form!r:.80}")
+    return _spec(constraints.json_schema_spec, form["schema"], True)
+
+
 def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
     """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError."""
-    refuse_unknown_keys(body, ANTHROPIC_PARAMS)
+    no_ops = check_fields(body, ANTHROPIC_FIELDS)
     require(not isinstance(body.get("stop_sequences"), str), "'stop_sequences' must be a list of strings")
-    require(body.get("tool_choice") in (None, {"type": "auto"}), "tool_choice must be {'type': 'auto'}; "
-                                                                "the model decides whether to call a tool")
     max_tokens = number_field(body, "max_tokens", integer=True)
     require(max_tokens is not None, "'max_tokens' is required")
     messages = body.get("messages")
     require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
+    require(not (isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"),
+            "the last message is the assistant's (a prefill to continue), which this server does not continue: end "
+            "with a user message (a turn's reply is sampled whole, from the chat template's generation prompt)")
     canonical = [] if body.get("system") is None else [{"role": "system",
                                                         "content": _anthropic_text(body["system"], "system")}]
     for i, message in enumerate(messages):
         canonical += _anthropic_messages(message, f"messages[{i}]")
-    tools = body.get("tools")
-    require(tools is None or isinstance(tools, list), "'tools' must be a list of {name, description, input_schema}")
-    require(all(isinstance(t, dict) for t in tools or []), "each tool must be an object {name, input_schema}")
-    canonical_tools = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
-                       for i, t in enumerate(tools or [])]
+    tools = _anthropic_tools(body.get("tools")) or None
+    enable_thinking, omit_thinking = _anthropic_thinking(body.get("thinking"))
+    kwargs = _template_kwargs(body, enable_thinking, {})
+    mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
+    options, forced = _tool_options(mode, name, tools, parallel, kwargs)
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), max_tokens=max_tokens,
-                             stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"))
-    return WireRequest(canonical, canonical_tools or None, sampling, _flag(body, "stream"))
+                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
+                             repetition_penalty=_real(body, "repetition_penalty"), max_tokens=max_tokens,
+                             stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"),
+                             constraint=forced or _output_format(_object(body, "output_config")))
+    return WireRequest(canonical, tools, sampling, _flag(body, "stream"), False, _flag(body, "return_token_ids"),
+                       options, no_ops=no_ops, omit_thinking=omit_thinking)
+
+
+# ---- thinking: a reply's opening <think>...</think>, as Anthropic's thinking block ----------------------
+# The block's signature carries the exact text that was sampled (the tags and the whitespace after them
+# included), so an echo of the blocks decodes to the reply as it was written, byte for byte, and extends the
+# record. A thought edited by the agent is rendered as edited (the session then sees an edit and seals).
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_SIGNATURE = "tracerl-think:"
+
+
+def split_thinking(content: str) -> tuple[str, str, str] | None:
+    """A reply that opens with a thought -> (its opening as sampled: the tags, the thought and the whitespace after
+    them; the thought; the rest), or None. A thought never closed (max_tokens) is the whole reply."""
+    if not content.startswith(THINK_OPEN):
+        return None
+    end = content.find(THINK_CLOSE, len(THINK_OPEN))
+    if end < 0:
+        return content, content[len(THINK_OPEN):], ""
+    rest = content[end + len(THINK_CLOSE):].lstrip()
+    return content[:len(content) - len(rest)], content[len(THINK_OPEN):end], rest
+
+
+def _signature(opening: str) -> str:
+    return _SIGNATURE + base64.b64encode(opening.encode()).decode()
+
+
+def _thought_text(block: dict, where: str) -> str:
+    """An echoed thinking or redacted_thinking block -> the text the reply opened with."""
+    sealed = block.get("signature" if block["type"] == "thinking" else "data")
+    opening = None
+    if isinstance(sealed, str) and sealed.startswith(_SIGNATURE):
+        try:
+            opening = base64.b64decode(sealed[len(_SIGNATURE):], validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            opening = None
+    split = split_thinking(opening) if opening is not None else None
+    ours = split is not None and split[2] == ""
+    if block["type"] == "redacted_thinking":
+        require(ours, f"{where}: this redacted_thinking block's data was not written by this server (another model's "
+                      f"encrypted thought, which this model cannot read); leave the block out")
+        return opening
+    thought = block.get("thinking")
+    require(isinstance(thought, str), f"{where} (thinking) needs a string 'thinking' and its 'signature'")
+    if ours and thought in ("", split[1]):     # "" is a thought the reply omitted (display 'omitted')
+        return opening
+    return f"{THINK_OPEN}{thought}{THINK_CLOSE}"
 
 
 # ---- encoding: a ChatTurn -> OpenAI / Anthropic replies, whole or streamed ---------------------------
@@ -358,7 +654,7 @@ def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
     gen = turn.generation
     if turn.message.get("tool_calls") and gen.finish_reason == "stop":
         return names["tool"]
-    return names["stop_string" if gen.stop_string is not None else gen.finish_reason]
+    return names["stop_string" if turn.stop_sequence is not None else gen.finish_reason]
 
 
 def _openai_tool_calls(message: dict) -> list[dict]:
@@ -377,12 +673,27 @@ def _openai_logprobs(tokenizer, gen: Generation) -> dict:
                         for t, lp, top in zip(gen.token_ids, gen.behavior_logprobs, tops)]}
 
 
-def _openai_extras(turn: ChatTurn, request: WireRequest) -> dict:
+def sampling_json(sampling: Sampling) -> dict:
+    """A token's recorded sampling as JSON (a ban's -inf bias as the string "-inf": JSON has no infinities)."""
+    record = asdict(sampling)
+    record["logit_bias"] = [[t, b if math.isfinite(b) else str(b)] for t, b in sampling.logit_bias]
+    return record
+
+
+def _token_extras(turn: ChatTurn, request: WireRequest) -> dict:
+    """What `return_token_ids` asks for: the ids, the sampling every sampled token was drawn with (what the server
+    enforced: greedy, a grammar, a ban), and the no-op fields the request held."""
+    if not request.return_token_ids:
+        return {}
     gen = turn.generation
-    usage = {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
-             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids)}
-    ids = {"prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids} if request.return_token_ids else {}
-    return {"usage": usage, **ids}
+    return {"prompt_token_ids": gen.prompt_ids, "token_ids": gen.token_ids, "sampling": sampling_json(gen.sampling),
+            "no_op_params": list(request.no_ops)}
+
+
+def _openai_usage(turn: ChatTurn) -> dict:
+    gen = turn.generation
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
+            "total_tokens": len(gen.prompt_ids) + len(gen.token_ids)}
 
 
 def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> dict:
@@ -393,29 +704,37 @@ def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, re
               "finish_reason": _finish_reason(turn, OPENAI_FINISH),
               "logprobs": _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None}
     return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], **_openai_extras(turn, request)}
+            "choices": [choice], "usage": _openai_usage(turn), **_token_extras(turn, request)}
 
 
-def _anthropic_blocks(message: dict) -> list[dict]:
-    calls = message.get("tool_calls") or []
-    text = [{"type": "text", "text": message["content"]}] if message["content"] or not calls else []
-    return text + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                    "input": c["function"]["arguments"]} for c in calls]
+def _anthropic_blocks(message: dict, omit_thinking: bool) -> list[dict]:
+    """The reply as content blocks: its opening thought (if any), its text (if any, or if nothing else), its calls."""
+    calls, text, blocks = message.get("tool_calls") or [], message["content"] or "", []
+    if (thinking := split_thinking(text)) is not None:
+        opening, thought, text = thinking
+        blocks.append({"type": "thinking", "thinking": "" if omit_thinking else thought,
+                       "signature": _signature(opening)})
+    if text or not (calls or blocks):
+        blocks.append({"type": "text", "text": text})
+    return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                      "input": c["function"]["arguments"]} for c in calls]
 
 
-def anthropic_reply(turn: ChatTurn, model: str, reply_id: str) -> dict:
+def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: str) -> dict:
     gen = turn.generation
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(turn.message), "stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
-            "stop_sequence": gen.stop_string, "usage": {"input_tokens": len(gen.prompt_ids),
-                                                        "output_tokens": len(gen.token_ids)}}
+            "content": _anthropic_blocks(turn.message, request.omit_thinking),
+            "stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
+            "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(gen.token_ids)},
+            **_token_extras(turn, request)}
 
 
 # Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
 # with: never past a stop string (or the start of one), never into a `<tool_call>` (or what may become
 # one: the call is parsed into structure when the reply is done), never trailing whitespace (a reply with
 # tool calls drops it). The finished turn then sends the rest, the tool calls and the finish reason, so
-# the streamed text always equals the non-streamed reply.
+# the streamed text always equals the non-streamed reply. A reply the server opened ('<tool_call>\n' for a
+# forced call) is read with its opening, so nothing of a forced call is sent as text.
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper prefix of one of `markers`. Called once per sampled
@@ -436,15 +755,15 @@ def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
 class LiveText:
     """The part of a reply, as it is sampled, that can be sent now (see above)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.decoded, self.stops, self.sent = IncrementalText(tokenizer), stops, ""
+    def __init__(self, tokenizer, stops: tuple[str, ...], opening: str = ""):
+        self.decoded, self.stops, self.opening, self.sent = IncrementalText(tokenizer), stops, opening, ""
 
     def push(self, token_id: int) -> str:
         """Add a sampled id; returns the newly sendable text ('' when it must wait)."""
         self.decoded.push(token_id)
         text = self.decoded.text
         hit = find_stop(text, self.stops) if self.stops else None
-        safe = text[:hit[0]] if hit else text
+        safe = self.opening + (text[:hit[0]] if hit else text)
         safe = safe[:len(safe) - _partial_suffix(safe, (*self.stops, "<tool_call>"))]
         call = safe.find("<tool_call>")
         safe = (safe[:call] if call >= 0 else safe).rstrip()
@@ -460,16 +779,19 @@ class LiveText:
 
 class OpenAIStream:
     """chat.completion.chunk events: the role, content deltas as tokens arrive, then the rest of the content,
-    one delta per tool call, and the finish chunk (usage, and token ids / logprobs when asked)."""
+    one delta per tool call, and the finish chunk (token ids / logprobs when asked; the usage, or with
+    stream_options.include_usage a last chunk with the usage and no choices)."""
     wire, done_marker = "openai", True
 
     def __init__(self, request: WireRequest, tokenizer, model: str, reply_id: str):
         self.request, self.tokenizer, self.model, self.reply_id = request, tokenizer, model, reply_id
 
-    def _chunk(self, delta: dict, finish_reason=None, logprobs=None, **extra) -> tuple[None, dict]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    def _chunk(self, delta: dict | None, finish_reason=None, logprobs=None, **extra) -> tuple[None, dict]:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                             "logprobs": logprobs}]
+        usage = {"usage": None} if self.request.include_usage else {}
         return None, {"id": self.reply_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                      "model": self.model, "choices": [choice], **extra}
+                      "model": self.model, "choices": choices, **usage, **extra}
 
     def start(self, prompt_ids: list[int]) -> list:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -482,18 +804,24 @@ class OpenAIStream:
         events += [self._chunk({"tool_calls": [{"index": i, **call}]})
                    for i, call in enumerate(_openai_tool_calls(turn.message))]
         logprobs = _openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
-        return events + [self._chunk({}, _finish_reason(turn, OPENAI_FINISH), logprobs,
-                                     **_openai_extras(turn, self.request))]
+        finish = _finish_reason(turn, OPENAI_FINISH)
+        if self.request.include_usage:
+            return events + [self._chunk({}, finish, logprobs, **_token_extras(turn, self.request)),
+                             self._chunk(None, usage=_openai_usage(turn))]
+        return events + [self._chunk({}, finish, logprobs, usage=_openai_usage(turn),
+                                     **_token_extras(turn, self.request))]
 
 
 class AnthropicStream:
-    """message_start, a text block whose deltas arrive as tokens do, a tool_use block per call
-    (input_json_delta), message_delta with the stop reason, message_stop."""
+    """message_start; a thinking block (thinking_delta, then signature_delta) when the reply opens with a thought,
+    and a text block, their deltas sent as tokens arrive; a tool_use block per call (input_json_delta);
+    message_delta with the stop reason; message_stop. The blocks are those of the non-streamed reply."""
     wire, done_marker = "anthropic", False
 
     def __init__(self, request: WireRequest, tokenizer, model: str, reply_id: str):
-        self.model, self.reply_id = model, reply_id
-        self.text_open = False
+        self.request, self.model, self.reply_id = request, model, reply_id
+        self.content = ""            # the reply's content received so far (LiveText's sendable pieces)
+        self.sent: list[list] = []   # per block opened: [its type, the text sent in it, closed]
 
     def start(self, prompt_ids: list[int]) -> list:
         message = {"id": self.reply_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -501,27 +829,65 @@ class AnthropicStream:
                    "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": message})]
 
+    def _sendable(self) -> list[tuple[str, str, str | None]]:
+        """The blocks the content so far surely opens with: (type, text, the thought's opening once it is whole)."""
+        content = self.content
+        if len(content) < len(THINK_OPEN) and THINK_OPEN.startswith(content):
+            return []                                # it may still open a thought
+        if not content.startswith(THINK_OPEN):
+            return [("text", content, None)]
+        opening, thought, rest = split_thinking(content)
+        if not rest:                                 # the thought, or the whitespace after it, may go on
+            inside = content[len(THINK_OPEN):]
+            return [("thinking", thought if thought != inside else
+                     inside[:len(inside) - _partial_suffix(inside, (THINK_CLOSE,))], None)]
+        return [("thinking", thought, opening), ("text", rest, None)]
+
+    def _events(self, blocks: list[tuple[str, str, str | None]], final: bool) -> list:
+        events = []
+        for index, (kind, text, opening) in enumerate(blocks):
+            if index == len(self.sent):
+                start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                    {"type": "text", "text": ""}
+                events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": start}))
+                self.sent.append([kind, "", False])
+            sent = self.sent[index]
+            shown = "" if kind == "thinking" and self.request.omit_thinking else text
+            if len(shown) > len(sent[1]):
+                delta = {"type": "thinking_delta", "thinking": shown[len(sent[1]):]} if kind == "thinking" else \
+                    {"type": "text_delta", "text": shown[len(sent[1]):]}
+                events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+                sent[1] = shown
+            if not sent[2] and (index < len(blocks) - 1 or final):
+                if kind == "thinking":
+                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "signature_delta", "signature": _signature(opening)}}))
+                events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+                sent[2] = True
+        return events
+
     def text(self, piece: str) -> list:
-        events = [] if self.text_open else \
-            [("content_block_start", {"type": "content_block_start", "index": 0,
-                                      "content_block": {"type": "text", "text": ""}})]
-        self.text_open = True
-        return events + [("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                  "delta": {"type": "text_delta", "text": piece}})]
+        self.content += piece
+        return self._events(self._sendable(), final=False)
 
     def finish(self, turn: ChatTurn, rest: str) -> list:
-        blocks = _anthropic_blocks(turn.message)
-        events = self.text(rest) if rest or (blocks[0]["type"] == "text" and not self.text_open) else []
+        content = turn.message["content"] or ""
+        blocks = _anthropic_blocks(turn.message, omit_thinking=False)
+        opening = (split_thinking(content) or [None])[0]
+        events = self._events([(b["type"], b.get("thinking", b.get("text")), opening)
+                               for b in blocks if b["type"] != "tool_use"], final=True)
         for index, block in enumerate(blocks):
             if block["type"] == "tool_use":
                 json_delta = {"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}
                 events += [("content_block_start", {"type": "content_block_start", "index": index,
                                                     "content_block": {**block, "input": {}}}),
                            ("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": json_delta})]
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+                                                    "delta": json_delta}),
+                           ("content_block_stop", {"type": "content_block_stop", "index": index})]
         gen = turn.generation
         return events + [("message_delta", {"type": "message_delta", "usage": {"output_tokens": len(gen.token_ids)},
                                             "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
-                                                      "stop_sequence": gen.stop_string}}),
+                                                      "stop_sequence": turn.stop_sequence},
+                                            **_token_extras(turn, self.request)}),
                          ("message_stop", {"type": "message_stop"})]

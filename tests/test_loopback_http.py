@@ -314,7 +314,7 @@ def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server
     refused = {"n must be 1": dict(n=2), "'stop' must be a non-empty string": dict(stop=[""]),
                "needs 'logprobs'": dict(top_logprobs=2),
                "'top_logprobs' must be an integer in": dict(logprobs=True, top_logprobs=21),
-               "temperature must be a number in": dict(temperature=0),
+               "temperature must be a number in": dict(temperature=-1),
                "'temperature' must be a number": dict(temperature="hot"),
                "unsupported parameter": dict(extra_body={"best_of": 3}),
                "context": dict(messages=[{"role": "user", "content": "a long message " * 20}]),
@@ -433,7 +433,7 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
             assert output[-1], f"the server exited before serving: {''.join(output)}"
             serving = re.search(r"tracerl loopback serving tiny-qwen3 at (http://\S+)", output[-1])
         address = serving.group(1)
-        for bad, message in [({"temperature": 0}, "temperature"), ({"max_length": 10**9}, "max_length"),
+        for bad, message in [({"temperature": -1}, "temperature"), ({"max_length": 10**9}, "max_length"),
                              ({"seed": 1}, "unsupported parameter")]:
             status, refusal = raw_post(address + "/sessions", json.dumps(bad).encode(), {})
             assert status == 400 and message in refusal["error"]["message"]

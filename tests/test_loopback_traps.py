@@ -198,7 +198,9 @@ class AnthropicAgent:
         else:
             reply = self.client.messages.create(**request)
         self.messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
-        return Reply("".join(b.text for b in reply.content if b.type == "text"),
+        # a reply that opens with a thought comes as a thinking block, then the text: read as the model wrote them
+        return Reply("".join(f"<think>{b.thinking}</think>" if b.type == "thinking" else b.text
+                             for b in reply.content if b.type in ("thinking", "text")),
                      [(b.name, b.input) for b in reply.content if b.type == "tool_use"], reply.stop_reason, None, None)
 
 

@@ -1,0 +1,116 @@
+# wire_params.py — what every request field of the two wires does: honoured, a documented no-op, or refused.
+#
+# Owns: one table per wire, field -> (disposition, reason), covering every field of the stock SDKs' create params
+# (openai.types.chat.completion_create_params, anthropic.types.message_create_params; tests/test_wire_params.py
+# enumerates their TypedDicts, so a field a new SDK adds is decided here before it is served) and the vLLM-style
+# extras agents send in extra_body. docs/wire-params.md is these tables (the same test keeps it so). wires.py applies
+# them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
+# nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a
+# request held.
+# honoured: decoded into the sampling (the engine records it per token, so the trainer recomputes the distribution
+#   each token was drawn from: invariant 3) or into the turn options (the prompt the ledger records, the parse);
+#   values it cannot honour are refused with what it takes. no-op: accepted; it cannot change what is sampled or
+#   trained. refused: any value but null, with the reason and what to send instead.
+# Never: decodes a request (wires.py does).
+from rollout import MAX_TOP_LOGPROBS
+
+HONOURED, NO_OP, REFUSED = "honoured", "no-op", "refused"
+_CACHE = "prompt caching: a session keeps its prompt's tokens (the ledger) and the router keeps it on one engine"
+_THINK = ("the chat template's thinking switch (enable_thinking; tracerl's ChatML writes an empty think block when "
+          "it is false, Qwen3's template does the same)")
+_EXTRAS = {
+    "top_k": (HONOURED, "keep the k most likely tokens (-1 off, 1 greedy); recorded per token"),
+    "min_p": (HONOURED, "drop tokens below min_p times the most likely one's probability (0 off); recorded per token"),
+    "repetition_penalty": (HONOURED, "divide a seen id's positive logit (multiply its negative one) by r, over the "
+                                     "prompt and the reply so far (1 off); recorded per token"),
+    "chat_template_kwargs": (HONOURED, "switches passed to the chat template (e.g. enable_thinking); a name the "
+                                       "renderer uses itself (messages, add_generation_prompt, eos_token) is refused"),
+    "return_token_ids": (HONOURED, "the reply carries prompt_token_ids, token_ids, the sampling recorded for its "
+                                   "tokens (constraint included) and the no-op fields the request held"),
+}
+OPENAI_FIELDS: dict[str, tuple[str, str]] = {
+    "messages": (HONOURED, "system, developer, user, assistant and tool messages; text and image_url parts"),
+    "model": (NO_OP, "a session serves one policy, whatever it is called"),
+    "audio": (REFUSED, "this server writes text, not audio; leave 'audio' out"),
+    "frequency_penalty": (HONOURED, "logit -= f * (the id's count in the reply so far); 0 off; recorded per token"),
+    "function_call": (REFUSED, "the deprecated form of tool_choice: send tool_choice 'auto', 'none', 'required' or "
+                               "{'type': 'function', 'function': {'name': ...}}"),
+    "functions": (REFUSED, "the deprecated form of tools: send tools=[{'type': 'function', 'function': <each "
+                           "function>}]"),
+    "logit_bias": (HONOURED, "{token id: bias in [-100, 100]} added to the logits; recorded per token"),
+    "logprobs": (HONOURED, "each sampled token's behavior logprob, the one the trainer recomputes"),
+    "max_completion_tokens": (HONOURED, "the most tokens sampled (within the session's context)"),
+    "max_tokens": (HONOURED, "as max_completion_tokens"),
+    "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
+    "modalities": (HONOURED, "['text'] only; audio output is refused"),
+    "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),
+    "n": (HONOURED, "1 only: a session is one rollout with one ledger, so n samples of a prompt are n sessions of "
+                    "one group (the runner's group size); send n separate sessions"),
+    "parallel_tool_calls": (HONOURED, "false: sampling ends at the first '</tool_call>', so the reply holds at most "
+                                      "one call"),
+    "prediction": (NO_OP, "a predicted output only speeds decoding up; it never changes what is sampled"),
+    "presence_penalty": (HONOURED, "logit -= p if the id occurs in the reply so far; 0 off; recorded per token"),
+    "prompt_cache_key": (NO_OP, _CACHE),
+    "prompt_cache_options": (NO_OP, _CACHE),
+    "prompt_cache_retention": (NO_OP, _CACHE),
+    "reasoning_effort": (HONOURED, f"{_THINK}: 'none' sets it false, any other effort true; the template also gets "
+                                   f"reasoning_effort itself"),
+    "response_format": (HONOURED, "text (unconstrained), json_object, json_schema (strict or not): the reply's tokens "
+                                  "are masked by the grammar (xgrammar), recorded per token so the trainer applies "
+                                  "the same mask; a forced tool call takes the tools' grammar instead"),
+    "safety_identifier": (NO_OP, "an abuse-monitoring id"),
+    "seed": (HONOURED, "a random stream of the request's own"),
+    "service_tier": (NO_OP, "one engine pool serves every request alike"),
+    "stop": (HONOURED, "stop strings: the reply is cut before the one that ended it; the record keeps its tokens"),
+    "store": (NO_OP, "nothing is kept for a retrieval API; the session records every turn for training anyway"),
+    "stream": (HONOURED, "server-sent events, the text sent as its tokens are sampled"),
+    "stream_options": (HONOURED, "include_usage: a last chunk with the usage and no choices; include_obfuscation "
+                                 "is a no-op"),
+    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
+    "tool_choice": (HONOURED, "auto; none (the tools stay in the prompt, no call is parsed, a one-token '<tool_call>' "
+                              "is banned by a -inf logit bias); required and {'type': 'function', 'function': "
+                              "{'name'}}: the server writes '<tool_call>\\n' as context and the call is masked to "
+                              "the tools' schemas; allowed_tools and custom tools are refused"),
+    "tools": (HONOURED, "function tools, rendered by the chat template; 'strict' is kept in the schema (a forced call "
+                        "is masked to it, an automatic one is parsed as written); custom tools are refused"),
+    "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS}"),
+    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
+    "user": (NO_OP, "an end-user id for abuse monitoring"),
+    "verbosity": (NO_OP, "a hint to OpenAI's models with no counterpart in a chat template"),
+    "web_search_options": (REFUSED, "no web search runs here; give the agent a search tool of its own"),
+    **_EXTRAS,
+}
+ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
+    "max_tokens": (HONOURED, "the most tokens sampled (required, within the session's context)"),
+    "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
+                           "tool_use, tool_result, thinking and redacted_thinking blocks; a final assistant turn "
+                           "(prefill) is refused"),
+    "model": (NO_OP, "a session serves one policy, whatever it is called"),
+    "cache_control": (NO_OP, f"{_CACHE} (on a block as well)"),
+    "container": (REFUSED, "no code-execution container runs here; run code in the agent's own tools"),
+    "diagnostics": (NO_OP, "prompt-cache diagnostics; the session's trace shows what extended"),
+    "inference_geo": (NO_OP, "one engine pool serves every request"),
+    "metadata": (NO_OP, "a user id for abuse monitoring"),
+    "output_config": (HONOURED, "format {'type': 'json_schema', 'schema'}: the reply's tokens are masked by the "
+                                "schema's grammar (strict), recorded per token; effort is a no-op (the thinking "
+                                "switch is 'thinking')"),
+    "service_tier": (NO_OP, "one engine pool serves every request alike"),
+    "speed": (NO_OP, "decoding speed never changes what is sampled"),
+    "stop_sequences": (HONOURED, "stop strings: the reply is cut before the one that ended it"),
+    "stream": (HONOURED, "server-sent events, text and thinking sent as their tokens are sampled"),
+    "system": (HONOURED, "the system prompt (a string or text blocks)"),
+    "thinking": (HONOURED, f"{_THINK}: enabled / adaptive / between_tools set it true, disabled false; budget_tokens "
+                           f"is accepted and not enforced (thinking ends where the model ends it, within max_tokens); "
+                           f"display 'omitted' returns each thought empty, its signature still carrying it"),
+    "tool_choice": (HONOURED, "auto; none (as OpenAI's none); any and tool {name}: the server writes '<tool_call>\\n' "
+                              "as context and the call is masked to the tools' schemas; disable_parallel_tool_use "
+                              "ends sampling at the first '</tool_call>'"),
+    "tools": (HONOURED, "client tools {name, description, input_schema}; server tools (bash, code execution, web "
+                        "search, ...) are refused: they would run on Anthropic's servers"),
+    "user_profile_id": (NO_OP, "whom the request is on behalf of"),
+    "workspace_id": (NO_OP, "an account's workspace"),
+    # the Messages API's sampling fields: the 2.x SDK sends them through extra_body
+    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
+    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
+    **_EXTRAS,
+}
