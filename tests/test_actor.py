@@ -499,3 +499,85 @@ def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
     assert all(v.dtype == torch.float32 for state in fast.optimizer.state.values() for v in state.values()
                if torch.is_tensor(v) and v.is_floating_point())
     assert all(w.dtype == torch.float32 for w in fast.export_weights().values())
+
+
+# ---- the processing of bias, penalties and min_p: the same in the loss forward, differentiated correctly ----
+
+PROCESSED = invariants.Sampling(TEMPERATURE, min_p=0.02, logit_bias=((3, 2.0), (11, -math.inf), (40, -1.5)),
+                                repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.3, generation_start=4)
+
+
+def processed_row(vocab: int, n: int = 16, seed: int = 0) -> invariants.Segment:
+    """A 4-token prompt and n - 4 'sampled' tokens at PROCESSED, with repeats (so every penalty has work)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 24, (n,), generator=g).tolist()            # ids below 24 repeat within 16 tokens
+    ids = [t if t != 11 else 12 for t in ids]                          # the banned id is never sampled
+    trainable = [t >= 4 for t in range(n)]
+    return invariants.Segment("r0", "g0", 0, ids, trainable, [0.0] * n, [0 if tr else -1 for tr in trainable],
+                              [PROCESSED if tr else invariants.UNSAMPLED for tr in trainable])
+
+
+def test_the_loss_forward_applies_the_recomputes_processing_on_policy_ratio_one(qwen3_dir):
+    """On-policy (behavior = recompute) a step over bias, penalties and min_p sees ratio 1 and KL 0 exactly: the
+    loss forward processed the logits as the recompute did. Trap: the same step without the batch's runs."""
+    ratios = []
+    for keep_runs in (True, False):
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+        batch = invariants.build_batch([processed_row(policy.model.config.vocab_size)], [1.0], pad_id=0)
+        assert len(batch.runs[0]) == 1 and (batch.min_p[0, 4:] == 0.02).all()
+        old = on_policy(batch, policy)
+        if not keep_runs:
+            batch.runs = [[]]
+        metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"),
+                                    invariants.CorrectionConfig(), 0).metrics
+        ratios.append((metrics["actor/ratio_mean"], metrics["actor/approx_kl"]))
+    (ratio, kl), (stripped_ratio, stripped_kl) = ratios
+    assert abs(ratio - 1) < 1e-6 and abs(kl) < 1e-9
+    assert abs(stripped_ratio - 1) > 0.05 and stripped_kl > 1e-3
+
+
+def test_the_gradient_through_penalised_biased_logits_equals_a_hand_written_reference(qwen3_dir, monkeypatch):
+    """d(sum_t w_t log p_t)/d(weights) from the loss forward (chunks of 5 positions, so the run is split across
+    chunks and recomputed in backward) equals autograd through a reference written out element by element from
+    the formulas: bias, then the repetition factor by the biased logit's sign, then frequency and presence counts
+    of the generation so far, then the temperature and min_p (which never drops the sampled token)."""
+    monkeypatch.setattr(actor, "LOGPROB_CHUNK", 5)
+    model = models.load_model(qwen3_dir)
+    vocab = model.config.vocab_size
+    row = processed_row(vocab)
+    batch = invariants.build_batch([row], [1.0], pad_id=0)
+    weights = torch.linspace(-1.0, 2.0, len(row.token_ids)) * batch.loss_mask[0]    # the sampled tokens' only
+    got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature,
+                                  min_p=batch.min_p, runs=batch.runs)
+    (got[0] * weights).sum().backward()
+    ours = grads(model)
+    model.zero_grad()
+    (actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature)[0] * weights).sum() \
+        .backward()
+    unprocessed = grads(model)                          # the trap: the gradient of the plain distribution
+    model.zero_grad()
+
+    s, ids, start = PROCESSED, row.token_ids, PROCESSED.generation_start
+    logits = model(input_ids=batch.input_ids).logits[0]
+    bias = dict(s.logit_bias)
+    total, by_hand = 0.0, []
+    for t in range(start, len(ids)):
+        seen, output = set(ids[:t]), ids[start:t]
+        z = []
+        for v in range(vocab):
+            x = logits[t - 1, v] + bias.get(v, 0.0)
+            if v in seen:
+                x = x / s.repetition_penalty if x.item() > 0 else x * s.repetition_penalty
+            z.append(x - s.frequency_penalty * output.count(v) - s.presence_penalty * (v in output))
+        scaled = torch.stack(z) / s.temperature
+        p = torch.softmax(scaled, -1).detach()
+        kept = p >= s.min_p * p.max()
+        kept[ids[t]] = True
+        logprob = torch.log_softmax(scaled.masked_fill(~kept, -math.inf), -1)[ids[t]]
+        total = total + weights[t] * logprob
+        by_hand.append(logprob.item())
+    total.backward()
+    reference = grads(model)
+    assert max(abs(a - b) for a, b in zip(got[0, start:].tolist(), by_hand)) < 1e-5
+    assert max_abs_diff(ours, reference) <= 1e-5 * max(g.abs().max().item() for g in reference.values())
+    assert max_abs_diff(unprocessed, reference) > 1e-2 * max(g.abs().max().item() for g in reference.values())

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import constraints
 import invariants
 
 from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
@@ -381,3 +382,64 @@ def test_validate_correction_refuses_bad_configs(bad, message):
     validate_correction(CorrectionConfig())  # defaults are valid
     with pytest.raises(ValueError, match=message):
         validate_correction(CorrectionConfig(**bad))
+
+
+# ---- forward consistency: the processing a token was drawn with rides in the batch ----
+
+@pytest.mark.parametrize("sampling, message", [
+    (Sampling(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+    (Sampling(repetition_penalty=11.0, generation_start=3), r"repetition_penalty must be a number in \[0.01, 10\]"),
+    (Sampling(logit_bias=((3, math.inf),)), r"each bias in \[-100, 100\] or -inf"),
+    (Sampling(logit_bias=((3, 1.0), (3, 2.0))), "one per id"),
+    (Sampling(constraint=""), "constraint must be None or a grammar spec"),
+    (Sampling(frequency_penalty=0.5), "generation_start must be the row position"),    # penalties need a start
+    (Sampling(generation_start=-2), "generation_start must be"),
+])
+def test_a_sampling_the_trainer_cannot_recompute_is_refused(sampling, message):
+    ledger = TokenLedger("r0")
+    ledger.extend_or_seal([1, 2, 3])
+    with pytest.raises(ValueError, match=message):
+        ledger.append_sampled([4], [-0.1], [0], sampling)
+
+
+def test_plain_rows_carry_no_adjusted_runs():
+    batch = build_batch(batch_rows(), [1.0, 1.0], pad_id=0)
+    assert batch.runs == [[], []] and (batch.min_p == 0).all()
+
+
+def processed_ledger(first: Sampling, second: Sampling) -> TokenLedger:
+    """prompt [1,2,3] -> [4,5] at `first` -> tool delta [6] -> [8] at `second`."""
+    ledger = TokenLedger("r0", "g0")
+    ledger.extend_or_seal([1, 2, 3])
+    ledger.append_sampled([4, 5], [-0.5, -0.25], [0, 0], first)
+    ledger.extend_or_seal([1, 2, 3, 4, 5, 6])
+    ledger.append_sampled([8], [-1.0], [0], second)
+    return ledger
+
+
+def test_each_generation_drawn_from_adjusted_logits_is_one_run_of_its_row():
+    penalised = Sampling(0.7, frequency_penalty=1.0, generation_start=3)
+    biased = Sampling(0.7, min_p=0.1, logit_bias=((2, 1.0),))
+    rows = processed_ledger(penalised, biased).rows()
+    batch = build_batch(rows, [1.0], pad_id=0)
+    assert [(run.start, run.end, run.sampling) for run in batch.runs[0]] == [(3, 5, penalised), (6, 7, biased)]
+    assert batch.min_p[0].tolist() == pytest.approx([0, 0, 0, 0, 0, 0, 0.1])
+    check_token_identity(batch, rows)
+    batch.runs = [batch.runs[0][:1]]                      # negative control: a run lost on the way to the trainer
+    with pytest.raises(ValueError, match=r"adjusts the logits of spans \[\(3, 5\)\] but .* at \[\(3, 5\), \(6, 7\)\]"):
+        check_token_identity(batch, rows)
+
+
+def test_a_generation_that_does_not_start_at_its_generation_start_is_refused():
+    """The trainer counts a generation's output from generation_start: a record that places it elsewhere (a
+    prompt the ledger does not hold) would penalise the wrong ids, so the batch is refused."""
+    rows = processed_ledger(Sampling(0.7, presence_penalty=1.0, generation_start=2), SAMPLED).rows()
+    with pytest.raises(ValueError, match="generation_start 2 begin at row position 3"):
+        build_batch(rows, [1.0], pad_id=0)
+
+
+def test_a_constrained_row_needs_the_tokenizer_to_replay_its_grammar():
+    spec = constraints.bind(constraints.json_object_spec(), [2])
+    rows = processed_ledger(Sampling(0.7, constraint=spec, generation_start=3), SAMPLED).rows()
+    with pytest.raises(ValueError, match="pass tokenizer= and vocab_size="):
+        build_batch(rows, [1.0], pad_id=0)

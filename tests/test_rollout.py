@@ -2,6 +2,7 @@
 # token carries the version that sampled it across a weight swap (invariant 2), and the control plane
 # (update_weights, pause, resume) keeps requests.
 import copy
+import math
 import threading
 import time
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import constraints
 import invariants
 import models
-from actor import sequence_logprobs
+from actor import batch_logprobs, sequence_logprobs
 from invariants import processed_logprobs
 from rollout import EmbeddedEngine, SamplingParams
 
@@ -463,3 +465,75 @@ def test_a_weight_swap_reprefills_every_row_of_a_merged_batch_at_its_own_progres
         assert (behavior[n1:] - _recompute(new, [gen], 0.9)[0][n1:]).abs().max() <= 1e-5
         n1s.append(n1)
     assert n1s[0] == 10 and n1s[1] < 10          # the short one joined later: fewer tokens before the swap
+
+
+# ---- min_p, logit_bias, penalties and grammars in the engine (their parity with the trainer: test_sampling.py) ----
+
+@pytest.mark.parametrize("field, message", [
+    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\]"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty must be a number in \[0.01, 10\]"),
+    ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
+    ({"presence_penalty": float("nan")}, r"presence_penalty must be a number in \[-2, 2\]"),
+    ({"logit_bias": ((5, 101.0),)}, r"each bias in \[-100, 100\] or -inf"),
+    ({"logit_bias": ((7, 1.0), (5, 1.0))}, "sorted by id, one per id"),
+    ({"logit_bias": ((690, 1.0),)}, r"\(token id < 690, bias\)"),
+    ({"logit_bias": {5: 1.0}}, "must be a tuple"),
+    ({"constraint": constraints.json_object_spec()}, "tokenizer"),
+])
+def test_bad_logit_processing_is_refused_saying_what_is_accepted(tiny, field, message):
+    engine = EmbeddedEngine(tiny)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([[1, 2]], SamplingParams(max_tokens=2, **field))
+    assert engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids      # and it keeps serving
+
+
+def test_plain_requests_keep_plain_records_and_a_bad_grammar_fails_in_its_caller(tiny):
+    gen = EmbeddedEngine(tiny).generate([[1, 2]], SamplingParams(temperature=0.7, top_k=5, max_tokens=2))[0]
+    assert gen.sampling == invariants.Sampling(0.7, 1.0, 5) and gen.sampling.generation_start == -1
+    engine = EmbeddedEngine(tiny, tokenizer=models.bpe_tokenizer())
+    with pytest.raises(ValueError, match="not a constraint spec"):
+        engine.generate([[1, 2]], SamplingParams(constraint='{"type": "object"}'))
+
+
+def test_a_row_whose_grammar_and_bans_leave_no_token_fails_alone(tiny):
+    tok = models.bpe_tokenizer()
+    engine = EmbeddedEngine(tiny, tokenizer=tok)
+    spec = constraints.json_object_spec()
+    first = constraints.matcher(constraints.bind(spec, [tok.eos_token_id]), tok, 690).allowed().nonzero().flatten()
+    banned = SamplingParams(max_tokens=4, constraint=spec, logit_bias=tuple((int(t), -math.inf) for t in first))
+    plain = SamplingParams(max_tokens=6, seed=4, stop_token_ids=(9999,))
+    engine.pause()
+    results = _in_threads([lambda: engine.generate([[5, 6]], banned), lambda: engine.generate([[7, 8]], plain)[0],
+                           lambda: engine.resume()])
+    assert isinstance(results[0], ValueError) and "no token is left" in str(results[0])
+    assert results[1].token_ids == EmbeddedEngine(tiny).generate([[7, 8]], plain)[0].token_ids
+
+
+def test_a_weight_swap_keeps_a_rows_grammar_and_penalty_state(tiny):
+    """The grammar's place and the penalties' counts live in the row, not in the KV cache: after a swap and a
+    re-prefill, the tokens before it match the old policy and the rest the new one, both processed in full."""
+    tok = models.bpe_tokenizer()
+    new = copy.deepcopy(tiny)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = EmbeddedEngine(copy.deepcopy(tiny), version=7, tokenizer=tok)
+    original = engine._record
+
+    def record_then_swap(row, *drawn):
+        original(row, *drawn)
+        if len(row.token_ids) == 4:
+            engine.update_weights(new.state_dict(), version=8)
+    engine._record = record_then_swap
+    params = SamplingParams(temperature=0.9, max_tokens=16, seed=5, repetition_penalty=1.5, frequency_penalty=1.0,
+                            constraint=constraints.json_object_spec())
+    gen = engine.generate([[11, 12, 13, 14]], params)[0]
+    assert gen.policy_versions[:5] == [7, 7, 7, 7, 8]
+    ledger = invariants.TokenLedger("r", "g")
+    ledger.extend_or_seal(gen.prompt_ids)
+    ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0, tokenizer=tok, vocab_size=690)
+    with torch.no_grad():
+        old_lp, new_lp = (batch_logprobs(m, batch)[0, 4:4 + len(gen.token_ids)] for m in (tiny, new))
+    behavior = torch.tensor(gen.behavior_logprobs)
+    assert (behavior[:4] - old_lp[:4]).abs().max() <= 1e-5 and (behavior[4:] - new_lp[4:]).abs().max() <= 1e-5

@@ -3,6 +3,10 @@
 # sampling that drew it, and the trainer recomputes each token's logprob with exactly that sampling. The
 # trainer's own mismatch metric is then ~1e-6; recomputing at the run's temperature over the full vocabulary
 # (what a trainer that ignores the record does) is off by nats, which shows the trap is armed.
+import dataclasses
+import json
+import math
+
 import anthropic
 import openai
 import pytest
@@ -10,12 +14,14 @@ import torch
 
 import actor
 import agents
+import constraints
 import data
 import invariants
 import models
 import train
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
+from test_actor import rows_from
 
 RUN_TEMPERATURE = 1.0      # the run's own sampling; the agents below override it per request
 
@@ -139,3 +145,138 @@ def test_a_sampled_token_outside_the_trainers_nucleus_keeps_a_finite_logprob():
     kept = invariants.processed_logprobs(logits, 1.0, top_p=0.45, keep=torch.tensor([1]))
     assert torch.isfinite(kept[0, :2]).all() and torch.isinf(kept[0, 2:]).all()
     assert torch.allclose(kept.exp().sum(), torch.tensor(1.0))
+
+
+# ---- min_p, logit_bias, the three penalties and a grammar: each honoured by the engine, recomputed by the trainer
+# A near-uniform random model hides a wrong penalty (its logits are ~0.16 apart, so dividing them by 1.6 moves a
+# logprob by ~0.01), so these tests sample from a sharpened copy: the same tiny model with its final norm scaled.
+
+SHARPEN = 15.0
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"]}
+BIASED_IDS = tuple(range(10, 400, 3))     # every third id of the tiny vocabulary: half boosted, half banned
+FIELDS = {   # each field alone, at a strength a real client might send
+    "min_p": {"min_p": 0.25},
+    "logit_bias": {"logit_bias": tuple((t, 4.0 if t % 2 else -math.inf) for t in BIASED_IDS)},
+    "repetition_penalty": {"repetition_penalty": 1.6},
+    "frequency_penalty": {"frequency_penalty": 1.2},
+    "presence_penalty": {"presence_penalty": 1.5},
+    "constraint": {"constraint": constraints.json_schema_spec(WEATHER)},
+}
+# prompts that repeat ids, so the repetition penalty sees them before the reply starts
+FIELD_PROMPTS = [[5, 17, 33, 17, 5, 91], [7, 8, 7, 8], [100, 101, 102, 103, 104]]
+
+
+def sharp_model_dir(folder: str, head_dim: int = 16) -> str:
+    """The tiny Qwen3 (tied embeddings) with its final norm scaled by SHARPEN, saved with its tokenizer in `folder`:
+    logits ~2.4 apart instead of ~0.16, so a field's effect on a sampled token's logprob is far above fp32 noise."""
+    model = models.tiny_model("qwen3", head_dim=head_dim)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(SHARPEN)
+    model.save_pretrained(folder)
+    models.bpe_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def without(field: str, s: invariants.Sampling) -> invariants.Sampling:
+    """The trap: the recorded sampling with `field` back at its default (what a trainer that ignores it uses)."""
+    plain = dataclasses.replace(s, **{field: getattr(invariants.UNSAMPLED, field)})
+    stateful = invariants.uses_penalties(plain) or plain.constraint is not None
+    return plain if stateful else dataclasses.replace(plain, generation_start=-1)
+
+
+def field_batches(rows: list[invariants.Segment], field: str, tokenizer, vocab_size: int):
+    """The batch of the engine's rows, and the same batch with `field` stripped from every token's sampling."""
+    stripped = [dataclasses.replace(row, sampling=[without(field, s) for s in row.sampling]) for row in rows]
+    batches = [invariants.build_batch(r, [1.0] * len(r), pad_id=0, tokenizer=tokenizer, vocab_size=vocab_size)
+               for r in (rows, stripped)]
+    invariants.check_token_identity(batches[0], rows)
+    return batches
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory) -> str:
+    return sharp_model_dir(str(tmp_path_factory.mktemp("sharp")))
+
+
+@pytest.fixture(scope="module")
+def sharp_policy(sharp_dir):
+    return actor.Actor(sharp_dir, actor.ActorConfig(precision="fp32", micro_batch_size=4), total_steps=1)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_field_is_sampled_with_and_recomputed_at_and_stripping_it_is_seen(field, sharp_dir, sharp_policy):
+    tok = models.load_tokenizer(sharp_dir)
+    engine = EmbeddedEngine(models.load_model(sharp_dir), tokenizer=tok)
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=3, **FIELDS[field])
+    gens = engine.generate(FIELD_PROMPTS, params)
+    value = FIELDS[field][field]
+    value = constraints.bind(value, [tok.eos_token_id]) if field == "constraint" else value   # bound to its stop id
+    for prompt, gen in zip(FIELD_PROMPTS, gens):
+        assert getattr(gen.sampling, field) == value                       # recorded as sampled
+        stateful = field.endswith("penalty") or field == "constraint"
+        assert gen.sampling.generation_start == (len(prompt) if stateful else -1)
+    batch, stripped = field_batches(rows_from(gens), field, tok, sharp_policy.model.config.vocab_size)
+    recorded_gap = gap(sharp_policy.recompute_logprobs(batch), batch)
+    trap = gap(sharp_policy.recompute_logprobs(stripped), batch)
+    print(f"{field}: max |behavior - recompute| {recorded_gap:.2e}; with {field} stripped {trap:.3f}")
+    assert recorded_gap < 1e-5 and trap > 0.05
+
+
+def test_the_engine_ends_a_constrained_row_on_a_stop_id_once_its_grammar_is_complete(sharp_dir):
+    tok = models.load_tokenizer(sharp_dir)
+    engine = EmbeddedEngine(models.load_model(sharp_dir), tokenizer=tok)
+    gens = engine.generate(FIELD_PROMPTS, SamplingParams(max_tokens=60, seed=1, **FIELDS["constraint"]))
+    for gen in gens:
+        assert gen.finish_reason == "stop" and gen.token_ids[-1] == tok.eos_token_id
+        reply = json.loads(tok.decode(gen.token_ids[:-1]))
+        assert set(reply) == {"city", "unit"} and reply["unit"] in ("c", "f") and len(reply["city"]) <= 12
+    free = engine.generate(FIELD_PROMPTS, SamplingParams(max_tokens=60, seed=1))     # armed: unconstrained it is not
+    assert not any(tok.decode(g.token_ids).startswith('{"city": ') for g in free)
+
+
+def test_each_turn_is_penalised_from_its_own_generation_start(sharp_dir, sharp_policy):
+    """Two turns of one conversation with frequency and presence penalties: vLLM counts only a turn's own output
+    (its output ids; the earlier turns are its prompt), and so does the trainer, from each token's recorded
+    generation_start. Trap: counting the first turn's reply as the second turn's output too."""
+    tok = models.load_tokenizer(sharp_dir)
+    engine = EmbeddedEngine(models.load_model(sharp_dir), tokenizer=tok)
+    params = SamplingParams(temperature=0.9, max_tokens=10, seed=2, frequency_penalty=1.5, presence_penalty=0.5,
+                            stop_token_ids=(9999,))
+    ledger = invariants.TokenLedger("r0", "g")
+    prompt = FIELD_PROMPTS[0]
+    for turn in range(2):
+        gen = engine.generate([prompt], params)[0]
+        ledger.extend_or_seal(prompt)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+        assert gen.sampling.generation_start == len(prompt)
+        prompt = prompt + gen.token_ids + [7, 8, 9]          # the reply and a tool's output, as context
+    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0)
+    assert [(run.start, run.end) for run in batch.runs[0]] == [(6, 16), (19, 29)]
+    recorded_gap = gap(sharp_policy.recompute_logprobs(batch), batch)
+    batch.runs[0][1].sampling = dataclasses.replace(batch.runs[0][1].sampling, generation_start=6)
+    trap = gap(sharp_policy.recompute_logprobs(batch), batch)
+    print(f"two turns: gap {recorded_gap:.2e}; the second turn counted from the first's start {trap:.3f}")
+    assert recorded_gap < 1e-5 and trap > 0.05
+
+
+def test_penalties_and_bias_by_hand_on_five_logits():
+    """vLLM's order on logits z = [2, -1, 0.5, 0, 3]: the bias first (+1 on id 0, a ban on id 3), then repetition
+    r = 2 on ids seen in the prompt [1] or the output [2, 2, 4] (a positive logit divided, a negative one
+    multiplied), then frequency f = 0.5 per output occurrence, then presence p = 0.25 per output id."""
+    s = invariants.Sampling(logit_bias=((0, 1.0), (3, -math.inf)), repetition_penalty=2.0, frequency_penalty=0.5,
+                            presence_penalty=0.25, generation_start=1)
+    row = torch.tensor([1, 2, 2, 4, 0])                     # prompt [1]; the token at position 4 is being predicted
+    seen, counts = invariants.penalty_state(row, generation_start=1, first=4, count=1, vocab_size=5)
+    assert seen.tolist() == [[False, True, True, False, True]] and counts.tolist() == [[0, 0, 2, 0, 1]]
+    z = invariants.adjust_logits(torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0]]), s, seen=seen, counts=counts)
+    by_hand = [2 + 1,                    # biased, never seen
+               -1 * 2,                   # prompt id, negative: multiplied by r
+               0.5 / 2 - 0.5 * 2 - 0.25,  # output id twice: divided, then f twice and p once
+               -math.inf,                # banned
+               3 / 2 - 0.5 - 0.25]       # output id once
+    assert z[0].tolist() == by_hand
+    # then min_p after the temperature: p(v) < 0.1 * max p drops v; ids 1 and 2 are at exp(-5) and exp(-4) of the
+    # max, id 4 at exp(-2.25) = 0.105 stays
+    kept = torch.isfinite(invariants.processed_logprobs(z, 1.0, min_p=0.1))[0].tolist()
+    assert kept == [True, False, False, False, True]

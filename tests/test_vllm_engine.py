@@ -16,12 +16,16 @@ if os.environ.get("TRACERL_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm")
 
+import actor  # noqa: E402
+import constraints  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
 from actor import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
+from test_actor import rows_from  # noqa: E402
 from test_rollout import PARAMS, PROMPTS, _recompute  # noqa: E402
+from test_sampling import FIELD_PROMPTS, FIELDS, WEATHER, field_batches, gap, sharp_model_dir  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -341,3 +345,62 @@ def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
           f"another picture in row 0: {trap[0]:.3g}")
     assert max(gaps) <= 2e-3
     assert trap[0] > 10 * max(gaps[0], 1e-4)
+
+
+# ---- min_p, logit_bias, penalties and grammars: what vLLM samples with is what the trainer recomputes ---------------
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """test_sampling's sharpened tiny model at vLLM's head_dim (loaded into the module's engine by each test) and an
+    actor on it."""
+    folder = sharp_model_dir(str(tmp_path_factory.mktemp("sharp")), head_dim=32)
+    return models.load_model(folder), actor.Actor(folder, actor.ActorConfig(precision="fp32"), total_steps=1)
+
+
+def test_adjust_logits_is_vllms_own_penalty_arithmetic():
+    """invariants.adjust_logits against vLLM's apply_penalties (repetition over prompt and output, frequency and
+    presence over the output) on random logits of both signs: the same fp32 numbers."""
+    from vllm.model_executor.layers.utils import apply_penalties
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=generator) * 3
+    row = torch.randint(0, 50, (3, 30), generator=generator)           # prompt: the first 12 ids; output: the rest
+    penalties = [(1.3, 0.4, -0.7), (0.8, -1.1, 0.9), (2.0, 2.0, 2.0)]
+    ours = torch.cat([invariants.adjust_logits(
+        logits[b:b + 1], invariants.Sampling(repetition_penalty=r, frequency_penalty=f, presence_penalty=p,
+                                             generation_start=12),
+        None, *invariants.penalty_state(row[b], 12, 30, 1, 50)) for b, (r, f, p) in enumerate(penalties)])
+    repetition, frequency, presence = (torch.tensor(x) for x in zip(*penalties))
+    theirs = apply_penalties(logits.clone(), row[:, :12], row[:, 12:], presence, frequency, repetition)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_field_on_vllm_is_recomputed_by_the_trainer_and_stripping_it_is_seen(field, fresh, sharp, path):
+    model, policy = sharp
+    fresh.update_weights(model.state_dict(), VERSION)
+    tok = models.load_tokenizer(path)
+    gens = fresh.generate(FIELD_PROMPTS, SamplingParams(temperature=0.9, max_tokens=20, seed=3, **FIELDS[field]))
+    batch, stripped = field_batches(rows_from(gens), field, tok, fresh.vocab_size)
+    recorded_gap = gap(policy.recompute_logprobs(batch), batch)
+    trap = gap(policy.recompute_logprobs(stripped), batch)
+    print(f"vLLM {field}: max |behavior - recompute| {recorded_gap:.2e}; with {field} stripped {trap:.3f}")
+    assert recorded_gap <= 1e-5 and trap > 0.05
+
+
+def test_a_constrained_greedy_reply_is_the_embedded_engines_token_for_token(fresh, sharp, path):
+    """vLLM's llguidance backend runs constraints.py's grammar: greedy under a tool-call grammar (with a penalty
+    and a bias beside it), vLLM writes the embedded engine's ids and ends on the same stop id."""
+    model, _ = sharp
+    fresh.update_weights(model.state_dict(), VERSION)
+    tok = models.load_tokenizer(path)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    params = SamplingParams(top_k=1, max_tokens=60, constraint=constraints.tool_call_spec(tools),
+                            repetition_penalty=1.3, logit_bias=((5, 2.0),))
+    ours = fresh.generate(FIELD_PROMPTS, params)
+    reference = EmbeddedEngine(copy.deepcopy(model), tokenizer=tok).generate(FIELD_PROMPTS, params)
+    assert [g.token_ids for g in ours] == [g.token_ids for g in reference]
+    assert [g.sampling for g in ours] == [g.sampling for g in reference]
+    for gen in ours:
+        assert gen.finish_reason == "stop" and gen.token_ids[-1] == tok.eos_token_id
+        call = json.loads(tok.decode(gen.token_ids[:-1]).removesuffix(constraints.TOOL_CALL_SUFFIX))
+        assert call["name"] == "get_weather" and set(call["arguments"]) == {"city", "unit"}
