@@ -148,8 +148,8 @@ def test_the_wires_decode_logit_bias_documents_and_system_turns_to_the_canonical
     assert biased.logit_bias == ((3, 5.0), (12, -100.0))
     document = {"type": "document", "title": "a.txt", "context": "from the repo",
                 "source": {"type": "content", "content": [{"type": "text", "text": "hello"}]}}
-    body = {"max_tokens": 4, "messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                                          {"role": "user", "content": [document, {"type": "text", "text": "Read it."}]}]}
+    read = {"role": "user", "content": [document, {"type": "text", "text": "Read it."}]}
+    body = {"max_tokens": 4, "messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, read]}
     assert decode_anthropic(body, BASE).messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a.txt\n\nfrom the repo\n\nhello\n\nRead it."}]
@@ -207,7 +207,8 @@ def streamed_blocks(stream_class, tok, text: str, omit: bool) -> tuple[list[dict
         elif name == "content_block_delta":
             assert index in open_blocks                     # never into a block not started or already stopped
             delta, block = event["delta"], blocks[index]
-            key = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature"}.get(delta["type"])
+            key = {"text_delta": "text", "thinking_delta": "thinking",
+                   "signature_delta": "signature"}.get(delta["type"])
             if key:
                 block[key] += delta[key]
             else:
