@@ -11,7 +11,7 @@
 #   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's mask,
 #     logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution invariants.adjust_logits
 #     and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by field; a grammar runs
-#     on vLLM's llguidance backend as the very grammar constraints.py replays); the version of
+#     on vLLM's llguidance backend as the very grammar text constraints.py replays); the version of
 #     every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
 #     request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a request kept across
 #     an update is re-prefilled by the new weights
@@ -459,7 +459,9 @@ def _vllm_params(request: _Request):
     invariants.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids are the row before and
     after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
     e^-100 against the rest, is below what an fp32 logprob resolves, and the trainer's -inf agrees (tested). A
-    grammar goes in as _guidance_grammar, with its stop ids as the request's (so it ends where the grammar does)."""
+    grammar goes in as constraints.lark_grammar, the text the embedded engine and the replay build their matchers
+    from, with its stop ids as the request's (so it ends where the grammar does)."""
+    import constraints
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     p, grammar = request.params, request.sampling.constraint
@@ -468,25 +470,13 @@ def _vllm_params(request: _Request):
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, max_tokens=p.max_tokens,
         stop_token_ids=stop_ids or None, ignore_eos=bool(stop_ids), stop=list(p.stop) or None,
         structured_outputs=None if grammar is None else
-        StructuredOutputsParams(grammar=_guidance_grammar(grammar, request.tokenizer)),
+        StructuredOutputsParams(grammar=constraints.lark_grammar(grammar, request.tokenizer)),
         include_stop_str_in_output=True, seed=p.seed, logprobs=p.top_logprobs,
         min_p=p.min_p, logit_bias={t: max(b, -100.0) for t, b in p.logit_bias} or None,
         repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
         detokenize=bool(p.stop))
-
-
-def _guidance_grammar(spec: str, tokenizer) -> str:
-    """A bound constraints.py spec as the one Lark grammar vLLM's guidance backend takes: constraints.py's grammar
-    (its JSON body with its layout, its suffix, its stop ids) with the body inlined as %json rather than named as a
-    sub-grammar; both are llguidance, and tests/test_vllm_engine.py shows they give the same masks."""
-    import constraints
-    fields = json.loads(spec)
-    body = dict(json.loads(fields["schema"]), **{"x-guidance": constraints.JSON_LAYOUT})
-    stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
-    suffix = constraints._suffix_lark(fields["suffix"], tokenizer)
-    return f"start: body {suffix} ({stop})\nbody: %json {json.dumps(body)}"
 
 
 def _checkpoint_keys(model_path: str) -> set[str]:
