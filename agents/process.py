@@ -360,8 +360,10 @@ class ProcessAgent(ChatAgent):
                 raise ProcessFailure("process_spawn", "the recipe asks for the jail, which needs Linux namespaces "
                                                       "(root) on this machine; run it where they work, or set "
                                                       "jail = False to run the program unjailed knowingly")
+            binds = [os.path.realpath(p) for p in self.jail_binds]     # the system directories are there already
+            binds = [p for p in binds if not any(p == d or p.startswith(d + "/") for d in sandbox._SYSTEM_DIRS)]
             jail = {"root": os.path.join(top, "root"), "uid": 100_000 + secrets.randbelow(900_000), "disk_mb": 64,
-                    "binds": [os.path.realpath(p) for p in self.jail_binds], "writable": [ws.work, ws.home]}
+                    "binds": binds, "writable": [ws.work, ws.home]}
             os.mkdir(jail["root"])
             for path in (ws.work, ws.home):       # the program's own uid writes there
                 for folder, _, files in os.walk(path):

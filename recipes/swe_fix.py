@@ -1,0 +1,193 @@
+# recipes/swe_fix.py — repository fixing by mini-swe-agent, an agent that is its own process.
+#
+# Each task is a tiny repository with one planted bug: a module `<name>.py` holding one function of the code_exec
+# recipe's problems, written wrong, and `test_<name>.py`, which checks two of its examples. Each rollout gets its own
+# copy and runs mini-swe-agent there (PyPI, unchanged: its `mini` command line, litellm inside, talking to the
+# rollout's session through OPENAI_BASE_URL), in the python sandbox's jail, so the bash commands the model writes
+# run jailed too. When the agent has exited, the hidden tests (all three examples) run on what it left of the module,
+# in the sandbox; the reward is the fraction they pass, the score whether all do. mini's step limit is the turn
+# budget (--rollout.max_turns).
+# The whole recipe: the bugs, the tasks, mini's configuration, the defaults and the agent (agents/process.py).
+# Defaults: on a CPU, a tiny Qwen3 taught mini-swe-agent's tool-call format (read the module, run the tests, submit):
+# the episodes are multi-turn and every stage of the pipeline runs, but it fixes nothing (the reward is what the bug
+# leaves passing); Qwen2.5-Coder-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA and the hub.
+import ast
+import importlib.util
+import json
+import os
+import random
+import sys
+
+import yaml
+from jinja2 import Template
+
+import data
+import models
+from agents import ChatAgentRunner, Result
+from agents.process import ProcessAgent
+from recipes.code_exec import PROBLEMS, run_hidden_tests
+
+# function name -> its body with the bug (the code_exec problems give the signature, the spec and the tests)
+BUGS = {
+    "add": "return a - b",
+    "square": "return n + n",
+    "is_even": "return n % 2 == 1",
+    "reverse": "return s[1:][::-1]",
+    "maximum": "return min(xs)",
+    "count_vowels": "return sum(c in 'eiou' for c in s)",
+    "factorial": "out = 1\n    for i in range(1, n):\n        out *= i\n    return out",
+    "fib": "a, b = 0, 1\n    for _ in range(n + 1):\n        a, b = b, a + b\n    return a",
+    "is_palindrome": "return s[:1] == s[-1:]",
+    "total": "return sum(xs[1:])",
+    "first_word": "return s.split()[-1]",
+    "clamp": "return max(lo, min(x, lo))",
+}
+MINI = os.path.join(os.path.dirname(sys.executable), "mini")   # mini-swe-agent's command line, in this environment
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"          # how mini-swe-agent's agent says it is done
+SYSTEM = "You are a helpful assistant that can interact with a computer."
+INSTANCE = ("Please solve this issue: {{task}}\n\nThe repository is in the current directory. Reply with one bash "
+            f"tool call at a time. When the tests pass, submit with `{SUBMIT}` alone.\n")
+CPU_MODEL = "tiny-qwen3-swe"
+
+ON_GPU = models.gpu_defaults()
+DEFAULTS = {
+    "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if ON_GPU else CPU_MODEL,
+    "run.steps": 50 if ON_GPU else 4,
+    "rollout.prompts_per_step": 8 if ON_GPU else 2,
+    "rollout.samples_per_prompt": 4 if ON_GPU else 2,
+    "rollout.temperature": 1.0,
+    "rollout.max_turns": 8 if ON_GPU else 4,   # mini-swe-agent's step limit
+    "rollout.max_tokens": 512 if ON_GPU else 64,
+    "rollout.max_length": 8192 if ON_GPU else 2048,
+    "actor.lr": 1e-6 if ON_GPU else 1e-4,
+    "algo.estimator": "grpo",
+}
+
+
+# ---- the tasks: one repository each -------------------------------------------------------------------------------
+
+def task(name: str, spec: str, tests: list) -> data.Task:
+    """The task of one bug: the issue as the prompt; the label carries the repository and the hidden tests. The
+    repository is the buggy module and a test script that checks the first two examples."""
+    checks = "".join(f"    assert {name}({', '.join(map(repr, a))}) == {e!r}\n" for a, e in tests[:2])
+    files = {f"{name}.py": f"def {spec[:spec.index(')') + 1]}:\n    {BUGS[name]}\n",   # spec: "add(a, b) returns .."
+             f"test_{name}.py": (f"from {name} import {name}\n\n\ndef test_{name}():\n{checks}\n\nif __name__ == "
+                                 f"\"__main__\":\n    test_{name}()\n    print(\"all tests passed\")\n")}
+    (args, expected), = tests[:1]
+    issue = (f"{name}.py has a bug: {spec}, so {name}({', '.join(map(repr, args))}) should be {expected!r}, and "
+             f"test_{name}.py fails. Fix {name}.py.")
+    return data.Task(f"swe-{name}", [{"role": "user", "content": issue}],
+                     json.dumps({"name": name, "tests": tests, "files": files}))
+
+
+def tasks(split: str, seed: int) -> list[data.Task]:
+    """One task per bug, shuffled; held-out splits take the last third (functions never trained on)."""
+    problems = list(PROBLEMS)
+    random.Random(seed).shuffle(problems)
+    cut = len(problems) * 2 // 3
+    return [task(*problem) for problem in (problems[:cut] if split == "train" else problems[cut:])]
+
+
+# ---- mini-swe-agent, as a process per rollout ---------------------------------------------------------------------
+
+def mini_config() -> str:
+    """The configuration layered over mini-swe-agent's own mini.yaml: shorter prompts (a small model's context)."""
+    return yaml.safe_dump({"agent": {"system_template": SYSTEM, "instance_template": INSTANCE}})
+
+
+class MiniSweAgent(ProcessAgent):
+    timeout_s = 150.0                    # below the runner's budget (60 s x max_turns 4)
+    jail = True
+    jail_binds = (sys.prefix,)           # the virtual environment mini-swe-agent is installed in
+
+    def prepare(self, ctx, ws) -> None:
+        for path, text in json.loads(ctx.label)["files"].items():
+            with open(os.path.join(ws.work, path), "w") as f:
+                f.write(text)
+        with open(os.path.join(ws.home, "swe_fix.yaml"), "w") as f:
+            f.write(mini_config())
+
+    def command(self, ctx, ws) -> list[str]:
+        return [MINI, "--yolo", "--exit-immediately", "--model", f"openai/{ctx.model_name}", "--task", ctx.prompt,
+                "-c", "mini.yaml", "-c", os.path.join(ws.home, "swe_fix.yaml"),     # ours over its own
+                "-c", f"agent.step_limit={ctx.max_turns}", "--output", os.path.join(ws.home, "trajectory.json")]
+
+    def environment(self, ctx, ws) -> dict[str, str]:
+        return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",   # `python` is this one
+                "MSWEA_CONFIGURED": "true",            # no first-run set-up dialogue
+                "MSWEA_SILENT_STARTUP": "1",
+                "MSWEA_COST_TRACKING": "ignore_errors",   # litellm has no price for the policy: cost 0, no error
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True"}   # litellm's bundled cost map, not a download at start
+
+    def grade(self, ctx, ws, run) -> Result:
+        label = json.loads(ctx.label)
+        name, tests = label["name"], [(tuple(a), e) for a, e in label["tests"]]
+        try:
+            with open(os.path.join(ws.work, f"{name}.py")) as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError):   # deleted, or made binary: nothing passes
+            source = ""
+        passed, _ = run_hidden_tests(source, name, tests)
+        with open(os.path.join(ws.home, "trajectory.json")) as f:
+            info = json.load(f)["info"]
+        fraction = passed / len(tests)
+        return Result(reward=fraction, score=float(passed == len(tests)),
+                      info={"tests_passed": fraction, "submitted": float(info["exit_status"] == "Submitted"),
+                            "agent_steps": float(info["model_stats"]["api_calls"])})
+
+
+class AgentRunner(ChatAgentRunner):
+    agent_cls = MiniSweAgent
+
+
+# ---- the CPU model: a tiny Qwen3 taught mini-swe-agent's format ---------------------------------------------------
+
+def _mini_file(*parts: str) -> str:
+    """A file of the installed mini-swe-agent package, found without importing it (its import prints a banner and
+    creates its configuration folder)."""
+    return os.path.join(importlib.util.find_spec("minisweagent").submodule_search_locations[0], *parts)
+
+
+def mini_bash_tool() -> dict:
+    """The bash tool mini-swe-agent sends with every request (BASH_TOOL in its source)."""
+    with open(_mini_file("models", "utils", "actions_toolcall.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["BASH_TOOL"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError("mini-swe-agent's BASH_TOOL is not where 2.4.6 keeps it; pin requirements-agents.txt's version")
+
+
+def episode(one: data.Task) -> list[dict]:
+    """The conversation mini-swe-agent would have with a model that reads the module, runs the tests and submits."""
+    label = json.loads(one.label)
+    name, files = label["name"], label["files"]
+    with open(_mini_file("config", "mini.yaml")) as f:
+        observation = Template(yaml.safe_load(f)["model"]["observation_template"])
+    test_output = (f"Traceback (most recent call last):\n  File \"test_{name}.py\", line 9, in <module>\n"
+                   f"    test_{name}()\nAssertionError\n")
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": Template(INSTANCE).render(task=one.messages[-1]["content"])}]
+    for i, (thought, command, output, code) in enumerate([
+            ("Let me read the code.", f"cat {name}.py", files[f"{name}.py"], 0),
+            ("Let me run the tests.", f"python test_{name}.py", test_output, 1),
+            ("I am done.", SUBMIT, None, 0)]):
+        messages.append({"role": "assistant", "content": thought, "tool_calls": [
+            {"id": f"call_{i}", "type": "function",
+             "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]})
+        if output is not None:
+            messages.append({"role": "tool", "tool_call_id": f"call_{i}",
+                             "content": observation.render(output={"returncode": code, "output": output,
+                                                                   "exception_info": ""})})
+    return messages
+
+
+def taught_model() -> str:
+    """Taught on every bug's episode (train and held-out alike: it learns the format, not the fixes)."""
+    tokenizer = models.bpe_tokenizer()
+    examples = [(data.render_prompt_text(tokenizer, episode(task(*problem)), tools=[mini_bash_tool()],
+                                         add_generation_prompt=False), []) for problem in PROBLEMS]
+    return models.taught_tiny_model_dir("qwen3", examples, steps=200)
+
+
+models.MODEL_NAMES[CPU_MODEL] = taught_model
