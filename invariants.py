@@ -784,12 +784,11 @@ def adjust_logits(logits: Tensor, sampling: Sampling, allowed: Tensor | None = N
         bias = torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32, device=z.device)
         z = z.index_add(-1, ids, bias.expand(len(z), -1))
     if uses_penalties(sampling):
-        r = torch.tensor(sampling.repetition_penalty, dtype=torch.float32, device=z.device)
+        r, f, p = (torch.tensor(x, dtype=torch.float32, device=z.device) for x in
+                   (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty))
         with torch.no_grad():   # vLLM's apply_repetition_penalties: logits *= 1/r where > 0, else r, on seen ids
             scale = torch.where(seen, torch.where(z > 0, 1.0 / r, r), torch.ones_like(z))
-        z = z * scale
-        z = z - torch.tensor(sampling.frequency_penalty, dtype=torch.float32, device=z.device) * counts
-        z = z - torch.tensor(sampling.presence_penalty, dtype=torch.float32, device=z.device) * (counts > 0)
+        z = z * scale - f * counts - p * (counts > 0)      # then vLLM's frequency, then its presence
     return z
 
 
@@ -817,8 +816,7 @@ class AdjustedRun:
 
     def logits(self, logits: Tensor, row_ids: Tensor, first: int, vocab_size: int) -> Tensor:
         """adjust_logits [L, V] of the run's tokens at first .. first+L-1 from their logits and the row's ids."""
-        count, s = len(logits), self.sampling
-        seen = counts = allowed = None
+        count, s, seen, counts, allowed = len(logits), self.sampling, None, None, None
         if uses_penalties(s):
             seen, counts = penalty_state(row_ids, s.generation_start, first, count, vocab_size)
         if self.masks is not None:
@@ -832,8 +830,7 @@ def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
     """(start, end, sampling) of each maximal span of trainable tokens at one Sampling that adjusts logits."""
     if not any(adjusts_logits(x) for x in {id(x): x for x in row.sampling}.values()):
         return []           # a plain row: one pass over its few distinct Sampling objects
-    spans = []
-    t, n = 0, len(row.token_ids)
+    spans, t, n = [], 0, len(row.token_ids)
     while t < n:
         s, end = row.sampling[t], t + 1
         while end < n and row.trainable[end] and (row.sampling[end] is s or row.sampling[end] == s):
@@ -859,7 +856,7 @@ def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -
             if tokenizer is None or vocab_size is None:
                 raise ValueError("build_batch: a row was sampled under a grammar constraint; pass tokenizer= and "
                                  "vocab_size= (the model's logits width) so the trainer can replay its masks")
-            import constraints   # xgrammar is loaded only where a run was constrained
+            import constraints   # the grammar engine is loaded only where a run was constrained
             allowed = constraints.replay_masks(s.constraint, tokenizer, row.token_ids[start:end], vocab_size)
             bits = F.pad(allowed, (0, -vocab_size % 8)).view(len(allowed), -1, 8).to(torch.uint8)
             packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
