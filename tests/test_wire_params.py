@@ -530,6 +530,7 @@ REFUSALS = [   # (wire, request fields, what the 400 must say)
     ("openai", {"logit_bias": {"x": 1}}, "'logit_bias' must map token ids"),
     ("openai", {"logit_bias": {"5": 101}}, "'logit_bias' values must be numbers in [-100, 100]"),
     ("openai", {"frequency_penalty": 3}, "frequency_penalty must be a number in [-2, 2]"),
+    ("openai", {"logit_bias": {"99999": 1}}, "logit_bias must be a tuple of (token id < "),   # past the vocabulary
     ("openai", {"extra_body": {"best_of": 2}}, "unsupported parameter(s) ['best_of']"),
     ("anthropic", {"container": "c"}, "'container' is refused"),
     ("anthropic", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "declare a client tool"),
