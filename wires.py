@@ -664,12 +664,14 @@ def _openai_tool_calls(message: dict) -> list[dict]:
 
 
 def _openai_logprobs(tokenizer, gen: Generation) -> dict:
-    """Each sampled token's behavior logprob (the distribution it was drawn from), with the top alternatives."""
+    """Each sampled token's behavior logprob (the distribution it was drawn from), with the top alternatives that
+    distribution could draw: one a ban, a grammar, top-k or greedy decoding removed has logprob -inf, which JSON
+    cannot carry and no client should read as a choice, so it is left out (fewer than top_logprobs remain)."""
     def entry(token_id: int, logprob: float) -> dict:
         token = tokenizer.decode([token_id], skip_special_tokens=False)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
     tops = gen.top_logprobs or [[] for _ in gen.token_ids]
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top if math.isfinite(v)]}
                         for t, lp, top in zip(gen.token_ids, gen.behavior_logprobs, tops)]}
 
 

@@ -225,6 +225,22 @@ def test_seed_stop_and_max_tokens_are_honoured_and_logprobs_are_the_behavior_log
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_top_logprobs_of_a_greedy_reply_are_strict_json_and_only_tokens_the_distribution_could_draw(server):
+    import httpx
+    info = server.create_session(sampling=SamplingParams(max_tokens=6))
+    reply = httpx.post(f"{info.base_url}/chat/completions", headers={"Authorization": f"Bearer {info.api_key}"},
+                       json={"model": "policy", "messages": COUNT, "temperature": 0, "logprobs": True,
+                             "top_logprobs": 5}, timeout=60)
+
+    def no_infinities(constant):       # Python's json reads -Infinity; JSON (and most clients) do not
+        raise AssertionError(f"the reply holds {constant}, which is not JSON")
+    content = json.loads(reply.text, parse_constant=no_infinities)["choices"][0]["logprobs"]["content"]
+    assert content and all(c["logprob"] == 0.0 for c in content)      # greedy: a point mass
+    assert all([top["logprob"] for top in c["top_logprobs"]] == [0.0] for c in content)
+    recorded = server._sessions[info.session_id][0].generations[0].top_logprobs
+    assert all(len(top) == 5 and any(not math.isfinite(v) for _, v in top) for top in recorded)   # the trap is armed
+
+
 def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage_and_no_choices(server):
     info = server.create_session(sampling=SamplingParams(**BASE, seed=1))
     chunks = list(openai_client(info).chat.completions.create(model="policy", messages=COUNT, stream=True,
