@@ -4,8 +4,9 @@
 # 5-tuple returns, as an Env), `Result` (what a step returns), `Rollout` (what an episode
 # hands the trainer), `EnvRunner` (drives Env episodes through the engine and the token ledger), the
 # ChatAgent form (`ChatAgent`, `ChatContext`, `ChatAgentRunner`: the agent talks to a stock OpenAI or
-# Anthropic SDK at a per-rollout loopback session) and `load_agent_runner` (a recipe names one module
-# that exports `AgentRunner`; reward is ordinary code).
+# Anthropic SDK at a per-rollout loopback session), `load_agent_runner` (a recipe names one module that
+# exports `AgentRunner`; reward is ordinary code) and `info_numbers` (the real numbers of an env's info: the ones
+# logged). Adapters for other libraries' environments (verifiers, reasoning-gym, skyrl-gym) are agents/envs.py.
 #
 # Keeps invariant 1: the runner never re-tokenizes an action. Sampled ids go from the engine straight
 # into the rollout's `TokenLedger`; the action text handed to `step()` is a decoding for the env's eyes
@@ -14,12 +15,33 @@
 # and the same objects go to the engine and into the ledger (hence to the trainer).
 # Never: computes advantages or touches weights. A failing or hanging env loses only its own rollout:
 # the failure is counted and logged, and the group goes on.
+#
+# One package, two folders: the OpenAI Agents SDK (PyPI `openai-agents`) also installs a top-level package named
+# `agents`, and only one package of a name can be imported in a process. So this package is also the SDK's: when
+# the SDK is installed, its folder joins this package's `__path__` (after ours) and its `__init__` runs once, as
+# the submodule `agents._openai_agents`, whose public names (its `__all__`: Agent, Runner, function_tool, ...) are
+# bound here. A recipe's `from agents import Agent, Runner` and `from agents import ChatAgent, Result` both work,
+# and so do the SDK's own submodules (`agents.models.openai_chatcompletions`, `agents.function_schema`, which
+# verifiers' ToolEnv imports), each imported once under its own name. The one submodule both packages have is
+# `sandbox` (ours: the python tool's jail; the SDK's: its sandbox agents): `agents.sandbox` stays ours and is also
+# the SDK's sandbox package (its folder is the module's `__path__`, its public names bound in it). Any other name
+# both define is an ImportError at import, never a silent shadowing (`_refuse_clashes`, `_take_names`). The SDK's
+# sandbox agents lose one thing: their default instructions file, read from the package folder, is not found
+# (they run without it). Why this way: `__path__` is Python's own means for a package spanning folders, so there
+# is no import hook to read; renaming ours breaks the design card's layout; running recipes in a process where the
+# SDK's package comes first loses tracerl's names there. The cost: importing `agents` imports the SDK too (about
+# 1 s on a 2-core CPU).
 from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.metadata
 import importlib.util
 import logging
+import math
+import numbers
+import os
+import pkgutil
 import sys
 import uuid
 import threading
@@ -49,7 +71,7 @@ class Result:
                                                # so that a "<|im_start|>" in it stays characters
     terminated: bool = True                    # the episode reached an end state
     truncated: bool = False                    # the episode was cut short (turn or length budget)
-    info: dict[str, float] = field(default_factory=dict)   # numeric extras, logged per step
+    info: dict[str, float] = field(default_factory=dict)   # numeric extras, logged per step (info_numbers)
     score: float | None = None                 # the metric to report (accuracy); defaults to reward
     images: list | None = None                 # images shown with the observation, in placeholder order
                                                # (PIL images or data: URLs; a VLM only)
@@ -75,6 +97,24 @@ class Env:
         raise NotImplementedError("an Env must implement step(action_text) -> Result")
 
 
+def info_numbers(info) -> dict[str, float]:
+    """The entries of an env's info that are finite real numbers, as floats: Python and numpy ints, floats and bools
+    (a flag's mean over rollouts is a rate), and 0-d arrays or tensors of them; anything else (text, lists, NaN,
+    infinities, complex numbers) is not a metric and is left out. None is an empty info; an info that is not a
+    mapping is a TypeError (the env's bug, which fails its rollout)."""
+    if info is None:
+        return {}
+    if not hasattr(info, "items"):
+        raise TypeError(f"an env's info must be a dict of name -> number, got {type(info).__name__}")
+    out = {}
+    for key, value in info.items():
+        if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+            value = value.item()         # numpy scalars (np.bool_ included), np.array(3.0), torch.tensor(3.0)
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            out[str(key)] = float(value)
+    return out
+
+
 class GymEnv(Env):
     """A gymnasium-style env, driven as an Env: reset(seed=None, options={"task": task}) -> (observation, info);
     step(action_text) -> (observation, reward, terminated, truncated, info). Observations are text (the first may
@@ -95,11 +135,18 @@ class GymEnv(Env):
 
     def step(self, action_text: str) -> Result:
         observation, reward, terminated, truncated, info = self.env.step(action_text)
-        numbers = {k: float(v) for k, v in (info or {}).items() if isinstance(v, (int, float))}
-        score = numbers.pop("score", None)
-        glue = "" if terminated or truncated else \
-            f"\n<|im_start|>user\n{data.plain(str(observation))}<|im_end|>\n<|im_start|>assistant\n"   # text stays text
-        return Result(float(reward), glue, bool(terminated), bool(truncated), numbers, score)
+        info = info_numbers(info)
+        score = info.pop("score", None)
+        glue = "" if terminated or truncated else user_turns([str(observation)])
+        return Result(float(reward), glue, bool(terminated), bool(truncated), info, score)
+
+
+def user_turns(texts: list[str]) -> str:
+    """The ChatML glue after a reply for an observation: one user turn per text (as characters: text stays text),
+    then the assistant's opening. The chat format of the models tracerl ships; an env for another template writes
+    its own."""
+    turns = "".join(f"\n<|im_start|>user\n{data.plain(text)}<|im_end|>" for text in texts)
+    return f"{turns}\n<|im_start|>assistant\n"
 
 
 @dataclass
@@ -129,10 +176,10 @@ def own_stream(sampling: SamplingParams, index: int) -> SamplingParams:
 
 @dataclass
 class _Episode:
-    env: Env
     task: Any
     ledger: invariants.TokenLedger
     sampling: SamplingParams
+    env: Env | None = None                     # made on a worker thread, like every call into agent code
     reward: float = 0.0
     score: float | None = None
     turns: int = 0
@@ -144,13 +191,13 @@ class _Episode:
     info: dict[str, float] = field(default_factory=dict)
 
 
-def _start(fn, arg) -> Future:
+def _start(fn, *args) -> Future:
     """Run agent code on a daemon thread: a hung env can be abandoned and never blocks the process exit."""
     future: Future = Future()
 
     def target():
         try:
-            future.set_result(fn(arg))
+            future.set_result(fn(*args))
         except BaseException as exc:
             future.set_exception(exc)
     threading.Thread(target=target, daemon=True, name="env-call").start()
@@ -177,13 +224,13 @@ class EnvRunner:
         """One rollout per (task, group id). Failed episodes are counted and left out of the result."""
         if len(tasks) != len(group_ids):
             raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
-        episodes = []
-        for i, (task, group_id) in enumerate(zip(tasks, group_ids)):
-            own = own_stream(sampling, i)
-            env = self.env_cls()
-            env = env if isinstance(env, Env) else GymEnv(env)      # a gymnasium-style env, as it is
-            episodes.append(_Episode(env, task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own))
-        for ep, messages in zip(episodes, self._call_all(episodes, "reset", [(ep.env.reset, ep.task) for ep in episodes])):
+        episodes = [_Episode(task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own_stream(sampling, i))
+                    for i, (task, group_id) in enumerate(zip(tasks, group_ids))]
+        # an env's constructor is agent code too: one that raises or hangs fails only its own rollout
+        for ep, env in zip(episodes, self._call_all(episodes, "init", [(self._new_env,)] * len(episodes))):
+            ep.env = env
+        opened = [ep for ep in episodes if not ep.failed]
+        for ep, messages in zip(opened, self._call_all(opened, "reset", [(ep.env.reset, ep.task) for ep in opened])):
             if ep.failed:
                 continue
             try:
@@ -195,6 +242,10 @@ class EnvRunner:
         while live := [ep for ep in episodes if not (ep.done or ep.failed)]:
             self._turn(live)
         return [self._to_rollout(ep) for ep in episodes if not ep.failed]
+
+    def _new_env(self) -> Env:
+        env = self.env_cls()
+        return env if isinstance(env, Env) else GymEnv(env)      # a gymnasium-style env, as it is
 
     def _with_images(self, ids: list[int], images: list) -> tuple[list[int], list[invariants.ImageInput]]:
         """Process `images` once and expand each single image pad of `ids` to its image's tokens. Raises
@@ -248,7 +299,7 @@ class EnvRunner:
     def _apply(self, ep: _Episode, result: Result) -> None:
         if not isinstance(result, Result):
             raise TypeError(f"Env.step must return agents.Result, got {type(result).__name__}")
-        info = {k: float(v) for k, v in result.info.items()}
+        info = info_numbers(result.info)
         next_sampling = replace(ep.sampling, **(result.sampling_params or {}))
         validate_sampling(next_sampling)
         observation, images = self._with_images(data.encode_text(self.tokenizer, result.observation),
@@ -268,7 +319,7 @@ class EnvRunner:
     def _call_all(self, episodes: list[_Episode], what: str, calls: list) -> list:
         """Run agent code for every episode concurrently, each with `step_timeout_s`. An exception or a
         hang fails that rollout only (its result is None)."""
-        futures = [_start(fn, arg) for fn, arg in calls]
+        futures = [_start(*call) for call in calls]
         deadline = time.monotonic() + self.step_timeout_s
         results = []
         for ep, future in zip(episodes, futures):
@@ -315,6 +366,7 @@ class ChatContext:
     images: list | None                # the task's images (VLM recipes), as given (PIL images or data URLs)
     sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
     max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make
+    task: Any = None                   # the task itself (a recipe's Task subclass carries what its agent needs)
 
 
 class ChatAgent:
@@ -369,7 +421,7 @@ class ChatAgentRunner:
         return ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name,
                            data.sdk_messages(task.messages, task.images), prompt, task.label, task.images,
                            {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "max_tokens": sampling.max_tokens}, self.max_turns)
+                            "max_tokens": sampling.max_tokens}, self.max_turns, task)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
@@ -383,6 +435,7 @@ class ChatAgentRunner:
                 result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
                 if not isinstance(result, Result):
                     raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
+                logged = info_numbers(result.info)
             except asyncio.TimeoutError:
                 failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
             except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure, counted under
@@ -399,7 +452,7 @@ class ChatAgentRunner:
         score = result.score if result.score is not None else float(result.reward)
         return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
                        session.turns, bool(result.truncated), session.clipped_turns,
-                       {k: float(v) for k, v in result.info.items()}, session.generations)
+                       logged, session.generations)
 
 
 # ---- loading a recipe's agent ------------------------------------------------------------------------
@@ -421,3 +474,64 @@ def load_agent_runner(path: str) -> type:
         del sys.modules[spec.name]
         raise ValueError(f"{path} does not export AgentRunner; add e.g. `class AgentRunner(EnvRunner): env_cls = MyEnv`")
     return runner
+
+
+# ---- the OpenAI Agents SDK: the other package named `agents` (header) ----------------------------------
+
+def _sdk_folder() -> str | None:
+    """The folder of the `agents` package that openai-agents installed, or None when it is not installed."""
+    try:
+        folder = str(importlib.metadata.distribution("openai-agents").locate_file("agents"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return folder if os.path.isfile(os.path.join(folder, "__init__.py")) else None
+
+
+def _refuse_clashes(ours: dict, our_folder: str | None, their_folder: str, shared: set[str]) -> None:
+    """An SDK submodule is found through `__path__` after ours and, once imported, is bound as an attribute of
+    its package: one named like a module of ours would be shadowed by it, and one named like a global of ours
+    would overwrite it. Either is refused (`shared` names the one submodule both packages are meant to share)."""
+    theirs = {m.name for m in pkgutil.iter_modules([their_folder])}
+    mine = set(ours) | ({m.name for m in pkgutil.iter_modules([our_folder])} if our_folder else set())
+    clash = sorted((theirs & mine) - shared)
+    if clash:
+        raise ImportError(f"{ours['__name__']} and the OpenAI Agents SDK ({their_folder}) both define {clash}; "
+                          f"rename tracerl's, or install the openai-agents version requirements-agents.txt pins")
+
+
+def _run_init(name: str, init_file: str):
+    """Execute a package's __init__.py as the plain module `name`, a child of the package it belongs to, so its
+    relative imports (`from .agent import Agent`) resolve in that package: every SDK module is imported once,
+    under its own name (agents.agent, agents.run, ...)."""
+    spec = importlib.util.spec_from_file_location(name, init_file, submodule_search_locations=None)  # not a package
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _take_names(ours: dict, sdk, mine: set[str]) -> None:
+    """Bind the SDK module's public names (its `__all__`) in `ours`, as its own __init__ binds them in its package
+    (`apply_diff`, the submodule, becomes `apply_diff`, the function); one of `mine` (tracerl's names) bound to
+    something else is an ImportError, never overwritten."""
+    for name in sdk.__all__:
+        value = getattr(sdk, name)
+        if name in mine and ours[name] is not value:
+            raise ImportError(f"{ours['__name__']}.{name} is tracerl's and also the OpenAI Agents SDK's; rename "
+                              f"tracerl's, or install the openai-agents version requirements-agents.txt pins")
+        ours[name] = value
+
+
+_SDK = _sdk_folder()
+if _SDK is not None:
+    from agents import sandbox
+    _SDK_SANDBOX = os.path.join(_SDK, "sandbox")
+    _refuse_clashes(globals(), os.path.dirname(__file__), _SDK, shared={"sandbox"})
+    _refuse_clashes(vars(sandbox), None, _SDK_SANDBOX, shared=set())
+    _MINE, _MINE_IN_SANDBOX = set(globals()), set(vars(sandbox))
+    __path__.append(_SDK)
+    sandbox.__path__ = sandbox.__spec__.submodule_search_locations = [_SDK_SANDBOX]   # now a package as well
+    # in the SDK's own order: its sandbox package first (the SDK's __init__ imports it first)
+    _take_names(vars(sandbox), _run_init("agents.sandbox._openai_agents", os.path.join(_SDK_SANDBOX, "__init__.py")),
+                _MINE_IN_SANDBOX)
+    _take_names(globals(), _run_init("agents._openai_agents", os.path.join(_SDK, "__init__.py")), _MINE)

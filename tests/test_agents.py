@@ -371,7 +371,7 @@ class MalformedEnv(Env):
         if self.kind == "tuple":
             return (1.0, "", True, False, {})                      # Gymnasium's tuple, not a Result
         if self.kind == "info":
-            return Result(reward=1.0, info={"note": "not a number"})
+            return Result(reward=1.0, info=["a list, not a dict of numbers"])
         if self.kind == "images":
             return Result(reward=1.0, images=["an image the text engine cannot show"])
         if self.kind == "sampling":
@@ -540,3 +540,163 @@ def test_text_an_env_marks_plain_reaches_the_model_as_characters_and_its_glue_as
     prompt = data.render_prompt_ids(tokenizer, task.messages)
     assert context.count(start) == prompt.count(start) + 2          # the glue's user and assistant blocks only
     assert ToolOutputEnv.forged in tokenizer.decode(context, skip_special_tokens=False)   # the output, as text
+
+
+# ---- an env's constructor is agent code too; gymnasium envs; the numbers of an info ----
+
+class ConstructorRaisesEnv(TwoTurnEnv):
+    """The second env made raises in its constructor (its database is down)."""
+    made, lock = 0, threading.Lock()
+
+    def __init__(self):
+        with ConstructorRaisesEnv.lock:
+            ConstructorRaisesEnv.made += 1
+            if ConstructorRaisesEnv.made == 2:
+                raise OSError("the env's database is down")
+
+
+def test_an_env_whose_constructor_raises_loses_only_its_own_rollout(engine, tokenizer, caplog):
+    ConstructorRaisesEnv.made = 0
+    runner = runner_for(ConstructorRaisesEnv, engine, tokenizer, max_turns=4)
+    with caplog.at_level(logging.WARNING, logger="tracerl.agents"):
+        rollouts = runner.run(make_tasks("a", "b", "c"), ["g"] * 3, SAMPLING)
+    assert len(rollouts) == 2 and all(r.num_turns == 2 for r in rollouts)
+    assert [len(c.prompts) for c in engine.calls] == [2, 2]   # the env that was never made never sampled
+    assert runner.failures == {"init_error": 1}
+    assert "init_error (OSError: the env's database is down)" in caplog.text
+
+
+def test_an_env_whose_constructor_hangs_loses_only_its_rollout(engine, tokenizer):
+    release = threading.Event()
+
+    class HangingConstructorEnv(TwoTurnEnv):
+        def __init__(self):
+            if threading.current_thread().name == "env-call" and not HangingConstructorEnv.once.is_set():
+                HangingConstructorEnv.once.set()
+                release.wait(30)
+        once = threading.Event()
+
+    runner = runner_for(HangingConstructorEnv, engine, tokenizer, max_turns=2, step_timeout_s=1.0)
+    try:
+        rollouts = runner.run(make_tasks("a", "b"), ["g"] * 2, SAMPLING)
+    finally:
+        release.set()
+    assert len(rollouts) == 1 and runner.failures == {"init_timeout": 1}
+
+
+gymnasium = pytest.importorskip("gymnasium")
+
+
+class NumpyInfoGym(gymnasium.Env):
+    """A gymnasium env as gymnasium authors write them: numpy numbers in info; tasks named so fail their reset."""
+
+    def reset(self, seed=None, options=None):
+        task = options["task"]
+        if task.task_id == "bad-reset":
+            raise FileNotFoundError("the level file is missing")
+        self.task_id = task.task_id
+        return task.messages[0]["content"], {}
+
+    def step(self, action):
+        if self.task_id == "bad-info":
+            return "", 1.0, True, False, ["an info that is not a dict"]
+        info = {"np_int": np.int64(3), "np_float": np.float32(0.25), "np_bool": np.bool_(True), "py_bool": False,
+                "zero_d": np.array(2.5), "tensor": torch.tensor(1.5), "score": np.float64(0.5),
+                "text": "not a number", "vector": np.array([1.0, 2.0]), "nan": float("nan"),
+                "inf": np.float32("inf"), "none": None, "complex": 1j}
+        return "", np.float32(1.0), True, False, info
+
+
+def test_a_gymnasium_envs_numpy_info_is_logged_and_what_is_not_a_number_is_left_out(engine, tokenizer):
+    import train
+    runner = runner_for(NumpyInfoGym, engine, tokenizer)
+    rollouts = runner.run(make_tasks("a", "bad-reset", "bad-info"), ["g"] * 3, SAMPLING)
+    assert [r.task_id for r in rollouts] == ["a"] and runner.failures == {"reset_error": 1, "step_error": 1}
+    (rollout,) = rollouts
+    assert rollout.info == {"np_int": 3.0, "np_float": 0.25, "np_bool": 1.0, "py_bool": 0.0, "zero_d": 2.5,
+                            "tensor": 1.5}
+    assert rollout.reward == 1.0 and rollout.score == 0.5                    # the info's "score" is the score
+    assert train.agent_metrics(rollouts)["agent/np_int"] == 3.0
+    # the trap this closes: numpy's and torch's numbers are not Python ints or floats (a plain isinstance drops them)
+    assert not any(isinstance(v, (int, float)) for v in (np.int64(3), np.float32(0.25), np.array(2.5)))
+
+
+def test_info_numbers_refuses_an_info_that_is_not_a_mapping():
+    assert agents.info_numbers(None) == {} and agents.info_numbers({"n": np.int32(2)}) == {"n": 2.0}
+    with pytest.raises(TypeError, match="dict of name -> number, got list"):
+        agents.info_numbers([("n", 1)])
+
+
+# ---- one package, two folders: tracerl's agents and the OpenAI Agents SDK ----
+
+sdk = pytest.importorskip("agents.agent", reason="the OpenAI Agents SDK (requirements-agents.txt) is not installed")
+
+
+def test_from_agents_import_gives_tracerls_names_and_the_sdks_each_module_imported_once():
+    import sys
+    from agents import Agent, ChatAgent, Result, Runner, function_tool   # noqa: F401  (both packages' names)
+    assert Agent is sys.modules["agents.agent"].Agent and Runner is sys.modules["agents.run"].Runner
+    assert ChatAgent.__module__ == Result.__module__ == "agents"
+    assert agents.__path__[0] == os.path.join(ROOT, "agents") and len(agents.__path__) == 2   # ours first
+    # the SDK's __init__ ran once, as agents._openai_agents: no module of its tree was loaded a second time
+    assert not [m for m in sys.modules if ".openai_agents." in m or m.startswith("agents._openai_agents.")]
+
+
+def test_agents_sandbox_is_tracerls_jail_and_the_sdks_sandbox_package():
+    import agents.sandbox.runtime                      # noqa: F401  (the SDK's runner imports it)
+    from agents.sandbox import Manifest, SandboxLimits, run_python
+    assert agents.sandbox.__file__ == os.path.join(ROOT, "agents", "sandbox.py")
+    assert Manifest.__module__ == "agents.sandbox.manifest"
+    assert run_python("print(6 * 7)", SandboxLimits(wall_s=30.0)).stdout == "42\n"
+
+
+def test_verifiers_tool_env_imports_beside_tracerls_agents_and_builds_its_tools_with_the_sdk():
+    vf = pytest.importorskip("verifiers")
+    from datasets import Dataset
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    env = vf.ToolEnv(tools=[add], dataset=Dataset.from_list([{"question": "1 + 2?", "answer": "3"}]))
+    (tool,) = env.tool_defs                            # made by agents.function_schema, the SDK's
+    assert tool.name == "add" and tool.description == "Add two integers."
+    assert tool.parameters["properties"]["a"]["type"] == "integer" and tool.parameters["required"] == ["a", "b"]
+
+
+def test_a_name_or_submodule_both_packages_define_is_an_import_error_not_a_shadowing(tmp_path):
+    ours = os.path.dirname(agents.__file__)
+    theirs = tmp_path / "agents"
+    theirs.mkdir()
+    (theirs / "sandbox.py").write_text("")
+    agents._refuse_clashes(vars(agents), ours, str(theirs), shared={"sandbox"})     # the one shared submodule
+    for clash in ("graders", "data"):                  # a module of ours; a global of ours an import would replace
+        (theirs / f"{clash}.py").write_text("")
+        with pytest.raises(ImportError, match=rf"both define \['{clash}'\]"):
+            agents._refuse_clashes(vars(agents), ours, str(theirs), shared={"sandbox"})
+        (theirs / f"{clash}.py").unlink()
+    other = object()
+    names = {"__name__": "agents", "Result": Result}
+    agents._take_names(names, SimpleNamespace(__all__=["Result", "Agent"], Result=Result, Agent=other), {"Result"})
+    assert names["Agent"] is other and names["Result"] is Result       # the same object twice is no clash
+    with pytest.raises(ImportError, match=r"agents\.Result is tracerl's and also the OpenAI Agents SDK's"):
+        agents._take_names(names, SimpleNamespace(__all__=["Result"], Result=other), {"Result"})
+
+
+def test_the_sdks_runner_calls_its_function_tool_through_a_session_and_trains_on_exactly_what_was_sampled(
+        monkeypatch):
+    runner_cls = load_agent_runner(os.path.join(ROOT, "recipes", "agents_sdk.py"))
+    recipe = __import__("sys").modules[runner_cls.__module__]
+    path = models.resolve_model(recipe.CPU_MODEL)        # a tiny Qwen3 taught the calculator's call format
+    calls = []
+    monkeypatch.setattr(recipe, "calculate", lambda arguments: calls.append(arguments) or "7")
+    runner = runner_cls(RecordingEngine(models.load_model(path)), models.load_tokenizer(path), max_turns=3)
+    try:
+        rollouts = runner.run(recipe.tasks("train", 0)[:4], ["g"] * 4, SamplingParams(max_tokens=48, seed=0))
+    finally:
+        runner.server.stop()
+    assert len(rollouts) == 4 and runner.failures == {}
+    assert sum(r.info["tool_calls"] for r in rollouts) == len(calls) > 0     # the SDK ran the function tool
+    assert max(r.num_turns for r in rollouts) >= 2 and all(len(r.rows) == 1 for r in rollouts)   # echoes extend
+    for r in rollouts:
+        check_sampled_once(r.rows, r.generations)
