@@ -1,0 +1,813 @@
+# bench/compat_matrix.py — six agent libraries, each option they expose, against the loopback server: is it refused,
+# accepted as a no-op, or honoured, and does the token path hold under it.
+#
+# Each library (openai-agents, pydantic-ai, langchain-openai + langgraph, smolagents, litellm, the anthropic SDK's
+# tool-use loop) runs one short tool-calling episode, unchanged, against a real LoopbackServer over a real
+# EmbeddedEngine: on its defaults, then with each option it exposes switched on, one at a time (CASES). A case says:
+#   verdict  refused (the server's 4xx, with its reason), failed (the library raised for another reason), honoured
+#            (the recorded sampling changed, the server wrote context tokens on the model's behalf, or the option's
+#            effect was seen on every request that carried it), or no-op (accepted, and nothing it could change did);
+#   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's ledger);
+#   seals    per turn, whether its prompt sealed the segment (a library that re-renders its history seals);
+#   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the ledger's rows), and
+#            the trap: the same recompute with each token's recorded sampling stripped back to the session's plain
+#            sampling, which must differ wherever the option changed what was sampled (invariant 3).
+# The model is a tiny Qwen3 taught each library's episodes (models.taught_tiny_model_dir). The conversations are what
+# the libraries themselves send, harvested at the start of every run through the same server with an engine that
+# answers from the script (ScriptEngine: it samples nothing and nothing is trained on it), rendered by tracerl's
+# chat template; so the taught model writes Hermes <tool_call> blocks with each framework's own tool names and
+# final-answer conventions (smolagents' final_answer tool, pydantic-ai's final_result tool).
+# tests/test_compat.py asserts every case; this script writes the table, docs/compat-matrix.md (from
+# docs/compat-matrix.json, which keeps each labelled run: the tree before issue 17, and main).
+#
+#   python bench/compat_matrix.py --label after [--only litellm anthropic]
+#
+# The OpenAI Agents SDK's package is named `agents`, as tracerl's is. Its names are imported before the repository
+# joins sys.path: in a tree whose agents/ carries the SDK (agents/__init__.py) that changes nothing, and a tree from
+# before does not shadow it, so the same script measures both.
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # litellm would fetch its price list at import
+
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import anthropic  # noqa: E402
+import jsonschema  # noqa: E402
+import litellm  # noqa: E402
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+from langchain_core.messages import HumanMessage  # noqa: E402
+from langchain_core.tools import tool as langchain_tool  # noqa: E402
+from langchain_openai import ChatOpenAI  # noqa: E402
+from langgraph.prebuilt import create_react_agent  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+from openai.types.shared import Reasoning  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+from pydantic_ai import Agent as PydanticAgent  # noqa: E402
+from pydantic_ai import NativeOutput, PromptedOutput  # noqa: E402
+from pydantic_ai.models.openai import OpenAIChatModel  # noqa: E402
+from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
+from smolagents import OpenAIServerModel, ToolCallingAgent  # noqa: E402
+from smolagents import tool  # noqa: E402
+
+import actor  # noqa: E402
+import data  # noqa: E402
+import invariants  # noqa: E402
+import models  # noqa: E402
+from loopback import LoopbackServer  # noqa: E402
+from rollout import EmbeddedEngine, Generation, SamplingParams  # noqa: E402
+
+set_tracing_disabled(True)     # the Agents SDK would export traces to api.openai.com
+warnings.filterwarnings("ignore", message=".*create_react_agent has been moved.*")   # still langgraph 1.x's prebuilt
+
+MODEL = "policy"                # the model name every library sends (the server serves one)
+SESSION = SamplingParams(temperature=0.7, max_tokens=64, seed=17)   # the runner's defaults: what a request overrides
+PLAIN = invariants.Sampling(temperature=SESSION.temperature, top_p=SESSION.top_p, top_k=SESSION.top_k)
+PARITY_TOL = 1e-4               # |behavior - recompute| at most this (the fp32 CPU path agrees to ~1e-6)
+TRAP_MIN = 1e-3                 # the stripped recompute must differ by more than this where sampling changed
+
+
+# ---- the episodes: one task per library, and what the model is taught to answer ------------------------------
+
+def call(name: str, arguments: dict) -> str:
+    """A Hermes tool call as the model writes it (what loopback.parse_hermes_tool_calls reads)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+# Each conversation the model must answer differently ends in a question of its own: a tiny model reads the end of
+# its context far better than a system prompt 2,000 tokens back.
+JSON_ASK = " Reply in JSON."    # the structured-output episodes ask for JSON, so the model is taught JSON there
+RESULT_ASK = " Give the result."   # pydantic-ai's ToolOutput: answered through its final_result tool
+REPORT_ASK = " Report the sum."    # langchain's function_calling structured output: answered through a Sum tool
+
+WEATHER_ASK, WEATHER_CALL, WEATHER_ANSWER = "What is the weather in Paris?", call("get_weather", {"city": "Paris"}), \
+    "It is sunny in Paris."
+WEATHER_JSON = json.dumps({"city": "Paris", "forecast": "sunny"})
+CAPITAL_ASK, CAPITAL_CALL, CAPITAL_ANSWER = "What is the capital of France?", \
+    call("lookup_capital", {"country": "France"}), "The capital of France is Paris."
+CAPITAL_JSON = json.dumps({"country": "France", "capital": "Paris"})
+CAPITAL_RESULT = call("final_result", {"country": "France", "capital": "Paris"})
+SUM_ASK, SUM_CALL, SUM_ANSWER, SUM_JSON = "What is 2 plus 3?", call("add", {"a": 2, "b": 3}), "2 plus 3 is 5.", \
+    json.dumps({"total": 5})
+SUM_TOOL_CALL = call("Sum", {"total": 5})
+PRODUCT_ASK, PRODUCT_CALL = "What is 6 times 7?", call("multiply", {"a": 6, "b": 7})
+PRODUCT_ANSWER = call("final_answer", {"answer": "42"})
+TIME_ASK, TIME_CALL, TIME_ANSWER = "What time is it in Tokyo?", call("get_time", {"zone": "Asia/Tokyo"}), \
+    "It is 09:00 in Tokyo."
+TIME_JSON = json.dumps({"zone": "Asia/Tokyo", "time": "09:00"})
+STOCK_ASK, STOCK_CALL, STOCK_ANSWER = "What is the price of ACME?", call("get_stock", {"ticker": "ACME"}), \
+    "ACME costs 42 dollars."
+
+
+class Weather(BaseModel):
+    city: str
+    forecast: str
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+
+
+class Sum(BaseModel):
+    total: int
+
+
+class Time(BaseModel):
+    zone: str
+    time: str
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """Look up the weather in a city."""
+    return "sunny"
+
+
+def lookup_capital(country: str) -> str:
+    """Look up the capital of a country."""
+    return "Paris"
+
+
+@langchain_tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool                   # smolagents' (its source check wants the decorator's own name)
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def get_time(zone: str) -> str:
+    return "09:00"
+
+
+def get_stock(ticker: str) -> str:
+    return "42 dollars"
+
+
+TIME_TOOLS = [{"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+STOCK_TOOLS = [{"name": "get_stock", "description": "The price of a stock.",
+                "input_schema": {"type": "object", "properties": {"ticker": {"type": "string"}},
+                                 "required": ["ticker"]}}]
+
+
+# ---- drivers: each library's own loop, one episode, its answer as text ------------------------------------------
+
+def drive_openai_agents(info, settings: dict | None = None, structured: bool = False) -> str:
+    """An Agents SDK Agent with a function tool, run by Runner over OpenAIChatCompletionsModel (reset_tool_choice
+    on, the SDK's default: a forced tool_choice holds for the first turn)."""
+    model = OpenAIChatCompletionsModel(MODEL, AsyncOpenAI(base_url=info.base_url, api_key=info.api_key))
+    agent = Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
+                  model=model, model_settings=ModelSettings(**(settings or {})),
+                  output_type=Weather if structured else None)
+    return str(Runner.run_sync(agent, WEATHER_ASK + (JSON_ASK if structured else ""), max_turns=4).final_output)
+
+
+def drive_pydantic_ai(info, settings: dict | None = None, output=str, ask: str = CAPITAL_ASK) -> str:
+    """A pydantic-ai Agent with a tool over OpenAIChatModel at the session's base_url; `output` is its output_type
+    (a model class is ToolOutput, pydantic-ai's default: a final_result tool and tool_choice required)."""
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=info.base_url, api_key=info.api_key))
+    agent = PydanticAgent(model, instructions="You answer questions about countries.", tools=[lookup_capital],
+                          output_type=output)
+    return str(agent.run_sync(ask, model_settings=settings).output)
+
+
+def drive_langchain(info, chat: dict | None = None, bind: dict | None = None, first_bind: dict | None = None,
+                    structured: str | None = None, ask: str = SUM_ASK) -> str:
+    """langgraph's prebuilt ReAct agent over ChatOpenAI bound to tools (a model chosen per step: `first_bind` holds
+    for the first step only, the way a forced tool_choice is used, `bind` for every step); `structured` then asks
+    with_structured_output(method=...) over the agent's messages, as the agent's response_format step does."""
+    llm = ChatOpenAI(model=MODEL, base_url=info.base_url, api_key=info.api_key, **(chat or {}))
+
+    def step_model(state, runtime):
+        first = len(state["messages"]) == 1
+        return llm.bind_tools([add], **(bind or {}), **((first_bind or {}) if first else {}))
+    messages = create_react_agent(step_model, [add]).invoke({"messages": [HumanMessage(ask)]})["messages"]
+    if structured is None:
+        return str(messages[-1].content)
+    return str(llm.with_structured_output(Sum, method=structured).invoke(messages))
+
+
+SMOLAGENTS_SYSTEM = "Solve the task with tool calls, one step at a time. Give the answer with the final_answer tool."
+
+
+def drive_smolagents(info, model_kwargs: dict | None = None) -> str:
+    """smolagents' ToolCallingAgent over OpenAIServerModel; its answer is its final_answer tool's argument. Its system
+    prompt is set short through prompt_templates (the library's own knob): the default's 2,400 tokens of worked
+    examples would make teaching the tiny model cost minutes more, and change nothing on the wire."""
+    model = OpenAIServerModel(model_id=MODEL, api_base=info.base_url, api_key=info.api_key, **(model_kwargs or {}))
+    agent = ToolCallingAgent(tools=[multiply], model=model, max_steps=3, verbosity_level=0)
+    agent.prompt_templates["system_prompt"] = SMOLAGENTS_SYSTEM
+    return str(agent.run(PRODUCT_ASK))
+
+
+def drive_litellm(info, params: dict | None = None, first: dict | None = None, ask: str = TIME_ASK) -> str:
+    """litellm.completion with tools ("openai/<model>" at api_base) in the usual loop: call, run the tools, append
+    the results, until a reply without tool calls. `first` holds for the first request only."""
+    messages = [{"role": "user", "content": ask}]
+    for step in range(4):
+        reply = litellm.completion(model=f"openai/{MODEL}", api_base=info.base_url, api_key=info.api_key,
+                                   messages=messages, tools=TIME_TOOLS, **(params or {}),
+                                   **((first or {}) if step == 0 else {}))
+        message = reply.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return str(message.content)
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": get_time(**json.loads(c.function.arguments))}
+                     for c in message.tool_calls]
+    return str(messages[-1])
+
+
+def drive_anthropic(info, params: dict | None = None, first: dict | None = None, max_tokens: int = 64) -> str:
+    """The anthropic SDK's tool-use loop: messages.create, run each tool_use block, send the tool_result blocks
+    back, until stop_reason is not tool_use. `first` holds for the first request only."""
+    client = anthropic.Anthropic(base_url=info.session_url, api_key=info.api_key)
+    messages = [{"role": "user", "content": STOCK_ASK}]
+    for step in range(4):
+        reply = client.messages.create(model=MODEL, max_tokens=max_tokens, tools=STOCK_TOOLS, messages=messages,
+                                       **(params or {}), **((first or {}) if step == 0 else {}))
+        messages.append({"role": "assistant", "content": reply.content})
+        if reply.stop_reason != "tool_use":
+            return "".join(block.text for block in reply.content if block.type == "text")
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": get_stock(**block.input)}
+            for block in reply.content if block.type == "tool_use"]})
+    return str(messages[-1])
+
+
+DRIVERS = {"openai-agents": drive_openai_agents, "pydantic-ai": drive_pydantic_ai, "langchain": drive_langchain,
+           "smolagents": drive_smolagents, "litellm": drive_litellm, "anthropic": drive_anthropic}
+
+# What the model is taught: per library, each distinct conversation (driver arguments) with its replies in order.
+SCRIPTS = {
+    "openai-agents": [({}, [WEATHER_CALL, WEATHER_ANSWER]), ({"structured": True}, [WEATHER_CALL, WEATHER_JSON])],
+    "pydantic-ai": [({}, [CAPITAL_CALL, CAPITAL_ANSWER]),
+                    ({"output": Capital, "ask": CAPITAL_ASK + RESULT_ASK}, [CAPITAL_CALL, CAPITAL_RESULT]),
+                    ({"output": NativeOutput(Capital), "ask": CAPITAL_ASK + JSON_ASK}, [CAPITAL_CALL, CAPITAL_JSON]),
+                    ({"output": PromptedOutput(Capital), "ask": CAPITAL_ASK + JSON_ASK}, [CAPITAL_CALL, CAPITAL_JSON])],
+    "langchain": [({}, [SUM_CALL, SUM_ANSWER]),
+                  ({"structured": "json_schema", "ask": SUM_ASK + JSON_ASK}, [SUM_CALL, SUM_ANSWER, SUM_JSON]),
+                  ({"structured": "function_calling", "ask": SUM_ASK + REPORT_ASK},
+                   [SUM_CALL, SUM_ANSWER, SUM_TOOL_CALL])],
+    "smolagents": [({}, [PRODUCT_CALL, PRODUCT_ANSWER])],
+    "litellm": [({}, [TIME_CALL, TIME_ANSWER]), ({"ask": TIME_ASK + JSON_ASK}, [TIME_CALL, TIME_JSON])],
+    "anthropic": [({}, [STOCK_CALL, STOCK_ANSWER])],
+}
+
+
+# ---- the cases: (library, option) as that library expresses it --------------------------------------------------
+
+ANY = object()                  # a wire value that only has to be present
+
+
+@dataclass
+class Case:
+    library: str
+    option: str                 # the option as the library names it
+    kwargs: dict                # the driver's arguments
+    wire: tuple = ()            # ((path in the request body, value or ANY), ...): what shows the option was sent
+    effect: str | None = None   # what every request that carries the option must show in its reply (EFFECTS)
+
+    @property
+    def name(self) -> str:
+        return f"{self.library}:{self.option}"
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+NO_OP_FIELDS = {"store": True, "metadata": {"run": "compat"}, "service_tier": "auto"}
+ZERO_PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0))
+REQUIRED, NONE = (("tool_choice", "required"),), (("tool_choice", "none"),)
+GREEDY, PARALLEL = (("temperature", 0),), (("parallel_tool_calls", False),)
+JSON_SCHEMA, JSON_OBJECT = (("response_format.type", "json_schema"),), (("response_format.type", "json_object"),)
+REASONING = (("reasoning_effort", "low"),)
+
+
+def _wire_of(fields: dict) -> tuple:
+    return tuple((key, value) for key, value in fields.items())
+
+
+CASES = [
+    Case("openai-agents", "default", {}),
+    Case("openai-agents", "tool_choice=required", {"settings": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
+    Case("openai-agents", "tool_choice=none", {"settings": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("openai-agents", "tool_choice=get_weather", {"settings": {"tool_choice": "get_weather"}},
+         (("tool_choice", _named("get_weather")),), "named"),
+    Case("openai-agents", "output_type", {"structured": True}, JSON_SCHEMA, "json"),
+    Case("openai-agents", "parallel_tool_calls=False", {"settings": {"parallel_tool_calls": False}}, PARALLEL,
+         "one_call"),
+    Case("openai-agents", "temperature=0", {"settings": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("openai-agents", "zero penalties", {"settings": {"frequency_penalty": 0, "presence_penalty": 0}},
+         ZERO_PENALTIES),
+    Case("openai-agents", "store, metadata, service_tier",
+         {"settings": {"store": True, "metadata": {"run": "compat"}, "extra_args": {"service_tier": "auto"}}},
+         _wire_of(NO_OP_FIELDS)),
+    Case("openai-agents", "reasoning.effort", {"settings": {"reasoning": Reasoning(effort="low")}}, REASONING),
+
+    Case("pydantic-ai", "default", {}),
+    Case("pydantic-ai", "output_type (ToolOutput)", {"output": Capital, "ask": CAPITAL_ASK + RESULT_ASK}, REQUIRED,
+         "tool_call"),
+    Case("pydantic-ai", "NativeOutput", {"output": NativeOutput(Capital), "ask": CAPITAL_ASK + JSON_ASK},
+         JSON_SCHEMA, "json"),
+    Case("pydantic-ai", "PromptedOutput", {"output": PromptedOutput(Capital), "ask": CAPITAL_ASK + JSON_ASK},
+         JSON_OBJECT, "json"),
+    Case("pydantic-ai", "tool_choice=none", {"settings": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("pydantic-ai", "tool_choice=[final_result]",
+         {"output": Capital, "ask": CAPITAL_ASK + RESULT_ASK, "settings": {"tool_choice": ["final_result"]}},
+         (("tool_choice", _named("final_result")),), "named"),
+    Case("pydantic-ai", "parallel_tool_calls=False", {"settings": {"parallel_tool_calls": False}}, PARALLEL,
+         "one_call"),
+    Case("pydantic-ai", "temperature=0", {"settings": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("pydantic-ai", "zero penalties", {"settings": {"frequency_penalty": 0, "presence_penalty": 0}},
+         ZERO_PENALTIES),
+    Case("pydantic-ai", "openai_store, service_tier", {"settings": {"openai_store": True, "service_tier": "auto"}},
+         (("store", True), ("service_tier", "auto"))),
+    Case("pydantic-ai", "openai_reasoning_effort", {"settings": {"openai_reasoning_effort": "low"}}, REASONING),
+
+    Case("langchain", "default", {}),
+    Case("langchain", "tool_choice=required", {"first_bind": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
+    Case("langchain", "tool_choice=none", {"first_bind": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("langchain", "tool_choice=add", {"first_bind": {"tool_choice": "add"}}, (("tool_choice", _named("add")),),
+         "named"),
+    Case("langchain", "with_structured_output(json_schema)", {"structured": "json_schema", "ask": SUM_ASK + JSON_ASK},
+         JSON_SCHEMA, "json"),
+    Case("langchain", "with_structured_output(function_calling)",
+         {"structured": "function_calling", "ask": SUM_ASK + REPORT_ASK}, (("tool_choice", _named("Sum")),), "named"),
+    Case("langchain", "with_structured_output(json_mode)", {"structured": "json_mode", "ask": SUM_ASK + JSON_ASK},
+         JSON_OBJECT, "json"),
+    Case("langchain", "parallel_tool_calls=False", {"bind": {"parallel_tool_calls": False}}, PARALLEL, "one_call"),
+    Case("langchain", "temperature=0", {"chat": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("langchain", "zero penalties", {"chat": {"frequency_penalty": 0, "presence_penalty": 0}}, ZERO_PENALTIES),
+    Case("langchain", "store, service_tier", {"chat": {"store": True, "service_tier": "auto"}},
+         (("store", True), ("service_tier", "auto"))),
+    Case("langchain", "reasoning_effort", {"chat": {"reasoning_effort": "low"}}, REASONING),
+
+    Case("smolagents", "default (tool_choice=required)", {}, REQUIRED, "tool_call"),
+    Case("smolagents", "tool_choice=auto", {"model_kwargs": {"tool_choice": "auto"}}, (("tool_choice", "auto"),)),
+    Case("smolagents", "tool_choice=final_answer", {"model_kwargs": {"tool_choice": _named("final_answer")}},
+         (("tool_choice", _named("final_answer")),), "named"),
+    Case("smolagents", "parallel_tool_calls=False", {"model_kwargs": {"parallel_tool_calls": False}}, PARALLEL,
+         "one_call"),
+    Case("smolagents", "temperature=0", {"model_kwargs": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("smolagents", "zero penalties", {"model_kwargs": {"frequency_penalty": 0, "presence_penalty": 0}},
+         ZERO_PENALTIES),
+    Case("smolagents", "store, metadata, service_tier", {"model_kwargs": dict(NO_OP_FIELDS)}, _wire_of(NO_OP_FIELDS)),
+    Case("smolagents", "reasoning_effort", {"model_kwargs": {"reasoning_effort": "low"}}, REASONING),
+
+    Case("litellm", "default", {}),
+    Case("litellm", "tool_choice=required", {"first": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
+    Case("litellm", "tool_choice=none", {"params": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("litellm", "tool_choice=get_time", {"first": {"tool_choice": _named("get_time")}},
+         (("tool_choice", _named("get_time")),), "named"),
+    Case("litellm", "response_format=json_schema", {"ask": TIME_ASK + JSON_ASK, "params": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "Time", "schema": Time.model_json_schema(), "strict": True}}}},
+         JSON_SCHEMA, "json"),
+    Case("litellm", "response_format=json_object", {"ask": TIME_ASK + JSON_ASK,
+                                                    "params": {"response_format": {"type": "json_object"}}},
+         JSON_OBJECT, "json"),
+    Case("litellm", "parallel_tool_calls=False", {"params": {"parallel_tool_calls": False}}, PARALLEL, "one_call"),
+    Case("litellm", "temperature=0", {"params": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("litellm", "zero penalties", {"params": {"frequency_penalty": 0, "presence_penalty": 0}}, ZERO_PENALTIES),
+    Case("litellm", "store, service_tier", {"params": {"store": True, "service_tier": "auto"}},
+         (("store", True), ("service_tier", "auto"))),
+    Case("litellm", "reasoning_effort", {"params": {"reasoning_effort": "low"}}, REASONING),
+
+    Case("anthropic", "default", {}),
+    Case("anthropic", "tool_choice=any", {"first": {"tool_choice": {"type": "any"}}},
+         (("tool_choice", {"type": "any"}),), "tool_call"),
+    Case("anthropic", "tool_choice=tool", {"first": {"tool_choice": {"type": "tool", "name": "get_stock"}}},
+         (("tool_choice", {"type": "tool", "name": "get_stock"}),), "named"),
+    Case("anthropic", "tool_choice=none", {"params": {"tool_choice": {"type": "none"}}},
+         (("tool_choice", {"type": "none"}),), "no_tool_call"),
+    Case("anthropic", "disable_parallel_tool_use", {"params": {"tool_choice": {"type": "auto",
+                                                                               "disable_parallel_tool_use": True}}},
+         (("tool_choice.disable_parallel_tool_use", True),), "one_call"),
+    Case("anthropic", "temperature=0 (extra_body)", {"params": {"extra_body": {"temperature": 0}}}, GREEDY, "greedy"),
+    Case("anthropic", "metadata, service_tier", {"params": {"metadata": {"user_id": "compat"}, "service_tier": "auto"}},
+         (("metadata", {"user_id": "compat"}), ("service_tier", "auto"))),
+    Case("anthropic", "thinking", {"params": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+                                   "max_tokens": 1100}, (("thinking.type", "enabled"),)),
+]
+
+
+# ---- the servers: the loopback server as it is, plus a record of what each library sent ----------------------
+
+@dataclass
+class Exchange:
+    wire: str                   # "openai" | "anthropic"
+    body: dict                  # the request as the library sent it
+    status: int
+    reply: dict | None          # the server's JSON answer (an error body when status >= 400)
+
+
+class WitnessServer(LoopbackServer):
+    """The loopback server, unchanged, that also keeps every exchange of every session (its own middleware sees
+    each request and each answer, refusals included)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exchanges: dict[str, list[Exchange]] = defaultdict(list)    # session id -> its exchanges, in order
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        response = await super()._errors(request, handler)
+        if request.path.endswith(("/chat/completions", "/messages")):
+            try:
+                body = json.loads(await request.read())      # the bytes the handler read, kept by aiohttp
+            except ValueError:
+                body = {}
+            reply = json.loads(response.body) if isinstance(response, web.Response) and response.body else None
+            wire = "anthropic" if request.path.endswith("/messages") else "openai"
+            self.exchanges[request.match_info.get("sid", "")].append(Exchange(wire, body, response.status, reply))
+        return response
+
+
+class ScriptEngine:
+    """Answers each generate call with the next reply of its script, sampling nothing: how the harvest learns what a
+    library sends after each reply without a model that can write it yet."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.replies = tokenizer, []
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
+        reply = self.replies.pop(0) if self.replies else ""
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.end_id]
+        for token_id in ids:
+            if on_token is not None:
+                on_token(0, token_id)
+        return [Generation(list(prompts[0]), ids, [0.0] * len(ids), [0] * len(ids), None, "stop",
+                           sampling=invariants.UNSAMPLED)]
+
+
+HARVEST_KEYS = {"model", "messages", "system", "tools", "max_tokens", "max_completion_tokens", "stop",
+                "stop_sequences", "stream"}
+
+
+class HarvestServer(LoopbackServer):
+    """Serves the script: every request field but the conversation's is dropped before decoding, so a tree that
+    refuses an option still shows what the library sends (the prompts do not depend on the options)."""
+
+    async def _body(self, request: web.Request, optional: bool = False) -> dict:
+        body = await super()._body(request, optional)
+        return {key: value for key, value in body.items() if key in HARVEST_KEYS}
+
+
+def harvest(tokenizer) -> list[tuple[str, list]]:
+    """Every turn of every script as the text the model must learn: the prompt the server built (rendered by
+    tracerl's chat template; later turns extend the record) followed by the scripted reply."""
+    engine = ScriptEngine(tokenizer)
+    server = HarvestServer(engine, tokenizer, template=data.CHATML_TEMPLATE)
+    server.start()
+    texts = []
+    try:
+        for library, scripts in SCRIPTS.items():
+            for kwargs, replies in scripts:
+                engine.replies = list(replies)
+                info = server.create_session(rollout_id=library, sampling=SESSION)
+                DRIVERS[library](info, **kwargs)
+                session = server.close_session(info.session_id)
+                if engine.replies or len(session.generations) != len(replies):
+                    raise RuntimeError(f"{library} {kwargs}: the script's {len(replies)} replies were not all asked "
+                                       f"for ({len(session.generations)} requests); the driver and SCRIPTS disagree")
+                texts += [tokenizer.decode(g.prompt_ids + g.token_ids, skip_special_tokens=False)
+                          for g in session.generations]
+    finally:
+        server.stop()
+    # a turn whose whole text the next turn's extends is taught by that one (a sealing library's turns all stay)
+    texts = list(dict.fromkeys(texts))
+    return [(text, []) for text in texts if not any(other != text and other.startswith(text) for other in texts)]
+
+
+# ---- one case: run it, then check the token path --------------------------------------------------------------
+
+@dataclass
+class Bench:
+    tokenizer: object
+    model_dir: str
+    server: WitnessServer
+    policy: actor.Actor         # the trainer's recompute, fp32 on the CPU
+
+
+def build_bench(steps: int = 400) -> Bench:
+    tokenizer = models.bpe_tokenizer()
+    model_dir = models.taught_tiny_model_dir("qwen3", harvest(tokenizer), steps=steps)
+    engine = EmbeddedEngine(models.load_model(model_dir), tokenizer=tokenizer)
+    server = WitnessServer(engine, tokenizer, template=data.CHATML_TEMPLATE)
+    server.start()
+    policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+    return Bench(tokenizer, model_dir, server, policy)
+
+
+@dataclass
+class CaseResult:
+    library: str
+    option: str
+    verdict: str                # refused | failed | not sent | honoured | no-op
+    detail: str                 # the server's reason, the error, or what the option changed
+    answer: str                 # the library's final answer (or "")
+    turns: int                  # generations committed to the session's ledger
+    seals: list[int]            # per turn: 1 when its prompt sealed the segment before it
+    sampled_once: str           # "" when every sampled token is trainable exactly once, else the check's error
+    effect: str                 # "" when every request that carried the option shows its effect, else what failed
+    parity: float | None        # max |behavior - recompute| over trainable tokens (None: nothing was sampled)
+    trap: float | None          # max |behavior - recompute with plain sampling| (None: the sampling did not change)
+    changed: list[str] = field(default_factory=list)   # the Sampling fields the option changed
+    forced: str = ""            # text the server wrote after the generation prompt on the model's behalf
+    seconds: float = 0.0
+
+
+def carries(case: Case, body: dict) -> bool:
+    """Whether this request carries the case's option (every (path, value) of case.wire)."""
+    def has(path, value):
+        here = body
+        for key in path.split("."):
+            if not isinstance(here, dict) or key not in here:
+                return False
+            here = here[key]
+        return value is ANY or here == value
+    return bool(case.wire) and all(has(path, value) for path, value in case.wire)
+
+
+def _reply_calls(exchange: Exchange) -> list[str]:
+    """The names of the tool calls in a reply, on either wire."""
+    if exchange.wire == "anthropic":
+        return [b["name"] for b in exchange.reply.get("content", []) if b.get("type") == "tool_use"]
+    message = exchange.reply["choices"][0]["message"]
+    return [c["function"]["name"] for c in message.get("tool_calls") or []]
+
+
+def _reply_text(exchange: Exchange) -> str:
+    if exchange.wire == "anthropic":
+        return "".join(b.get("text", "") for b in exchange.reply.get("content", []) if b.get("type") == "text")
+    return exchange.reply["choices"][0]["message"].get("content") or ""
+
+
+def _requested_name(body: dict) -> str | None:
+    choice = body.get("tool_choice")
+    return (choice.get("name") or (choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
+
+
+def _json_effect(exchange: Exchange) -> str:
+    """A reply without tool calls is a JSON object (valid against the request's schema, when it sent one)."""
+    if _reply_calls(exchange):
+        return ""
+    try:
+        value = json.loads(_reply_text(exchange))
+    except ValueError:
+        return f"the reply is not JSON: {_reply_text(exchange)[:80]!r}"
+    if not isinstance(value, dict):
+        return f"the reply is JSON but not an object: {value!r:.80}"
+    schema = (exchange.body.get("response_format") or {}).get("json_schema", {}).get("schema")
+    try:
+        jsonschema.validate(value, schema or {})
+    except jsonschema.ValidationError as error:
+        return f"the reply does not match the schema: {error.message}"
+    return ""
+
+
+EFFECTS = {  # what a reply to a request that carries the option must show; "" = shown, else what is wrong
+    "tool_call": lambda x: "" if _reply_calls(x) else f"no tool call: {_reply_text(x)[:80]!r}",
+    "no_tool_call": lambda x: f"tool calls {_reply_calls(x)}" if _reply_calls(x) else "",
+    "named": lambda x: "" if _reply_calls(x) and set(_reply_calls(x)) == {_requested_name(x.body)} else
+    f"asked for {_requested_name(x.body)!r}, got calls {_reply_calls(x)} and text {_reply_text(x)[:60]!r}",
+    "one_call": lambda x: f"{len(_reply_calls(x))} tool calls" if len(_reply_calls(x)) > 1 else "",
+    "json": _json_effect,
+}
+
+
+def greedy_effect(policy: actor.Actor, generations: list[Generation]) -> str:
+    """Every sampled token is the model's most likely one at its position (what temperature 0 asks for)."""
+    for k, g in enumerate(generations):
+        ids = torch.tensor([g.prompt_ids + g.token_ids])
+        with torch.no_grad():
+            logits = policy.model(input_ids=ids.to(policy.device)).logits[0, len(g.prompt_ids) - 1:-1].float().cpu()
+        best = logits.argmax(-1).tolist()
+        if best != g.token_ids:
+            i = next(i for i, (a, b) in enumerate(zip(best, g.token_ids)) if a != b)
+            return f"turn {k}: sampled token {i} is id {g.token_ids[i]}, not the most likely id {best[i]}"
+    return ""
+
+
+def seals_per_turn(ledger: invariants.TokenLedger, generations: list[Generation]) -> list[int]:
+    """Per turn, 1 when its tokens sit in a later segment than the previous turn's (its prompt sealed that one)."""
+    owner = [i for i, segment in enumerate(ledger.segments) for _ in range(segment.num_trainable)]
+    seals, at, previous = [], 0, None
+    for g in generations:
+        segment = owner[at] if at < len(owner) else -1
+        seals.append(int(previous is not None and segment != previous))
+        at, previous = at + len(g.token_ids), segment
+    return seals
+
+
+def recompute_gap(bench: Bench, rows: list[invariants.Segment]) -> float:
+    """max |behavior - recompute| over the rows' trainable tokens: the batch train.py builds (train_on_rows: a row
+    sampled under a grammar has its masks replayed with the policy's tokenizer) and the actor's recompute."""
+    grammar = any(getattr(s, "constraint", None) for row in rows for s in row.sampling)   # (no such field before 17)
+    replay = {"tokenizer": bench.tokenizer, "vocab_size": bench.policy.model.config.vocab_size} if grammar else {}
+    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=bench.tokenizer.pad_token_id, **replay)
+    recomputed = bench.policy.recompute_logprobs(batch)
+    trainable = batch.loss_mask > 0
+    return (recomputed - batch.behavior_logprobs)[trainable].abs().max().item()
+
+
+def stripped(row: invariants.Segment) -> invariants.Segment:
+    """The row with every trainable token's sampling set back to the session's plain sampling (the trap)."""
+    return dataclasses.replace(row, sampling=[PLAIN if t else s for s, t in zip(row.sampling, row.trainable)])
+
+
+def forced_text(tokenizer, generation: Generation) -> str:
+    """What the prompt holds after the template's generation prompt: tokens the server wrote for the model."""
+    text = tokenizer.decode(generation.prompt_ids, skip_special_tokens=False)
+    return text.rsplit("<|im_start|>assistant\n", 1)[-1]
+
+
+@dataclass
+class Episode:
+    answer: str                 # the library's final answer as text ("" when it raised)
+    error: str                  # what it raised ("" when it finished)
+    session: object             # the closed loopback.ChatSession: its ledger and the engine's generations
+    exchanges: list[Exchange]   # every request the library sent, with the server's answer
+
+
+def play(bench: Bench, case: Case) -> Episode:
+    """Run the case's episode in a session of its own (rollout id: the library, so prompts repeat the harvest's)."""
+    info = bench.server.create_session(rollout_id=case.library, sampling=SESSION)
+    answer, error = "", ""
+    try:
+        answer = DRIVERS[case.library](info, **case.kwargs)
+    except Exception as exc:   # any failure is the case's finding, reported with the server's answer if it refused
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    session = bench.server.close_session(info.session_id)
+    return Episode(answer, error, session, bench.server.exchanges.pop(info.session_id, []))
+
+
+def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> CaseResult:
+    """The case's verdict and the checks of its token path."""
+    answer, error, exchanges = episode.answer, episode.error, episode.exchanges
+    session = episode.session
+    generations, rows = session.generations, session.ledger.rows()
+    refusals = [x for x in exchanges if x.status >= 400]
+    sent = not case.wire or any(carries(case, x.body) for x in exchanges)
+    served = [x for x in exchanges if x.status < 400]
+    effect = ""
+    if len(served) != len(generations):
+        effect = f"{len(served)} answered requests for {len(generations)} generations"
+    elif case.effect == "greedy":
+        effect = greedy_effect(bench.policy, [g for x, g in zip(served, generations) if carries(case, x.body)])
+    elif case.effect is not None:
+        effect = "; ".join(f"request {i}: {e}" for i, x in enumerate(served)
+                           if carries(case, x.body) and (e := EFFECTS[case.effect](x)))
+    try:
+        invariants.check_sampled_once(rows, generations)
+        sampled_once = ""
+    except ValueError as exc:
+        sampled_once = str(exc)
+    parity = recompute_gap(bench, rows) if rows else None
+    changed = sorted({f.name for g in generations for f in dataclasses.fields(invariants.Sampling)
+                      if getattr(g.sampling, f.name) != getattr(PLAIN, f.name)})
+    trap = recompute_gap(bench, [stripped(r) for r in rows]) if rows and changed else None
+    forced = "".join(dict.fromkeys(t for g in generations if (t := forced_text(bench.tokenizer, g))))
+
+    if refusals:
+        verdict, detail = "refused", f"{refusals[0].status}: {_error_message(refusals[0])}"
+    elif error:
+        verdict, detail = "failed", error
+    elif not sent:
+        verdict, detail = "not sent", f"no request carried {[p for p, _ in case.wire]}"
+    elif changed or forced or (case.effect is not None and not effect):
+        how = [f"sampling: {', '.join(changed)}"] if changed else []
+        how += [f"forced {forced!r}"] if forced else []
+        verdict, detail = "honoured", "; ".join(how) or f"effect seen ({case.effect}); sampling unchanged"
+    else:
+        verdict, detail = "no-op", "accepted; sampling unchanged"
+    return CaseResult(case.library, case.option, verdict, detail, answer[:120], len(generations),
+                      seals_per_turn(session.ledger, generations), sampled_once, effect, parity, trap, changed, forced,
+                      round(seconds, 2))
+
+
+def run_case(bench: Bench, case: Case) -> CaseResult:
+    start = time.monotonic()
+    episode = play(bench, case)
+    return judge(bench, case, episode, time.monotonic() - start)
+
+
+def _error_message(exchange: Exchange) -> str:
+    error = (exchange.reply or {}).get("error") or {}
+    return str(error.get("message", exchange.reply))[:300]
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+
+def _cell(result: dict | None) -> str:
+    if result is None:
+        return "—"
+    return f"{result['verdict']}: {result['detail']}".replace("|", "\\|").replace("\n", " ")
+
+
+def _gap(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1e}"
+
+
+def render(runs: dict) -> str:
+    """docs/compat-matrix.md from every labelled run: library x option -> before / after, then each run's checks."""
+    labels = [label for label in ("before", "after") if label in runs] + \
+        [label for label in runs if label not in ("before", "after")]
+    lines = ["# Agent libraries against the loopback server, option by option",
+             "",
+             "Written by `python bench/compat_matrix.py --label LABEL` (tests/test_compat.py asserts the same cases). "
+             "Each library runs one tool-calling episode, unchanged, against a LoopbackServer over a tiny Qwen3 taught "
+             "its tool format, on its defaults and then with one option switched on. *honoured*: the recorded sampling "
+             "changed (fields named), the server wrote context tokens for the model (`forced`), or the option's effect "
+             "was seen on every request that carried it; *no-op*: accepted, sampling unchanged; *refused*: the "
+             "server's 4xx and its reason; *failed*: the library raised for another reason.",
+             ""]
+    for label in labels:
+        run = runs[label]
+        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases in "
+                     f"{run['seconds']:.0f} s")
+    lines += ["", "## " + " / ".join(labels), "", "| library | option | " + " | ".join(labels) + " |",
+              "|---|---|" + "---|" * len(labels)]
+    keyed = {label: {(r["library"], r["option"]): r for r in runs[label]["results"]} for label in labels}
+    order = list(dict.fromkeys(key for label in labels for key in keyed[label]))
+    for library, option in order:
+        lines.append(f"| {library} | {option} | " +
+                     " | ".join(_cell(keyed[label].get((library, option))) for label in labels) + " |")
+    for label in labels:
+        lines += ["", f"## The token path, {label}", "",
+                  "| library | option | turns | seals per turn | tokens exactly once | effect | max \\|behavior - "
+                  "recompute\\| | trap (plain sampling) | s |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in runs[label]["results"]:
+            once = "yes" if not r["sampled_once"] else f"NO: {r['sampled_once'][:80]}"
+            effect = r["effect"].replace("|", "\\|")[:100] or "ok"
+            lines.append(f"| {r['library']} | {r['option']} | {r['turns']} | {r['seals']} | "
+                         f"{once if r['turns'] else '—'} | {effect} | {_gap(r['parity'])} | {_gap(r['trap'])} | "
+                         f"{r['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run every (library, option) case against the loopback server and "
+                                                 "write its row to the compatibility table.")
+    parser.add_argument("--label", required=True, help="the run's name in the table, e.g. before or after")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "compat-matrix.md"),
+                        help="the table (its runs are kept beside it, in the .json of the same name)")
+    parser.add_argument("--only", nargs="*", choices=sorted(DRIVERS), help="run these libraries only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    bench = build_bench()
+    results = []
+    try:
+        for case in CASES:
+            if args.only and case.library not in args.only:
+                continue
+            result = run_case(bench, case)
+            print(f"{case.name:60s} {result.verdict:9s} {result.detail[:90]}", flush=True)
+            results.append(dataclasses.asdict(result))
+    finally:
+        bench.server.stop()
+    store = os.path.splitext(args.out)[0] + ".json"
+    runs = json.load(open(store)) if os.path.exists(store) else {}
+    tree = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    runs[args.label] = {"tree": tree.stdout.strip() + (" + uncommitted changes" if dirty else ""),
+                        "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": time.monotonic() - start,
+                        "results": results}
+    with open(store, "w") as f:
+        json.dump(runs, f, indent=1)
+    with open(args.out, "w") as f:
+        f.write(render(runs))
+    print(f"wrote {args.out} and {store}")
+
+
+if __name__ == "__main__":
+    main()
