@@ -1,8 +1,10 @@
 # Every workload recipe runs two RL steps on this CPU through the real command line (train.py), on the model it
 # would use here or a tiny one, with its real agent: geo3k with a VLM, the python tool and the sandbox (Env and
 # OpenAI-SDK forms), multi-turn tool use, code execution graded by hidden tests (a gymnasium env), LLM-as-judge with
-# a frozen judge, and on-policy distillation from a frozen teacher. Held-out evaluation (--eval.every, and
-# `train.py eval CHECKPOINT`) runs through the same command line.
+# a frozen judge, on-policy distillation from a frozen teacher, and the agent ecosystem's own pieces (an OpenAI
+# Agents SDK Agent with a function tool, a verifiers environment, a reasoning-gym task set). Held-out evaluation
+# (--eval.every, and `train.py eval CHECKPOINT`) runs through the same command line. train.py checks every
+# rollout's sampled tokens are trainable exactly once (invariants.check_sampled_once), so each run proves it.
 import json
 import os
 import subprocess
@@ -76,6 +78,24 @@ def test_each_workload_recipe_runs_two_steps_on_a_tiny_model(recipe, key, tmp_pa
     records, _ = train(str(tmp_path / "out"), "--recipe", recipe, "--model", "tiny-qwen3",
                        "--rollout.max_tokens", "24")
     assert all(r["rollout/count"] == 4 and key in r for r in records)
+    assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
+
+
+def test_an_openai_agents_sdk_agent_calls_its_function_tool_through_train_py(tmp_path):
+    records, stdout = train(str(tmp_path / "out"), "--recipe", "agents_sdk")
+    assert "agents_sdk: a PIPELINE run" in stdout
+    assert all(r["rollout/count"] == 4 for r in records) and sum(r["agent/tool_calls"] for r in records) > 0
+    assert max(r["rollout/turns"] for r in records) > 1 and all(r["rollout/seals_per_rollout"] == 0 for r in records)
+    assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
+
+
+@pytest.mark.parametrize("recipe, keys", [
+    ("verifiers_env", {"agent/correct_answer", "agent/boxed", "agent/num_turns"}),   # the rubric's functions
+    ("reasoning_gym", {"agent/answered"}),
+])
+def test_an_environment_librarys_recipe_runs_two_steps_on_a_tiny_model(recipe, keys, tmp_path):
+    records, _ = train(str(tmp_path / "out"), "--recipe", recipe, "--model", "tiny-qwen3", "--rollout.max_tokens", "8")
+    assert all(r["rollout/count"] == 4 and keys <= set(r) for r in records)
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
 
 
