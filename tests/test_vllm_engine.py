@@ -30,11 +30,12 @@ from vllm_engine import VLLMEngine  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 VERSION = 3
+HEAD_DIM = 64 if torch.cuda.is_available() else 32    # vLLM's CPU attention needs >= 32, its GPU kernels 64
 
 
 @pytest.fixture(scope="module")
 def path():
-    return models.tiny_model_dir("qwen3", head_dim=32)     # vLLM's CPU attention needs head_dim >= 32
+    return models.tiny_model_dir("qwen3", head_dim=HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +354,7 @@ def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
 def sharp(tmp_path_factory):
     """test_sampling's sharpened tiny model at vLLM's head_dim (loaded into the module's engine by each test) and an
     actor on it."""
-    folder = sharp_model_dir(str(tmp_path_factory.mktemp("sharp")), head_dim=32)
+    folder = sharp_model_dir(str(tmp_path_factory.mktemp("sharp")), head_dim=HEAD_DIM)
     return models.load_model(folder), actor.Actor(folder, actor.ActorConfig(precision="fp32"), total_steps=1)
 
 
