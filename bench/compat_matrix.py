@@ -77,8 +77,8 @@ warnings.filterwarnings("ignore", message=".*create_react_agent has been moved.*
 MODEL = "policy"                # the model name every library sends (the server serves one)
 SESSION = SamplingParams(temperature=0.7, max_tokens=64, seed=17)   # the runner's defaults: what a request overrides
 PLAIN = invariants.Sampling(temperature=SESSION.temperature, top_p=SESSION.top_p, top_k=SESSION.top_k)
-PARITY_TOL = 1e-4               # |behavior - recompute| at most this (the fp32 CPU path agrees to ~1e-6)
-TRAP_MIN = 1e-3                 # the stripped recompute must differ by more than this where sampling changed
+PARITY_TOL = 1e-4               # |behavior - recompute| at most this (the fp32 CPU path agrees to ~1e-5); the trap:
+                                # where an option changed the sampling, the recompute without it must miss this
 
 
 # ---- the episodes: one task per library, and what the model is taught to answer ------------------------------
@@ -307,7 +307,7 @@ ZERO_PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0))
 REQUIRED, NONE = (("tool_choice", "required"),), (("tool_choice", "none"),)
 GREEDY, PARALLEL = (("temperature", 0),), (("parallel_tool_calls", False),)
 JSON_SCHEMA, JSON_OBJECT = (("response_format.type", "json_schema"),), (("response_format.type", "json_object"),)
-REASONING = (("reasoning_effort", "low"),)
+REASONING, NO_REASONING = (("reasoning_effort", "low"),), (("reasoning_effort", "none"),)
 
 
 def _wire_of(fields: dict) -> tuple:
@@ -329,7 +329,9 @@ CASES = [
     Case("openai-agents", "store, metadata, service_tier",
          {"settings": {"store": True, "metadata": {"run": "compat"}, "extra_args": {"service_tier": "auto"}}},
          _wire_of(NO_OP_FIELDS)),
-    Case("openai-agents", "reasoning.effort", {"settings": {"reasoning": Reasoning(effort="low")}}, REASONING),
+    Case("openai-agents", "reasoning.effort=low", {"settings": {"reasoning": Reasoning(effort="low")}}, REASONING),
+    Case("openai-agents", "reasoning.effort=none", {"settings": {"reasoning": Reasoning(effort="none")}},
+         NO_REASONING),
 
     Case("pydantic-ai", "default", {}),
     Case("pydantic-ai", "output_type (ToolOutput)", {"output": Capital, "ask": CAPITAL_ASK + RESULT_ASK}, REQUIRED,
@@ -349,7 +351,9 @@ CASES = [
          ZERO_PENALTIES),
     Case("pydantic-ai", "openai_store, service_tier", {"settings": {"openai_store": True, "service_tier": "auto"}},
          (("store", True), ("service_tier", "auto"))),
-    Case("pydantic-ai", "openai_reasoning_effort", {"settings": {"openai_reasoning_effort": "low"}}, REASONING),
+    Case("pydantic-ai", "openai_reasoning_effort=low", {"settings": {"openai_reasoning_effort": "low"}}, REASONING),
+    Case("pydantic-ai", "openai_reasoning_effort=none", {"settings": {"openai_reasoning_effort": "none"}},
+         NO_REASONING),
 
     Case("langchain", "default", {}),
     Case("langchain", "tool_choice=required", {"first_bind": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
@@ -367,7 +371,8 @@ CASES = [
     Case("langchain", "zero penalties", {"chat": {"frequency_penalty": 0, "presence_penalty": 0}}, ZERO_PENALTIES),
     Case("langchain", "store, service_tier", {"chat": {"store": True, "service_tier": "auto"}},
          (("store", True), ("service_tier", "auto"))),
-    Case("langchain", "reasoning_effort", {"chat": {"reasoning_effort": "low"}}, REASONING),
+    Case("langchain", "reasoning_effort=low", {"chat": {"reasoning_effort": "low"}}, REASONING),
+    Case("langchain", "reasoning_effort=none", {"chat": {"reasoning_effort": "none"}}, NO_REASONING),
 
     Case("smolagents", "default (tool_choice=required)", {}, REQUIRED, "tool_call"),
     Case("smolagents", "tool_choice=auto", {"model_kwargs": {"tool_choice": "auto"}}, (("tool_choice", "auto"),)),
@@ -379,7 +384,8 @@ CASES = [
     Case("smolagents", "zero penalties", {"model_kwargs": {"frequency_penalty": 0, "presence_penalty": 0}},
          ZERO_PENALTIES),
     Case("smolagents", "store, metadata, service_tier", {"model_kwargs": dict(NO_OP_FIELDS)}, _wire_of(NO_OP_FIELDS)),
-    Case("smolagents", "reasoning_effort", {"model_kwargs": {"reasoning_effort": "low"}}, REASONING),
+    Case("smolagents", "reasoning_effort=low", {"model_kwargs": {"reasoning_effort": "low"}}, REASONING),
+    Case("smolagents", "reasoning_effort=none", {"model_kwargs": {"reasoning_effort": "none"}}, NO_REASONING),
 
     Case("litellm", "default", {}),
     Case("litellm", "tool_choice=required", {"first": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
@@ -397,7 +403,8 @@ CASES = [
     Case("litellm", "zero penalties", {"params": {"frequency_penalty": 0, "presence_penalty": 0}}, ZERO_PENALTIES),
     Case("litellm", "store, service_tier", {"params": {"store": True, "service_tier": "auto"}},
          (("store", True), ("service_tier", "auto"))),
-    Case("litellm", "reasoning_effort", {"params": {"reasoning_effort": "low"}}, REASONING),
+    Case("litellm", "reasoning_effort=low", {"params": {"reasoning_effort": "low"}}, REASONING),
+    Case("litellm", "reasoning_effort=none", {"params": {"reasoning_effort": "none"}}, NO_REASONING),
 
     Case("anthropic", "default", {}),
     Case("anthropic", "tool_choice=any", {"first": {"tool_choice": {"type": "any"}}},
@@ -412,8 +419,10 @@ CASES = [
     Case("anthropic", "temperature=0 (extra_body)", {"params": {"extra_body": {"temperature": 0}}}, GREEDY, "greedy"),
     Case("anthropic", "metadata, service_tier", {"params": {"metadata": {"user_id": "compat"}, "service_tier": "auto"}},
          (("metadata", {"user_id": "compat"}), ("service_tier", "auto"))),
-    Case("anthropic", "thinking", {"params": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
-                                   "max_tokens": 1100}, (("thinking.type", "enabled"),)),
+    Case("anthropic", "thinking=enabled", {"params": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+                                           "max_tokens": 1100}, (("thinking.type", "enabled"),)),
+    Case("anthropic", "thinking=disabled", {"params": {"thinking": {"type": "disabled"}}},
+         (("thinking.type", "disabled"),)),
 ]
 
 
@@ -514,6 +523,7 @@ class Bench:
     model_dir: str
     server: WitnessServer
     policy: actor.Actor         # the trainer's recompute, fp32 on the CPU
+    defaults: dict = field(default_factory=dict)   # library -> its default case's Mark: what an option adds to
 
 
 def build_bench(steps: int = 400) -> Bench:
@@ -538,10 +548,28 @@ class CaseResult:
     sampled_once: str           # "" when every sampled token is trainable exactly once, else the check's error
     effect: str                 # "" when every request that carried the option shows its effect, else what failed
     parity: float | None        # max |behavior - recompute| over trainable tokens (None: nothing was sampled)
-    trap: float | None          # max |behavior - recompute with plain sampling| (None: the sampling did not change)
-    changed: list[str] = field(default_factory=list)   # the Sampling fields the option changed
-    forced: str = ""            # text the server wrote after the generation prompt on the model's behalf
+    trap: float | None          # max |behavior - recompute with what it added stripped| (None: it added nothing)
+    changed: list[str] = field(default_factory=list)   # the Sampling fields the option changed from the default's
+    forced: str = ""            # text the option made the server write after the generation prompt, for the model
     seconds: float = 0.0
+
+
+@dataclass
+class Mark:
+    """What a library's requests did to the sampling and the prompt on its defaults: a case's option is judged by
+    what it adds (smolagents' default already forces every call)."""
+    values: dict                # Sampling field -> the set of values its sampled tokens were drawn with
+    forced: set                 # texts written after the generation prompt
+
+    @staticmethod
+    def of(tokenizer, generations: list[Generation]) -> "Mark":
+        # generation_start is where a grammar's or a penalty's state begins, not a setting: it follows them
+        names = [f.name for f in dataclasses.fields(invariants.Sampling) if f.name != "generation_start"]
+        return Mark({name: {getattr(g.sampling, name) for g in generations} for name in names},
+                    {t for g in generations if (t := forced_text(tokenizer, g))})
+
+
+PLAIN_MARK = Mark({f.name: {getattr(PLAIN, f.name)} for f in dataclasses.fields(invariants.Sampling)}, set())
 
 
 def carries(case: Case, body: dict) -> bool:
@@ -638,9 +666,11 @@ def recompute_gap(bench: Bench, rows: list[invariants.Segment]) -> float:
     return (recomputed - batch.behavior_logprobs)[trainable].abs().max().item()
 
 
-def stripped(row: invariants.Segment) -> invariants.Segment:
-    """The row with every trainable token's sampling set back to the session's plain sampling (the trap)."""
-    return dataclasses.replace(row, sampling=[PLAIN if t else s for s, t in zip(row.sampling, row.trainable)])
+def stripped(row: invariants.Segment, fields: list[str]) -> invariants.Segment:
+    """The row with `fields` of every trainable token's sampling set back to the session's plain values (the trap)."""
+    plain = {name: getattr(PLAIN, name) for name in fields}
+    return dataclasses.replace(row, sampling=[dataclasses.replace(s, **plain) if t else s
+                                              for s, t in zip(row.sampling, row.trainable)])
 
 
 def forced_text(tokenizer, generation: Generation) -> str:
@@ -691,10 +721,15 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     except ValueError as exc:
         sampled_once = str(exc)
     parity = recompute_gap(bench, rows) if rows else None
-    changed = sorted({f.name for g in generations for f in dataclasses.fields(invariants.Sampling)
-                      if getattr(g.sampling, f.name) != getattr(PLAIN, f.name)})
-    trap = recompute_gap(bench, [stripped(r) for r in rows]) if rows and changed else None
-    forced = "".join(dict.fromkeys(t for g in generations if (t := forced_text(bench.tokenizer, g))))
+    mark = Mark.of(bench.tokenizer, generations)
+    if case.option.startswith("default"):
+        bench.defaults[case.library], base = mark, PLAIN_MARK
+    else:
+        base = bench.defaults.get(case.library) or baseline(bench, case.library)
+    changed = sorted(name for name, values in mark.values.items() if generations and values != base.values[name])
+    forced = " | ".join(repr(t) for t in sorted(mark.forced - base.forced))
+    added = [name for name in changed if mark.values[name] != {getattr(PLAIN, name)}]   # not only switched off
+    trap = recompute_gap(bench, [stripped(r, added + ["generation_start"]) for r in rows]) if rows and added else None
 
     if refusals:
         verdict, detail = "refused", f"{refusals[0].status}: {_error_message(refusals[0])}"
@@ -704,7 +739,7 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
         verdict, detail = "not sent", f"no request carried {[p for p, _ in case.wire]}"
     elif changed or forced or (case.effect is not None and not effect):
         how = [f"sampling: {', '.join(changed)}"] if changed else []
-        how += [f"forced {forced!r}"] if forced else []
+        how += [f"forced {forced}"] if forced else []
         verdict, detail = "honoured", "; ".join(how) or f"effect seen ({case.effect}); sampling unchanged"
     else:
         verdict, detail = "no-op", "accepted; sampling unchanged"
@@ -717,6 +752,12 @@ def run_case(bench: Bench, case: Case) -> CaseResult:
     start = time.monotonic()
     episode = play(bench, case)
     return judge(bench, case, episode, time.monotonic() - start)
+
+
+def baseline(bench: Bench, library: str) -> Mark:
+    """The library's default case, run once (its Mark is kept in bench.defaults)."""
+    run_case(bench, next(c for c in CASES if c.library == library and c.option.startswith("default")))
+    return bench.defaults[library]
 
 
 def _error_message(exchange: Exchange) -> str:
