@@ -472,7 +472,8 @@ def load_agent_runner(path: str) -> type:
     runner = getattr(module, "AgentRunner", None)
     if runner is None:
         del sys.modules[spec.name]
-        raise ValueError(f"{path} does not export AgentRunner; add e.g. `class AgentRunner(EnvRunner): env_cls = MyEnv`")
+        raise ValueError(f"{path} does not export AgentRunner; add e.g. "
+                         f"`class AgentRunner(EnvRunner): env_cls = MyEnv`")
     return runner
 
 

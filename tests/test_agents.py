@@ -1,7 +1,10 @@
 # The agent contract, driven through a real EmbeddedEngine over a tiny Qwen3 and the BPE tokenizer: a multi-turn
 # episode becomes one training row whose trainable tokens are exactly the engine's samples (invariant 1) with the
 # engine's logprobs and versions (invariant 2); groups run in lockstep; turn and length budgets truncate; a
-# failing or hanging env loses only its own rollout; recipes load from a file path; the math recipe grades.
+# failing or hanging env (its constructor included) loses only its own rollout; an info's numpy and torch numbers
+# are logged; recipes load from a file path; the math recipe grades; `agents` is also the OpenAI Agents SDK's
+# package (its names and submodules beside ours, verifiers' ToolEnv importing it, clashes refused), and the SDK's
+# Runner drives a function tool through a loopback session.
 import asyncio
 import dataclasses
 import gc
