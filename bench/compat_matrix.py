@@ -4,14 +4,15 @@
 # Each library (openai-agents, pydantic-ai, langchain-openai + langgraph, smolagents, litellm, the anthropic SDK's
 # tool-use loop) runs one short tool-calling episode, unchanged, against a real LoopbackServer over a real
 # EmbeddedEngine: on its defaults, then with each option it exposes switched on, one at a time (CASES). A case says:
-#   verdict  refused (the server's 4xx, with its reason), failed (the library raised for another reason), honoured
-#            (the recorded sampling changed, the server wrote context tokens on the model's behalf, or the option's
-#            effect was seen on every request that carried it), or no-op (accepted, and nothing it could change did);
+#   verdict  refused (the server's 4xx, with its reason), failed (the library raised for another reason), not sent
+#            (the library dropped the option), honoured (against the library's default episode: the recorded sampling
+#            changed, the server wrote context tokens on the model's behalf, or the option's effect was seen on every
+#            request that carried it), or no-op (accepted, and none of that happened);
 #   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's ledger);
 #   seals    per turn, whether its prompt sealed the segment (a library that re-renders its history seals);
-#   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the ledger's rows), and
-#            the trap: the same recompute with each token's recorded sampling stripped back to the session's plain
-#            sampling, which must differ wherever the option changed what was sampled (invariant 3).
+#   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the batch train.py would
+#            build from the ledger's rows), and the trap: the same recompute with what the option added to each
+#            token's recorded sampling stripped back to the session's plain values, which must miss (invariant 3).
 # The model is a tiny Qwen3 taught each library's episodes (models.taught_tiny_model_dir). The conversations are what
 # the libraries themselves send, harvested at the start of every run through the same server with an engine that
 # answers from the script (ScriptEngine: it samples nothing and nothing is trained on it), rendered by tracerl's
@@ -219,7 +220,8 @@ SMOLAGENTS_SYSTEM = "Solve the task with tool calls, one step at a time. Give th
 def drive_smolagents(info, model_kwargs: dict | None = None) -> str:
     """smolagents' ToolCallingAgent over OpenAIServerModel; its answer is its final_answer tool's argument. Its system
     prompt is set short through prompt_templates (the library's own knob): the default's 2,400 tokens of worked
-    examples would make teaching the tiny model cost minutes more, and change nothing on the wire."""
+    examples (in this tokenizer) would make teaching the tiny model cost minutes more, and no request field
+    depends on it."""
     model = OpenAIServerModel(model_id=MODEL, api_base=info.base_url, api_key=info.api_key, **(model_kwargs or {}))
     agent = ToolCallingAgent(tools=[multiply], model=model, max_steps=3, verbosity_level=0)
     agent.prompt_templates["system_prompt"] = SMOLAGENTS_SYSTEM
@@ -723,7 +725,7 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     parity = recompute_gap(bench, rows) if rows else None
     mark = Mark.of(bench.tokenizer, generations)
     if case.option.startswith("default"):
-        bench.defaults[case.library], base = mark, PLAIN_MARK
+        bench.defaults[case.library], base = mark if generations else PLAIN_MARK, PLAIN_MARK   # (refused: plain)
     else:
         base = bench.defaults.get(case.library) or baseline(bench, case.library)
     changed = sorted(name for name, values in mark.values.items() if generations and values != base.values[name])
@@ -767,10 +769,11 @@ def _error_message(exchange: Exchange) -> str:
 
 # ---- the table ---------------------------------------------------------------------------------------------------
 
-def _cell(result: dict | None) -> str:
+def _cell(result: dict | None, width: int = 150) -> str:
     if result is None:
         return "—"
-    return f"{result['verdict']}: {result['detail']}".replace("|", "\\|").replace("\n", " ")
+    text = f"**{result['verdict']}**: {result['detail']}"
+    return (text if len(text) <= width else text[:width] + "…").replace("|", "\\|").replace("\n", " ")
 
 
 def _gap(value: float | None) -> str:
@@ -792,8 +795,8 @@ def render(runs: dict) -> str:
              ""]
     for label in labels:
         run = runs[label]
-        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases in "
-                     f"{run['seconds']:.0f} s")
+        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run["results"])} cases, "
+                     f"{run['seconds']:.0f} s from teaching the model (or finding it cached) to the last case")
     lines += ["", "## " + " / ".join(labels), "", "| library | option | " + " | ".join(labels) + " |",
               "|---|---|" + "---|" * len(labels)]
     keyed = {label: {(r["library"], r["option"]): r for r in runs[label]["results"]} for label in labels}
