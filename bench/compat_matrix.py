@@ -795,7 +795,7 @@ def render(runs: dict) -> str:
              ""]
     for label in labels:
         run = runs[label]
-        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run["results"])} cases, "
+        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases, "
                      f"{run['seconds']:.0f} s from teaching the model (or finding it cached) to the last case")
     lines += ["", "## " + " / ".join(labels), "", "| library | option | " + " | ".join(labels) + " |",
               "|---|---|" + "---|" * len(labels)]
