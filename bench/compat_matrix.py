@@ -5,9 +5,10 @@
 # tool-use loop) runs one short tool-calling episode, unchanged, against a real LoopbackServer over a real
 # EmbeddedEngine: on its defaults, then with each option it exposes switched on, one at a time (CASES). A case says:
 #   verdict  refused (the server's 4xx, with its reason), failed (the library raised for another reason), not sent
-#            (the library dropped the option), honoured (against the library's default episode: the recorded sampling
-#            changed, the server wrote context tokens on the model's behalf, or the option's effect was seen on every
-#            request that carried it), or no-op (accepted, and none of that happened);
+#            (the library dropped the option), not honoured (accepted, but a reply lacks the option's effect),
+#            honoured (against the library's default episode: the recorded sampling changed, the server wrote
+#            context tokens on the model's behalf or ended replies at a stop string of its own, or the option's
+#            effect was seen on every request that carried it), or no-op (accepted, and none of that happened);
 #   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's ledger);
 #   seals    per turn, whether its prompt sealed the segment (a library that re-renders its history seals);
 #   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the batch train.py would
@@ -542,7 +543,7 @@ def build_bench(steps: int = 400) -> Bench:
 class CaseResult:
     library: str
     option: str
-    verdict: str                # refused | failed | not sent | honoured | no-op
+    verdict: str                # refused | failed | not sent | not honoured | honoured | no-op
     detail: str                 # the server's reason, the error, or what the option changed
     answer: str                 # the library's final answer (or "")
     turns: int                  # generations committed to the session's ledger
@@ -562,16 +563,18 @@ class Mark:
     what it adds (smolagents' default already forces every call)."""
     values: dict                # Sampling field -> the set of values its sampled tokens were drawn with
     forced: set                 # texts written after the generation prompt
+    stops: set                  # stop strings that ended a reply
 
     @staticmethod
     def of(tokenizer, generations: list[Generation]) -> "Mark":
         # generation_start is where a grammar's or a penalty's state begins, not a setting: it follows them
         names = [f.name for f in dataclasses.fields(invariants.Sampling) if f.name != "generation_start"]
         return Mark({name: {getattr(g.sampling, name) for g in generations} for name in names},
-                    {t for g in generations if (t := forced_text(tokenizer, g))})
+                    {t for g in generations if (t := forced_text(tokenizer, g))},
+                    {g.stop_string for g in generations if g.stop_string})
 
 
-PLAIN_MARK = Mark({f.name: {getattr(PLAIN, f.name)} for f in dataclasses.fields(invariants.Sampling)}, set())
+PLAIN_MARK = Mark({f.name: {getattr(PLAIN, f.name)} for f in dataclasses.fields(invariants.Sampling)}, set(), set())
 
 
 def carries(case: Case, body: dict) -> bool:
@@ -717,6 +720,11 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     elif case.effect is not None:
         effect = "; ".join(f"request {i}: {e}" for i, x in enumerate(served)
                            if carries(case, x.body) and (e := EFFECTS[case.effect](x)))
+    if case.effect == "json" and not any(_reply_calls(x) for x in served) and any(
+            carries(case, x.body) and x.body.get("tools") and x.body.get("tool_choice", "auto") == "auto"
+            for x in served):    # OpenAI's structured outputs shape the answer; the tools offered stay callable
+        effect = "; ".join(filter(None, [effect, "the tools offered beside the response format were never called "
+                                                 "(the episode's script calls one first)"]))
     try:
         invariants.check_sampled_once(rows, generations)
         sampled_once = ""
@@ -730,6 +738,8 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
         base = bench.defaults.get(case.library) or baseline(bench, case.library)
     changed = sorted(name for name, values in mark.values.items() if generations and values != base.values[name])
     forced = " | ".join(repr(t) for t in sorted(mark.forced - base.forced))
+    asked = {stop for x in served for stop in _listed(x.body.get("stop") or x.body.get("stop_sequences"))}
+    stops = sorted(mark.stops - base.stops - asked)     # stop strings the server added (parallel_tool_calls=false)
     added = [name for name in changed if mark.values[name] != {getattr(PLAIN, name)}]   # not only switched off
     trap = recompute_gap(bench, [stripped(r, added + ["generation_start"]) for r in rows]) if rows and added else None
 
@@ -739,9 +749,12 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
         verdict, detail = "failed", error
     elif not sent:
         verdict, detail = "not sent", f"no request carried {[p for p, _ in case.wire]}"
-    elif changed or forced or (case.effect is not None and not effect):
+    elif effect:
+        verdict, detail = "not honoured", effect
+    elif changed or forced or stops or case.effect is not None:
         how = [f"sampling: {', '.join(changed)}"] if changed else []
         how += [f"forced {forced}"] if forced else []
+        how += [f"replies end at {', '.join(map(repr, stops))}"] if stops else []
         verdict, detail = "honoured", "; ".join(how) or f"effect seen ({case.effect}); sampling unchanged"
     else:
         verdict, detail = "no-op", "accepted; sampling unchanged"
@@ -760,6 +773,10 @@ def baseline(bench: Bench, library: str) -> Mark:
     """The library's default case, run once (its Mark is kept in bench.defaults)."""
     run_case(bench, next(c for c in CASES if c.library == library and c.option.startswith("default")))
     return bench.defaults[library]
+
+
+def _listed(value) -> list:
+    return [value] if isinstance(value, str) else list(value or [])
 
 
 def _error_message(exchange: Exchange) -> str:
@@ -788,10 +805,13 @@ def render(runs: dict) -> str:
              "",
              "Written by `python bench/compat_matrix.py --label LABEL` (tests/test_compat.py asserts the same cases). "
              "Each library runs one tool-calling episode, unchanged, against a LoopbackServer over a tiny Qwen3 taught "
-             "its tool format, on its defaults and then with one option switched on. *honoured*: the recorded sampling "
-             "changed (fields named), the server wrote context tokens for the model (`forced`), or the option's effect "
-             "was seen on every request that carried it; *no-op*: accepted, sampling unchanged; *refused*: the "
-             "server's 4xx and its reason; *failed*: the library raised for another reason.",
+             "what that library sends (its tool names, its final-answer convention), on its defaults and then with one "
+             "option switched on. Judged against the library's default episode: *honoured*: the recorded sampling "
+             "changed (the fields named), the server wrote context tokens for the model (`forced`) or ended replies "
+             "at a stop string of its own, or the option's effect was seen on every request that carried it; "
+             "*no-op*: accepted, and none of that; *not honoured*: accepted, but a reply lacks the option's effect; "
+             "*refused*: the server's 4xx and its reason; *failed*: the library raised for another reason; "
+             "*not sent*: the library dropped the option.",
              ""]
     for label in labels:
         run = runs[label]
