@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -815,8 +815,10 @@ def render(runs: dict) -> str:
              ""]
     for label in labels:
         run = runs[label]
-        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases, "
-                     f"{run['seconds']:.0f} s from teaching the model (or finding it cached) to the last case")
+        counts = Counter(r["verdict"] for r in run["results"])
+        lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases ("
+                     + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common()) + f"), {run['seconds']:.0f} s "
+                     "from teaching the model (or finding it cached) to the last case")
     lines += ["", "## " + " / ".join(labels), "", "| library | option | " + " | ".join(labels) + " |",
               "|---|---|" + "---|" * len(labels)]
     keyed = {label: {(r["library"], r["option"]): r for r in runs[label]["results"]} for label in labels}
