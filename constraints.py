@@ -1,5 +1,6 @@
-# constraints.py — grammar constraints on sampling: OpenAI response_format (json_object, json_schema) and a forced
-# tool call (tool_choice required / a named function), as masks over the next token.
+# constraints.py — grammar constraints on sampling: OpenAI response_format (json_object, json_schema), a forced
+# tool call (tool_choice required / a named function), and a response format with tools offered under tool_choice
+# auto (its JSON or tool calls), as masks over the next token.
 # Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
 #   refusal of schemas that are invalid, unsupported or too large, and the one function of (spec, tokenizer, ids)
 #   that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks` for the recompute.
@@ -21,7 +22,7 @@
 #   - special tokens: llguidance never allows a special token as text (xgrammar let <|endoftext|> into a JSON
 #     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
 #     (It counts every added token as special, so a JSON string spells "<think>" out; the tool-call suffix takes
-#     the tokenizer's own "</tool_call>" id as well, see _suffix_lark.)
+#     the tokenizer's own "<tool_call>" / "</tool_call>" ids as well, see _literal_lark.)
 #   Per-token mask time is sub-millisecond on average for both (llguidance's: `python constraints.py`).
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
@@ -51,8 +52,10 @@ MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs 
 MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
 MAX_SCHEMA_BREADTH = 256     # optional properties + 2 per anyOf/oneOf/allOf branch, whole schema (or all the tools)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
+TOOL_CALL_OPENING = "<tool_call>\n"  # data.py's ChatML template opens every tool call with it
 TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
 SPEC_FIELDS = ("kind", "schema", "suffix")  # + "stop" once bound
+CALL_FIELDS = ("parallel", "tools")         # with_tool_calls: both, or neither
 
 
 # ---- specs: what a request asks for, as canonical JSON text ----
@@ -128,6 +131,23 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     return _spec("tool_call", schema, TOOL_CALL_SUFFIX)
 
 
+def with_tool_calls(spec: str, tools: list[dict], parallel: bool) -> str:
+    """A response format's spec with tools offered under tool_choice auto (OpenAI: the format shapes the final
+    message, and the model may call tools instead): the reply is the spec's JSON, or tool calls as the chat template
+    writes them, TOOL_CALL_OPENING + one object of tool_call_spec(tools) + TOOL_CALL_SUFFIX, several joined by "\\n"
+    when `parallel` (else exactly one). The opening is the model's to sample here, never forced. Raises ValueError
+    for a spec that is not a response format's, and as tool_call_spec for the tools."""
+    fields = _parse(spec)
+    if fields["kind"] not in ("json_object", "json_schema") or set(fields) != set(SPEC_FIELDS):
+        raise ValueError(f"with_tool_calls takes an unbound response format spec (json_object_spec or "
+                         f"json_schema_spec), got {spec!r:.120}")
+    if not isinstance(parallel, bool):
+        raise ValueError(f"parallel must be true or false, got {parallel!r}")
+    calls = _parse(tool_call_spec(tools))["schema"]   # the tools checked and bounded as a forced call's
+    return json.dumps({**fields, "kind": fields["kind"] + "_or_tool_calls", "tools": calls, "parallel": parallel},
+                      sort_keys=True, separators=(",", ":"))
+
+
 def bind(spec: str, stop_token_ids: Sequence[int]) -> str:
     """The spec with the stop ids the engine ends on (sorted, unique): the grammar allows one of them, and only
     them, once the JSON (and suffix) is complete. The engine records the bound spec in Sampling.constraint."""
@@ -145,10 +165,12 @@ def _parse(spec: str) -> dict:
         fields = json.loads(spec)
     except (TypeError, ValueError):
         fields = None
-    if (not isinstance(fields, dict) or set(fields) - {"stop"} != set(SPEC_FIELDS)
-            or not all(isinstance(fields[k], str) for k in SPEC_FIELDS)):
+    extra = set(fields) - {"stop"} - set(SPEC_FIELDS) if isinstance(fields, dict) else None
+    if (extra not in (set(), set(CALL_FIELDS)) or not all(isinstance(fields.get(k), str) for k in SPEC_FIELDS)
+            or (extra and not (isinstance(fields["tools"], str) and isinstance(fields["parallel"], bool)))):
         raise ValueError(f"{spec!r:.120} is not a constraint spec; build one with constraints.json_object_spec, "
-                         f"json_schema_spec or tool_call_spec (and bind it to the stop ids)")
+                         f"json_schema_spec or tool_call_spec (with_tool_calls for a format with tools offered), "
+                         f"and bind it to the stop ids")
     return fields
 
 
@@ -247,30 +269,39 @@ def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
 
-def _suffix_lark(suffix: str, tokenizer) -> str:
-    """The suffix as a Lark sequence. llguidance treats every added token as special, so a non-special added token
-    of this tokenizer that spells part of the suffix (Qwen's "</tool_call>") is allowed as itself or as text."""
-    if not suffix:
+def _literal_lark(text: str, tokenizer) -> str:
+    """Literal text as a Lark sequence. llguidance treats every added token as special, so a non-special added token
+    of this tokenizer that spells part of the text (Qwen's "<tool_call>", "</tool_call>") is allowed as itself or as
+    text."""
+    if not text:
         return ""
     added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()
-             if not t.special and t.content and t.content in suffix}
+             if not t.special and t.content and t.content in text}
     if not added:
-        return json.dumps(suffix)
-    pieces = re.split("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")", suffix)
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")", text)
     return " ".join(f"({json.dumps(p)} | <[{added[p]}]>)" if p in added else json.dumps(p) for p in pieces if p)
 
 
 def lark_grammar(spec: str, tokenizer) -> str:
     """The bound spec as one llguidance Lark grammar for this tokenizer: the JSON body (its schema with JSON_LAYOUT),
-    the suffix, then one of the stop ids. vLLM's guidance backend takes this same text, so the vLLM engine, the
-    embedded engine and the replay all mask with one grammar."""
+    the suffix, then one of the stop ids; with tool calls admitted (with_tool_calls), the body or the calls. vLLM's
+    guidance backend takes this same text, so the vLLM engine, the embedded engine and the replay all mask with one
+    grammar."""
     fields = _parse(spec)
     if "stop" not in fields:
         raise ValueError("the constraint is not bound to stop ids; the engine calls constraints.bind(spec, "
                          "stop_token_ids) and records the bound spec")
     body = dict(json.loads(fields["schema"]), **{"x-guidance": JSON_LAYOUT})
     stop = " | ".join(f"<[{t}]>" for t in fields["stop"])
-    return f"start: body {_suffix_lark(fields['suffix'], tokenizer)} ({stop})\nbody: %json {json.dumps(body)}"
+    grammar = f"body: %json {json.dumps(body)}"
+    if "tools" not in fields:
+        return f"start: body {_literal_lark(fields['suffix'], tokenizer)} ({stop})\n{grammar}"
+    tool = dict(json.loads(fields["tools"]), **{"x-guidance": JSON_LAYOUT})
+    calls = 'call ("\\n" call)*' if fields["parallel"] else "call"
+    return (f"start: (body | calls) ({stop})\n{grammar}\ncalls: {calls}\n"
+            f"call: {_literal_lark(TOOL_CALL_OPENING, tokenizer)} tool {_literal_lark(TOOL_CALL_SUFFIX, tokenizer)}\n"
+            f"tool: %json {json.dumps(tool)}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,7 +1,8 @@
 # Tests for constraints.py: grammar-constrained random walks over real tokenizers (the tiny BPE one and SmolLM2's)
 # always end in JSON valid for the schema, the trainer's replay gives the walk's masks exactly, a row that leaves its
-# grammar is refused by position, forced tool calls parse as calls of a listed tool, specs are canonical, and hostile
-# schemas are refused quickly with messages that say what is accepted.
+# grammar is refused by position, forced tool calls parse as calls of a listed tool, a response format with tools
+# offered yields its JSON or tool calls (one, or several when parallel), specs are canonical, and hostile schemas
+# are refused quickly with messages that say what is accepted.
 import json
 import os
 import subprocess
@@ -236,6 +237,60 @@ def test_the_tool_call_suffix_takes_the_tokenizers_own_closing_token(tiny):
     assert constraints.replay_masks(bound, tiny, spelled, len(tiny)).shape[0] == len(spelled)
 
 
+# ---- a response format with tools offered (tool_choice auto): its JSON, or tool calls ----
+
+CALLABLE = [TOOLS[0], TOOLS[2]]   # bounded arguments: a uniform walk ends in a few hundred tokens
+
+
+def parse_reply(text: str, schema: dict) -> tuple[str, list[dict]]:
+    """("json", []) for JSON valid for the schema, ("calls", calls) for Hermes tool calls of CALLABLE's tools with
+    valid arguments joined by "\n"; anything else fails."""
+    if not text.startswith("<tool_call>"):
+        jsonschema.validate(json.loads(text), schema)
+        return "json", []
+    pieces = ("\n" + text).split("\n" + constraints.TOOL_CALL_OPENING)   # JSON in this layout holds no raw "\n"
+    assert pieces[0] == "" and len(pieces) > 1, text
+    parameters, calls = {t["function"]["name"]: t["function"]["parameters"] for t in CALLABLE}, []
+    for block in pieces[1:]:
+        calls.append(parse_tool_call(block))
+        jsonschema.validate(calls[-1]["arguments"], parameters[calls[-1]["name"]])
+    return "calls", calls
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_format_with_tools_offered_walks_to_its_json_or_to_calls_of_listed_tools(tiny, parallel):
+    spec = constraints.with_tool_calls(constraints.json_schema_spec(WEATHER), CALLABLE, parallel)
+    branches, counts, opening = set(), set(), tiny.convert_tokens_to_ids("<tool_call>")
+    for seed in range(16):
+        ids, masks, bound = walk(spec, tiny, seed)
+        assert masks[0][opening]                    # the opening is the model's own token to sample, not forced
+        branch, calls = parse_reply(tiny.decode(ids[:-1]), WEATHER)
+        branches.add(branch)
+        counts.add(len(calls))
+        assert torch.equal(constraints.replay_masks(bound, tiny, ids, len(tiny) + PAD), masks)
+    assert branches == {"json", "calls"}            # both reached
+    assert (max(counts) > 1) == parallel            # several calls only when parallel; one call exactly otherwise
+
+
+def test_a_format_with_tools_takes_the_tokenizers_own_tool_call_tokens_and_refuses_json_after_a_call(tiny):
+    spec = constraints.bind(constraints.with_tool_calls(constraints.json_object_spec(), CALLABLE, True),
+                            [tiny.eos_token_id])
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    one = constraints.TOOL_CALL_OPENING + call + constraints.TOOL_CALL_SUFFIX
+    ids = tiny.encode(one + "\n" + one, add_special_tokens=False) + [tiny.eos_token_id]
+    assert {tiny.convert_tokens_to_ids("<tool_call>"), tiny.convert_tokens_to_ids("</tool_call>")} <= set(ids)
+    assert constraints.replay_masks(spec, tiny, ids, len(tiny)).shape[0] == len(ids)
+    spelled = [tiny.convert_tokens_to_ids(c) for c in "<tool_call>"] + tiny.encode(one[len("<tool_call>"):],
+                                                                                    add_special_tokens=False)
+    assert constraints.replay_masks(spec, tiny, spelled + [tiny.eos_token_id], len(tiny)).shape[0] == len(spelled) + 1
+    for bad in (one + "\n" + '{"a": 1}', '{"a": 1}' + "\n" + one, one.replace('"add"', '"rm"')):
+        with pytest.raises(ValueError, match="not allowed by the grammar"):
+            constraints.replay_masks(spec, tiny, tiny.encode(bad, add_special_tokens=False), len(tiny))
+    with pytest.raises(ValueError, match="not allowed by the grammar"):   # not parallel: one call, then the stop
+        constraints.replay_masks(constraints.bind(constraints.with_tool_calls(constraints.json_object_spec(),
+                                                                              CALLABLE, False), [2]), tiny, ids, len(tiny))
+
+
 # ---- specs ----
 
 def test_specs_are_canonical_deterministic_and_bind_round_trips(tiny):
@@ -261,6 +316,11 @@ def test_specs_are_canonical_deterministic_and_bind_round_trips(tiny):
     for bad in ([], [-1], "2", [True], [2.0]):
         with pytest.raises(ValueError, match="non-empty sequence of non-negative int stop ids"):
             constraints.bind(a, bad)
+    union = constraints.with_tool_calls(a, TOOLS, True)
+    assert union == constraints.with_tool_calls(constraints.json_schema_spec(json.loads(json.dumps(WEATHER))),
+                                                json.loads(json.dumps(TOOLS)), True)
+    assert json.loads(union)["tools"] == json.loads(constraints.tool_call_spec(TOOLS))["schema"]
+    assert list(json.loads(union)) == sorted(json.loads(union)) and union != constraints.with_tool_calls(a, TOOLS, False)
 
 
 def test_a_bound_spec_rebuilds_the_same_masks_in_another_process(tiny, tmp_path):
@@ -315,6 +375,12 @@ ATTACKS = {   # name: (the spec function, a builder of its arguments (built outs
     "no tools": (TOOL_CALL, lambda: ([],), "non-empty list"),
     "bad parameters": (TOOL_CALL, lambda: ([_one_tool("a"), _one_tool("b", {"type": "strnig"})],),
                        r"tools\[1\]\.function\.parameters is not a JSON Schema the grammar engine can"),
+    "calls on a forced call": (constraints.with_tool_calls, lambda: (TOOL_CALL([_one_tool("a")]), [_one_tool("a")],
+                                                                     True), "takes an unbound response format spec"),
+    "calls twice": (constraints.with_tool_calls, lambda: (constraints.with_tool_calls(
+        constraints.json_object_spec(), [_one_tool("a")], True), [_one_tool("a")], True), "unbound response format"),
+    "calls without tools": (constraints.with_tool_calls, lambda: (constraints.json_object_spec(), [], True),
+                            "non-empty list"),
     "tools too large together": (TOOL_CALL, lambda: ([_one_tool(f"t{i}", {"type": "object", "properties": {
         f"p{j}": {"type": "integer"} for j in range(100)}}) for i in range(12)],),
                                  r"the tools up to tools\[2\] come to a breadth of 306 .* name the one to call"),
