@@ -20,7 +20,10 @@
 # that opening, so an echo still extends the record bitwise. 'none' keeps the tools in the prompt (so the next
 # turn extends), never parses a call out of the reply, and bans a one-token '<tool_call>' with a -inf logit bias,
 # recorded in the sampling. Without parallel calls sampling ends at the first '</tool_call>', a stop string whose
-# text is kept (the tokens that wrote it are sampled and trainable, as a stop token is).
+# text is kept (the tokens that wrote it are sampled and trainable, as a stop token is). A response format (a JSON
+# grammar) with tools offered under 'auto' shapes the final message only, as on OpenAI: the sampling carries
+# constraints.with_tool_calls, its JSON or tool calls, the '<tool_call>' opening sampled by the model (trainable);
+# a forced call outranks the format (the tools' grammar replaces it).
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
 # key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
@@ -56,6 +59,7 @@ import torch
 from aiohttp import web, web_protocol
 from jinja2 import TemplateError
 
+import constraints
 import data
 import invariants
 import models
@@ -183,7 +187,7 @@ class ChatSession:
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
-        engine_params = replace(self._tool_sampling(params, options), max_tokens=min(params.max_tokens, room))
+        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room))
         gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
                                    **sticky)[0]
         text = opening + reply_text(self.tokenizer, gen, params.stop)
@@ -213,9 +217,13 @@ class ChatSession:
         self._echo_text = echo_text
         return wires.ChatTurn(message, gen, extended, stop_sequence)
 
-    def _tool_sampling(self, params: SamplingParams, options: wires.TurnOptions) -> SamplingParams:
+    def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'
-        (a -inf logit bias, recorded per token like any bias); no parallel calls stop at the first '</tool_call>'."""
+        (a -inf logit bias, recorded per token like any bias); 'auto' with tools lets a response format's grammar
+        take tool calls instead; no parallel calls stop at the first '</tool_call>'."""
+        if options.tool_choice == "auto" and tools and params.constraint is not None:
+            params = replace(params, constraint=constraints.with_tool_calls(params.constraint, tools,
+                                                                            options.parallel_tool_calls))
         if options.tool_choice == "none":
             opening = self.tokenizer.encode(CALL_OPENING.strip(), add_special_tokens=False)
             if len(opening) == 1:

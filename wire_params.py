@@ -56,8 +56,9 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     "reasoning_effort": (HONOURED, f"{_THINK}: 'none' sets it false, any other effort true; the template also gets "
                                    f"reasoning_effort itself"),
     "response_format": (HONOURED, "text (unconstrained), json_object, json_schema (strict or not): the reply's tokens "
-                                  "are masked by the grammar (xgrammar), recorded per token so the trainer applies "
-                                  "the same mask; a forced tool call takes the tools' grammar instead"),
+                                  "are masked by the grammar (llguidance), recorded per token so the trainer applies "
+                                  "the same mask; with tools offered under tool_choice auto the reply is that JSON "
+                                  "or tool calls; a forced tool call takes the tools' grammar instead"),
     "safety_identifier": (NO_OP, "an abuse-monitoring id"),
     "seed": (HONOURED, "a random stream of the request's own"),
     "service_tier": (NO_OP, "one engine pool serves every request alike"),
@@ -92,8 +93,8 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "inference_geo": (NO_OP, "one engine pool serves every request"),
     "metadata": (NO_OP, "a user id for abuse monitoring"),
     "output_config": (HONOURED, "format {'type': 'json_schema', 'schema'}: the reply's tokens are masked by the "
-                                "schema's grammar (strict), recorded per token; effort is a no-op (the thinking "
-                                "switch is 'thinking')"),
+                                "schema's grammar (strict), recorded per token, tool calls admitted too under "
+                                "tool_choice auto; effort is a no-op (the thinking switch is 'thinking')"),
     "service_tier": (NO_OP, "one engine pool serves every request alike"),
     "speed": (NO_OP, "decoding speed never changes what is sampled"),
     "stop_sequences": (HONOURED, "stop strings: the reply is cut before the one that ended it"),
