@@ -452,6 +452,23 @@ def test_a_json_schema_with_tools_offered_lets_the_model_call_a_tool_then_answer
         constraints.bind(constraints.json_schema_spec(VERDICT), [im_end])}
 
 
+def test_an_anthropic_output_format_with_tools_offered_calls_the_tool_then_answers_in_the_schema(format_server):
+    info = format_server.create_session(sampling=GREEDY)
+    claude, history = anthropic_client(info), list(ASK_JSON[1:])
+    request = dict(model="policy", max_tokens=40, system=ASK_JSON[0]["content"], tools=ANTHROPIC_TOOLS,
+                   output_config={"format": {"type": "json_schema", "schema": VERDICT}})
+    first = claude.messages.create(messages=history, **request)
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and [(b.name, b.input) for b in calls] == [("bash", {"cmd": "ls"})]
+    history += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                              "content": RESULTS[0]}]}]
+    final = claude.messages.create(messages=history, **request)
+    assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"]
+    jsonschema.validate(json.loads(final.content[0].text), VERDICT)
+    assert [s["seal_reason"] for s in trace(info)["segments"]] == [""]
+
+
 def test_response_format_text_is_unconstrained_and_json_object_records_its_grammar(server):
     im_end = server.tokenizer.convert_tokens_to_ids("<|im_end|>")
     plain, text = (server.create_session(sampling=SamplingParams(**BASE, seed=2)) for _ in range(2))
