@@ -410,7 +410,8 @@ if __name__ == "__main__":
             break
         deep = deeper
     cases = {"json_object": json_object_spec(), "weather schema": json_schema_spec(weather),
-             "8 tools": tool_call_spec(tools), f"{n} optional properties": json_schema_spec(wide, strict=False),
+             "8 tools": tool_call_spec(tools), "weather schema or 8 tools' calls": with_tool_calls(
+                 json_schema_spec(weather), tools, True), f"{n} optional properties": json_schema_spec(wide, strict=False),
              f"a union of {n // 2} open objects": json_schema_spec(union, strict=False),
              "an array of a union of 8 objects": json_schema_spec(items, strict=False),
              "deepest nesting, maxLength 64 each": json_schema_spec(deep),

@@ -419,6 +419,21 @@ def test_schemas_at_the_bounds_walk_within_the_grammar_engines_limits(smollm2):
         walk(constraints._spec("json_schema", wide, ""), smollm2, seed=0)
 
 
+def test_a_format_and_tools_each_at_the_bound_walk_together_within_the_engines_limits(smollm2):
+    # the tools' calls open only after "<tool_call>", so the two bounds do not add up at one step
+    n = constraints.MAX_SCHEMA_BREADTH
+    wide = {"type": "object", "properties": {f"k{i:03d}": {"type": "boolean"} for i in range(n)}}
+    tools = [{"type": "function", "function": {"name": f"t{j}", "strict": True, "parameters": {
+        "type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(n // 4 - 2)}}}} for j in range(4)]
+    spec, branches = constraints.with_tool_calls(constraints.json_schema_spec(wide, strict=False), tools, True), set()
+    for seed in range(4):
+        text = smollm2.decode(walk(spec, smollm2, seed, max_steps=20_000)[0][:-1])
+        branches.add(text.startswith(constraints.TOOL_CALL_OPENING))
+        if not text.startswith("<"):
+            jsonschema.validate(json.loads(text), wide)
+    assert branches == {True, False}
+
+
 def test_schema_text_cannot_escape_its_place_in_the_grammar(tiny):
     # property names and constants that look like Lark or JSON syntax stay data: the walk writes them verbatim
     name = 'a"}\nstart: "x" | %json {'
