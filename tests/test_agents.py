@@ -587,7 +587,7 @@ def test_an_env_whose_constructor_hangs_loses_only_its_rollout(engine, tokenizer
     assert len(rollouts) == 1 and runner.failures == {"init_timeout": 1}
 
 
-gymnasium = pytest.importorskip("gymnasium")
+import gymnasium  # noqa: E402  (requirements.txt: a missing gymnasium is a failure, not a skip)
 
 
 class NumpyInfoGym(gymnasium.Env):
@@ -632,7 +632,7 @@ def test_info_numbers_refuses_an_info_that_is_not_a_mapping():
 
 # ---- one package, two folders: tracerl's agents and the OpenAI Agents SDK ----
 
-sdk = pytest.importorskip("agents.agent", reason="the OpenAI Agents SDK (requirements-agents.txt) is not installed")
+import agents.agent  # noqa: E402,F401  (the OpenAI Agents SDK, requirements-agents.txt: missing is a failure)
 
 
 def test_from_agents_import_gives_tracerls_names_and_the_sdks_each_module_imported_once():
@@ -654,7 +654,7 @@ def test_agents_sandbox_is_tracerls_jail_and_the_sdks_sandbox_package():
 
 
 def test_verifiers_tool_env_imports_beside_tracerls_agents_and_builds_its_tools_with_the_sdk():
-    vf = pytest.importorskip("verifiers")
+    import verifiers as vf
     from datasets import Dataset
 
     def add(a: int, b: int) -> int:

@@ -17,9 +17,10 @@ from agents.envs import ReasoningGymEnv, SkyRLEnv, VerifiersAgent, reasoning_gym
 from invariants import check_sampled_once
 from rollout import EmbeddedEngine, SamplingParams
 
-vf = pytest.importorskip("verifiers")
-reasoning_gym = pytest.importorskip("reasoning_gym")
-skyrl_gym = pytest.importorskip("skyrl_gym")
+# the libraries are test dependencies (requirements-agents.txt, installed by ./launch.sh): missing is a failure
+import reasoning_gym  # noqa: E402
+import skyrl_gym  # noqa: E402
+import verifiers as vf  # noqa: E402
 from datasets import Dataset  # noqa: E402  (verifiers' datasets are Hugging Face datasets)
 
 
