@@ -22,8 +22,8 @@ SHOTS = [("Calculate 2 + 5.", "7"), ("Calculate 3 + 1.", "4")]
 
 
 def few_shot_prompt(question: str) -> list[dict]:
-    """Two worked examples, then the question. On 64 training problems at temperature 0.7, SmolLM2-135M used the
-    tags in 0 replies under reasoning-gym's own system prompt, and in 64 after these examples (mean score 0.18)."""
+    """Two worked examples, then the question. On 64 training problems (temperature 0.7) SmolLM2-135M used the
+    tags in no reply under reasoning-gym's own system prompt, and in all 64 after these examples (mean score 0.18)."""
     shots = [m for q, a in SHOTS for m in ({"role": "user", "content": q + TAGS},
                                            {"role": "assistant", "content": f"<answer>{a}</answer>"})]
     return [*shots, {"role": "user", "content": question + TAGS}]
@@ -34,11 +34,11 @@ DEFAULTS = {
     "run.steps": 100 if ON_GPU else 24,
     "rollout.prompts_per_step": 16 if ON_GPU else 8,
     "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 0.7,
+    "rollout.temperature": 1.0,              # the worked examples make the answers peaked: keep groups varied
     "rollout.max_tokens": 256 if ON_GPU else 24,
     "rollout.max_length": 1024 if ON_GPU else 256,
     "train.minibatches": 2,
-    "actor.lr": 1e-6 if ON_GPU else 3e-5,
+    "actor.lr": 1e-6 if ON_GPU else 1e-5,    # 3e-5 collapsed the entropy in one step (0.30 -> 0.02): one answer
     "actor.micro_batch_size": 8,
     "algo.estimator": "grpo",
 }
