@@ -327,7 +327,7 @@ class EmbeddedEngine:
         ends on one), a penalised row's view of its prompt. Built in the caller: a bad grammar fails there."""
         constraint = None
         if p.constraint is not None:
-            import constraints   # xgrammar is loaded only when a request is constrained
+            import constraints   # the grammar engine loads only when a request is constrained
             constraint = constraints.bind(p.constraint, sorted(stop))
         row = _Row(prompt, p, stop, generator, IncrementalText(self.tokenizer) if p.stop else None, images, listener,
                    recorded_sampling(p, len(prompt), constraint))
