@@ -439,24 +439,28 @@ class Router:
         log.warning("router: engine %d rejoined at version %d", engine, version)
 
     def sampler_state(self) -> list:
-        """Every live engine's random stream, in engine order (None for an engine taken out), saved with a
-        checkpoint for an exact resume."""
-        return [self.engines[e].sampler_state() if s.live else None for e, s in enumerate(self._stats)]
+        """Every live engine's random stream, in engine order, saved with a checkpoint for an exact resume; None
+        for an engine taken out, and for one that fails to answer now (it is taken out: an engine that died since
+        its last request is still marked live, and a checkpoint must not fail for it; `stats()` says why)."""
+        return [self._fan_out(e, "sampler_state") if s.live else None for e, s in enumerate(self._stats)]
 
     def load_sampler_state(self, states: list) -> None:
+        """Restore each live engine's stream from `states` (sampler_state's list); an engine whose entry is None
+        keeps the stream it started with. One that fails to load is taken out, as in any control call."""
         if len(states) != len(self.engines):
             raise ValueError(f"sampler states of {len(states)} engines for a router of {len(self.engines)}; resume "
                              f"with the engine count the checkpoint was written with")
         for e, state in enumerate(states):
             if state is not None and self._stats[e].live:
-                self.engines[e].load_sampler_state(state)
+                self._fan_out(e, "load_sampler_state", state)
 
-    def _fan_out(self, engine: int, call: str, *args) -> None:
-        """One control call on one engine. A ValueError is the caller's (raised); any other error means the
-        engine is broken: it is taken out, and the others go on."""
+    def _fan_out(self, engine: int, call: str, *args):
+        """One control call on one engine; returns its answer. A ValueError is the caller's (raised); any other
+        error means the engine is broken: it is taken out, the others go on, and the answer is None."""
         try:
-            getattr(self.engines[engine], call)(*args)
+            return getattr(self.engines[engine], call)(*args)
         except ValueError:
             raise
         except Exception as error:
             self._take_out(engine, f"{call} failed: {type(error).__name__}: {error}")
+            return None

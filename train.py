@@ -404,19 +404,31 @@ def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: in
                       enforce_eager=not on_gpu)
 
 
-def run_state_at(step: int, engine) -> dict:
+def run_state_at(step: int, engine: Router) -> dict:
     """What the loop needs, beyond the actor's own state, to continue exactly after `step` RL steps: the step
     itself (optimizer steps and skipped steps make it underivable from the policy version), the engines' sampler
-    streams and Python's RNG."""
-    return {"step": step, "engine_sampler": engine.sampler_state(), "python_rng": random.getstate()}
+    streams and Python's RNG. An engine that is out of rotation (or dies as it is asked) has no stream to save:
+    the checkpoint is written without it and names it, with why, under engine_sampler_missing."""
+    streams = engine.sampler_state()       # takes out an engine that died unnoticed, rather than raising
+    missing = {e: s.down_reason for e, s in enumerate(engine.stats()) if not s.live}
+    for e, reason in missing.items():
+        print(f"checkpoint at step {step} lacks the sampler stream of engine {e} ({reason}); a resume from it "
+              f"starts that engine's stream afresh", flush=True)
+    return {"step": step, "engine_sampler": streams, "engine_sampler_missing": missing,
+            "python_rng": random.getstate()}
 
 
-def resume_run(run_state: dict, engine) -> int:
-    """Restore run_state_at's streams; returns the step to continue from."""
+def resume_run(run_state: dict, engine: Router) -> int:
+    """Restore run_state_at's streams; returns the step to continue from. An engine whose stream the checkpoint
+    lacks keeps its fresh one (seeded by run.seed + its index), so its samples are not the ones an uninterrupted
+    run with every engine alive would have drawn."""
     if "step" not in run_state:
         raise SystemExit("error: the checkpoint holds no run state (written by an older tracerl?); it cannot be "
                          "resumed exactly")
     engine.load_sampler_state(run_state["engine_sampler"])
+    for e, reason in run_state.get("engine_sampler_missing", {}).items():
+        print(f"resume: the checkpoint lacks the sampler stream of engine {e} (out of rotation when it was "
+              f"written: {reason}); engine {e} starts a fresh sampler stream", flush=True)
     random.setstate(run_state["python_rng"])
     return run_state["step"]
 

@@ -24,7 +24,7 @@ import invariants
 import models
 import runtime
 import train
-from rollout import Generation, SamplingParams
+from rollout import EmbeddedEngine, Generation, SamplingParams
 from router import Router
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, make_batch, max_abs_diff, on_policy
 
@@ -381,6 +381,59 @@ def test_killing_an_engine_mid_run_leaves_the_run_going_with_the_failure_counted
     assert last["perf/engine0/retried_total"] == last["perf/engine1/failed_total"]   # what failed was retried
     assert all(r["rollout/count"] == 4 for r in records)
     assert records[-1]["actor/version"] == 12
+
+
+def test_an_engine_dead_before_a_checkpoint_is_taken_out_and_the_checkpoint_names_the_stream_it_lacks(
+        tmp_path, capsys):
+    """An engine actor killed after its last request and before the save: no request has failed on it, so the
+    router still marks it live when the checkpoint asks every engine for its sampler stream. The checkpoint is
+    written without that stream and says so (in the run state and on stdout), the engine is taken out, the run
+    goes on with the other, and a resume from that checkpoint restores the stream it has and starts the missing
+    engine's afresh, saying so."""
+    path = models.resolve_model("tiny-qwen3")
+    rt = runtime.start(runtime.RuntimeConfig(mode="ray", engines=2, object_store_mb=100), runtime.embedded_engine,
+                       lambda i: (path, i, 1), version=0)
+    params = SamplingParams(max_tokens=3, stop_token_ids=(9999,))
+    try:
+        router = Router(rt.proxies)
+        assert len(router.generate([[11, 12, 13], [14, 15, 16]], params)) == 2    # both engines served
+        handle = rt.proxies[1].handle
+        ray.kill(handle)
+        deadline = time.monotonic() + 60
+        while True:                          # asked directly, not through the proxy: the router hears nothing
+            try:
+                ray.get(handle.version.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "the killed actor still answers"
+            time.sleep(0.05)
+        assert router.stats()[1].live                      # dead, but marked live: what the save used to trip on
+        run_state = train.run_state_at(2, router)
+        assert run_state["engine_sampler"][0] is not None and run_state["engine_sampler"][1] is None
+        assert list(run_state["engine_sampler_missing"]) == [1]
+        assert "EngineDied" in run_state["engine_sampler_missing"][1]
+        assert "checkpoint at step 2 lacks the sampler stream of engine 1" in capsys.readouterr().out
+        assert not router.stats()[1].live and router.stats()[0].live
+        # the run goes on: requests are served by engine 0, the next weights reach it, the next save succeeds
+        assert len(router.generate([[11, 12, 13]] * 3, params)) == 3
+        weights = models.load_model(path).state_dict()
+        rt.push_weights(router, weights, 1)
+        assert router.version == 1 and router.stats()[1].failed == 0
+        assert train.run_state_at(3, router)["engine_sampler_missing"] == run_state["engine_sampler_missing"]
+        assert router.metrics()["perf/requests_lost_total"] == 0
+    finally:
+        runtime.stop(rt)
+    # the checkpoint file round-trips; a resume restores engine 0's stream and starts engine 1's afresh
+    torch.save(run_state, tmp_path / "run_state.pt")
+    saved = torch.load(tmp_path / "run_state.pt", weights_only=True)
+    model = models.load_model(path)
+    fresh = [EmbeddedEngine(copy.deepcopy(model), seed=10 + i) for i in range(2)]
+    seeded = fresh[1].sampler_state()
+    resumed = Router(fresh)
+    assert train.resume_run(saved, resumed) == 2
+    assert torch.equal(fresh[0].sampler_state(), saved["engine_sampler"][0])
+    assert torch.equal(fresh[1].sampler_state(), seeded)
+    assert "engine 1 starts a fresh sampler stream" in capsys.readouterr().out
 
 
 def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
