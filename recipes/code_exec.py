@@ -2,8 +2,9 @@
 # failing attempt is shown how many tests passed and may try again (up to the turn budget); GRPO on the best
 # fraction of tests passed.
 #
-# The whole recipe: the problems with their hidden tests, the defaults, and the environment, written as a plain
-# gymnasium.Env with text observations and actions (agents.GymEnv drives it; no adapter of the recipe's own).
+# The whole recipe: the problems with their hidden tests, the defaults, the judge (also swe_fix's grader), and the
+# environment, written as a plain gymnasium.Env with text observations and actions (agents.GymEnv drives it; no
+# adapter of the recipe's own). The judge never lets an expected result into the process that runs model code.
 # Defaults: SmolLM2-135M-Instruct on a CPU (it writes a correct one-liner now and then); Qwen2.5-Coder-1.5B-Instruct
 # with CUDA and the hub.
 import json
@@ -11,6 +12,7 @@ import random
 import re
 import secrets
 import string
+from dataclasses import dataclass
 
 import gymnasium
 from gymnasium import spaces
@@ -18,7 +20,7 @@ from gymnasium import spaces
 import data
 import models
 from agents import EnvRunner
-from agents.sandbox import SandboxLimits, run_python
+from agents.sandbox import SandboxLimits, SandboxResult, run_python
 
 # (function name, what it must do, hidden tests as (arguments, expected result)); the model sees one example only
 PROBLEMS = [
@@ -41,6 +43,7 @@ PROBLEMS = [
                                                                            ((2, 0, 3), 2)]),
 ]
 TEST_LIMITS = SandboxLimits(wall_s=10.0, cpu_s=5)
+RESULT_BYTES = 1024        # the longest result line a test may send ({"answer": ...} as JSON); the answers are short
 
 ON_GPU = models.gpu_defaults()
 DEFAULTS = {
@@ -78,22 +81,108 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def run_hidden_tests(code: str, name: str, tests: list) -> tuple[int, str]:
-    """(tests passed, a note for the model) after running `code` and then the tests in one sandbox call. The tally
-    line carries a fresh random tag, and the program file that holds it is deleted before the code runs, so what
-    the code prints cannot pass for the tally."""
-    tag = secrets.token_hex(8)
-    program = (f"import os as _os, sys as _sys\n_os.remove(__file__)\n_namespace = {{'__name__': 'solution'}}\n"
-               f"exec(compile({code!r}, 'solution.py', 'exec'), _namespace)\n_passed = 0\n"
-               f"for _args, _expected in {tests!r}:\n    try:\n"
-               f"        _passed += bool(_namespace[{name!r}](*_args) == _expected)\n"
-               f"    except Exception:\n        pass\n"
-               f"_sys.__stdout__.write('\\n{tag} %d\\n' % _passed)\n")
-    done = run_python(program, TEST_LIMITS)
-    found = re.search(rf"^{tag} (\d+)$", done.stdout, re.MULTILINE)
-    if found is None:
-        return 0, f"The code did not run to the tests: {done.error or 'no result'}."
-    return int(found.group(1)), ""
+# ---- the judge -------------------------------------------------------------------------------------------------
+
+# As competitive-programming judges work: the process that runs the model's code gets the tests' inputs only and
+# sends back one line per test as each ends, its result as JSON or why there is none. The expected results never
+# enter that process; the comparison is here, on the parsed JSON. Only plain data crosses (bool, int, float, str,
+# None, lists and str-keyed dicts of them): an object of the code's own class (an __eq__ that says yes to
+# everything, a __repr__ that raises) is refused there unread. That process is the code's to tamper with, so what
+# it sends is at worst an answer the code chose: printed lines, a patched json or a rewritten stdout win nothing,
+# and a test with two lines fails. A crash, a hang or an exit costs only the tests not yet reported.
+HARNESS = '''
+import json, os
+
+RESULTS = os.dup(1)          # the results' channel, taken before the code can close or replace stdout
+
+
+def plain(value, depth=0):
+    kind = type(value)
+    if kind is list:
+        return depth < 64 and all(plain(item, depth + 1) for item in value)
+    if kind is dict:
+        return depth < 64 and all(type(key) is str and plain(item, depth + 1) for key, item in value.items())
+    return kind in (bool, int, float, str, type(None))
+
+
+def result_line(function, args):
+    try:
+        value = function(*args)
+    except Exception as error:
+        return json.dumps({"error": f"raised {type(error).__name__}"})
+    try:
+        line = json.dumps({"answer": value}) if plain(value) else '{"error": "its result is not plain data"}'
+    except Exception:                                    # an int past the digit limit, a recursion limit set low
+        line = '{"error": "its result could not be serialized"}'
+    return line if len(line) <= RESULT_BYTES else '{"error": "its result is too large"}'
+
+
+namespace = {"__name__": "solution"}
+exec(compile(CODE, "solution.py", "exec"), namespace)
+for index, args in enumerate(INPUTS):
+    os.write(RESULTS, f"\\n{TAG} {index} {result_line(namespace.get(NAME), args)}\\n".encode())
+'''
+
+
+@dataclass
+class Outcome:
+    """One hidden test as the candidate process reported it."""
+    answer: str | None       # its result as canonical JSON (sorted keys); None when it gave none
+    error: str = ""          # why not: what the call raised, a result not plain or too large, a bad or repeated line
+
+
+def canonical(value) -> str:
+    """JSON with sorted keys: equal text means equal value and type (True is not 1, and 1.0 is not 1: the
+    problems' answers are exact, so a float where an int is due fails)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def judge(code: str, name: str, inputs: list, limits: SandboxLimits) -> tuple[list[Outcome | None], SandboxResult]:
+    """Run `code` and call `name` on each of `inputs` in one sandbox call; each test's Outcome (None: never
+    reported) and the call's result. Never raises for anything the code does."""
+    tag = secrets.token_hex(8)          # so that a print of the code cannot be a result line by accident
+    params = json.dumps([tag, name, inputs, code, RESULT_BYTES])
+    done = run_python(f"import json\nTAG, NAME, INPUTS, CODE, RESULT_BYTES = json.loads({params!r})\n{HARNESS}",
+                      limits)
+    outcomes: list[Outcome | None] = [None] * len(inputs)
+    for line in done.stdout.split("\n")[:-1]:            # the last piece has no newline: cut off, never sent whole
+        found = re.fullmatch(rf"{tag} ([0-9]{{1,6}}) (.*)", line)
+        if found is None or int(found.group(1)) >= len(inputs):
+            continue                                     # the code's own output
+        index = int(found.group(1))
+        seen = outcomes[index] is not None
+        outcomes[index] = Outcome(None, "reported twice") if seen else read_result(found.group(2))
+    return outcomes, done
+
+
+def read_result(text: str) -> Outcome:
+    """A result line's Outcome; a malformed line (the candidate process's to write) is an error, never raised."""
+    if len(text) > RESULT_BYTES:
+        return Outcome(None, "result too large")
+    try:
+        result = json.loads(text)
+        if type(result) is dict and list(result) == ["answer"]:
+            return Outcome(canonical(result["answer"]))
+        if type(result) is dict and list(result) == ["error"] and type(result["error"]) is str:
+            return Outcome(None, result["error"])
+    except (ValueError, RecursionError):                 # not JSON, or nested past this process's stack
+        pass
+    return Outcome(None, "malformed result line")
+
+
+def run_hidden_tests(code: str, name: str, tests: list, limits: SandboxLimits = TEST_LIMITS) -> tuple[int, str]:
+    """(tests passed, a note for the model): the code's answers, from the judge, compared here with the expected
+    results. The note is empty when every test reported, else says where and why the code stopped; it never shows
+    a hidden test."""
+    outcomes, done = judge(code, name, [list(args) for args, _ in tests], limits)
+    passed = sum(o is not None and o.answer == canonical(expected) for o, (_, expected) in zip(outcomes, tests))
+    reported = sum(o is not None for o in outcomes)
+    why = done.error or "it exited"
+    if reported == len(tests):
+        return passed, ""
+    if reported == 0:
+        return passed, f"The code did not run to the tests: {why}."
+    return passed, f"The code stopped after {reported} of {len(tests)} tests: {why}."
 
 
 class CodeEnv(gymnasium.Env):
