@@ -274,14 +274,20 @@ class EngineProxy:
         self.channel: WeightChannel | None = None       # opened at the first update that is not CUDA IPC
         self.dead = False
 
+    def _died(self, error: ray.exceptions.RayActorError) -> EngineDied:
+        """Mark the engine dead; the error in one line (Ray's message spans many: its first says what happened, its
+        last why), as the router's logs, stats and a checkpoint's missing-stream note quote it."""
+        self.dead = True
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return EngineDied(f"engine {self.index}'s process died: " + " ".join(dict.fromkeys(lines[:1] + lines[-1:])))
+
     def _call(self, method, *args):
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
         try:
             return ray.get(method.remote(*args))
         except ray.exceptions.RayActorError as error:
-            self.dead = True
-            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+            raise self._died(error) from None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_token: Callable[[int, int], None] | None = None,
@@ -298,8 +304,7 @@ class EngineProxy:
                 for row, token_id in payload:      # "tokens" come only when asked for, so on_token is set
                     on_token(row, token_id)
         except ray.exceptions.RayActorError as error:
-            self.dead = True
-            raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+            raise self._died(error) from None
         finally:
             del stream                 # a caller's listener that raised leaves the rest of the stream unread
         raise EngineDied(f"engine {self.index} ended a request without its result")
@@ -335,8 +340,7 @@ class EngineProxy:
                     self.channel = WeightChannel(self.handle, "nccl" if both_gpus else "gloo")
                 self.channel.send(self.handle, state.tensors, version)
             except ray.exceptions.RayActorError as error:
-                self.dead = True
-                raise EngineDied(f"engine {self.index}'s process died: {error}") from None
+                raise self._died(error) from None
             except Exception:
                 self.channel = None         # a broken channel is not reused: the next update opens a new one
                 raise
