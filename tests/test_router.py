@@ -96,6 +96,12 @@ class Dying:
     def update_weights(self, state, version):
         return self._control("update_weights", state, version)
 
+    def sampler_state(self):
+        return self._control("sampler_state")
+
+    def load_sampler_state(self, state):
+        return self._control("load_sampler_state", state)
+
 
 class Hanging:
     """A real engine whose generate hangs until the test releases it, then samples as usual."""
@@ -467,6 +473,33 @@ def test_pause_update_resume_reach_live_engines_only_and_a_rejoining_engine_load
     assert torch.equal(dying.engine.model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     gens = router.generate([[1, 2], [3, 4]], SHORT)
     assert [s.served for s in router.stats()][0] == 1 and all(g.policy_versions == [2] * 3 for g in gens)
+
+
+@pytest.mark.parametrize("call", ["sampler_state", "load_sampler_state", "update_weights"])
+def test_an_engine_dead_since_its_last_request_is_taken_out_by_the_next_control_call_and_the_others_go_on(tiny, call):
+    """What a step's end asks of every engine (a checkpoint's sampler streams, a resume's, the weight push) finds an
+    engine that died after its last request, while no request has failed on it and it is still marked live: the
+    engine is taken out, the call answers for the others, and requests go on without loss."""
+    dying, healthy = Dying(EmbeddedEngine(copy.deepcopy(tiny)), after=float("inf")), EmbeddedEngine(copy.deepcopy(tiny))
+    router = Router([dying, healthy])
+    router.generate([[1, 2], [3, 4]], SHORT)
+    assert [s.served for s in router.stats()] == [1, 1]
+    dying.after = dying.sampled                                # dies between requests
+    assert router.stats()[0].live
+    if call == "sampler_state":
+        streams = router.sampler_state()
+        assert streams[0] is None and torch.equal(streams[1], healthy.sampler_state())
+    elif call == "load_sampler_state":
+        stream = EmbeddedEngine(tiny, seed=7).sampler_state()
+        router.load_sampler_state([stream, stream])
+        assert torch.equal(healthy.sampler_state(), stream)
+    else:
+        router.update_weights(tiny.state_dict(), version=1)
+        assert router.version == 1
+    assert not router.stats()[0].live and router.stats()[1].live
+    first = "pause" if call == "update_weights" else call      # a weight update pauses every engine first
+    assert router.stats()[0].down_reason == f"{first} failed: RuntimeError: engine process died"
+    assert len(router.generate([[1, 2], [3, 4]], SHORT)) == 2 and router.lost == 0
 
 
 def test_update_weights_reaches_every_engine_and_stamps_the_new_version(two_engines):
