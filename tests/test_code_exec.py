@@ -4,9 +4,8 @@
 # break the judge (an early exit, a test that never returns, a signal, closed stdout, raising or recursing
 # __eq__/__repr__, results too big or too deep) costs the tests not yet done, never the grader. Each call runs the
 # judge for real, in the sandbox.
+import secrets
 import sys
-
-import pytest
 
 from agents.sandbox import SandboxLimits
 from recipes import code_exec
@@ -15,22 +14,44 @@ from recipes.code_exec import Outcome, run_hidden_tests
 ADD = [((2, 3), 5), ((-1, 1), 0), ((10, 32), 42)]     # the add problem's hidden tests
 WRONG = "def add(a, b):\n    return a - b\n"            # scores 0 of 3 honestly (a - b is none of 5, 0, 42)
 CORRECT = "def add(a, b):\n    return a + b\n"
-# a wrong add() that forges the result of its last call: the tag of today's tally line, or the result lines of
-# the judge, found in the grader's frames (the module's constants and globals), written as passes
+# a wrong add() that looks through the grader's frames for what would pass: the tally line's format (its tag
+# included) to print as 3 of 3, and the test's expected result to return
 FORGE_FROM_FRAMES = """
-import json, os, re, sys
+import os, re, sys
 
-def forge():
+def forge(a, b):
     frame = sys._getframe(1)
     while frame is not None:
-        for const in frame.f_code.co_consts:                # today: the tally line's format, tag included
+        for const in frame.f_code.co_consts:
             if isinstance(const, str) and re.fullmatch(r"\\n[0-9a-f]{16} %d\\n", const):
                 os.write(1, (const % 3).encode())
-        for value in frame.f_globals.values():              # the judge's tag and its tests, whatever they hold
-            if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value):
-                for index, expected in enumerate([5, 0, 42]):
-                    os.write(1, f"\\n{value} {index} {json.dumps({'answer': expected})}\\n".encode())
+        for key, value in {**frame.f_globals, **frame.f_locals}.items():
+            if "expected" in key:
+                return value
         frame = frame.f_back
+    return a - b
+"""
+# looks everywhere in its own process for a string the grader expects as an answer: the program file, every
+# object the collector knows of and what they hold, every frame's variables; returns the first it finds
+SEARCH_FOR_THE_ANSWER = """
+import gc, re, sys
+PATTERN = re.compile("judge-secret-" + "[0-9a-f]{32}")
+
+def everything():
+    try:
+        yield open(sys.argv[0]).read()
+    except OSError:
+        pass
+    for obj in gc.get_objects():
+        yield repr(obj) if isinstance(obj, (tuple, list, dict)) else ""
+        yield from (ref for ref in gc.get_referents(obj) if isinstance(ref, str))
+    frame = sys._getframe()
+    while frame is not None:
+        yield repr(frame.f_locals) + repr(frame.f_globals)
+        frame = frame.f_back
+
+def find():
+    return next((found.group() for text in everything() if (found := PATTERN.search(text))), "")
 """
 
 
@@ -40,14 +61,16 @@ def test_a_correct_function_scores_every_test_and_a_wrong_one_none():
     assert run_hidden_tests("def add(a, b):\n    return 5\n", "add", ADD) == (1, "")   # the public example only
 
 
-def test_reading_the_graders_frame_forges_nothing():
-    code = FORGE_FROM_FRAMES + "def add(a, b):\n    forge()\n    return a - b\n"
+def test_reading_the_graders_frames_forges_nothing():
+    assert run_hidden_tests(FORGE_FROM_FRAMES + "def add(a, b):\n    return forge(a, b)\n", "add", ADD)[0] == 0
+    # the tally alone: printed, then out before the grader's own
+    code = FORGE_FROM_FRAMES + "def add(a, b):\n    forge(a, b)\n    os._exit(0)\n"
     assert run_hidden_tests(code, "add", ADD)[0] == 0
 
 
-def test_reading_the_graders_frame_then_exiting_forges_nothing():
-    code = FORGE_FROM_FRAMES + "def add(a, b):\n    forge()\n    os._exit(0)\n"
-    assert run_hidden_tests(code, "add", ADD)[0] == 0
+def test_the_expected_results_never_enter_the_process_that_runs_the_code():
+    tests = [((), f"judge-secret-{secrets.token_hex(16)}")]
+    assert run_hidden_tests(SEARCH_FOR_THE_ANSWER, "find", tests) == (0, "")
 
 
 def test_rewriting_sys_stdout_forges_nothing():
