@@ -18,7 +18,9 @@
 #     engine, or counted as lost and raised to the caller (EngineFailure). A request is never dropped silently.
 #   - The control plane (pause, weight update, resume) fans out to the live engines, in that order, so no
 #     engine samples with weights older than the version it reports (invariant 2); an engine taken out rejoins
-#     only after loading the current weights.
+#     only after loading the current weights. An engine that fails a control call (a checkpoint's sampler_state
+#     too) is taken out and the call goes on for the others: an engine that died with no request in flight is
+#     still marked live, and the first call to reach it must not end the run.
 # Never: changes a request or a result, or reads an engine's internals: an engine is anything with the engine
 # calls (generate, check, check_images, update_weights, pause, resume, sampler_state, load_sampler_state, version),
 # in this process or a proxy to another one.
