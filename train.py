@@ -38,6 +38,9 @@ import algo
 import invariants
 import models
 import runtime
+from agents import sandbox
+from agents.process import ProcessAgent
+from agents.tools import python_tool
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
 from router import Router
 import vllm_engine
@@ -59,6 +62,7 @@ class RunConfig:
     out: str = ""               # run folder; "" = runs/<recipe>-<timestamp>
     seed: int = 0
     threads: int = 0            # torch CPU threads; 0 = all cores
+    sandbox_accept: str = ""    # sandbox protections the run may go without, by name (agents/sandbox.py); "" = none
 
 
 @dataclass
@@ -207,6 +211,30 @@ def validate_config(cfg: dict) -> None:
         raise ValueError(f"rollout.engine must be one of {ENGINES}, got {ro.engine!r}")
     if not 0 < ro.engine_memory < 1:
         raise ValueError(f"rollout.engine_memory is a share of the GPU's memory, in (0, 1); got {ro.engine_memory}")
+    unknown = {n.strip() for n in run.sandbox_accept.split(",") if n.strip()} - set(sandbox.PROTECTIONS)
+    if unknown:
+        raise ValueError(f"run.sandbox_accept: unknown protections {sorted(unknown)}; known: "
+                         f"{', '.join(sandbox.PROTECTIONS)}")
+
+
+def runs_model_code(recipe) -> bool:
+    """Whether a recipe executes what its model writes: it holds the sandbox, its python tool, or a jailed
+    process agent."""
+    return any(value is sandbox or value is python_tool or getattr(value, "__module__", None) == sandbox.__name__
+               or (isinstance(value, type) and issubclass(value, ProcessAgent) and value.jail)
+               for value in vars(recipe).values())
+
+
+def check_sandbox(recipe) -> None:
+    """Fail closed before any model loads: a recipe that runs model code says what its sandbox enforces here, and
+    stops if a protection is missing that --run.sandbox_accept did not name."""
+    if not runs_model_code(recipe):
+        return
+    found = sandbox.isolation()
+    print(f"tracerl: this recipe runs the model's code; its sandbox here: {found}", flush=True)
+    refused = sandbox.refusal(found)
+    if refused:
+        raise SystemExit(f"tracerl: {refused}")
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -232,6 +260,9 @@ def main(argv: list[str]) -> None:
         json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
 
     recipe = load_recipe(run.recipe)
+    if run.sandbox_accept:                       # for this process and every runner and engine it starts
+        os.environ[sandbox.ACCEPT_ENV] = run.sandbox_accept
+    check_sandbox(recipe)
     model_path = models.resolve_model(run.model)
     tokenizer = models.load_tokenizer(model_path)
     rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None

@@ -13,7 +13,6 @@ import torch
 import data
 import models
 from agents import EnvRunner
-from agents import sandbox
 from agents.graders import to_sympy
 from agents.tools import ToolEnv, python_tool
 
@@ -69,8 +68,8 @@ def _has_datasets() -> bool:
 
 
 def notice(cfg: dict) -> str:
-    """What this run is, printed before it starts: the model, and what the python tool's sandbox enforces here."""
-    return f"{_model_notice(cfg['run'].model)}\ngeo3k: the python tool's sandbox enforces {sandbox.isolation()}"
+    """What this run is, printed before it starts (train.py prints what the python tool's sandbox enforces)."""
+    return _model_notice(cfg['run'].model)
 
 
 def _model_notice(model: str) -> str:

@@ -179,6 +179,7 @@ def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
     (["--train.minibatches", "3"], "minibatches"),
     (["--recipe", "nope"], "unknown recipe"),
     (["--steps", "many"], "invalid"),
+    (["--run.sandbox_accept", "namespace"], "unknown protections ['namespace']"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
     out = str(tmp_path / "never")
@@ -232,3 +233,25 @@ def test_the_chat_agent_recipe_trains_through_the_openai_sdk(tmp_path):
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in records] == [1, 2] and all(r["rollout/count"] == 4 for r in records)
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)   # engine and trainer agree through HTTP
+
+
+# ---- failing closed on the sandbox ------------------------------------------------------------------------------
+
+def test_recipes_that_run_model_code_are_known():
+    runs = {name for name in ("math", "tool_use", "code_exec", "geo3k", "geo3k_chat", "swe_fix", "chat_math")
+            if train.runs_model_code(train.load_recipe(name))}
+    assert runs == {"code_exec", "geo3k", "geo3k_chat", "swe_fix"}
+
+
+def test_a_run_that_would_execute_model_code_unjailed_stops_unless_the_loss_is_accepted(monkeypatch, capsys):
+    from agents import sandbox
+    monkeypatch.setattr(sandbox, "_VERIFIED", None)
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)           # a machine without bubblewrap
+    monkeypatch.delenv(sandbox.ACCEPT_ENV, raising=False)
+    recipe = train.load_recipe("code_exec")
+    with pytest.raises(SystemExit, match="refuses to run model code without namespaces, syscall_filter"):
+        train.check_sandbox(recipe)
+    assert "NOT enforced: namespaces" in capsys.readouterr().out         # what holds and what does not, printed
+    monkeypatch.setenv(sandbox.ACCEPT_ENV, "namespaces,syscall_filter")
+    train.check_sandbox(recipe)                                          # accepted by name: the run goes on
+    train.check_sandbox(train.load_recipe("math"))                       # runs no model code: nothing to check
