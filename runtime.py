@@ -762,7 +762,7 @@ def connect(cfg: RuntimeConfig) -> None:
     """Start Ray here (or join cfg.address). Workers import this repository's modules, so it goes on their
     PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
-                                      "TRACERL_CACHE", "HF_HOME") if k in os.environ}
+                                      "TRACERL_CACHE", "HF_HOME", "TRACERL_SANDBOX_ACCEPT") if k in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     if cfg.address:
         ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
