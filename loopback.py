@@ -31,10 +31,17 @@
 # the wire. Bad input is refused with a 4xx in the wire's own format before anything reaches the session,
 # so nothing is recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
 # Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
-# against the context before it is rendered; sessions opened over HTTP expire when idle and are capped.
+# against the context before it is rendered, an image's pixels from its header before it is decoded (per image and
+# per request); sessions opened over HTTP expire when idle and are capped. Cheap clients are bounded too: a
+# connection must send each request head within idle_timeout_s (slowloris) and is closed when idle that long; past
+# max_connections the oldest idle one is closed. A session's HTTP turns run one at a time, and the ones waiting hold
+# no worker thread: one session's backlog delays another session's turn by at most the one turn it is generating
+# (they share the engine's batch), and past max_session_requests waiting or generating it gets a 429 with a
+# Retry-After. A request whose client hangs up while it waits is dropped, never generated; no header value (a key)
+# is ever logged or quoted in an error page.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
 # Streaming sends each token's text as it is sampled; a client that disconnects
-# mid-stream does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
+# mid-turn does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
 # --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions`, so an
 # agent author can check token capture before training. Never: computes rewards or trains.
@@ -42,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import copy
 import hmac
+import io
 import json
 import logging
 import math
@@ -53,11 +62,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from aiohttp import web, web_protocol
 from jinja2 import TemplateError
+from PIL import Image
 
 import constraints
 import data
@@ -123,6 +133,29 @@ def reply_text(tokenizer, gen: Generation, stops: tuple[str, ...]) -> str:
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
     hit = find_stop(text, (gen.stop_string,)) if gen.stop_string in stops else None
     return text[:hit[0]] if hit else text
+
+
+# ---- images: bounded from their headers before anything is decoded -------------------------------
+# A PNG of a few KB can hold gigapixels (a 27.6 KB 13000x13000 1-bit one took 1.8 GB to serve). The pixels an image
+# will decode to are read from its header first (PIL opens lazily) and refused over these bounds; PIL's own
+# DecompressionBombError (at twice Image.MAX_IMAGE_PIXELS) stays the backstop inside data.decode_image.
+MAX_IMAGE_PIXELS = 4096 * 4096            # one image; above Qwen2-VL's processor max_pixels (12,845,056)
+MAX_REQUEST_IMAGE_PIXELS = 4 * MAX_IMAGE_PIXELS   # every image a request brings that is not decoded yet, together
+
+
+def header_size(url) -> tuple[int, int]:
+    """(width, height) from an image data URL's header, nothing decoded; (0, 0) for a URL or bytes that are no image
+    (data.decode_image refuses those with its own message)."""
+    if not isinstance(url, str):
+        return 0, 0                       # a PIL image of the caller's own, already decoded
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(url.partition(",")[2], validate=True))) as image:
+            return image.size
+    except Image.DecompressionBombError as error:     # over PIL's own limit, far over ours
+        raise ValueError(f"an image is far over this server's limit of {MAX_IMAGE_PIXELS:,} pixels ({error}); "
+                         "send it scaled down") from None
+    except (ValueError, OSError):         # binascii.Error is a ValueError
+        return 0, 0
 
 
 class ChatSession:
@@ -265,9 +298,18 @@ class ChatSession:
         urls = data.prompt_images(messages)
         if urls and self.image_processor is None:
             raise ValueError("this model is text-only (it has no image processor); remove the image parts")
-        for url in urls:
-            if url not in self._images:
-                self._images[url] = data.image_inputs(self.image_processor, [url])[0]
+        new = list(dict.fromkeys(url for url in urls if url not in self._images))
+        sizes = [header_size(url) for url in new]       # every bound is checked before the first image decodes
+        pixels = [width * height for width, height in sizes]
+        for k, ((width, height), n) in enumerate(zip(sizes, pixels)):
+            if n > MAX_IMAGE_PIXELS:
+                raise ValueError(f"new image {k + 1} of this request is {width}x{height} = {n:,} pixels, over this "
+                                 f"server's limit of {MAX_IMAGE_PIXELS:,} per image; send it scaled down")
+        if sum(pixels) > MAX_REQUEST_IMAGE_PIXELS:
+            raise ValueError(f"this request's {len(new)} new images hold {sum(pixels):,} pixels, over this server's "
+                             f"limit of {MAX_REQUEST_IMAGE_PIXELS:,} per request; send fewer or smaller images")
+        for url in new:
+            self._images[url] = data.image_inputs(self.image_processor, [url])[0]
         return [self._images[url] for url in urls]
 
     def _encode(self, text: str, images: list[invariants.ImageInput]) -> list[int]:
@@ -350,14 +392,50 @@ def _error_response(wire: str, error: wires.WireError, headers=None) -> web.Resp
     return web.json_response(error.body(wire), status=error.status, headers=headers)
 
 
-class _JsonErrorPages(web_protocol.RequestHandler):
-    """aiohttp's connection handler, whose own error pages (a request it cannot parse: a bad request line, header
-    or chunk) are JSON in the wire's error format instead of text/plain."""
+# Headers, not only bodies, are parsed into log lines and error pages: no header value is ever logged or echoed
+# (a malformed `Authorization` line would carry the session's key), so the access log has no header field.
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
+
+
+@dataclass
+class _Lane:
+    """Where a session's HTTP turns wait for the one before them."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # waiting here holds no worker thread
+    in_flight: int = 0             # HTTP turns waiting or generating (capped: max_session_requests)
+
+
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's connection handler, bounded for cheap clients. A connection must deliver a whole request head within
+    `idle_timeout_s` of opening (aiohttp's keep-alive clock, the same length, runs from each reply on); past
+    `max_connections`, the oldest connection not serving a request is closed to make room (a new one when all are
+    serving). Its own error pages (a request it cannot parse: a bad request line, header or chunk) are JSON in the
+    wire's error format, and neither they nor the log quote the bytes that failed."""
+
+    def __init__(self, manager, *, loop, idle_timeout_s: float, max_connections: int, **options):
+        super().__init__(manager, loop=loop, keepalive_timeout=idle_timeout_s, access_log_format=ACCESS_LOG_FORMAT,
+                         **options)
+        self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
+        self.requests, self.serving = 0, 0     # request heads received; handlers running (kept by the middleware)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._loop.call_later(self.idle_timeout_s, lambda: self.requests or self.force_close())
+        open_ = [c for c in self._manager.connections if c.transport is not None]   # not closing yet; oldest first
+        if len(open_) > self.max_connections:
+            idle = [c for c in open_ if c is not self and not c.serving]
+            (idle[0] if idle else self).force_close()
 
     def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
-        page = super().handle_error(request, status, exc, message)      # logs, and refuses once a reply started
-        kind = "invalid_request_error" if status < 500 else "api_error"
-        response = _error_response(_wire_of(request), wires.WireError(status, f"{message or page.text}".strip(), kind))
+        if status >= 500:   # a failure of ours, with its traceback
+            log.error("loopback: error serving %s %s", request.method, request.path, exc_info=exc)
+            error = wires.WireError(status, "internal error", "api_error")
+        else:               # the parser's message quotes the offending line (a header's value: a key); its first
+            reason = str(getattr(exc, "message", None) or message or status).split(":")[0].strip()   # words only
+            log.warning("loopback: refused an unparsable request (%d): %s", status, reason)
+            error = wires.WireError(status, f"{reason} (the offending line is not quoted back)")
+        if request.writer.output_size > 0:
+            raise ConnectionError("a reply was already under way; the connection is dropped")
+        response = _error_response(_wire_of(request), error)
         response.force_close()
         return response
 
@@ -369,7 +447,8 @@ class LoopbackServer:
 
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
                  host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None,
-                 body_timeout_s: float = 60.0, session_ttl_s: float = 3600.0, max_open_sessions: int = 1024):
+                 body_timeout_s: float = 60.0, session_ttl_s: float = 3600.0, max_open_sessions: int = 1024,
+                 idle_timeout_s: float = 30.0, max_connections: int = 512, max_session_requests: int = 8):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.image_processor = image_processor     # a VLM's (models.load_image_processor); None = text only
         self.model_name, self.host, self.port = model_name, host, port
@@ -379,10 +458,18 @@ class LoopbackServer:
         # after session_ttl_s without a request, and at most max_open_sessions are open at once (429 beyond).
         # Sessions made by create_session() belong to their caller (a runner), which closes them for the ledger.
         self.session_ttl_s, self.max_open_sessions = session_ttl_s, max_open_sessions
-        self._sessions: dict[str, tuple[ChatSession, str]] = {}   # id -> (session, api key)
+        # Cheap clients: a connection gets idle_timeout_s to deliver each request head (slowloris) and to stay open
+        # idle; past max_connections the oldest idle one is closed (the default leaves room under a 1024-descriptor
+        # ulimit). A session's HTTP turns run one at a time; over max_session_requests waiting or generating, a
+        # request is refused with a 429 and a Retry-After.
+        self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
+        self.max_session_requests = max_session_requests
+        self._sessions: dict[str, tuple[ChatSession, str, _Lane]] = {}   # id -> (session, api key, its HTTP turns)
+        
         self._http_sessions: set[str] = set()      # the ids opened over HTTP
         self._registry_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
+        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopback-trace")   # never behind turns
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -409,10 +496,13 @@ class LoopbackServer:
                                       ("POST", "/sessions", self._open),
                                       ("DELETE", "/s/{sid}", self._close)]:
             app.router.add_route(method, path, handler)
-        runner, listening = web.AppRunner(app), None
+        # handler_cancellation: a client that hangs up cancels its handler, so a turn still waiting leaves its queue
+        runner, listening = web.AppRunner(app, handler_cancellation=True), None
         try:
             self._loop.run_until_complete(runner.setup())
-            protocol = lambda: _JsonErrorPages(runner.server, loop=self._loop)   # noqa: E731
+            def protocol() -> _Connection:
+                return _Connection(runner.server, loop=self._loop, idle_timeout_s=self.idle_timeout_s,
+                                   max_connections=self.max_connections)
             listening = self._loop.run_until_complete(self._loop.create_server(protocol, self.host, self.port))
             self.port = listening.sockets[0].getsockname()[1]
         except Exception as error:        # reported by start(), which would otherwise wait forever
@@ -431,6 +521,7 @@ class LoopbackServer:
             self._thread.join()
             self._thread = None
         self._executor.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
 
     # -- the session registry --
 
@@ -455,7 +546,7 @@ class LoopbackServer:
                                                f"close one (DELETE /s/<id>) or wait for idle ones to expire after "
                                                f"{self.session_ttl_s:.0f} s", "rate_limit_error")
                 self._http_sessions.add(session_id)
-            self._sessions[session_id] = (session, api_key)
+            self._sessions[session_id] = (session, api_key, _Lane())
         session_url = f"http://{self.host}:{self.port}/s/{session_id}"
         return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace")
 
@@ -472,8 +563,8 @@ class LoopbackServer:
         with the registry lock held."""
         now = time.monotonic()
         for session_id in list(self._http_sessions):
-            session = self._sessions[session_id][0]
-            if not session.lock.locked() and now - session.last_used > self.session_ttl_s:
+            session, _, lane = self._sessions[session_id]
+            if not lane.in_flight and not session.lock.locked() and now - session.last_used > self.session_ttl_s:
                 self._http_sessions.discard(session_id)
                 del self._sessions[session_id]
 
@@ -483,11 +574,15 @@ class LoopbackServer:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         """Every refusal in the wire's own JSON error format: ours (WireError), the router's (404, 405), a turn no
         engine could serve (503: the SDKs retry it, and the session recorded nothing) and, as a last resort, an
-        unexpected error (500, logged with its traceback)."""
+        unexpected error (500, logged with its traceback). It also tells the connection a request is being served."""
+        connection = request.protocol
+        connection.requests += 1
+        connection.serving += 1
         try:
             return await handler(request)
         except wires.WireError as error:
-            response = _error_response(_wire_of(request), error)
+            headers = {"Retry-After": "1"} if error.status == 429 else None   # the SDKs wait this long, then retry
+            response = _error_response(_wire_of(request), error, headers)
             if request.get(BODY_ABANDONED):
                 response.force_close()    # the connection's byte stream is unusable: close it after this reply
         except EngineFailure as error:   # no engine could serve the turn (counted by the router); nothing committed
@@ -507,9 +602,11 @@ class LoopbackServer:
             log.exception("loopback: unexpected error serving %s %s", request.method, request.path)
             response = _error_response(_wire_of(request), wires.WireError(
                 500, f"internal error: {type(error).__name__}: {str(error)[:200]}", "api_error"))
+        finally:
+            connection.serving -= 1
         return response
 
-    def _authorize(self, request: web.Request) -> ChatSession:
+    def _authorize(self, request: web.Request) -> tuple[ChatSession, _Lane]:
         session_id = request.match_info["sid"]
         with self._registry_lock:
             self._expire_idle()
@@ -526,7 +623,7 @@ class LoopbackServer:
                                        "key as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                   "authentication_error")
         entry[0].last_used = time.monotonic()      # any authorized request keeps a session alive
-        return entry[0]
+        return entry[0], entry[2]
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict:
         try:
@@ -556,15 +653,33 @@ class LoopbackServer:
         request.content.feed_eof()
         request[BODY_ABANDONED] = True
 
-    async def _turn(self, session: ChatSession, request: wires.WireRequest, on_token=None) -> wires.ChatTurn:
+    async def _turn(self, session: ChatSession, lane: _Lane, request: wires.WireRequest,
+                    on_token=None) -> wires.ChatTurn:
+        """One turn of the session, after the ones before it. Over max_session_requests waiting or generating, a 429.
+        A client that hangs up while its turn waits cancels it (nothing generated); one that hangs up while it
+        generates does not: the turn commits, a retry gets it from the record, and the next waits until it has."""
+        if lane.in_flight >= self.max_session_requests:
+            raise wires.WireError(429, f"this session already has {lane.in_flight} requests waiting or generating, "
+                                       f"this server's limit (its turns run one at a time); retry when one is "
+                                       f"answered", "rate_limit_error")
+        lane.in_flight += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._executor, session.turn, request.messages, request.tools, request.sampling, on_token,
-                request.options)
+            async with lane.lock:
+                generating = asyncio.get_running_loop().run_in_executor(
+                    self._executor, session.turn, request.messages, request.tools, request.sampling, on_token,
+                    request.options)
+                try:
+                    return await asyncio.shield(generating)
+                except asyncio.CancelledError:
+                    await asyncio.wait([generating])      # the lane stays held until the turn has committed
+                    raise
         except (ValueError, TemplateError) as error:   # an overlong prompt, a bad image, a template that refuses
             raise wires.WireError(400, str(error)) from None
+        finally:
+            lane.in_flight -= 1
 
-    async def _stream(self, request: web.Request, session: ChatSession, wire_request: wires.WireRequest,
+    async def _stream(self, request: web.Request, session: ChatSession, lane: _Lane,
+                      wire_request: wires.WireRequest,
                       stream: wires.OpenAIStream | wires.AnthropicStream) -> web.StreamResponse:
         """Serve one turn as server-sent events, text sent as its tokens are sampled. Nothing is sent before
         the first token, so a request refused by the session is still a plain 4xx. A client that hangs up
@@ -575,14 +690,18 @@ class LoopbackServer:
         def on_token(prompt_ids: list[int], token_id: int) -> None:     # runs on the engine's thread
             loop.call_soon_threadsafe(sampled.put_nowait, (prompt_ids, token_id))
 
-        job = asyncio.ensure_future(self._turn(session, wire_request, on_token))
+        job = asyncio.ensure_future(self._turn(session, lane, wire_request, on_token))
         job.add_done_callback(lambda done: done.cancelled() or done.exception())   # retrieved even if we hang up
         opening = CALL_OPENING if wire_request.options.tool_choice in ("required", "named") else ""
         live, response = wires.LiveText(self.tokenizer, wire_request.sampling.stop, opening), None
         try:
             while not (job.done() and sampled.empty()):
                 arrival = asyncio.ensure_future(sampled.get())
-                await asyncio.wait({arrival, job}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    await asyncio.wait({arrival, job}, return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:    # the client hung up: no task is left waiting on the queue
+                    arrival.cancel()
+                    raise
                 if not arrival.done():
                     arrival.cancel()
                     continue
@@ -613,6 +732,9 @@ class LoopbackServer:
             await response.write_eof()
         except ConnectionResetError:      # the client hung up; the turn still commits and a retry returns it
             pass
+        except asyncio.CancelledError:    # the client hung up (handler cancellation): a turn still waiting leaves
+            job.cancel()
+            raise
         # aiohttp needs a response even when nobody is left to read it (it is never sent on a closed connection)
         return response if response is not None else web.Response(status=499)
 
@@ -636,28 +758,28 @@ class LoopbackServer:
                                                               "owned_by": "tracerl"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        session = self._authorize(request)
+        session, lane = self._authorize(request)
         wire_request = wires.decode_openai(await self._body(request), session.sampling)
         reply_id = f"chatcmpl-{secrets.token_hex(8)}"
         if wire_request.stream:
             stream = wires.OpenAIStream(wire_request, self.tokenizer, self.model_name, reply_id)
-            return await self._stream(request, session, wire_request, stream)
-        turn = await self._turn(session, wire_request)
+            return await self._stream(request, session, lane, wire_request, stream)
+        turn = await self._turn(session, lane, wire_request)
         return web.json_response(wires.openai_reply(turn, wire_request, self.tokenizer, self.model_name, reply_id))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
-        session = self._authorize(request)
+        session, lane = self._authorize(request)
         wire_request = wires.decode_anthropic(await self._body(request), session.sampling)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
             stream = wires.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
-            return await self._stream(request, session, wire_request, stream)
-        turn = await self._turn(session, wire_request)
+            return await self._stream(request, session, lane, wire_request, stream)
+        turn = await self._turn(session, lane, wire_request)
         return web.json_response(wires.anthropic_reply(turn, wire_request, self.model_name, reply_id))
 
     async def _trace(self, request: web.Request) -> web.Response:
-        session = self._authorize(request)
-        trace = await asyncio.get_running_loop().run_in_executor(self._executor, session_trace, session, self.tokenizer)
+        session = self._authorize(request)[0]
+        trace = await asyncio.get_running_loop().run_in_executor(self._reads, session_trace, session, self.tokenizer)
         return web.json_response(trace)
 
     async def _open(self, request: web.Request) -> web.Response:
