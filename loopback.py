@@ -411,9 +411,8 @@ class _Connection(web_protocol.RequestHandler):
     serving). Its own error pages (a request it cannot parse: a bad request line, header or chunk) are JSON in the
     wire's error format, and neither they nor the log quote the bytes that failed."""
 
-    def __init__(self, manager, *, loop, idle_timeout_s: float, max_connections: int, **options):
-        super().__init__(manager, loop=loop, keepalive_timeout=idle_timeout_s, access_log_format=ACCESS_LOG_FORMAT,
-                         **options)
+    def __init__(self, manager, *, loop, idle_timeout_s: float, max_connections: int):
+        super().__init__(manager, loop=loop, keepalive_timeout=idle_timeout_s, access_log_format=ACCESS_LOG_FORMAT)
         self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
         self.requests, self.serving = 0, 0     # request heads received; handlers running (kept by the middleware)
 
