@@ -197,7 +197,7 @@ def isolation() -> Isolation:
     else:
         # root first tries bwrap as a uid of its own (it needs this Python and bwrap readable by every uid), then
         # as root, whose uid inside then maps to root outside, without capabilities
-        for own_uid in [True, False] if os.geteuid() == 0 else [False]:
+        for own_uid in [True, False] if _own_uid_possible(bwrap_path()) else [False]:
             done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}, own_uid))
             if done.ok and done.stdout.strip() == "ok":
                 break
@@ -216,17 +216,19 @@ def isolation() -> Isolation:
     return found
 
 
-def _own_uid_possible() -> bool:
-    """Unjailed, root can run the code as a uid of its own only if any uid can run this Python: every directory
-    above the base install searchable by all, and the interpreter executable by all."""
+def _own_uid_possible(*programs: str) -> bool:
+    """Whether root can run the code as a uid of its own: any uid can run this Python (and `programs`), every
+    directory above each searchable by all and each executable by all."""
     if os.geteuid() != 0:
         return False
-    python = os.path.realpath(sys.executable)
-    folders, path = [], os.path.dirname(python)
-    while path != os.path.dirname(path):
-        folders.append(path)
-        path = os.path.dirname(path)
-    return os.stat(python).st_mode & 0o005 == 0o005 and all(os.stat(f).st_mode & 0o001 for f in folders)
+    for program in [os.path.realpath(sys.executable), *map(os.path.realpath, programs)]:
+        folders, path = [], os.path.dirname(program)
+        while path != os.path.dirname(path):
+            folders.append(path)
+            path = os.path.dirname(path)
+        if os.stat(program).st_mode & 0o005 != 0o005 or not all(os.stat(f).st_mode & 0o001 for f in folders):
+            return False
+    return True
 
 
 # ---- the cgroup of one call ---------------------------------------------------------------------------------------
