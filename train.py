@@ -16,9 +16,11 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -525,7 +527,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     if ref_logprobs is not None:
         mask = batch.loss_mask.bool()
         metrics["kl/k3_to_reference"] = algo.kl_divergence(old_logprobs, ref_logprobs, "k3")[mask].mean().item()
-    write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cfg, tokenizer, trainer_version)
+    write_traces(out, step, batch, segs, [r for r, _ in rows], old_logprobs, ref_logprobs, reports, cfg, tokenizer,
+                 trainer_version)
     return metrics
 
 
@@ -696,14 +699,41 @@ def plot_metrics(history: list[dict], path: str) -> None:
 
 # ---- token traces: one sample, token by token ---------------------------------------------------------------
 
-def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cfg, tokenizer, trainer_version) -> None:
+def trace_picks(segs, batch, old_logprobs, n: int) -> list[tuple[int, str]]:
+    """The rows a step traces, each with why: its first n rows (whole groups, so a group's best and worst are
+    there), then the row whose sampled tokens the trainer disagrees with most, then up to n rows of sealed rollouts."""
+    if n <= 0:
+        return []
+    picks = [(b, "first rows") for b in range(min(n, len(segs)))]
+    gap = ((old_logprobs - batch.behavior_logprobs).abs() * batch.loss_mask).amax(dim=1)   # [B]
+    extra = [(int(gap.argmax()), "largest mismatch")] if len(segs) else []
+    sealed = [b for b, s in enumerate(segs) if s.seal_reason or s.segment_id > 0]
+    for b, why in extra + [(b, "sealed") for b in sealed[:n]]:
+        if b not in {p for p, _ in picks}:
+            picks.append((b, why))
+    return picks
+
+
+def image_thumbnail(image, side: int = 192) -> str:
+    """An image of a VLM row as a small PNG, base64: what the viewer shows where its pad tokens stand."""
+    if image.source is None:
+        return ""
+    thumb = image.source.copy()
+    thumb.thumbnail((side, side))
+    buffer = io.BytesIO()
+    thumb.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def write_traces(out, step, batch, segs, rollouts, old_logprobs, ref_logprobs, reports, cfg, tokenizer,
+                 trainer_version) -> None:
     """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, sampling, behavior and trainer logprob, IS weight,
     mask reason, advantage and its contribution to the loss, as the optimizer step that trained it computed them
-    (the minibatch's own denominators, the token's actual ratio)."""
+    (the minibatch's own denominators, the token's actual ratio); per row its rollout's reward, its seal and its
+    images (`python train.py view OUT` draws them)."""
     corr = cfg["correction"]
-    rows = min(cfg["train"].trace_rows, len(segs))
     with open(os.path.join(out, "traces", f"step_{step + 1:06d}.jsonl"), "w") as f:
-        for b in range(rows):
+        for b, why in trace_picks(segs, batch, old_logprobs, cfg["train"].trace_rows):
             part, report = next((part, report) for part, report in reports if b in part)
             r = part.index(b)                          # the row's index inside its minibatch
             n = len(segs[b].token_ids)
@@ -721,11 +751,14 @@ def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cf
             f.write(json.dumps({
                 "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
                 "segment_id": segs[b].segment_id, "seal_reason": segs[b].seal_reason,
-                "trainer_version": trainer_version,
+                "common_prefix_len": segs[b].common_prefix_len, "trainer_version": trainer_version,
+                "batch_row": b, "picked": why, "reward": rollouts[b].reward, "score": rollouts[b].score,
                 "token_ids": segs[b].token_ids,
                 "text": [tokenizer.decode([i]) for i in segs[b].token_ids],
                 "policy_version": segs[b].policy_versions,
                 "temperature": batch.temperature[b, :n].tolist(),
+                "top_p": batch.top_p[b, :n].tolist(),
+                "top_k": batch.top_k[b, :n].tolist(),
                 "behavior_logprob": segs[b].behavior_logprobs,
                 "trainer_logprob": old_logprobs[b, :n].tolist(),
                 "reference_logprob": None if ref_logprobs is None else ref_logprobs[b, :n].tolist(),
@@ -733,6 +766,8 @@ def write_traces(out, step, batch, segs, old_logprobs, ref_logprobs, reports, cf
                 "mask_reason": reasons,
                 "advantage": batch.advantages[b, :n].tolist(),
                 "loss_contribution": report.loss_contribution[r, :n].tolist(),
+                "images": [{"grid_thw": list(image.grid_thw), "n_tokens": image.n_tokens,
+                            "png": image_thumbnail(image)} for image in segs[b].images],
             }) + "\n")
 
 
