@@ -44,7 +44,8 @@
 # mid-turn does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
 # --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions`, so an
-# agent author can check token capture before training. Never: computes rewards or trains.
+# agent author can check token capture before training (`GET /s/<id>/view`: the session's tokens as viewer.py's
+# page). Never: computes rewards or trains.
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ import constraints
 import data
 import invariants
 import models
+import viewer
 import wires
 from rollout import EmbeddedEngine, Generation, SamplingParams, find_stop
 from router import EngineFailure, Router
@@ -492,6 +494,7 @@ class LoopbackServer:
                                       ("POST", "/s/{sid}/v1/chat/completions", self._chat),
                                       ("POST", "/s/{sid}/v1/messages", self._messages),
                                       ("GET", "/s/{sid}/trace", self._trace),
+                                      ("GET", "/s/{sid}/view", self._view),
                                       ("POST", "/sessions", self._open),
                                       ("DELETE", "/s/{sid}", self._close)]:
             app.router.add_route(method, path, handler)
@@ -781,6 +784,13 @@ class LoopbackServer:
         trace = await asyncio.get_running_loop().run_in_executor(self._reads, session_trace, session, self.tokenizer)
         return web.json_response(trace)
 
+    async def _view(self, request: web.Request) -> web.Response:
+        """GET /s/<id>/view (the session's key, as for its trace): the trace as viewer.py's page, every token of
+        every segment coloured and labelled, one HTML file to save and open."""
+        session = self._authorize(request)[0]
+        trace = await asyncio.get_running_loop().run_in_executor(self._reads, session_trace, session, self.tokenizer)
+        return web.Response(text=viewer.render(viewer.session_page(trace)), content_type="text/html")
+
     async def _open(self, request: web.Request) -> web.Response:
         """POST /sessions (loopback needs no auth): an optional {temperature, max_tokens, max_length} body
         sets the session's defaults; the reply carries its id, key and URLs."""
@@ -810,7 +820,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description="Serve a model on token-exact OpenAI and Anthropic wires. Open a session with "
                     "`POST /sessions`, point an SDK at its base_url with its api_key, read what the trainer "
-                    "would see at its trace_url, close it with `DELETE /s/<id>`.")
+                    "would see at its trace_url (as a page at <session_url>/view), close it with `DELETE /s/<id>`.")
     parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")

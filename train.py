@@ -4,8 +4,8 @@
 # line (`--section.key value` for every field; a bad flag or combination is refused before anything loads),
 # the synchronous RL loop (rollout -> advantages -> train -> push weights -> repeat), logging (a progress
 # line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces), held-out evaluation (`--eval.every N`,
-# and `python train.py eval CHECKPOINT` alone) and the trace command (`python train.py trace OUT`) that prints one
-# sample token by token.
+# and `python train.py eval CHECKPOINT` alone), the trace command (`python train.py trace OUT`) that prints one
+# sample token by token, and the view command (`python train.py view OUT`: viewer.py's page of the run).
 #
 # The path of a token through this loop: the engine samples it (rollout.py) inside an agent's episode
 # (agents/), the episode's TokenLedger keeps it with its behavior logprob, policy version and sampling
@@ -40,6 +40,7 @@ import algo
 import invariants
 import models
 import runtime
+import viewer
 from agents import sandbox
 from agents.process import ProcessAgent
 from agents.tools import python_tool
@@ -65,6 +66,7 @@ class RunConfig:
     seed: int = 0
     threads: int = 0            # torch CPU threads; 0 = all cores
     sandbox_accept: str = ""    # sandbox protections the run may go without, by name (agents/sandbox.py); "" = none
+    wandb: str = ""             # also log to this Weights & Biases project ("" = off; WANDB_MODE=offline needs no account)
 
 
 @dataclass
@@ -246,6 +248,8 @@ def main(argv: list[str]) -> None:
         return trace_main(argv[1:])
     if argv[:1] == ["eval"]:
         return eval_main(argv[1:])
+    if argv[:1] == ["view"]:
+        return view_main(argv[1:])
     cfg = parse_config(argv)                     # refuses bad input before any model loads
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
 
@@ -334,7 +338,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
     if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
         print(recipe.notice(cfg), flush=True)
     sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
-    logger = MetricsLogger(out)
+    logger = MetricsLogger(out, run.wandb, {name: dataclasses.asdict(c) for name, c in cfg.items()})
     print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
     held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []
     if held_out:
@@ -654,14 +658,28 @@ def progress_line(step: int, steps: int, m: dict) -> str:
 
 
 class MetricsLogger:
-    """OUT/metrics.jsonl (one line per step), TensorBoard events, and a PNG plot at the end."""
+    """OUT/metrics.jsonl (one line per step), TensorBoard events, and a PNG plot at the end; with --run.wandb
+    PROJECT also a Weights & Biases run (OUT/wandb/): the same numbers at the same steps, and every traced row in
+    one table, `traces/rows`, logged with the last step."""
 
-    def __init__(self, out: str):
+    TABLE_COLUMNS = ["step", "rollout_id", "group_id", "segment_id", "picked", "reward", "seal_reason", "prompt",
+                     "sampled", "sampled_tokens", "mean_advantage", "max_abs_logprob_diff", "loss_contribution"]
+
+    def __init__(self, out: str, wandb_project: str = "", config: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
         self.out = out
         self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
         self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a")
         self.history: list[dict] = []
+        self.wandb = self.rows = None
+        if wandb_project:
+            import wandb           # optional: only a run that asks for it needs it installed
+            t0 = time.time()
+            self.wandb = wandb.init(project=wandb_project, dir=out, name=os.path.basename(os.path.abspath(out)),
+                                    config=config)
+            self.rows = wandb.Table(columns=self.TABLE_COLUMNS)
+            print(f"tracerl: wandb run {self.wandb.id} ({self.wandb.settings.mode}) in {time.time() - t0:.1f} s",
+                  flush=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -670,11 +688,33 @@ class MetricsLogger:
         for k, v in metrics.items():
             self.tb.add_scalar(k, v, step)
         self.history.append(record)
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+            self._table_rows(os.path.join(self.out, "traces", f"step_{step:06d}.jsonl"))
+
+    def _table_rows(self, path: str) -> None:
+        """A step's traced rows as table rows: the prompt and the sampled text, with the numbers to sort them by."""
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            for r in map(json.loads, f):
+                sampled = [t for t, why in enumerate(r["mask_reason"]) if why != "context"]
+                gaps = [abs(r["behavior_logprob"][t] - r["trainer_logprob"][t]) for t in sampled]
+                self.rows.add_data(r["step"], r["rollout_id"], r["group_id"], r["segment_id"], r.get("picked", ""),
+                                   r.get("reward"), r["seal_reason"],
+                                   "".join(x for x, why in zip(r["text"], r["mask_reason"]) if why == "context"),
+                                   "".join(r["text"][t] for t in sampled), len(sampled),
+                                   sum(r["advantage"][t] for t in sampled) / max(len(sampled), 1),
+                                   max(gaps, default=0.0), sum(r["loss_contribution"]))
 
     def close(self) -> None:
         self.jsonl.close()
         self.tb.close()
         plot_metrics(self.history, os.path.join(self.out, "metrics.png"))
+        if self.wandb is not None:
+            if self.history:
+                self.wandb.log({"traces/rows": self.rows}, step=self.history[-1]["step"])
+            self.wandb.finish()
 
 
 def plot_metrics(history: list[dict], path: str) -> None:
@@ -803,6 +843,16 @@ def trace_main(argv: list[str]) -> None:
               f"{r['trainer_logprob'][t]:>9.4f} "
               f"{r['is_weight'][t]:>6.3f} {r['advantage'][t]:>+9.4f} {r['loss_contribution'][t]:>+10.2e}  "
               f"{r['mask_reason'][t]}")
+
+
+def view_main(argv: list[str]) -> None:
+    """`python train.py view OUT [--to FILE]`: the run's page (viewer.py), one HTML file that opens from disk."""
+    parser = argparse.ArgumentParser(prog="train.py view", description="write a run's metric curves and every "
+                                     "token of its traced rows as one self-contained HTML page")
+    parser.add_argument("run", help="a run folder (OUT)")
+    parser.add_argument("--to", default="", help="where to write the page (default OUT/view.html)")
+    args = parser.parse_args(argv)
+    print(f"wrote {viewer.write_run_page(args.run, args.to)}; open it in a browser (it needs no network)")
 
 
 if __name__ == "__main__":
