@@ -240,14 +240,14 @@ section{padding:8px 22px}h2{font-size:15px;margin:10px 0 6px}
 .badge.worst{background:#f6d2cc}.badge.seal{background:#ffe2a8}.badge.mis{background:#e4d8f6}
 .toks{font:12.5px/1.9 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;word-break:break-all}
 .tok{border-radius:2px;cursor:pointer;padding:1px 0}.tok.ctx{color:#6b7280}.tok:hover,.tok.sel{outline:2px solid #1d2330}
-.tok .nl{color:#aab;font-size:10px}
+.tok .nl::before{content:"\\21B5";color:#aab;font-size:10px}
 .tok.pad{display:inline-block;width:3px;height:11px;background:#c9d3e3;margin:0 .5px;vertical-align:middle}
 .fold{display:none;color:#889;font-style:italic;cursor:pointer}.row.folded .fold{display:inline}
 .row.folded .prompt{display:none}
 .lbl{font:600 10px system-ui,sans-serif;border-radius:3px;padding:0 4px;margin:0 3px;vertical-align:1px;
  background:#e1e5ec;color:#334}.lbl.call{background:#d5e8ff;color:#174a8c}.lbl.result{background:#dff3e4;color:#1d6b35}
 .tok.in-call{text-decoration:underline #5a8fdc 2px}.tok.in-result{text-decoration:underline #3a9b58 2px}
-.seal{display:block;margin-top:6px;padding:4px 8px;border-left:4px solid #e0a100;background:#fff6de;font-size:12px}
+.seal-note{display:block;margin-top:6px;padding:4px 8px;border-left:4px solid #e0a100;background:#fff6de;font-size:12px}
 .cut{display:inline-block;width:0;border-left:2px dashed #e0a100;height:16px;vertical-align:middle;margin:0 2px}
 .vlm{display:inline-block;vertical-align:middle;margin:2px 4px;border:2px solid #7a8fb3;border-radius:3px;max-height:120px}
 .vlm.none{padding:4px 8px;font-size:11px;background:#eef1f6;color:#556}
@@ -398,7 +398,7 @@ function card(row, index) {
     s.className = "tok" + (row.trainable[t] ? "" : " ctx") + (pad ? " pad" : "") +
       (row.blocks[t] === "tool call" ? " in-call" : row.blocks[t] === "tool result" ? " in-result" : "");
     if (!pad) for (const [i, part] of (row.text[t] === "" ? "\u2205" : row.text[t]).split("\n").entries()) {
-      if (i) { const nl = document.createElement("span"); nl.className = "nl"; nl.textContent = "\u21b5";
+      if (i) { const nl = document.createElement("span"); nl.className = "nl";   // the mark is CSS: textContent stays the token's
         s.append(nl, "\n"); }
       s.append(part);
     }
@@ -411,7 +411,7 @@ function card(row, index) {
     if (pinned) pinned.classList.remove("sel");
     pinned = pinned === el ? null : el; if (pinned) pinned.classList.add("sel"); showRecord(row, +el.dataset.t, el); };
   div.appendChild(toks);
-  if (row.seal_reason) { const s = document.createElement("div"); s.className = "seal";
+  if (row.seal_reason) { const s = document.createElement("div"); s.className = "seal-note";
     s.textContent = `segment sealed here: ${row.seal_reason}` + (row.common_prefix_len >= 0 ?
       ` (the next prompt shared the first ${row.common_prefix_len} tokens of this one; dashed mark)` : "") +
       "; the rollout goes on in segment " + (row.segment_id + 1);

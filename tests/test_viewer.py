@@ -1,0 +1,215 @@
+# The run page (viewer.py) in a real headless browser (Debian's chromium and chromium-driver, driven by selenium;
+# nothing is downloaded): every token of a row is one element, hovering one shows its record, a sealed rollout shows
+# its seal, and nothing on the page raises. One tiny real run serves the module, logged to a wandb offline run too,
+# whose history is read back from its own transaction log and must equal metrics.jsonl.
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import urllib.request
+
+import openai
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.support.ui import Select
+from wandb.proto import wandb_internal_pb2
+
+import data
+import models
+import viewer
+from loopback import LoopbackServer
+from rollout import EmbeddedEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_RUN = ["--recipe", "math", "--model", "tiny-qwen3", "--rollout.prompts_per_step", "2",
+            "--rollout.samples_per_prompt", "2", "--rollout.max_tokens", "6", "--run.threads", "1", "--steps", "2"]
+# chromium as root on a machine without network: no sandbox, and nothing that phones home (it stalls otherwise)
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1400,1000"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("run") / "out")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    done = subprocess.run([sys.executable, "train.py", *TINY_RUN, "--out", out, "--run.wandb", "tracerl-test"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    view = subprocess.run([sys.executable, "train.py", "view", out], cwd=ROOT, capture_output=True, text=True)
+    assert view.returncode == 0 and "view.html" in view.stdout, view.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tempfile.mkdtemp()}"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+    yield driver
+    driver.quit()
+
+
+def open_page(browser, path: str) -> None:
+    browser.get("file://" + os.path.abspath(path))
+    browser.get_log("browser")                 # only what this page logs from here on counts
+
+
+def js_errors(browser) -> list[dict]:
+    return [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def traced_rows(out: str) -> list[dict]:
+    rows = []
+    for name in sorted(os.listdir(os.path.join(out, "traces"))):
+        rows += [json.loads(line) for line in open(os.path.join(out, "traces", name))]
+    return rows
+
+
+def test_every_token_of_every_traced_row_is_one_element_of_the_page(run, browser):
+    open_page(browser, os.path.join(run, "view.html"))
+    Select(browser.find_element("id", "step")).select_by_value("all")
+    rows = traced_rows(run)
+    cards = browser.find_elements("css selector", "#rows .row")
+    assert len(cards) == len(rows) == 8              # 4 rows per step, 2 steps
+    for card in cards:
+        row = rows[int(card.get_attribute("data-index"))]
+        tokens = card.find_elements("css selector", ".tok")
+        assert len(tokens) == len(row["token_ids"])
+        sampled = [t for t, why in enumerate(row["mask_reason"]) if why != "context"]
+        assert "".join(tokens[t].get_attribute("textContent") for t in sampled) == "".join(row["text"][t] for t in sampled)
+    assert js_errors(browser) == []
+
+
+def test_hovering_a_token_shows_its_logprobs_and_advantage(run, browser):
+    open_page(browser, os.path.join(run, "view.html"))
+    card = browser.find_element("css selector", "#rows .row")
+    row = traced_rows(run)[int(card.get_attribute("data-index"))]
+    t = next(t for t, why in enumerate(row["mask_reason"]) if why != "context")
+    token = card.find_elements("css selector", ".tok")[t]
+    ActionChains(browser).move_to_element(token).perform()
+    shown = {name: float(browser.find_element("css selector", f"#record .f-{name}").text)
+             for name in ("behavior_logprob", "trainer_logprob", "advantage", "IS_weight")}
+    assert shown["behavior_logprob"] == pytest.approx(row["behavior_logprob"][t], abs=1e-4)
+    assert shown["trainer_logprob"] == pytest.approx(row["trainer_logprob"][t], abs=1e-4)
+    assert shown["advantage"] == pytest.approx(row["advantage"][t], abs=1e-4)
+    assert shown["IS_weight"] == pytest.approx(row["is_weight"][t], abs=1e-4)
+    assert browser.find_element("css selector", "#record .f-id").text == str(row["token_ids"][t])
+    assert js_errors(browser) == []
+
+
+def test_every_colouring_filter_and_sort_draws_without_a_javascript_error(run, browser):
+    open_page(browser, os.path.join(run, "view.html"))
+    for select_id in ("colour", "show", "sort", "step"):
+        select = Select(browser.find_element("id", select_id))
+        for option in [o.get_attribute("value") for o in select.options]:
+            select.select_by_value(option)
+    browser.find_element("id", "hide-context").click()
+    Select(browser.find_element("id", "more")).select_by_index(1)       # add a curve
+    assert js_errors(browser) == []
+    # the check sees errors: a page that raises is caught by it
+    browser.get("data:text/html,<script>undefined_function()</script>")
+    assert js_errors(browser)
+
+
+def test_the_page_needs_no_network(run):
+    page = open(os.path.join(run, "view.html")).read()
+    for fetch in ("<link", "src=\"http", "src='http", "@import", "url(http", "fetch(", "XMLHttpRequest"):
+        assert fetch not in page
+
+
+@pytest.fixture(scope="module")
+def sealed_session(tmp_path_factory):
+    """A loopback session whose second request edits the history: its first segment seals."""
+    tok = models.bpe_tokenizer()
+    server = LoopbackServer(EmbeddedEngine(models.tiny_model("qwen3", seed=1).eval(), tokenizer=tok), tok,
+                            template=data.CHATML_TEMPLATE)
+    server.start()
+    info = server.create_session()
+    client = openai.OpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
+    first = client.chat.completions.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "one"}])
+    client.chat.completions.create(model="m", max_tokens=5, messages=[
+        {"role": "user", "content": "an edited first question"},
+        {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}])
+    auth = {"Authorization": f"Bearer {info.api_key}"}
+    with urllib.request.urlopen(urllib.request.Request(info.trace_url, headers=auth)) as response:
+        trace = json.loads(response.read())
+    with urllib.request.urlopen(urllib.request.Request(f"{info.session_url}/view", headers=auth)) as response:
+        assert response.headers["Content-Type"].startswith("text/html")
+        page = response.read().decode()
+    server.stop()
+    path = tmp_path_factory.mktemp("session") / "session.html"
+    path.write_text(page)
+    return str(path), trace
+
+
+def test_a_sealed_rollout_shows_its_seal_on_the_session_page(sealed_session, browser):
+    path, trace = sealed_session
+    sealed = [s for s in trace["segments"] if s["seal_reason"]]
+    assert len(trace["segments"]) == 2 and len(sealed) == 1
+    open_page(browser, path)
+    Select(browser.find_element("id", "show")).select_by_value("sealed")
+    cards = browser.find_elements("css selector", "#rows .row")
+    assert len(cards) == 2                          # the sealed segment and the one after the seal
+    seal = cards[0].find_element("css selector", ".seal-note")
+    assert sealed[0]["seal_reason"] in seal.text and "sealed" in seal.text
+    assert f"first {sealed[0]['common_prefix_len']} tokens" in seal.text
+    assert len(cards[0].find_elements("css selector", ".tok")) == len(sealed[0]["token_ids"])
+    assert js_errors(browser) == []
+
+
+def test_tool_calls_and_results_are_labelled_in_model_turns_only():
+    text = ["<|im_start|>", "system\nsay <tool_call></tool_call>", "<|im_end|>", "<|im_start|>", "assistant\n",
+            "<tool_call>", "{}", "</tool_call>", "<|im_end|>", "<|im_start|>", "user\n<tool_response>", "4",
+            "</tool_response>", "<|im_end|>"]
+    roles, blocks = viewer.label_tokens(text)
+    assert roles[1] == "system" and blocks[1] == ""                  # the system prompt's example of the format
+    assert roles[5] == "assistant" and blocks[5:8] == ["tool call"] * 3
+    assert blocks[11:13] == ["tool result"] * 2 and blocks[13] == ""   # a token is where its first character is
+
+
+def wandb_history(run_file: str) -> list[dict]:
+    """The history rows of an offline wandb run, read from its transaction log: W&B's LevelDB-style log (32 KiB
+    blocks; each chunk a 7-byte header of crc, length, type) of wandb's own Record protobufs."""
+    raw = open(run_file, "rb").read()
+    assert raw[:4] == b":W&B"
+    block, records, pending, pos = 32768, [], b"", 7
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:                  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):                           # FULL or LAST: the record is whole
+            records.append(pending)
+            pending = b""
+    history = []
+    for chunk in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    return history
+
+
+def test_the_wandb_offline_run_logged_exactly_metrics_jsonl_and_the_traced_rows(run):
+    (run_file,) = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
+    history = wandb_history(run_file)
+    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert len(history) == len(metrics) == 2
+    for logged, record in zip(history, metrics):
+        assert logged["_step"] == record["step"]
+        assert {k: logged[k] for k in record} == record
+        assert {k for k in logged if not k.startswith(("_", "traces/rows"))} == set(record)
+    assert history[-1]["traces/rows/_type"] == "table-file"
+    assert history[-1]["traces/rows/nrows"] == len(traced_rows(run))
