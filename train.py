@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -269,34 +270,40 @@ def main(argv: list[str]) -> None:
     if run.sandbox_accept:                       # for this process and every runner and engine it starts
         os.environ[sandbox.ACCEPT_ENV] = run.sandbox_accept
     check_sandbox(recipe)
-    model_path = models.resolve_model(run.model)
-    tokenizer = models.load_tokenizer(model_path)
+    with phase(f"model {run.model} (converted or taught on first use, then cached)"):
+        model_path = models.resolve_model(run.model)
+        tokenizer = models.load_tokenizer(model_path)
     rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
     if rt_cfg.trainer_ranks > 1:        # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
-        runtime.connect(rt_cfg)
-        policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"], run.steps * tr.minibatches,
-                                      run.seed, cpus=1, gpus=rt_cfg.trainer_gpus, placement=rt_cfg.trainer_placement)
+        with phase(f"Ray and {rt_cfg.trainer_ranks} trainer ranks"):
+            runtime.connect(rt_cfg)
+            policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"], run.steps * tr.minibatches,
+                                          run.seed, cpus=1, gpus=rt_cfg.trainer_gpus,
+                                          placement=rt_cfg.trainer_placement)
     else:
-        policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+        with phase("the actor (model, optimizer)"):
+            policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go by CUDA IPC to an
         # engine on the trainer's GPU, over a weight channel (NCCL or gloo) to the others
-        threads = max(1, int(rt_cfg.engine_cpus))
-        if engine_kind(ro, policy) == "vllm":
-            ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
-                                                                           ro.max_length, ro.engine_memory),
-                                   policy.version)
-        else:
-            ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
-                                   policy.version)
+        threads, kind = max(1, int(rt_cfg.engine_cpus)), engine_kind(ro, policy)
+        with phase(f"Ray and {rt_cfg.engines} {kind} engine actor(s)"):
+            if kind == "vllm":
+                ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
+                                                                               ro.max_length, ro.engine_memory),
+                                       policy.version)
+            else:
+                ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
+                                       policy.version)
         engine = Router(ray_rt.proxies)
 
         def push() -> dict[str, float]:
             return ray_rt.push_weights(engine, policy.export_weights(policy.device), policy.version)
     else:
         # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
-        rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
+        with phase(f"the {engine_kind(ro, policy)} rollout engine"):
+            rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
         engine = Router([rollout_engine])
         # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
         if isinstance(rollout_engine, VLLMEngine) and policy.device.type == "cuda":
@@ -316,6 +323,16 @@ def main(argv: list[str]) -> None:
             runtime.stop(ray_rt)
         if isinstance(rollout_engine, VLLMEngine):
             rollout_engine.shutdown()
+
+
+@contextlib.contextmanager
+def phase(what: str):
+    """A start-up phase on one line: what it does as it starts, how long it took as it ends (no silence before the
+    first step; torch.compile, where asked, runs inside the first step)."""
+    print(f"tracerl: {what} ...", end="", flush=True)
+    t0 = time.time()
+    yield
+    print(f" {time.time() - t0:.1f} s", flush=True)
 
 
 def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step: int, out: str,
