@@ -141,7 +141,7 @@ def load_run(out: str) -> dict:
     if not history and not rows:
         raise SystemExit(f"error: {out!r} holds neither metrics.jsonl nor traces/; is it a train.py run folder?")
     run = config.get("run", {})
-    title = f"{run.get('recipe', os.path.basename(os.path.abspath(out)))} — {os.path.abspath(out)}"
+    title = f"{run.get('recipe', '?')} run {os.path.basename(os.path.abspath(out))}"
     subtitle = ", ".join(f"{k} {v}" for k, v in [("model", run.get("model")), ("steps", run.get("steps")),
                                                   ("seed", run.get("seed"))] if v is not None)
     return {"title": title, "subtitle": subtitle, "history": history, "rows": annotate(rows),
