@@ -379,6 +379,7 @@ class SessionInfo:
     base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
     session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it to close
     trace_url: str                 # http://HOST:PORT/s/<id>/trace — the session's segments, token by token
+    view_url: str                  # http://HOST:PORT/s/<id>/view — the same, as a page (viewer.py)
 
 
 MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
@@ -550,7 +551,8 @@ class LoopbackServer:
                 self._http_sessions.add(session_id)
             self._sessions[session_id] = (session, api_key, _Lane())
         session_url = f"http://{self.host}:{self.port}/s/{session_id}"
-        return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace")
+        return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace",
+                           f"{session_url}/view")
 
     def close_session(self, session_id: str) -> ChatSession:
         """Forget the session (its URLs answer 404 from now on) and hand back its ChatSession and ledger."""

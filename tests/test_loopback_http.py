@@ -438,7 +438,8 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
             status, refusal = raw_post(address + "/sessions", json.dumps(bad).encode(), {})
             assert status == 400 and message in refusal["error"]["message"]
         status, opened = raw_post(address + "/sessions", json.dumps({"max_tokens": 8}).encode(), {})
-        assert status == 200 and set(opened) == {"session_id", "api_key", "base_url", "session_url", "trace_url"}
+        assert status == 200 and set(opened) == {"session_id", "api_key", "base_url", "session_url", "trace_url",
+                                                       "view_url"}
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
         messages, sampled = [{"role": "user", "content": "hi"}], []
         for k in range(2):

@@ -142,7 +142,7 @@ def sealed_session(tmp_path_factory):
     auth = {"Authorization": f"Bearer {info.api_key}"}
     with urllib.request.urlopen(urllib.request.Request(info.trace_url, headers=auth)) as response:
         trace = json.loads(response.read())
-    with urllib.request.urlopen(urllib.request.Request(f"{info.session_url}/view", headers=auth)) as response:
+    with urllib.request.urlopen(urllib.request.Request(info.view_url, headers=auth)) as response:
         assert response.headers["Content-Type"].startswith("text/html")
         page = response.read().decode()
     server.stop()
