@@ -86,58 +86,11 @@ def _on_stop(signum, frame):
     raise _Stop()
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process whose chain of parents reaches `root`, read from /proc (the host's view, host pids)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])   # the command name may hold spaces and ')'
-            except (OSError, IndexError, ValueError):                 # it exited while we looked
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _signal_tree(sig: int) -> None:
-    for pid in _descendants(os.getpid()):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _reap() -> bool:
-    """Reap every child that has ended; False once the launcher has no children at all. As the subreaper, no
-    children means no descendants: an orphan is reparented here before it could be anywhere else."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-        return True
-    except ChildProcessError:
-        return False
-
-
-def _kill_tree() -> None:
-    """SIGKILL every descendant until none is left (one forked meanwhile is found on the next pass)."""
-    while True:
-        _signal_tree(signal.SIGKILL)
-        if not _reap():
-            return
-        time.sleep(0.005)
-
-
 def _grace(seconds: float) -> None:
     """SIGTERM the whole tree, then give it `seconds` to end by itself."""
-    _signal_tree(signal.SIGTERM)
+    sandbox.signal_tree(signal.SIGTERM)
     end = time.monotonic() + seconds
-    while _reap() and time.monotonic() < end:
+    while sandbox.reap_children() and time.monotonic() < end:
         time.sleep(0.02)
 
 
@@ -236,7 +189,7 @@ def _launch(spec_path: str) -> None:
         report["spawn_error"] = f"the launcher could not start the program: {exc}"
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    _kill_tree()                 # what the program left running, or what the grace did not end
+    sandbox.kill_tree()          # what the program left running, or what the grace did not end
     with open(spec["report"], "w") as f:
         json.dump(report, f)
     os._exit(0)

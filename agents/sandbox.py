@@ -429,31 +429,54 @@ def _exec_jailed(spec: dict) -> None:
     os.execve(spec["bwrap"], ["bwrap", "--args", str(read_end), *command], _ENV)
 
 
-def _kill_descendants() -> None:
-    """Without namespaces: SIGKILL every process whose parent chain reaches this launcher (a subreaper, so a
-    double-forked or setsid'd orphan is reparented here), until none is left."""
-    me = os.getpid()
-    while True:
-        parents = {}
-        for entry in os.listdir("/proc"):
+# a subreaper's whole tree (this launcher's without namespaces, and agents/process.py's launcher's)
+
+def descendants(root: int) -> list[int]:
+    """Every process whose chain of parents reaches `root`, read from /proc (the host's view, host pids)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-        children = [pid for pid, parent in parents.items() if parent == me]
-        if not children:
-            return
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])   # the command name may hold spaces and ')'
+            except (OSError, IndexError, ValueError):                 # it exited while we looked
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(sig: int) -> None:
+    """Send `sig` to every descendant of this process."""
+    for pid in descendants(os.getpid()):
         try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
+            os.kill(pid, sig)
+        except ProcessLookupError:
             pass
+
+
+def reap_children() -> bool:
+    """Reap every child that has ended; False once this process has no children at all. As a subreaper,
+    no children means no descendants: an orphan is reparented here before it could be anywhere else."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+        return True
+    except ChildProcessError:
+        return False
+
+
+def kill_tree() -> None:
+    """SIGKILL every descendant until none is left (one forked meanwhile is found on the next pass)."""
+    while True:
+        signal_tree(signal.SIGKILL)
+        if not reap_children():
+            return
+        time.sleep(0.005)
 
 
 def _exec_unjailed(spec: dict) -> None:
@@ -461,7 +484,7 @@ def _exec_unjailed(spec: dict) -> None:
     own uid when root, then kills whatever it left and exits the way the code did."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(36, 1, 0, 0, 0)                          # PR_SET_CHILD_SUBREAPER
-    signal.signal(signal.SIGTERM, lambda *_: (_kill_descendants(), os._exit(137)))   # the caller's deadline
+    signal.signal(signal.SIGTERM, lambda *_: (kill_tree(), os._exit(137)))   # the caller's deadline
     with open("main.py", "w") as f, open(spec["code_path"]) as code:
         f.write(code.read())
     code_pid = os.fork()
@@ -473,7 +496,7 @@ def _exec_unjailed(spec: dict) -> None:
             os.setuid(spec["uid"])
         os.execve(spec["python"], [spec["python"], "-I", "main.py"], _ENV)
     _, status = os.waitpid(code_pid, 0)
-    _kill_descendants()
+    kill_tree()
     if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))             # as bwrap reports a signal
     os._exit(os.waitstatus_to_exitcode(status))
