@@ -1,0 +1,432 @@
+# bench/fp32_parity.py — why vLLM in fp32 on a GPU disagrees with the trainer's fp32 recompute, and which MoE routes
+# vLLM reports for a request kept across a weight update; each part one run, one JSON summary.
+#
+# parity: one fp32 model (SmolLM2-135M's architecture with random weights, its final norm scaled so its logits
+#   spread like a trained model's; or --model FOLDER, e.g. the smollm2 folder) samples 64 prompts x 128 tokens in
+#   vLLM with processed logprobs (the project's mode: after temperature and top-p) and the top 20 of them per
+#   position, at T 0.8 with top_p 0.9 and again with top_p 1 (no nucleus: vLLM then skips its top-k/top-p code), under
+#   each ENGINE variant; every sampled token is recomputed by actor.sequence_logprobs under each TRAINER variant.
+#   Reported per pair: mean and max |diff| over the sampled tokens. For the project's trainer (sdpa, fp32) also where
+#   the gap comes from, from the top 20 at each position with |diff| > 1e-4: one shift shared by all of them (the
+#   nucleus' normaliser differs: top-p kept other tokens) or a scatter (the logits differ: matmuls, attention), and
+#   how many positions keep a top-20 token on one side and drop it on the other.
+#   Engine variants (a fresh engine each; vLLM's engine core is a spawned process, so a setting goes in as an engine
+#   argument, an environment variable it inherits, or a function run in its worker through collective_rpc):
+#     default         vllm.LLM(dtype=float32, enforce_eager=True): what vLLM 0.26 picks itself. Read from its source:
+#                     on Hopper FLASH_ATTN and FLASHINFER take fp16/bf16 only, so fp32 gets TRITON_ATTN, whose
+#                     kernel's tl.dot runs fp32 inputs as TF32 unless TRITON_F32_DEFAULT=ieee; the worker sets
+#                     torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION="highest"), so cuBLAS
+#                     matmuls are full fp32; with 8 or more rows top-k/top-p runs vLLM's Triton pivot-search kernel
+#                     (topk_topp_triton.py: at most 18 bisection steps, fast exp), below 8 and on a CPU an exact sort
+#     project_engine  vllm_engine.VLLMEngine(dtype=float32, enforce_eager=True): the project's engine, same settings
+#     topp_sort       default + the worker's apply_top_k_top_p replaced by vLLM's own sort-based one
+#     triton_ieee     default + TRITON_F32_DEFAULT=ieee (fp32 tl.dot in the attention kernel; a fresh Triton cache)
+#     flex_attention  default + attention_backend=FLEX_ATTENTION (torch's flex attention, which follows torch's
+#                     matmul precision)
+#     matmul_tf32     default + VLLM_FLOAT32_MATMUL_PRECISION=high (TF32 cuBLAS matmuls: the size of that effect)
+#     cuda_graphs     default with enforce_eager=False (torch.compile and CUDA graphs)
+#     fixed           triton_ieee + topp_sort;  fixed_graphs: the same with CUDA graphs
+#   Trainer variants: sdpa_fp32 (the project's: models.load_model, torch's default "highest" precision), eager_fp32
+#   (eager attention), sdpa_tf32 (torch.set_float32_matmul_precision("high")), fp64 (the model in float64: the
+#   reference both sides are measured against).
+# r3_update: a tiny Qwen3-MoE in fp32 on vllm_engine.VLLMEngine; a request is kept across a weight update that
+#   replaces every router's weights (so routes change), with the re-prefill (the project's default) and without it.
+#   Reported: which routes vLLM returns for the positions computed before the update (the first routes, or the
+#   recomputed ones), against transformers' routes under the old and the new weights, and the logprob gap of the
+#   tokens sampled after the update when the trainer replays vLLM's reported routes, the new weights' routes, or
+#   none. vLLM 0.26's scheduler sends each position's routes once, as it is first computed, and the client
+#   concatenates them (v1/core/sched/scheduler.py, v1/engine/output_processor.py); this part measures it.
+#   Routed-expert capture needs CUDA: with --tiny on a CPU the part runs on the embedded engine instead (which also
+#   re-prefills kept requests), to test the part's plumbing.
+# --tiny: a 2-layer Qwen3 (head_dim 32, the smallest vLLM's CPU attention takes) on vLLM's CPU build, 8 prompts x 32
+#   tokens, the variants a CPU has; it exists to test this script.
+#
+#   python bench/fp32_parity.py [--parts parity r3_update] [--variants default topp_sort ...] [--model DIR]
+#                               [--out fp32-parity.json] [--tiny]
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# collective_rpc with a function (the worker-side patches below) pickles it; both ends are this process and the
+# engine it starts
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+import actor  # noqa: E402
+import invariants  # noqa: E402
+import models  # noqa: E402
+import rollout  # noqa: E402
+
+TEMPERATURE, TOP_P, TOP_LOGPROBS = 0.8, 0.9, 20
+SHARPEN = 6.0      # final-norm scale: random-init logits (std ~0.5) spread to std ~3, as a trained model's
+GPU_ONLY = {"triton_ieee", "flex_attention", "matmul_tf32", "cuda_graphs", "fixed", "fixed_graphs"}
+# engine variant -> (engine keyword arguments, environment, sort-based top-p in the worker, the project's engine)
+ENGINE_VARIANTS = {
+    "default": ({}, {}, False, False),
+    "project_engine": ({}, {}, False, True),
+    "topp_sort": ({}, {}, True, False),
+    "triton_ieee": ({}, {"TRITON_F32_DEFAULT": "ieee"}, False, False),
+    "flex_attention": ({"attention_backend": "FLEX_ATTENTION"}, {}, False, False),
+    "matmul_tf32": ({}, {"VLLM_FLOAT32_MATMUL_PRECISION": "high"}, False, False),
+    "cuda_graphs": ({"enforce_eager": False}, {}, False, False),
+    "fixed": ({}, {"TRITON_F32_DEFAULT": "ieee"}, True, False),
+    "fixed_graphs": ({"enforce_eager": False}, {"TRITON_F32_DEFAULT": "ieee"}, True, False),
+}
+TRAINER_VARIANTS = ("sdpa_fp32", "eager_fp32", "sdpa_tf32", "fp64")
+
+
+# ---- the model and prompts ----
+
+def sharpened_smollm2_shape(folder: str) -> str:
+    """SmolLM2-135M's architecture (bench/gpu.py's), random weights in fp32, the final norm scaled by SHARPEN."""
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(SHARPEN)
+    model.save_pretrained(folder)
+    return folder
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab - 1, (n, length), generator=g).tolist()
+
+
+def vocab_of(folder: str) -> int:
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)["vocab_size"]
+
+
+# ---- functions run inside vLLM's worker (collective_rpc passes the worker first) ----
+
+def worker_sort_based_top_p(worker) -> str:
+    """vLLM's own exact top-k/top-p (sort, softmax, cumsum) in place of its Triton pivot-search kernel."""
+    from vllm.v1.sample.ops import topk_topp_sampler as ops
+    ops.apply_top_k_top_p = lambda logits, k, p: ops.apply_top_k_top_p_pytorch(logits, k, p)
+    return "apply_top_k_top_p_pytorch"
+
+
+def worker_facts(worker) -> dict:
+    """What the engine's worker computes with: its attention backends, torch's matmul precision, Triton's fp32
+    default."""
+    backends = set()
+    for groups in getattr(worker.model_runner, "attn_groups", []) or []:
+        for group in groups:
+            try:
+                backends.add(group.backend.get_name())
+            except Exception:  # noqa: BLE001 - a fact we could not read stays out of the summary
+                pass
+    return {"attention_backends": sorted(backends), "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT", "")}
+
+
+# ---- sampling under one engine variant ----
+
+def sample(variant: str, folder: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """{top_p: [(prompt, token ids, sampled logprobs, top-20 per position {id: logprob})]} at T 0.8 for top_p 0.9 and
+    1.0, and the worker's facts."""
+    import vllm
+    kwargs, env, sort_top_p, project = ENGINE_VARIANTS[variant]
+    saved = {key: os.environ.get(key) for key in [*env, "TRITON_CACHE_DIR"]}
+    cache = tempfile.mkdtemp(prefix="triton-") if env else None
+    os.environ.update(env)
+    if cache:                         # kernels built under one TRITON_F32_DEFAULT are never reused under another
+        os.environ["TRITON_CACHE_DIR"] = cache
+    base = dict(dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
+                gpu_memory_utilization=0.3, max_logprobs=TOP_LOGPROBS)
+    t0 = time.time()
+    try:
+        if project:                    # its own engine arguments (processed logprobs, the top 20 at most)
+            import vllm_engine
+            engine = vllm_engine.VLLMEngine(folder, seed=0, dtype="float32", transfer="rpc", max_model_len=512,
+                                            gpu_memory_utilization=0.3, enforce_eager=True)
+            rpc = lambda fn: engine._call(engine._llm.collective_rpc(fn))      # noqa: E731
+        else:
+            llm = vllm.LLM(folder, logprobs_mode="processed_logprobs", **{**base, **kwargs})
+            rpc = llm.collective_rpc
+        started = time.time() - t0
+        facts = rpc(worker_facts)[0]
+        if sort_top_p:
+            facts["top_k_top_p"] = rpc(worker_sort_based_top_p)[0]
+        samples = {}
+        for top_p in (TOP_P, 1.0):
+            if project:
+                params = rollout.SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens,
+                                                top_logprobs=TOP_LOGPROBS, stop_token_ids=(vocab_of(folder) - 1,))
+                gens = engine.generate(prompts, params)
+                samples[top_p] = [(g.prompt_ids, g.token_ids, g.behavior_logprobs, [dict(t) for t in g.top_logprobs])
+                                  for g in gens]
+            else:
+                params = vllm.SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens,
+                                             logprobs=TOP_LOGPROBS, ignore_eos=True, detokenize=False)
+                outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+                samples[top_p] = [(list(o.prompt_token_ids), list(c.token_ids),
+                                   [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                   [{t: e.logprob for t, e in lp.items()} for lp in c.logprobs])
+                                  for o in outs for c in [o.outputs[0]]]
+        if project:
+            engine.shutdown()
+        else:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"samples": samples, "facts": {**facts, "engine_start_s": round(started, 1),
+                                          "engine_s": round(time.time() - t0, 1)}}
+
+
+# ---- the trainer's recompute ----
+
+def load_trainer(folder: str, variant: str, device: str):
+    """The model as a trainer variant computes with, and the matmul precision to set around it."""
+    attn = "eager" if variant == "eager_fp32" else models.ATTN_IMPLEMENTATION
+    dtype = torch.float64 if variant == "fp64" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device).eval()
+    return model, ("high" if variant == "sdpa_tf32" else "highest")
+
+
+def padded(rows: list, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [p + t for p, t, _, _ in rows]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)], mask[b, :len(s)] = torch.tensor(s), 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def recompute(model, precision: str, rows: list, top_p: float, device: str) -> list[torch.Tensor]:
+    """actor.sequence_logprobs of every sampled token (the project's recompute), one padded forward."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        ids, mask = padded(rows, device)
+        lp = actor.sequence_logprobs(model, ids, mask, TEMPERATURE, top_p=top_p).float().cpu()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    return [lp[b, len(p):len(p) + len(t)] for b, (p, t, _, _) in enumerate(rows)]
+
+
+@torch.no_grad()
+def top20_split(model, rows: list, top_p: float, device: str, threshold: float = 1e-4) -> dict:
+    """Where the gap of the tokens with |diff| > threshold comes from: the top-20 processed logprobs vLLM reported at
+    that position against the trainer's processed distribution (invariants.processed_logprobs of fp32 logits, the
+    sampled id kept). A shared shift (scatter below a tenth of the gap) is the nucleus' normaliser; a scatter is the
+    logits. Also counted: positions where a top-20 token is kept on one side and dropped on the other."""
+    counts = {"tokens": 0, "over_threshold": 0, "shift": 0, "scatter": 0, "nucleus_membership_differs": 0}
+    for prompt, tokens, behavior, tops in rows:
+        ids = torch.tensor([prompt + tokens], device=device)
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(tokens) - 1].float()
+        keep = torch.tensor(tokens, device=device)
+        lp = invariants.processed_logprobs(logits, TEMPERATURE, top_p, keep=keep).cpu()
+        for t, (token, b, top) in enumerate(zip(tokens, behavior, tops)):
+            counts["tokens"] += 1
+            ids_top = list(top)
+            ours = lp[t, ids_top]
+            theirs = torch.tensor([top[i] for i in ids_top])
+            kept_here, kept_there = torch.isfinite(ours), torch.isfinite(theirs)
+            counts["nucleus_membership_differs"] += int((kept_here != kept_there).any())
+            gap = abs(b - float(lp[t, token]))
+            if gap <= threshold:
+                continue
+            counts["over_threshold"] += 1
+            both = kept_here & kept_there
+            d = (theirs - ours)[both]
+            scatter = float((d - d.median()).abs().max()) if len(d) else float("inf")
+            counts["shift" if scatter < gap / 10 else "scatter"] += 1
+    return counts
+
+
+def gap(rows: list, recomputed: list[torch.Tensor]) -> dict:
+    behavior = torch.cat([torch.tensor(b, dtype=torch.float32) for _, _, b, _ in rows])
+    diff = (behavior - torch.cat(recomputed)).abs()
+    return {"mean": float(diff.mean()), "max": float(diff.max()), "over_1e-4": float((diff > 1e-4).float().mean()),
+            "tokens": int(diff.numel())}
+
+
+def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cpu = device == "cpu"
+    work = tempfile.mkdtemp(prefix="fp32-parity-")
+    if tiny:
+        folder, n_prompts, max_tokens = models.tiny_model_dir("qwen3", head_dim=32), 8, 32
+    else:
+        folder = models.resolve_model(model_arg) if model_arg else sharpened_smollm2_shape(work)
+        n_prompts, max_tokens = 64, 128
+    prompts = random_prompts(n_prompts, 32, vocab_of(folder))
+    result = {"model": model_arg or ("tiny-qwen3 (head_dim 32)" if tiny else
+                                     f"SmolLM2-135M shape, random fp32 weights, final norm x{SHARPEN}"),
+              "device": device, "prompts": n_prompts, "max_tokens": max_tokens, "temperature": TEMPERATURE,
+              "top_p": [TOP_P, 1.0], "engines": {}}
+    trainers = {}
+    for name in TRAINER_VARIANTS:
+        if name == "sdpa_tf32" and on_cpu:
+            continue
+        trainers[name] = load_trainer(folder, name, device)
+    for variant in variants:
+        if on_cpu and variant in GPU_ONLY:
+            result["engines"][variant] = {"skipped": "needs CUDA"}
+            continue
+        try:
+            sampled = sample(variant, folder, prompts, max_tokens)
+        except Exception as error:  # noqa: BLE001 - a variant vLLM refuses still leaves the others' figures
+            result["engines"][variant] = {"error": f"{type(error).__name__}: {error}"[:1500]}
+            print(variant, result["engines"][variant], flush=True)
+            continue
+        entry = {"facts": sampled["facts"]}
+        for top_p, rows in sampled["samples"].items():
+            key = f"top_p_{top_p:g}"
+            entry[key] = {name: gap(rows, recompute(model, precision, rows, top_p, device))
+                          for name, (model, precision) in trainers.items()}
+            entry[key]["sources_vs_sdpa_fp32"] = top20_split(trainers["sdpa_fp32"][0], rows, top_p, device)
+        result["engines"][variant] = entry
+        print(variant, json.dumps(entry), flush=True)
+    return result
+
+
+# ---- R3: routes of a request kept across a weight update ----
+
+def captured_routes(model, ids: list[int], device: str) -> torch.Tensor:
+    """transformers' own routes for one sequence: long [positions, layers, k], sorted (an expert set)."""
+    with torch.no_grad(), invariants.capture_routes(model) as captured:
+        model(input_ids=torch.tensor([ids], device=device))
+    return captured[0].sort(-1).values.cpu()
+
+
+def match(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of (position, layer) whose expert sets agree."""
+    return float((a == b).all(-1).float().mean()) if a.numel() else float("nan")
+
+
+def bench_r3_update(tiny: bool) -> dict:
+    """On a GPU, vLLM; with --tiny on a CPU (where vLLM captures no routes) the embedded engine, which re-prefills
+    kept requests too: a check of this part's plumbing, not of vLLM."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not tiny:
+        return {"skipped": "vLLM captures routed experts only on CUDA (its capture needs Triton); run on the GPU"}
+    device = "cuda" if on_gpu else "cpu"
+    folder = models.tiny_model_dir("qwen3_moe", head_dim=64)
+    vocab = vocab_of(folder)
+    old = models.load_model(folder).to(device)
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():        # every router gets new weights: most positions change experts
+        for router in invariants.moe_routers(new):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std() * 3)
+    if on_gpu:
+        import vllm_engine
+        engine = vllm_engine.VLLMEngine(folder, dtype="float32", transfer="rpc", enforce_eager=True,
+                                        gpu_memory_utilization=0.2, max_model_len=512)
+    else:
+        engine = rollout.EmbeddedEngine(models.load_model(folder), seed=0)
+    prompt = random_prompts(1, 24, vocab, seed=3)[0]
+    result = {"model": "tiny Qwen3-MoE (8 experts, top 2, head_dim 64), fp32", "prompt_tokens": len(prompt),
+              "engine": "vLLM (VLLMEngine)" if on_gpu else "the embedded engine (a CPU check of this part only)"}
+    try:
+        for reprefill in (True, False) if on_gpu else (True,):
+            if on_gpu:
+                engine.reprefill_on_update = reprefill
+            version = engine.version + 1
+            engine.update_weights(old.state_dict(), version)          # start from the old weights
+            heard, got = threading.Event(), []
+            count = [0]
+
+            def listen(index: int, token_id: int) -> None:   # on the engine's loop
+                count[0] += 1
+                if count[0] == 16:
+                    heard.set()
+            params = rollout.SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=(vocab - 1,))
+            worker = threading.Thread(target=lambda: got.extend(engine.generate([prompt], params, on_token=listen)))
+            worker.start()
+            heard.wait(120)
+            engine.update_weights(new.state_dict(), version + 1)
+            worker.join(300)
+            gen = got[0]
+            n_old = gen.policy_versions.count(version)
+            reported = torch.from_numpy(gen.routes).long().sort(-1).values          # [P + n - 1, L, k]
+            sequence = gen.prompt_ids + gen.token_ids[:-1]
+            routes_old, routes_new = captured_routes(old, sequence, device), captured_routes(new, sequence, device)
+            cut = len(gen.prompt_ids) + n_old - 1        # positions before it were computed before the update
+            before, after = slice(0, cut), slice(cut, len(sequence))
+            entry = {"n_old_tokens": n_old, "n_new_tokens": len(gen.token_ids) - n_old,
+                     "reported_routes_shape": list(gen.routes.shape),
+                     "before_update_positions": cut,
+                     "old_vs_new_weights_agree_before": match(routes_old[before], routes_new[before]),
+                     "reported_equals_old_weights_before": match(reported[before], routes_old[before]),
+                     "reported_equals_new_weights_before": match(reported[before], routes_new[before]),
+                     "reported_equals_new_weights_after": match(reported[after], routes_new[after]),
+                     "reported_equals_old_weights_after": match(reported[after], routes_old[after])}
+            # the tokens sampled after the update, recomputed by the new weights with each choice of replayed routes
+            row = [(gen.prompt_ids, gen.token_ids, gen.behavior_logprobs, [])]
+            ids, mask = padded(row, device)
+            span = slice(len(gen.prompt_ids) + n_old, len(gen.prompt_ids) + len(gen.token_ids))
+            behavior = torch.tensor(gen.behavior_logprobs[n_old:])
+            choices = {"reported": torch.from_numpy(gen.routes).long(), "new_weights": routes_new, "none": None}
+            for name, routes in choices.items():
+                replay = None
+                if routes is not None:
+                    replay = torch.full((1, ids.shape[1], *routes.shape[1:]), -1, dtype=torch.long)
+                    replay[0, :len(routes)] = routes
+                    replay = replay.to(device)
+                with torch.no_grad():
+                    lp = actor.sequence_logprobs(new, ids, mask, 1.0, routes=replay)[0, span].float().cpu()
+                diff = (behavior - lp).abs()
+                entry[f"after_update_gap_replaying_{name}"] = {"mean": float(diff.mean()), "max": float(diff.max())}
+            result["reprefill" if reprefill else "old_kv_cache"] = entry
+            print("r3_update", reprefill, json.dumps(entry), flush=True)
+    finally:
+        if on_gpu:
+            engine.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="vLLM fp32 vs the trainer's recompute; R3 routes across an update")
+    parser.add_argument("--parts", nargs="+", default=["parity", "r3_update"], choices=["parity", "r3_update"])
+    parser.add_argument("--variants", nargs="+", default=list(ENGINE_VARIANTS), choices=list(ENGINE_VARIANTS))
+    parser.add_argument("--model", default="", help="a model folder or name (default: the sharpened random shape)")
+    parser.add_argument("--out", default="fp32-parity.json")
+    parser.add_argument("--tiny", action="store_true", help="tiny model, vLLM's CPU build (tests this script)")
+    args = parser.parse_args()
+    import vllm
+    summary = {"torch": torch.__version__, "vllm": vllm.__version__,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for part in args.parts:
+        t0 = time.time()
+        try:
+            summary[part] = bench_parity(args.variants, args.model, args.tiny) if part == "parity" else \
+                bench_r3_update(args.tiny)
+        except Exception as error:  # noqa: BLE001 - one part failing still leaves the other's figures
+            summary[part] = {"error": f"{type(error).__name__}: {error}"[:3000]}
+        summary[part]["seconds"] = round(time.time() - t0, 1)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
