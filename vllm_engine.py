@@ -17,7 +17,9 @@
 #     an update is re-prefilled by the new weights
 #     (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as the embedded engine does: continuing on the
 #     old KV cache would condition new tokens on the old policy's keys and values, so their logprobs would
-#     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it);
+#     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it); and a
+#     request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
+#     version a request starts at, so it holds even for blocks the reset could not drop);
 #   invariant 3 (forward consistency) - an MoE model returns the experts vLLM routed each position to
 #     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; a VLM's
 #     images go in as vLLM multimodal data: each image's source (the copy the trainer's processor resized, so
@@ -143,6 +145,7 @@ class VLLMEngine:
         self._resume_after_update = False
         self._control = threading.Lock()              # one pause/update/resume sequence at a time
         self._active: dict[str, _Request] = {}          # request id -> its record, while it runs
+        self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
@@ -242,6 +245,17 @@ class VLLMEngine:
     def wake_up(self) -> None:
         self._call(self._llm.wake_up())
 
+    def counters(self) -> dict[str, int]:
+        """What the engine holds now and has served so far, for watching it across steps (bench/vllm_steps.py):
+        requests in flight here and in vLLM's client (both 0 between steps, or a request's state leaked), tasks on
+        the engine's loop, and the prompt tokens vLLM served from its prefix cache rather than computed."""
+        async def count() -> dict[str, int]:
+            return {"active_requests": len(self._active),
+                    "vllm_request_states": len(self._llm.output_processor.request_states),
+                    "loop_tasks": len(asyncio.all_tasks()) - 1,        # less this one
+                    **self._served}
+        return self._call(count())
+
     def sampler_state(self) -> None:
         """None: vLLM's own random stream cannot be saved, so a run resumed with this engine draws fresh tokens
         (its weights, optimizer and step are still exact). Giving every request a seed would make it savable, but
@@ -324,11 +338,16 @@ class VLLMEngine:
     async def _run(self, request: _Request) -> None:
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
+        # prefix caching within one weight version only: the salt enters the hash of the prompt's first KV block,
+        # so no request reuses blocks a request of an older version wrote (the update's cache reset cannot drop
+        # the blocks of requests it keeps on their old KV cache, reprefill_on_update=False)
+        salt = f"v{self.version}"
         if request.images:      # vLLM expands each image's single pad to the image's run itself
             prompt = TokensPrompt(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
-                                  multi_modal_data={"image": [image.source for image in request.images]})
+                                  multi_modal_data={"image": [image.source for image in request.images]},
+                                  cache_salt=salt)
         else:
-            prompt = TokensPrompt(prompt_token_ids=request.prompt_ids)
+            prompt = TokensPrompt(prompt_token_ids=request.prompt_ids, cache_salt=salt)
         # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
         request.version_starts.append((self.version, 0))
         self._active[request_id] = request
@@ -339,6 +358,9 @@ class VLLMEngine:
                 raise ValueError(str(e)) from e
             while not request.finished:
                 request.take(queue.get_nowait() or await queue.get())
+            self._served["requests"] += 1
+            self._served["prompt_tokens"] += len(request.prompt_ids)
+            self._served["cached_prompt_tokens"] += request.cached_tokens
         except BaseException:
             await self._llm.abort(request_id)
             raise
@@ -401,6 +423,7 @@ class _Request:
         self.finish_reason = "length"
         self.stop_string: str | None = None
         self.routes: np.ndarray | None = None
+        self.cached_tokens = 0                      # prompt tokens vLLM took from its prefix cache
 
     def take(self, output) -> None:
         """Append the new tokens of one output (vLLM's RequestOutput: a delta when streamed, else the final one)."""
@@ -424,6 +447,7 @@ class _Request:
         if getattr(completion, "routed_experts", None) is not None:
             self.routes = np.asarray(completion.routed_experts, dtype=np.int16)
         if output.finished:
+            self.cached_tokens = output.num_cached_tokens or 0
             if completion.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vLLM ended the request with {completion.finish_reason!r}")
             self.finish_reason = completion.finish_reason

@@ -249,6 +249,62 @@ def test_continuing_on_the_old_kv_cache_gives_logprobs_of_neither_version(fresh,
     assert (behavior[n1:] - new_lp[n1:]).abs().max() > 1e-3
 
 
+# ---- the prefix cache across weight updates: KV written by old weights is never reused -------------------------------
+
+LONG = [3 + (7 * i) % 600 for i in range(200)]     # one full KV block on the CPU build (128 tokens; 16 on a GPU)
+
+
+def _cached(engine) -> int:
+    return engine.counters()["cached_prompt_tokens"]
+
+
+def test_a_prompt_after_an_update_is_computed_by_the_new_weights_not_taken_from_the_cache(fresh, model):
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=3)
+    fresh.generate([LONG], params)
+    before = _cached(fresh)
+    fresh.generate([LONG], params)
+    assert _cached(fresh) - before >= 128          # at the same weights, a repeated prompt comes from the cache
+    new = _perturbed(model)
+    fresh.update_weights(new.state_dict(), VERSION + 1)
+    before = _cached(fresh)
+    gen = fresh.generate([LONG], params)[0]
+    assert _cached(fresh) == before                 # after the update, none of it does
+    assert (torch.tensor(gen.behavior_logprobs) - _recompute(new, [gen], 0.9)[0]).abs().max() <= 1e-5
+
+
+def test_kv_a_kept_request_wrote_with_old_weights_is_never_reused_by_a_later_request(fresh, model):
+    """reprefill_on_update=False keeps a request on its old KV cache across the update (to measure what that does),
+    so vLLM cannot reset its prefix cache then: those blocks stay cached. A request that starts after the update,
+    on the same prompt, must still compute it with the new weights."""
+    fresh.reprefill_on_update = False
+    heard, kept = threading.Event(), []
+    long_params = SamplingParams(temperature=0.9, max_tokens=48, seed=5, stop_token_ids=(689,))
+    worker = threading.Thread(target=lambda: kept.extend(fresh.generate([LONG], long_params,
+                                                                        lambda i, t: heard.set())))
+    worker.start()
+    assert heard.wait(timeout=120)
+    new = _perturbed(model)
+    fresh.update_weights(new.state_dict(), VERSION + 1)
+    worker.join(timeout=120)
+    assert kept and VERSION + 1 in kept[0].policy_versions      # it did straddle the update
+    before = _cached(fresh)
+    gen = fresh.generate([LONG], SamplingParams(temperature=0.9, max_tokens=8, seed=3))[0]
+    assert _cached(fresh) == before
+    assert (torch.tensor(gen.behavior_logprobs) - _recompute(new, [gen], 0.9)[0]).abs().max() <= 1e-5
+
+
+def test_no_request_state_is_left_behind_after_a_step(fresh, model):
+    """What a sync step leaves on the engine: nothing per request (here, in vLLM's client, or as tasks on the
+    engine's loop), however many steps run."""
+    idle = fresh.counters()
+    for version in range(VERSION + 1, VERSION + 4):
+        fresh.generate([p for p in PROMPTS for _ in range(4)], PARAMS * 4)
+        fresh.update_weights(_perturbed(model, seed=version).state_dict(), version)
+        held = fresh.counters()
+        assert (held["active_requests"], held["vllm_request_states"]) == (0, 0)
+        assert held["loop_tasks"] == idle["loop_tasks"]
+
+
 def test_pause_holds_requests_and_an_update_while_paused_stamps_the_new_version(fresh, model):
     fresh.pause()
     results = []
