@@ -323,6 +323,8 @@ def run_recipe(name: str, argv: list[str], env: dict, timeout: float, logs: str)
     """Run train.py (through SHIM) for one recipe; parse its output and metrics. Never raises for the run's failure."""
     log_path = os.path.join(logs, f"{name}.log")
     rss_path = os.path.join(logs, f"{name}.rss.json")
+    if os.path.exists(rss_path):          # an earlier run's: a run killed at its timeout writes none
+        os.remove(rss_path)
     env = dict(env, TRACERL_BENCH_RSS=rss_path)
     memory = GPUMemory()
     t0 = time.time()
