@@ -99,6 +99,7 @@ def sharpened_smollm2_shape(folder: str) -> str:
     with torch.no_grad():
         model.model.norm.weight.mul_(SHARPEN)
     model.save_pretrained(folder)
+    models.bpe_tokenizer().save_pretrained(folder)   # vLLM loads a tokenizer; the prompts are ids, never text
     return folder
 
 
