@@ -17,6 +17,7 @@
 #     the mask, and weighs each token by algo.loss_weights over the step's GLOBAL counts.
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -39,6 +40,10 @@ CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder withou
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
 RUN_STATE = "run_state.pt"                       # the training loop's own state (train.py), for an exact resume
 POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means reported by algo.policy_loss
+# the counts of invariants.gate_sequences and the means of invariants.correction_weights, summed over a step: every
+# rank sums the same keys in the same order, also a rank whose micro-batches were all fillers
+GATE_COUNTS = ("drop_stale", "drop_ratio_band", "drop_veto", "kept")
+IS_METRICS = ("is_masked_frac", "is_clipped_frac", "mismatch_abs_log_ratio", "mismatch_k3_kl")
 
 
 @dataclass
@@ -50,6 +55,48 @@ class StepReport:
     kept: Tensor                # bool [B]: the row's rollout passed the sequence gate
     staleness: Tensor           # long [B]: trainer version - the oldest version of the row's rollout
     mask: Tensor                # the final loss mask: trainable, in a kept rollout, not rejected by the IS mask
+    prox_logprobs: Tensor       # the proximal logprobs the step used: given, or from its own forward
+
+
+@dataclass
+class _StepRecord:
+    """train_step's per-token record, filled one micro-batch at a time."""
+    prox: Tensor
+    contribution: Tensor
+    is_weights: Tensor
+    mask: Tensor
+    kept: Tensor
+    staleness: Tensor
+
+    def write(self, rows: Tensor | slice, width: int, **values: Tensor) -> None:
+        for name, value in values.items():
+            target = getattr(self, name)
+            if target.dim() == 2:
+                target[rows, :width] = value.to(target.dtype).cpu()
+            else:
+                target[rows] = value.to(target.dtype).cpu()
+
+    def done(self, metrics: dict[str, float]) -> StepReport:
+        return StepReport(metrics, self.contribution, self.is_weights, self.kept, self.staleness, self.mask,
+                          self.prox)
+
+
+@dataclass
+class _Gated:
+    """What Actor._gate decided for some whole rollouts ([B, T] / [B])."""
+    prox: Tensor
+    keep: Tensor
+    stale: Tensor
+    is_weights: Tensor
+    mask: Tensor
+    seq_index: Tensor
+
+
+def _empty_record(shape: torch.Size) -> _StepRecord:
+    rows = shape[0]
+    return _StepRecord(prox=torch.zeros(shape), contribution=torch.zeros(shape), is_weights=torch.ones(shape),
+                       mask=torch.zeros(shape), kept=torch.zeros(rows, dtype=torch.bool),
+                       staleness=torch.zeros(rows, dtype=torch.long))
 
 
 # ---- logprobs (the trainer side of "behavior logprob") ----
@@ -124,15 +171,16 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
     return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2), dtype=torch.float32)
 
 
-def _run_adjuster(runs: list[list[invariants.AdjustedRun]], real: Tensor, input_ids: Tensor):
+def _run_adjuster(runs: list[list[invariants.AdjustedRun]], select: Tensor, input_ids: Tensor):
     """The `adjust` of _chunked_head_logprobs for a micro-batch whose rows carry AdjustedRuns (None if none does):
-    the tokens start..end-1 of row b's run are predicted at the flattened real positions offset_b + start - 1 ..
-    offset_b + end - 2 (right padding: row b's real positions are its first ones). Each chunk splices the adjusted
-    logits of the runs it meets between the others, in one concatenation."""
+    the tokens start..end-1 of row b's run are predicted at positions start-1 .. end-2 of row b, which are
+    selected (wanted_positions includes every run), so they are consecutive flat positions from the flat index of
+    (b, start-1) on. Each chunk splices the adjusted logits of the runs it meets between the others, in one
+    concatenation."""
     if not any(runs):
         return None
-    offsets = F.pad(real.sum(-1).cumsum(0), (1, 0)).tolist()      # flat index of each row's first position
-    spans = [(offsets[b] + run.start - 1, offsets[b] + run.end - 1, b, run)
+    flat = (select.flatten().cumsum(0) - 1).view_as(select).tolist()   # flat index of each selected position
+    spans = [(flat[b][run.start - 1], flat[b][run.start - 1] + run.end - run.start, b, run)
              for b, row_runs in enumerate(runs) for run in row_runs]
 
     def adjust(logits: Tensor, begin: int) -> Tensor:              # logits [n, V] of flat positions begin ..
@@ -145,6 +193,17 @@ def _run_adjuster(runs: list[list[invariants.AdjustedRun]], real: Tensor, input_
                 at = z
         return torch.cat(pieces + [logits[at:]]) if pieces else logits
     return adjust
+
+
+def wanted_positions(loss_mask: Tensor, runs: list[list[invariants.AdjustedRun]] | None) -> Tensor:
+    """bool [B, T]: the tokens whose logprob a step uses: the trainable ones, and every token of an adjusted run
+    (its replayed logits are spliced in by flat position). Prompts and tool outputs never reach the output
+    projection: in a math batch that is two thirds of the positions, and the head is a fifth of the FLOPs."""
+    wanted = loss_mask > 0
+    for b, row_runs in enumerate(runs or []):
+        for run in row_runs:
+            wanted[b, run.start:run.end] = True
+    return wanted
 
 
 @contextlib.contextmanager
@@ -162,17 +221,20 @@ def _head_returns(model, forward):
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                     images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
                     top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
-                    runs: list[list[invariants.AdjustedRun]] | None = None) -> tuple[Tensor, Tensor | None]:
-    """[B,T] logprob of each token given its prefix (position 0 and padding = 0.0) under the distribution that
-    drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
+                    runs: list[list[invariants.AdjustedRun]] | None = None,
+                    positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """[B,T] logprob of each token given its prefix (position 0, padding and tokens outside `positions` = 0.0)
+    under the distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
     scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling); runs: per row,
     its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM. Only real
-    positions reach the output projection, in chunks."""
+    positions (bool [B,T], default every real token) reach the output projection, in chunks."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
     width = input_ids.shape[1]
     real = attention_mask[:, 1:].bool()                  # [B, T-1]: positions whose next token is a real token
+    if positions is not None:
+        real = real & positions[:, 1:].to(real.device)
     head = model.get_output_embeddings()
     adjust = _run_adjuster(runs, real, input_ids) if runs else None
 
@@ -195,23 +257,26 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                       routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None,
                       top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
-                      runs: list[list[invariants.AdjustedRun]] | None = None) -> Tensor:
+                      runs: list[list[invariants.AdjustedRun]] | None = None,
+                      positions: Tensor | None = None) -> Tensor:
     """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits
     through invariants.adjust_logits where `runs` say, temperature, top_p, top_k, min_p) at the sampled id. [B,T]
     fp32 aligned to tokens; position 0 and padding are 0.0. The sampling arguments are scalars or [B,T] per-token
     tensors, and runs a TrainBatch's (a batch's recorded sampling). `routes` (long [B,T,L,k]) replays the engine's
-    MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs. Gradients flow unless the
-    caller is under torch.no_grad()."""
+    MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs; `positions` (bool [B,T])
+    limits the work to the tokens wanted (the rest read 0.0). Gradients flow unless the caller is under
+    torch.no_grad()."""
     replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
         return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
-                               min_p=min_p, runs=runs)[0]
+                               min_p=min_p, runs=runs, positions=positions)[0]
 
 
 def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:
-    """sequence_logprobs of a whole TrainBatch at each token's recorded sampling, without routes (a frozen
-    reference or teacher model, which has no routes of its own to replay)."""
+    """sequence_logprobs of a whole TrainBatch's wanted tokens at each token's recorded sampling, without routes
+    (a frozen reference or teacher model, which has no routes of its own to replay)."""
     return sequence_logprobs(model, batch.input_ids, batch.attention_mask, images=batch.images, runs=batch.runs,
+                             positions=wanted_positions(batch.loss_mask, batch.runs),
                              **{name: getattr(batch, name) for name in invariants.SAMPLING_TENSORS})
 
 
@@ -223,6 +288,10 @@ LR_SCHEDULES = ("constant", "cosine")
 # fp32 master weights, fp32 AdamW state, fp32 gradient reduction, and logits upcast to fp32 before the
 # temperature; what remains of the train/infer mismatch is what the IS correction and the gates are for.
 PRECISIONS = ("auto", "fp32", "bf16")
+COMPILE_MODES = ("auto", "true", "false")
+CPU_MICRO_BATCH_ROWS = 8          # the auto micro-batch on a CPU: compute-bound, so size buys nothing but memory
+GPU_MEMORY_SHARE = 0.6            # of the memory free at the step that auto micro-batches may fill on a GPU
+MICRO_BATCH_TOKENS_RANGE = (2048, 65536)   # auto token caps are kept inside this range
 
 
 @dataclass
@@ -234,11 +303,11 @@ class ActorConfig:
     lr_schedule: str = "constant"              # one of LR_SCHEDULES, applied after warmup
     warmup_steps: int = 0                      # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1                  # cosine ends at lr * min_lr_ratio on the last step
-    micro_batch_size: int = 8                  # rows per forward/backward on each rank (memory knob only)
-    micro_batch_tokens: int = 0                # also cap rows x longest row per micro-batch (0 = rows only)
+    micro_batch_size: int = 0                  # rows per forward/backward on each rank (0 = auto: 8 on a CPU, no cap on a GPU)
+    micro_batch_tokens: int = 0                # rows x longest row per micro-batch (0 = auto: none on a CPU, from memory on a GPU)
     precision: str = "auto"                    # fp32 | bf16 | auto (bf16 on a GPU, fp32 on a CPU); see PRECISIONS
     activation_checkpointing: bool = False     # recompute each decoder layer in backward (memory for compute)
-    compile: bool = False                      # torch.compile each decoder layer (fuses its norms, activations)
+    compile: str = "auto"                      # torch.compile each decoder layer: true | false | auto (on a GPU)
 
 
 def validate_actor(cfg: ActorConfig) -> None:
@@ -255,10 +324,12 @@ def validate_actor(cfg: ActorConfig) -> None:
         raise ValueError(f"unknown lr_schedule {cfg.lr_schedule!r}; expected one of {LR_SCHEDULES}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    if cfg.micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {cfg.micro_batch_size}")
+    if cfg.micro_batch_size < 0:
+        raise ValueError(f"micro_batch_size must be >= 1, or 0 for auto, got {cfg.micro_batch_size}")
     if cfg.micro_batch_tokens < 0:
-        raise ValueError(f"micro_batch_tokens must be >= 0 (0 = no token cap), got {cfg.micro_batch_tokens}")
+        raise ValueError(f"micro_batch_tokens must be >= 1, or 0 for auto, got {cfg.micro_batch_tokens}")
+    if cfg.compile not in COMPILE_MODES:
+        raise ValueError(f"unknown compile {cfg.compile!r}; expected one of {COMPILE_MODES}")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"unknown precision {cfg.precision!r}; expected one of {PRECISIONS}")
     if cfg.warmup_steps < 0:
@@ -330,7 +401,10 @@ class Actor:
         self.precision = cfg.precision if cfg.precision != "auto" else \
             ("bf16" if self.device.type == "cuda" else "fp32")
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
-        if cfg.compile:            # in place: parameter names, hooks and the state dict stay the module's own
+        # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
+        # (bench/gpu.py), paid once in the first step; on a CPU the step is matmul-bound and compiling buys little
+        self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
+        if self.compiled:          # in place: parameter names, hooks and the state dict stay the module's own
             for layer in _decoder_layers(self.model):
                 layer.compile()
         if cfg.activation_checkpointing:
@@ -367,8 +441,9 @@ class Actor:
         fully_shard(self.model, mesh=mesh, mp_policy=mixed)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
-                # SUM the rank gradients instead of FSDP's mean: each rank's loss is already divided by the
-                # GLOBAL denominators, so the sum is the global token-mean gradient (prime-rl #2562).
+                # SUM the rank gradients instead of FSDP's mean: each rank's loss (or, in a step that takes its
+                # proximal logprobs from its own forward, its summed gradient) is divided by the GLOBAL
+                # denominators, so the sum is the global token-mean gradient (prime-rl #2562).
                 # Divide factor 1 alone asks for PREMUL_SUM, which gloo refuses; force_sum makes it a plain SUM.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
@@ -388,28 +463,50 @@ class Actor:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _micro_batches(self, batch: invariants.TrainBatch) -> list[slice | None]:
-        """Row slices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio needs all of a rollout's
-        rows in one forward), at most micro_batch_size rows and micro_batch_tokens padded tokens (rows x longest
-        row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
+    def _micro_batch_limits(self) -> tuple[int, int]:
+        """(rows, padded tokens) per micro-batch; 0 = no cap. Auto on a GPU: no row cap, and as many tokens as
+        GPU_MEMORY_SHARE of the memory free now holds at the model's activation cost per token (Korthikanti et al.
+        2205.05198, 34h bytes per layer at 16 bits; here 16 h + 8 intermediate values a layer, at the compute's bytes),
+        measured at each step, when an engine sharing the GPU is asleep. Auto on a CPU: CPU_MICRO_BATCH_ROWS rows."""
+        rows, tokens = self.cfg.micro_batch_size, self.cfg.micro_batch_tokens
+        if self.device.type != "cuda":
+            return rows or CPU_MICRO_BATCH_ROWS, tokens
+        if not tokens:
+            text = self.model.config.get_text_config()
+            width = 2 if self.precision == "bf16" else 4
+            intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+            per_token = text.num_hidden_layers * (16 * text.hidden_size + 8 * intermediate) * width
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            tokens = min(max(int(GPU_MEMORY_SHARE * free / per_token), MICRO_BATCH_TOKENS_RANGE[0]),
+                         MICRO_BATCH_TOKENS_RANGE[1])
+            tokens = int(self._reduce([tokens], dist.ReduceOp.MIN)[0])
+        return rows, tokens
+
+    def _micro_batches(self, batch: invariants.TrainBatch) -> list[Tensor | None]:
+        """Row indices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio and the sequence gates need
+        all of a rollout's rows in one forward), longest rollouts first so that rows of like length share a
+        micro-batch and little padding is computed, at most _micro_batch_limits() rows and padded tokens (rows x
+        longest row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
         collectives in every forward/backward, so a rank that ran fewer would leave the others waiting in a
         collective forever."""
-        rollout_ids, lengths = batch.rollout_ids, batch.attention_mask.sum(-1).tolist()
-        starts = [b for b in range(len(rollout_ids)) if b == 0 or rollout_ids[b] != rollout_ids[b - 1]]
-        if len(starts) != len(set(rollout_ids)):
-            raise ValueError("the rows of a rollout must be adjacent in the batch (build it from each rollout's "
-                             "rows in order, as train.py does)")
-        size, tokens = self.cfg.micro_batch_size, self.cfg.micro_batch_tokens
-        slices, begin = [], 0
-        for start, end in zip(starts, starts[1:] + [len(rollout_ids)]):
-            rows, width = end - begin, max(lengths[begin:end])
-            if start > begin and (rows > size or (tokens and rows * width > tokens)):
-                slices.append(slice(begin, start))           # this rollout starts the next micro-batch
-                begin = start
-        if rollout_ids:
-            slices.append(slice(begin, len(rollout_ids)))
-        most = int(self._reduce([len(slices)], dist.ReduceOp.MAX)[0])
-        return slices + [None] * (most - len(slices))
+        lengths = batch.attention_mask.sum(-1).tolist()
+        rollouts: dict[str, list[int]] = {}
+        for b, rollout_id in enumerate(batch.rollout_ids):
+            rollouts.setdefault(rollout_id, []).append(b)
+        size, tokens = self._micro_batch_limits()
+        groups, current, width = [], [], 0
+        for rows in sorted(rollouts.values(), key=lambda rows: -max(lengths[b] for b in rows)):
+            grown = max([width] + [lengths[b] for b in rows])
+            if current and ((size and len(current) + len(rows) > size) or
+                            (tokens and (len(current) + len(rows)) * grown > tokens)):
+                groups.append(current)                    # this rollout starts the next micro-batch
+                current, grown = [], max(lengths[b] for b in rows)
+            current, width = current + rows, grown
+        if current:
+            groups.append(current)
+        most = int(self._reduce([len(groups)], dist.ReduceOp.MAX)[0])
+        return [torch.tensor(sorted(rows)) for rows in groups] + [None] * (most - len(groups))
 
     def _filler_forward(self) -> Tensor:
         """A forward that keeps this rank in step with the others when it has no rows left; returns 0 * logits."""
@@ -419,25 +516,27 @@ class Actor:
             return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
                               **_forward_inputs(self.model, ids, mask, images)).logits.float().sum() * 0.0
 
-    def _cut(self, t: Tensor, rows: slice, width: int) -> Tensor:
+    def _cut(self, t: Tensor, rows: Tensor, width: int) -> Tensor:
         return t[rows, :width].to(self.device)
 
-    def _rows(self, batch: invariants.TrainBatch, rows: slice) -> tuple[Tensor, Tensor, Tensor | None, list, dict, int]:
-        """input_ids, attention_mask, routes, images and the per-token sampling of `rows`, cut to their longest row
-        (right padding), and that width."""
+    def _rows(self, batch: invariants.TrainBatch, rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None, list, dict, int]:
+        """input_ids, attention_mask, routes, images and the per-token sampling of `rows` (with the wanted
+        positions), cut to their longest row (right padding), and that width."""
         width = max(int(batch.attention_mask[rows].sum(-1).max()), 1)
         routes = self._cut(batch.routes, rows, width) if batch.routes is not None else None
         sampling = {name: self._cut(getattr(batch, name), rows, width) for name in invariants.SAMPLING_TENSORS}
-        sampling["runs"] = batch.runs[rows]
+        sampling["runs"] = [batch.runs[b] for b in rows.tolist()]
+        sampling["positions"] = wanted_positions(self._cut(batch.loss_mask, rows, width), sampling["runs"])
         return (self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width), routes,
-                batch.images[rows], sampling, width)
+                [batch.images[b] for b in rows.tolist()], sampling, width)
 
     # -- logprob recompute (pi_old / pi_prox) --
 
     @torch.no_grad()
     def recompute_logprobs(self, batch: invariants.TrainBatch) -> Tensor:
-        """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, each token at its own recorded
-        sampling (TrainBatch.temperature/top_p/top_k/min_p and runs), with MoE routes replayed."""
+        """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, each wanted token (trainable, or
+        in an adjusted run; 0.0 elsewhere) at its own recorded sampling (TrainBatch.temperature/top_p/top_k/min_p and
+        runs), with MoE routes replayed."""
         _check_right_padded(batch.attention_mask)
         batch_size, length = batch.input_ids.shape
         out = torch.zeros((batch_size, length), dtype=torch.float32)
@@ -453,119 +552,165 @@ class Actor:
 
     # -- one optimizer step --
 
-    def train_step(self, batch: invariants.TrainBatch, old_logprobs: Tensor, algo_cfg: algo.AlgoConfig,
+    def train_step(self, batch: invariants.TrainBatch, old_logprobs: Tensor | None, algo_cfg: algo.AlgoConfig,
                    correction_cfg: invariants.CorrectionConfig, trainer_version: int,
                    ref_logprobs: Tensor | None = None, token_budget: int | None = None) -> "StepReport":
         """ONE optimizer step over this rank's rows of the step's batch (all micro-batches, all ranks).
-        old_logprobs: [B,T] recomputed with the weights of `trainer_version` (the proximal policy).
+        old_logprobs: [B,T] recomputed with the weights of `trainer_version` (the proximal policy), or None when
+        those weights are the current ones (the batch's first optimizer step): each micro-batch's own forward then
+        gives them, detached, and the separate recompute pass is saved. That is exact, not an approximation: the
+        proximal logprobs ARE these weights' logprobs, the PPO ratio is 1 with the policy gradient as its gradient,
+        and the gates and the mismatch metrics see the numbers a recompute gives.
         ref_logprobs: [B,T] of the reference model, needed when the KL is a loss term (algo.kl_loss_coef > 0).
         token_budget: Dr.GRPO's constant (most sampled tokens a rollout can hold), for seq_mean_token_sum_norm.
-        The rows of a rollout must be adjacent and on one rank. Returns the step's metrics and what the step did to
-        each token. Gradients of the step stay on the parameters until the next call (zeroed at the start)."""
+        The rows of a rollout must be on one rank. Returns the step's metrics and what the step did to each token
+        (StepReport.prox_logprobs: the proximal logprobs used). Gradients of the step stay on the parameters until
+        the next call (zeroed at the start)."""
         _check_right_padded(batch.attention_mask)
-        if old_logprobs.shape != batch.input_ids.shape:
+        if old_logprobs is None and trainer_version != self.version:
+            raise ValueError(f"old_logprobs=None means the proximal policy is the current weights (version "
+                             f"{self.version}), but trainer_version is {trainer_version}; pass recompute_logprobs "
+                             f"of the batch taken at version {trainer_version}")
+        if old_logprobs is not None and old_logprobs.shape != batch.input_ids.shape:
             raise ValueError(f"old_logprobs must be [B,T]={tuple(batch.input_ids.shape)} aligned to tokens, "
                              f"got {tuple(old_logprobs.shape)}; use recompute_logprobs(batch)")
         kl_coef = algo.kl_loss_coef(algo_cfg)
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
-        loss_mask = batch.loss_mask.float()
-        behavior = batch.behavior_logprobs.float()
-        old_logprobs = old_logprobs.float()
-        seq_index = invariants.sequence_index(batch.rollout_ids)      # rows -> rollouts: a rollout is the sequence
-
-        # (1) sequence gates: version (staleness <= eta), veto, seq/geo band, each over a whole rollout
-        stale = invariants.staleness(batch.policy_versions, loss_mask, trainer_version, seq_index)
-        keep, gate_counts = invariants.gate_sequences((old_logprobs - behavior) * loss_mask, loss_mask, stale,
-                                                      correction_cfg, seq_index)
-        gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
-        # (2) train/infer IS weights pi_prox / mu per token, each token against its own behavior logprob (detached);
-        # a token the mask mode rejects (w = 0) leaves the mask, so it leaves every denominator too
-        is_weights, is_metrics = invariants.correction_weights(old_logprobs, behavior, gated, correction_cfg,
-                                                               seq_index)
-        mask = gated * (is_weights > 0).to(gated.dtype)
-
-        # (3) GLOBAL denominators of the whole step over the final mask, so micro-batch and rank splits change
-        # nothing (verl #7321); rollouts are rank-local, so their counts add up across ranks
-        global_tokens, global_seqs = self._reduce([float(mask.sum()), float(invariants.count_sequences(mask,
-                                                                                                       seq_index))])
-        sums, maxes = self._gate_sums(loss_mask, gated, stale, old_logprobs - behavior, seq_index, gate_counts,
-                                      is_metrics)
+        record = _empty_record(batch.input_ids.shape)
+        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "trainable_tokens": 0.0, "gated_tokens": 0.0,
+                "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0, **{name: 0.0 for name in POLICY_LOSS_METRICS},
+                **{f"gate/{k}": 0.0 for k in GATE_COUNTS}, **{f"is/{k}": 0.0 for k in IS_METRICS}}
+        maxes = {"staleness_max": 0.0, "logprob_diff_max": 0.0}
+        gate = functools.partial(self._gate, trainer_version=trainer_version, correction_cfg=correction_cfg,
+                                 sums=sums, maxes=maxes)
         self.optimizer.zero_grad(set_to_none=True)
-        contribution = torch.zeros_like(loss_mask)
 
-        def report(metrics: dict[str, float]) -> StepReport:
-            return StepReport(metrics, contribution, is_weights, keep, stale, mask)
-        if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
-            return report(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
-        weights = algo.loss_weights(mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget, seq_index)
+        # (1)-(2) with the proximal logprobs given, the sequence gates and IS weights of the whole step come first, so
+        # the GLOBAL denominators (3) are known and every token's loss weight is final before any backward
+        weights = None
+        if old_logprobs is not None:
+            whole = gate(old_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
+                         batch.policy_versions, invariants.sequence_index(batch.rollout_ids))
+            record.write(slice(None), batch.input_ids.shape[1], prox=old_logprobs, is_weights=whole.is_weights,
+                         mask=whole.mask, kept=whole.keep, staleness=whole.stale)
+            global_tokens, global_seqs = self._global_counts(whole.mask, whole.seq_index)
+            if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
+                return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
+            weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget,
+                                        whole.seq_index)
 
-        # (4) micro-batches: forward with grad, backward; MoE routes stay replayed through the backward too (an
-        # activation-checkpointed recompute would otherwise route live and disagree with the forward)
-        per_token = {"old": old_logprobs, "advantages": batch.advantages.float(), "mask": mask, "w": is_weights,
-                     "weights": weights}
+        # (4) micro-batches of whole rollouts: forward with grad, backward. Without proximal logprobs, each micro-batch
+        # is gated on its own forward's (every gate is per rollout or per token, and a micro-batch holds whole
+        # rollouts), its tokens weighed by the numerators of algo.loss_weights, and the summed gradient divided by
+        # the global count once at the end (the gradient is linear in the weights)
+        per_token = {"behavior": batch.behavior_logprobs, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
+                     "versions": batch.policy_versions, "prox": record.prox, "w": record.is_weights,
+                     "mask": record.mask}
+        if weights is not None:
+            per_token["weights"] = weights
         if kl_coef > 0:
-            per_token["ref"] = ref_logprobs.float()
+            per_token["ref"] = ref_logprobs
         for rows in self._micro_batches(batch):
             if rows is None:
                 self._filler_forward().backward()
                 continue
             input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
             mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
+            seq_index = invariants.sequence_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
+            # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
+            # otherwise route live and disagree with the forward)
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
             with replay:
                 with self._compute():
                     logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,
                                                         with_entropy=True, **sampling)
-                token_loss, pl_metrics = algo.policy_loss(logprobs, mb["old"], mb["advantages"], mb["mask"],
-                                                          algo_cfg, is_weights=mb["w"],
-                                                          seq_index=seq_index[rows].to(self.device))
+                if weights is None:
+                    own = gate(logprobs.detach().float(), mb["behavior"].float(), mb["loss_mask"].float(),
+                               mb["versions"], seq_index)
+                    record.write(rows, width, prox=own.prox, is_weights=own.is_weights, mask=own.mask, kept=own.keep,
+                                 staleness=own.stale)
+                    mb.update(prox=own.prox, w=own.is_weights, mask=own.mask,
+                              weights=algo.loss_numerators(own.mask, algo_cfg.loss_agg, token_budget, seq_index))
+                token_loss, pl_metrics = algo.policy_loss(logprobs, mb["prox"], mb["advantages"].float(), mb["mask"],
+                                                          algo_cfg, is_weights=mb["w"], seq_index=seq_index)
                 if kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
-                    kl = algo.kl_divergence(logprobs, mb["ref"], algo_cfg.kl_estimator) * mb["mask"]
+                    kl = algo.kl_divergence(logprobs, mb["ref"].float(), algo_cfg.kl_estimator) * mb["mask"]
                     token_loss = token_loss + kl_coef * kl
                     sums["kl_ref"] += float(kl.detach().sum())
-                token_share = token_loss * mb["weights"]      # each token's exact share of the step's loss
+                token_share = token_loss * mb["weights"]      # each token's share of the step's loss
                 loss = token_share.sum()
-                loss.backward()
-            contribution[rows, :width] = token_share.detach().cpu()
+                loss.backward()       # also with nothing kept: under FSDP2 every rank runs every backward
+            record.write(rows, width, contribution=token_share.detach())
             mb_tokens = float(mb["mask"].sum())
             sums["loss"] += float(loss.detach())
             sums["entropy"] += float((entropy * mb["mask"]).sum())
             for name in POLICY_LOSS_METRICS:  # per-micro-batch token means -> token-weighted sums
                 sums[name] += pl_metrics[name] * mb_tokens
 
+        if weights is None:   # (3) the step's global counts, known now: the shares and gradient get their divisor
+            global_tokens, global_seqs = self._global_counts(record.mask, invariants.sequence_index(batch.rollout_ids))
+            if global_tokens == 0:
+                self.optimizer.zero_grad(set_to_none=True)
+                return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
+            denominator = algo.loss_denominator(algo_cfg.loss_agg, global_tokens, global_seqs)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(denominator)
+            record.contribution /= denominator
+            sums["loss"] /= denominator
+
         # (5) clip the global gradient norm, step, advance the schedule and the version
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         if not math.isfinite(grad_norm):  # a NaN/inf gradient would poison AdamW's moments: skip the update
             self.optimizer.zero_grad(set_to_none=True)
-            contribution.zero_()
-            return report(self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True))
+            record.contribution.zero_()
+            return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True))
         metrics = self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=False)
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         metrics["actor/version"] = float(self.version)
-        return report(metrics)
+        return record.done(metrics)
 
-    # -- step metrics (summed over ranks, then divided by global counts) --
+    def _global_counts(self, mask: Tensor, seq_index: Tensor) -> tuple[float, float]:
+        """Kept tokens and kept rollouts of the step over every rank (rollouts are rank-local, so counts add up)."""
+        return tuple(self._reduce([float(mask.sum()), float(invariants.count_sequences(mask.cpu(), seq_index))]))
 
-    def _gate_sums(self, loss_mask: Tensor, gated: Tensor, stale: Tensor, log_ratio: Tensor, seq_index: Tensor,
-                   gate_counts: dict, is_metrics: dict) -> tuple[dict[str, float], dict[str, float]]:
+    @staticmethod
+    def _gate(prox: Tensor, behavior: Tensor, loss_mask: Tensor, versions: Tensor, seq_index: Tensor, *,
+              trainer_version: int, correction_cfg: invariants.CorrectionConfig, sums: dict,
+              maxes: dict) -> "_Gated":
+        """The sequence gates (version: staleness <= eta; veto; seq/geo band, each over a whole rollout) and the
+        train/infer IS weights pi_prox / mu per token (each against its own behavior logprob, detached) of some
+        whole rollouts; a token the mask mode rejects (w = 0) leaves the mask, so it leaves every denominator too.
+        Adds their figures to the step's sums and maxima."""
+        stale = invariants.staleness(versions, loss_mask, trainer_version, seq_index)
+        log_ratio = (prox - behavior) * loss_mask
+        keep, gate_counts = invariants.gate_sequences(log_ratio, loss_mask, stale, correction_cfg, seq_index)
+        gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
+        is_weights, is_metrics = invariants.correction_weights(prox, behavior, gated, correction_cfg, seq_index)
+        mask = gated * (is_weights > 0).to(gated.dtype)
+
         trainable_rows = loss_mask.sum(-1) > 0
-        diff = log_ratio.abs() * loss_mask  # |log pi_old - log mu|: train/infer mismatch before any correction
+        diff = log_ratio.abs()  # |log pi_old - log mu|: train/infer mismatch before any correction
         rollout_staleness = {int(i): float(s) for i, s, t in zip(seq_index, stale, trainable_rows) if t}
-        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, **{name: 0.0 for name in POLICY_LOSS_METRICS},
-                "trainable_tokens": float(loss_mask.sum()), "gated_tokens": float(gated.sum()),
-                "rollouts": float(len(rollout_staleness)), "staleness": sum(rollout_staleness.values()),
-                "logprob_diff": float(diff.sum()),
-                **{f"gate/{k}": float(v) for k, v in gate_counts.items()},
-                # the invariants' IS metrics are means over this rank's gated tokens: weight them back into sums
-                **{f"is/{k}": float(v) * float(gated.sum()) for k, v in is_metrics.items()}}
-        maxes = {"staleness_max": max(rollout_staleness.values(), default=0.0),
-                 "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0}
-        return sums, maxes
+        gated_tokens = float(gated.sum())
+        additions = {"trainable_tokens": float(loss_mask.sum()), "gated_tokens": gated_tokens,
+                     "rollouts": float(len(rollout_staleness)), "staleness": sum(rollout_staleness.values()),
+                     "logprob_diff": float(diff.sum()),
+                     **{f"gate/{k}": float(v) for k, v in gate_counts.items()},
+                     # the invariants' IS metrics are means over these gated tokens: weight them back into sums
+                     **{f"is/{k}": float(v) * gated_tokens for k, v in is_metrics.items()}}
+        for name, value in additions.items():
+            sums[name] += value
+        maxes["staleness_max"] = max(maxes["staleness_max"], max(rollout_staleness.values(), default=0.0))
+        maxes["logprob_diff_max"] = max(maxes["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
+        return _Gated(prox, keep, stale, is_weights, mask, seq_index)
+
+    # -- step metrics (summed over micro-batches and ranks, then divided by global counts) --
 
     def _step_metrics(self, sums: dict, maxes: dict, global_tokens: float, global_seqs: float, grad_norm: float,
                       skipped: bool) -> dict[str, float]:

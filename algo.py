@@ -240,23 +240,40 @@ def loss_weights(
     loss_mask: Tensor, mode: str, global_tokens: float, global_seqs: float, token_budget: int | None = None,
     seq_index: Tensor | None = None,
 ) -> Tensor:
-    """[B, T] weight of each token's loss in the step's scalar loss (0 off the mask).
+    """[B, T] weight of each token's loss in the step's scalar loss (0 off the mask): loss_numerators / the
+    step's global count loss_denominator picks.
     token_mean: 1 / global_tokens (kept tokens in the step).
     seq_mean_token_mean (GRPO): 1 / (global_seqs * tokens of its sequence), i.e. the mean over kept sequences of
       each sequence's token mean; the sequence is the rollout, so a rollout sealed into three rows weighs once.
     seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_seqs * token_budget), token_budget a constant of
       the run (train.py: the most sampled tokens a rollout can hold), so no sequence's length changes any weight."""
+    return loss_numerators(loss_mask, mode, token_budget, seq_index) / loss_denominator(mode, global_tokens,
+                                                                                          global_seqs)
+
+
+def loss_numerators(loss_mask: Tensor, mode: str, token_budget: int | None = None,
+                    seq_index: Tensor | None = None) -> Tensor:
+    """The part of loss_weights that the rows themselves decide (every row of a sequence must be in the call). A
+    trainer that learns the global counts only after its micro-batches ran (actor.train_step) weighs each token by
+    this and divides the summed gradient by loss_denominator once: the gradient is linear in the weights."""
     if mode == "token_mean":
-        return loss_mask / _positive("global_tokens", global_tokens)
+        return loss_mask
     if mode == "seq_mean_token_mean":
-        tokens = per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0)
-        return loss_mask / (tokens.unsqueeze(-1) * _positive("global_seqs", global_seqs))
+        return loss_mask / per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0).unsqueeze(-1)
     if mode == "seq_mean_token_sum_norm":
         if token_budget is None:
             raise ValueError("seq_mean_token_sum_norm divides by a constant token budget per sequence; pass "
                              "token_budget (the most sampled tokens a rollout can hold)")
-        return loss_mask / (_positive("global_seqs", global_seqs) * _positive("token_budget", token_budget))
+        return loss_mask / _positive("token_budget", token_budget)
     raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
+
+
+def loss_denominator(mode: str, global_tokens: float, global_seqs: float) -> float:
+    """The global count of the step that loss_weights divides by: kept tokens (token_mean) or kept sequences."""
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
+    return _positive("global_tokens", global_tokens) if mode == "token_mean" else \
+        _positive("global_seqs", global_seqs)
 
 
 def _positive(name: str, value: float) -> float:

@@ -472,8 +472,20 @@ class EmbeddedEngine:
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
         """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
-        re-prefill after a weight swap), into a fresh cache."""
+        re-prefill after a weight swap), into a fresh cache. Rows whose text is the same (the samples of a
+        group, arriving together) are forwarded once and share that forward's cache rows and logits: a row's
+        result depends on its own ids alone, so a copy is what its own forward would give."""
         seqs = [r.prompt_ids + r.token_ids for r in rows]
+        if not self.is_vision and len(rows) > 1 and not any(r.routes for r in rows):
+            first: dict[tuple[int, ...], int] = {}
+            of = [first.setdefault(tuple(s), len(first)) for s in seqs]
+            if len(first) < len(rows):
+                distinct = [rows[seqs.index(list(key))] for key in first]
+                shared = self._prefill(distinct)
+                for r, k in zip(rows, of):          # each copy records the routes its own forward would
+                    if r is not distinct[k] and shared.rows[k].routes:
+                        r.routes.append(shared.rows[k].routes[-1])
+                return _select_rows(shared, of, rows)
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -593,6 +605,18 @@ def _merge(batch: _Batch, new: _Batch) -> _Batch:
                   torch.cat([_pad_left(batch.attention, width, 1), _pad_left(new.attention, width, 1)]),
                   torch.cat([batch.next_positions, new.next_positions]), torch.cat([batch.logits, new.logits]),
                   batch.version)
+
+
+def _select_rows(batch: _Batch, index: list[int], rows: list[_Row]) -> _Batch:
+    """The batch's row index[b] as row b, for the given rows (a row may be taken several times)."""
+    picked = torch.tensor(index, device=batch.attention.device)
+    if _mergeable(batch.cache):
+        for layer in batch.cache.layers:
+            layer.keys, layer.values = layer.keys[picked], layer.values[picked]
+    else:
+        batch.cache.batch_select_indices(picked)
+    return _Batch(list(rows), batch.cache, batch.attention[picked], batch.next_positions[picked],
+                  batch.logits[picked], batch.version)
 
 
 def _select(batch: _Batch, keep: list[int]) -> _Batch:

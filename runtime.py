@@ -565,14 +565,15 @@ class TrainerGroup:
                          for r, rows in zip(self.ranks, shares)])
         return _gather(parts, shares, batch.input_ids.shape)
 
-    def train_step(self, batch, old_logprobs: torch.Tensor, *args, ref_logprobs=None, **kwargs):
+    def train_step(self, batch, old_logprobs: torch.Tensor | None, *args, ref_logprobs=None, **kwargs):
         shares = self._deal(batch)
-        reports = ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), old_logprobs[rows], *args,
+        reports = ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows),
+                                         None if old_logprobs is None else old_logprobs[rows], *args,
                                          ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
                                          **kwargs) for r, rows in zip(self.ranks, shares)])
         shape = batch.input_ids.shape
         report = reports[0]              # the step's metrics are global, the same on every rank
-        for name in ("loss_contribution", "is_weights", "kept", "staleness", "mask"):
+        for name in ("loss_contribution", "is_weights", "kept", "staleness", "mask", "prox_logprobs"):
             setattr(report, name, _gather([getattr(p, name) for p in reports], shares,
                                           shape if getattr(report, name).ndim == 2 else shape[:1]))
         return report

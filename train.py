@@ -514,7 +514,16 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
 
     t0 = time.time()
     trainer_version = policy.version
-    old_logprobs = policy.recompute_logprobs(batch)       # pi_prox at version V, each token at its own sampling
+    parts = minibatch_indices(batch.group_ids, tr.minibatches)
+    # pi_prox at version V, each token at its own sampling. The first minibatch's optimizer step runs at version V
+    # itself, so its own forward gives those logprobs (Actor.train_step with old_logprobs=None) and only the later
+    # minibatches need a recompute, taken now, before any step moves the weights. Distillation's advantages and a
+    # KL reward need every row's before training, so they recompute all rows.
+    needs_all = reference is not None and (a.estimator == "on_policy_distill" or a.kl_in_reward)
+    later = [i for part in parts[0 if needs_all else 1:] for i in part]
+    old_logprobs = torch.zeros(batch.input_ids.shape)
+    if later:
+        old_logprobs[later] = policy.recompute_logprobs(invariants.select_rows(batch, later))
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
@@ -528,18 +537,20 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
 
     # Dr.GRPO's constant: the most tokens one rollout can sample in this run
     token_budget = min(ro.max_turns * ro.max_tokens, ro.max_length - 1)
-    parts = minibatch_indices(batch.group_ids, tr.minibatches)
     metrics: dict[str, float] = {}
     reports = []
-    for part in parts:
-        report = policy.train_step(invariants.select_rows(batch, part), old_logprobs[part], a, cfg["correction"],
-                                   trainer_version=trainer_version, token_budget=token_budget,
+    for k, part in enumerate(parts):
+        own_forward = k == 0 and not needs_all
+        report = policy.train_step(invariants.select_rows(batch, part), None if own_forward else old_logprobs[part],
+                                   a, cfg["correction"], trainer_version=trainer_version, token_budget=token_budget,
                                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
+        if own_forward:
+            old_logprobs[part] = report.prox_logprobs
         reports.append((part, report))
-        for k, v in report.metrics.items():            # averaged over the minibatches that ran
-            metrics[k] = metrics.get(k, 0.0) + float(v) / len(parts)
-    for k in ("actor/version", "actor/lr"):             # states, not averages: the value after the last step
-        metrics[k] = float(report.metrics[k])
+        for name, value in report.metrics.items():     # averaged over the minibatches that ran
+            metrics[name] = metrics.get(name, 0.0) + float(value) / len(parts)
+    for name in ("actor/version", "actor/lr"):          # states, not averages: the value after the last step
+        metrics[name] = float(report.metrics[name])
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute

@@ -141,16 +141,19 @@ def bench_actor(steps: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
         bf16 = dict(precision="bf16", micro_batch_size=ROWS)
-        variants = {"tracerl_bf16_checkpointed": actor.ActorConfig(**bf16, activation_checkpointing=True),
-                    "tracerl_bf16": actor.ActorConfig(**bf16),
+        # the defaults (bf16, each decoder layer compiled, micro-batches sized from free memory) against the eager
+        # step and the memory-saving settings
+        variants = {"tracerl_defaults": actor.ActorConfig(),
+                    "tracerl_bf16_eager": actor.ActorConfig(**bf16, compile="false"),
                     "tracerl_bf16_compiled_checkpointed": actor.ActorConfig(**bf16, activation_checkpointing=True,
-                                                                              compile=True),
-                    "tracerl_bf16_compiled": actor.ActorConfig(**bf16, compile=True),
-                    "tracerl_bf16_compiled_micro4": actor.ActorConfig(**{**bf16, "micro_batch_size": 4},
-                                                                        compile=True),
-                    "tracerl_fp32_micro2": actor.ActorConfig(precision="fp32", micro_batch_size=2)}
+                                                                              compile="true"),
+                    "tracerl_fp32_micro2": actor.ActorConfig(precision="fp32", micro_batch_size=2, compile="false")}
         for name, cfg in variants.items():
             record(name, lambda cfg=cfg: actor_step_fn(folder, cfg, config.vocab_size))
+        default_chunk = actor.LOGPROB_CHUNK
+        actor.LOGPROB_CHUNK = 4 * default_chunk       # the output projection in larger pieces: fewer launches
+        record("tracerl_defaults_chunk4x", lambda: actor_step_fn(folder, actor.ActorConfig(), config.vocab_size))
+        actor.LOGPROB_CHUNK = default_chunk
     base = results["baseline_transformers_bf16"].get("tokens_per_s")
     for name, value in results.items():
         if isinstance(value, dict) and "tokens_per_s" in value and base:

@@ -17,7 +17,6 @@ DEFAULTS = {
     "rollout.max_length": 256,
     "train.minibatches": 2,          # two optimizer steps per rollout batch: the PPO clip is live
     "actor.lr": 3e-5,                # 5e-5 learned faster but collapsed the entropy by step 20
-    "actor.micro_batch_size": 8,
     "algo.estimator": "grpo",
 }
 

@@ -27,7 +27,6 @@ DEFAULTS = {
     "rollout.max_length": 1024 if ON_GPU else 256,
     "train.minibatches": 2,
     "actor.lr": 1e-6 if ON_GPU else 3e-5,
-    "actor.micro_batch_size": 8,
     "algo.estimator": "grpo",
 }
 

@@ -221,6 +221,61 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     assert max_abs_diff(grads(drifted.model), plain_grads) > 1e-4
 
 
+@pytest.mark.parametrize("loss_agg", algo.LOSS_AGGREGATIONS)
+def test_the_first_step_takes_its_proximal_logprobs_from_its_own_forward(qwen3_dir, loss_agg):
+    """old_logprobs=None (the proximal policy is the current weights) gives the step a recompute gives: the same
+    proximal logprobs, gates, IS rejections, metrics and gradient, also split into micro-batches whose global
+    denominators are known only after the last one ran."""
+    algo_cfg = algo.AlgoConfig(estimator="reinforce", loss_agg=loss_agg)
+    icepop = invariants.CorrectionConfig(level="token", mode="mask", low=0.5, high=5.0)
+    reports = []
+    for old_given, micro_batch_size in ((True, 0), (False, 0), (False, 1)):
+        policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=micro_batch_size,
+                                                          max_grad_norm=1e9), total_steps=1)
+        batch = make_batch([14, 6, 10, 5], prompt_len=3, vocab=policy.model.config.vocab_size)
+        old = on_policy(batch, policy)
+        batch.behavior_logprobs[1, 4] -= math.log(10.0)     # the trap: rho = 10 on one token, outside [0.5, 5]
+        report = policy.train_step(batch, old if old_given else None, algo_cfg, icepop, 0, token_budget=16)
+        reports.append((report, grads(policy.model), old))
+    (given, given_grads, old), *own_forward = reports
+    assert given.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1     # the trap is armed
+    scale = max(g.abs().max().item() for g in given_grads.values())
+    for report, own_grads, _ in own_forward:
+        assert not report.mask[1, 4] and torch.equal(report.mask, given.mask)
+        trainable = batch.loss_mask.bool()
+        assert (report.prox_logprobs - old)[trainable].abs().max() <= 1e-6
+        assert max_abs_diff(own_grads, given_grads) <= 1e-6 * max(scale, 1.0)
+        for key, value in given.metrics.items():
+            assert report.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert report.metrics["actor/ratio_mean"] == 1.0 and report.metrics["actor/clip_frac"] == 0.0
+
+
+def test_the_own_forward_refuses_a_trainer_version_that_is_not_the_current_one(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=2)
+    batch = make_batch([8, 6], prompt_len=3, vocab=policy.model.config.vocab_size)
+    on_policy(batch, policy)
+    policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(1), 0)
+    with pytest.raises(ValueError, match="proximal policy is the current weights"):
+        policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(1), 0)
+
+
+def test_only_the_wanted_positions_reach_the_output_projection(qwen3_dir, monkeypatch):
+    """Prompt tokens never reach the head: the logprobs of the wanted tokens are those of the full pass, 0.0 at
+    the rest, and the head sees exactly as many positions as there are wanted tokens."""
+    model = models.load_model(qwen3_dir)
+    batch = make_batch([12, 8, 10], prompt_len=5, vocab=model.config.vocab_size)
+    seen = []
+    chunked = actor._chunked_head_logprobs
+    monkeypatch.setattr(actor, "_chunked_head_logprobs", lambda hidden, *a, **k: seen.append(len(hidden)) or
+                        chunked(hidden, *a, **k))
+    with torch.no_grad():
+        full = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        wanted = actor.wanted_positions(batch.loss_mask, batch.runs)
+        part = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE, positions=wanted)
+    assert seen == [int(batch.attention_mask[:, 1:].sum()), int(batch.loss_mask.sum())]
+    assert (part - full)[wanted].abs().max() <= 1e-6 and (part[~wanted] == 0).all()
+
+
 def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
     policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([10, 10, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=1)
@@ -351,7 +406,7 @@ FSDP_LENGTHS, FSDP_PROMPT = [12, 6, 9, 11, 5], 3  # 5 rows: rank 0 gets 3, rank 
 FSDP_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
 
 
-def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str, old_given: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -359,7 +414,8 @@ def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
         policy = actor.Actor(model_dir, FSDP_CONFIG, total_steps=1)
         full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size)
         batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))  # this rank's rows
-        metrics = policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+        old = on_policy(batch, policy)
+        metrics = policy.train_step(batch, old if old_given else None, algo.AlgoConfig(estimator="reinforce"),
                                     invariants.CorrectionConfig(), 0).metrics
         full_grads = {name: p.grad.full_tensor() for name, p in policy.model.named_parameters()}
         export = policy.export_weights()
@@ -385,8 +441,9 @@ def free_port() -> int:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU; tests/test_gpu.py runs this over NCCL")
-def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_path):
-    mp.spawn(_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("old_given", [True, False], ids=["recomputed", "own_forward"])
+def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_path, old_given):
+    mp.spawn(_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path), old_given), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "fsdp.pt", weights_only=True)
 
     single = actor.Actor(qwen3_dir, FSDP_CONFIG, total_steps=1)
@@ -471,8 +528,8 @@ def test_activation_checkpointing_and_a_token_cap_change_no_gradient(moe_dir):
         gens = engine.generate([[5, 6, 7], [8, 9]], rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=5,
                                                                               seed=0))
         batch = invariants.build_batch(rows_from(gens), [1.0, -0.5], pad_id=0)      # rows of 8 and 7 tokens
-        assert policy._micro_batches(batch) == ([slice(0, 2)] if not cfg.micro_batch_tokens   # 2 x 8 > 12
-                                                else [slice(0, 1), slice(1, 2)])
+        assert [rows.tolist() for rows in policy._micro_batches(batch)] == \
+            ([[0, 1]] if not cfg.micro_batch_tokens else [[0], [1]])                  # 2 x 8 > 12
         policy.train_step(batch, policy.recompute_logprobs(batch), algo.AlgoConfig(estimator="reinforce"),
                           invariants.CorrectionConfig(), 0)
         unwrapped = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in grads(policy.model).items()}

@@ -245,6 +245,38 @@ def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
     assert _max_gap(gens, _recompute(moe, gens, 0.7, routes=True)) <= 1e-5
 
 
+class PrefillSizes(EmbeddedEngine):
+    """The real engine, recording how many rows each prefill forwards."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.sizes: list[int] = []
+
+    def _forward(self, ids, mask, cache, extra):
+        if ids.shape[1] > 1:
+            self.sizes.append(ids.shape[0])
+        return super()._forward(ids, mask, cache, extra)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_the_samples_of_a_group_share_one_prefill_and_each_keeps_its_own_draws(kind):
+    """Four samples of two prompts: the prefill forwards the two distinct prompts once; each sample still draws
+    its own tokens (seeded: the ids it draws alone), and every logprob (and MoE route) is the trainer's."""
+    model = models.tiny_model(kind, seed=0)
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[2]]
+    params = [SamplingParams(temperature=0.7, max_tokens=8, seed=s) for s in (1, 2, 3, 4)]
+    engine = PrefillSizes(model)
+    gens = engine.generate(prompts, params)
+    assert engine.sizes == [2]
+    assert len({tuple(g.token_ids) for g in gens[:3]}) == 3                  # three samples, three draws
+    for g, p, prompt in zip(gens, params, prompts):
+        alone = EmbeddedEngine(model).generate([prompt], [p])[0]
+        assert alone.token_ids == g.token_ids
+        if kind == "qwen3_moe":
+            assert (alone.routes == g.routes).all()
+    assert _max_gap(gens, _recompute(model, gens, 0.7, routes=kind == "qwen3_moe")) <= 1e-5
+
+
 def _in_threads(calls: list) -> list:
     """Run each zero-argument call on its own thread, started 10 ms apart; their results (or errors), in order."""
     out: list = [None] * len(calls)
