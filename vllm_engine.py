@@ -456,10 +456,13 @@ class _Request:
 
     def versions(self) -> list[int]:
         """The version of every token: the latest start at or before its index (a later mark at the same index
-        wins: no token was sampled between those two updates)."""
+        wins: no token was sampled between those two updates). One run per mark, not a search per token: this
+        runs on the engine's loop for every token of a batch as it finishes."""
+        n = len(self.token_ids)
+        marks = sorted((start, k, v) for k, (v, start) in enumerate(self.version_starts))
         versions = []
-        for i in range(len(self.token_ids)):
-            versions.append(max((start, n, v) for n, (v, start) in enumerate(self.version_starts) if start <= i)[2])
+        for (start, _, version), (end, _, _) in zip(marks, marks[1:] + [(n, 0, 0)]):
+            versions += [version] * (min(end, n) - min(start, n))
         return versions
 
     def generation(self) -> Generation:

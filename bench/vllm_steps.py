@@ -5,9 +5,11 @@
 #   prompts do, each prompt repeated --samples times as a GRPO group is; with --recipe NAME the recipe's own agent
 #   runner makes the rollouts from its tasks, exactly train.py's rollout: chat template, env threads, grading)
 #   -> sleep (a GPU engine: weights to host, KV cache dropped)
-#   -> "train": perturb the trainer's copy of the weights on the device; with --train also a forward/backward and
-#      an AdamW step over --train-rows of the batch first, so the GPU holds a trainer's memory while the engine sleeps
+#   -> "train": perturb a copy of the weights on the device; with --actor (and --recipe) train.py's own step instead:
+#      actor.Actor trained on the rollouts' rows by train.train_on_rows, so the GPU holds the actor's memory (optimizer,
+#      activations) while the engine sleeps, exactly as in a run
 #   -> wake_up -> update_weights (CUDA IPC on a GPU, a state dict on vLLM's CPU build) at the next version.
+# As in train.py, the weights are pushed once before step 1.
 # Each step opens with a probe, one request of a fixed prompt that the previous step also sent: after an update its
 # prompt must be computed afresh (KV written by the old weights must never be reused), so its cached tokens are 0.
 #
@@ -21,9 +23,9 @@
 # the seconds of sleep, train, wake and update. The summary compares the last steps' tokens/s with the first
 # steps' (step 1 excluded: it runs right after start-up) and fits every counter's change per step.
 #
-#   python bench/vllm_steps.py --tiny [--steps 6] [--recipe math]     (vLLM's CPU build, a tiny random Qwen3)
-#   python bench/vllm_steps.py --model DIR --prompts 32 --samples 8 --max-tokens 512 --steps 20 [--recipe math]
-#                              [--train] [--no-sleep] [--no-update] [--out vllm-steps.json]
+#   python bench/vllm_steps.py --tiny [--steps 6] [--recipe math [--actor]]   (vLLM's CPU build, a tiny random Qwen3)
+#   python bench/vllm_steps.py --model DIR --prompts 32 --samples 8 --max-tokens 512 --steps 20
+#                              [--recipe math [--actor]] [--no-sleep] [--no-update] [--out vllm-steps.json]
 import argparse
 import gc
 import json
@@ -32,6 +34,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -42,6 +45,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+import actor  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
@@ -161,20 +165,6 @@ def gpu_memory() -> dict[str, float]:
             "gpu_trainer_reserved_gb": torch.cuda.memory_reserved() / 2**30}
 
 
-def train_step(model, optimizer, rows: list[list[int]], device: torch.device) -> None:
-    """A stand-in for the actor's step, for its memory: next-token loss over `rows`, one row at a time (no
-    [rows, T, vocab] logits), then AdamW. What it learns does not matter; that the GPU holds its state does."""
-    model.train()
-    for row in rows:
-        ids = torch.tensor([row], device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=ids, labels=ids).loss / len(rows)
-        loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
-    model.eval()
-
-
 def slope(values: list[float]) -> float:
     """Least-squares change per step."""
     n = len(values)
@@ -189,14 +179,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 on vLLM's CPU build")
     parser.add_argument("--model", default="", help="a checkpoint folder (e.g. the Qwen3-0.6B shape, random)")
     parser.add_argument("--recipe", default="", help="rollouts by this recipe's agent runner (e.g. math)")
+    parser.add_argument("--actor", action="store_true", help="train with train.py's actor step (needs --recipe)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--noise", type=float, default=1e-4, help="std of the per-step weight perturbation")
-    parser.add_argument("--train", action="store_true", help="also a forward/backward + AdamW step per step")
-    parser.add_argument("--train-rows", type=int, default=32)
     parser.add_argument("--no-sleep", action="store_true", help="keep a GPU engine awake between steps")
     parser.add_argument("--no-update", action="store_true", help="never push weights (isolates the update)")
     parser.add_argument("--engine-memory", type=float, default=0.3, help="train.py's --rollout.engine_memory")
@@ -205,37 +194,56 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny == bool(args.model):
         parser.error("pass exactly one of --tiny (CPU build) or --model DIR")
+    if args.actor and not args.recipe:
+        parser.error("--actor trains on a recipe's rollouts: pass --recipe too (e.g. --recipe math)")
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if on_gpu else "cpu")
     torch.set_num_threads(args.threads)
     path = models.tiny_model_dir("qwen3", head_dim=32) if args.tiny else args.model
     max_length = max(PREFIX + PROBE_TAIL, (256 if args.recipe else PREFIX + TAIL) + args.max_tokens) + 16
+    cfg, policy, trainer, work = None, None, None, tempfile.mkdtemp(prefix="vllm-steps-")
+    if args.actor:            # as train.py builds it: the recipe's defaults, this batch's shape; before the engine
+        cfg = train.parse_config(["--recipe", args.recipe, "--model", path, "--steps", str(args.steps),
+                                  "--rollout.prompts_per_step", str(args.prompts),
+                                  "--rollout.samples_per_prompt", str(args.samples),
+                                  "--rollout.max_tokens", str(args.max_tokens), "--rollout.max_length",
+                                  str(max_length), "--rollout.temperature", str(args.temperature)])
+        policy = actor.Actor(path, cfg["actor"], total_steps=args.steps * cfg["train"].minibatches)
+        os.makedirs(os.path.join(work, "traces"))
+    else:
+        trainer = models.load_model(path).to(device)      # fp32 master weights, as the actor keeps them
     t0 = time.time()
     engine = VLLMEngine(path, version=0, seed=0, dtype="bfloat16" if on_gpu else "float32",
                         transfer="ipc" if on_gpu else "rpc", sleep_mode=on_gpu, max_model_len=max_length,
                         gpu_memory_utilization=args.engine_memory, enforce_eager=not on_gpu)
     router = Router([engine])
     start_s = time.time() - t0
-    trainer = models.load_model(path).to(device)          # fp32 master weights, as the actor keeps them
-    trainer.eval()
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-7) if args.train else None
-    vocab = trainer.config.get_text_config().vocab_size
+
+    def weights() -> tuple[dict[str, torch.Tensor], int]:
+        if policy is not None:
+            return policy.export_weights(policy.device), policy.version
+        return {k: v.detach().clone() for k, v in trainer.state_dict().items()}, router.version + 1
+
+    if not args.no_update:
+        router.update_weights(*weights())          # train.py's push before step 1
+    tokenizer = models.load_tokenizer(path)
+    vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
     banned = set(engine.eos_ids)
     sleeps = on_gpu and not args.no_sleep
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     runner, tasks = None, []
     if args.recipe:           # train.py's rollout: the recipe's runner over its tasks, groups of --samples
         recipe = train.load_recipe(args.recipe)
-        runner = recipe.AgentRunner(router, models.load_tokenizer(path), max_length=max_length)
+        runner = recipe.AgentRunner(router, tokenizer, max_length=max_length)
         tasks = recipe.tasks("train", 0)
     print(f"vllm_steps: {path} on {device}, engine up in {start_s:.0f} s; {args.prompts} x {args.samples} rows x "
           f"<= {args.max_tokens} tokens, {args.steps} steps, rollouts by {args.recipe or 'token-id prompts'}, sleep "
-          f"{sleeps}, update {not args.no_update}, train {args.train}", flush=True)
+          f"{sleeps}, update {not args.no_update}, trained by {'the actor' if args.actor else 'noise'}", flush=True)
 
     probe = prompts_of_step(-1, 1, vocab, banned, PROBE_TAIL)
-    gc_watch, gpu_watch = GCWatch(), GPUWatch(torch.cuda.current_device()) if on_gpu and shutil.which(
-        "nvidia-smi") else None
+    gc_watch = GCWatch()
+    gpu_watch = GPUWatch(torch.cuda.current_device()) if on_gpu and shutil.which("nvidia-smi") else None
     records = []
     for step in range(args.steps):
         before = engine.counters()
@@ -247,19 +255,19 @@ def main() -> None:
         if gpu_watch:
             gpu_watch.start()
         t = time.perf_counter()
+        rollouts = []
         if runner is None:
             prompts = [p for p in prompts_of_step(step, args.prompts, vocab, banned) for _ in range(args.samples)]
             gens = router.generate(prompts, params, session_ids=[f"s{step}-r{i}" for i in range(len(prompts))])
         else:
             picked = [tasks[(step * args.prompts + i) % len(tasks)] for i in range(args.prompts)]
-            rollouts = runner.run([t_ for t_ in picked for _ in range(args.samples)],
+            rollouts = runner.run([task for task in picked for _ in range(args.samples)],
                                   [f"s{step}-g{i}" for i in range(args.prompts) for _ in range(args.samples)], params)
             gens = [g for r in rollouts for g in r.generations]
         rollout_s = time.perf_counter() - t
         record = {"step": step + 1, "rollout_s": rollout_s, "gen_s": router.stats()[0].busy_s - busy,
                   **gc_watch.stop(), **(gpu_watch.stop() if gpu_watch else {})}
-        cpu_after = cpu_seconds()
-        after = engine.counters()
+        cpu_after, after = cpu_seconds(), engine.counters()
         lengths = [len(g.token_ids) for g in gens]
         record.update({
             "tokens": sum(lengths), "tokens_per_s": sum(lengths) / record["gen_s"],
@@ -271,7 +279,6 @@ def main() -> None:
             / max(after["prompt_tokens"] - before["prompt_tokens"], 1),
             "trainer_cores": (cpu_after[0] - cpu[0]) / rollout_s, "engine_cores": (cpu_after[1] - cpu[1]) / rollout_s,
         })
-        rows = [g.prompt_ids + g.token_ids for g in gens[: args.train_rows]]
         del gens
 
         t = time.perf_counter()
@@ -279,19 +286,22 @@ def main() -> None:
             engine.sleep()
         record["sleep_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        if optimizer is not None:
-            train_step(trainer, optimizer, rows, device)
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.add_(torch.randn_like(p), alpha=args.noise)
+        if policy is not None:
+            train.train_on_rows(cfg, policy, None, tokenizer, [(r, row) for r in rollouts for row in r.rows], work,
+                                step)
+        else:
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn_like(p), alpha=args.noise)
+        del rollouts
         record["train_s"] = time.perf_counter() - t
         t = time.perf_counter()
         if sleeps:
             engine.wake_up()
         record["wake_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        if not args.no_update:     # export_weights' copy: every entry, on the trainer's device
-            router.update_weights({k: v.detach().clone() for k, v in trainer.state_dict().items()}, step + 1)
+        if not args.no_update:
+            router.update_weights(*weights())
         record["update_s"] = time.perf_counter() - t
 
         rss, engine_rss = host_mb()
@@ -311,6 +321,7 @@ def main() -> None:
               f"{record['train_s']:.2f}/{record['wake_s']:.2f}/{record['update_s']:.2f} s", flush=True)
 
     engine.shutdown()
+    shutil.rmtree(work, ignore_errors=True)
     speeds = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]
     k = max(1, min(5, len(speeds) // 2))
     counters = [name for name, v in records[0].items() if name != "step" and isinstance(v, (int, float))]
@@ -322,7 +333,7 @@ def main() -> None:
         "last_over_first": (sum(speeds[-k:]) / k) / (sum(speeds[:k]) / k),
         "tokens_per_s_slope_pct_per_step": 100 * slope(speeds) / (sum(speeds) / len(speeds)),
         "change_per_step": {name: slope([r.get(name, 0.0) for r in records[1:]]) for name in counters},
-        "stale_prefix_hits": None if args.no_update else sum(r["probe_cached_tokens"] for r in records[1:]),
+        "stale_prefix_hits": None if args.no_update else sum(r["probe_cached_tokens"] for r in records),
         "steps": records,
     }
     with open(args.out, "w") as f:
