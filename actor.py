@@ -533,10 +533,13 @@ class Actor:
     # -- logprob recompute (pi_old / pi_prox) --
 
     @torch.no_grad()
-    def recompute_logprobs(self, batch: invariants.TrainBatch) -> Tensor:
+    def recompute_logprobs(self, batch: invariants.TrainBatch, model: torch.nn.Module | None = None) -> Tensor:
         """Logprobs of the current weights on this rank's rows, [B,T] fp32 on CPU, each wanted token (trainable, or
         in an adjusted run; 0.0 elsewhere) at its own recorded sampling (TrainBatch.temperature/top_p/top_k/min_p and
-        runs), with MoE routes replayed."""
+        runs), with MoE routes replayed. `model`: a frozen reference or teacher on this device instead, in the same
+        precision and micro-batches (no routes: it has none of its own to replay)."""
+        own = model is None
+        model = self.model if own else model
         _check_right_padded(batch.attention_mask)
         batch_size, length = batch.input_ids.shape
         out = torch.zeros((batch_size, length), dtype=torch.float32)
@@ -546,7 +549,7 @@ class Actor:
                 continue
             input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
             with self._compute():
-                out[rows, :width] = sequence_logprobs(self.model, input_ids, attention_mask, routes=routes,
+                out[rows, :width] = sequence_logprobs(model, input_ids, attention_mask, routes=routes if own else None,
                                                       images=images, **sampling).cpu()
         return out
 

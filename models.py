@@ -295,8 +295,9 @@ def hub_reachable() -> bool:
 
 
 def gpu_defaults() -> bool:
-    """Whether a recipe should default to its real (hub) model: a CUDA device and a reachable hub."""
-    return torch.cuda.is_available() and hub_reachable()
+    """Whether a recipe should default to its real shape and model: a CUDA device. Without a hub, `--model FOLDER`
+    (and `--run.ref_model FOLDER`) point it at a local copy; resolve_model says so when a hub id cannot be had."""
+    return torch.cuda.is_available()
 
 
 def resolve_model(name: str) -> str:

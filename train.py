@@ -341,7 +341,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
     rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains; `sleeper` is a
     vLLM engine that gives the GPU back while the actor trains."""
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
-    reference = _reference_model(cfg, model_path)
+    reference = _reference_model(cfg, model_path, policy)
     image_processor = models.load_image_processor(model_path)     # None for a text model
     runner_kwargs = dict(max_turns=ro.max_turns, max_length=ro.max_length, step_timeout_s=ro.step_timeout_s)
     if ray_rt is not None and cfg["runtime"].runners:     # the recipe's agents in runner actors of their own
@@ -487,12 +487,16 @@ def resume_run(run_state: dict, engine: Router) -> int:
     return run_state["step"]
 
 
-def _reference_model(cfg, model_path: str):
-    """The frozen model of the KL term (or the teacher of on_policy_distill), if the config needs one."""
+def _reference_model(cfg, model_path: str, policy):
+    """The frozen model of the KL term (or the teacher of on_policy_distill), if the config needs one: beside the
+    actor on its device (fp32 weights; it computes in the actor's precision and micro-batches), or on the driver's
+    CPU beside the Ray trainer ranks."""
     a = cfg["algo"]
     if a.kl_coef == 0 and a.estimator != "on_policy_distill":
         return None
     ref = models.load_model(models.resolve_model(cfg["run"].ref_model) if cfg["run"].ref_model else model_path)
+    if isinstance(policy, actor.Actor):
+        ref = ref.to(policy.device)
     return ref.eval().requires_grad_(False)
 
 
@@ -526,8 +530,11 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
         old_logprobs[later] = policy.recompute_logprobs(invariants.select_rows(batch, later))
     ref_logprobs = None
     if reference is not None:
-        with torch.no_grad():
-            ref_logprobs = actor.batch_logprobs(reference, batch)
+        if isinstance(policy, actor.Actor):
+            ref_logprobs = policy.recompute_logprobs(batch, model=reference)
+        else:
+            with torch.no_grad():
+                ref_logprobs = actor.batch_logprobs(reference, batch)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:

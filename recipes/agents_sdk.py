@@ -7,7 +7,7 @@
 # endpoint; its traces stay local (tracing_disabled: nothing is uploaded). A model that calls a tool the agent
 # does not have, or runs out of turns, scores 0 (a real sample of the policy, kept for training).
 # Defaults: on a CPU, a tiny Qwen3 taught the calculator's call format (a PIPELINE run: it learned the shape of a
-# call and an answer, not arithmetic); with CUDA and the hub, Qwen2.5-1.5B-Instruct, which calls tools natively.
+# call and an answer, not arithmetic); with CUDA, Qwen2.5-1.5B-Instruct, which calls tools natively.
 import random
 
 from openai import AsyncOpenAI

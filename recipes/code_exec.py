@@ -6,7 +6,7 @@
 # environment, written as a plain gymnasium.Env with text observations and actions (agents.GymEnv drives it; no
 # adapter of the recipe's own). The judge never lets an expected result into the process that runs model code.
 # Defaults: SmolLM2-135M-Instruct on a CPU (it writes a correct one-liner now and then); Qwen2.5-Coder-1.5B-Instruct
-# with CUDA and the hub.
+# with CUDA.
 import json
 import random
 import re

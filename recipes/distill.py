@@ -5,7 +5,7 @@
 #
 # The whole recipe: the teacher, the defaults and the agent. Teacher and student share one tokenizer.
 # Defaults: on a CPU, a random 2-layer Qwen3 student and a teacher of the same shape taught to answer the problems
-# in the recipe's format (both use the in-process BPE tokenizer); with CUDA and the hub, Qwen3-0.6B distilled from
+# in the recipe's format (both use the in-process BPE tokenizer); with CUDA, Qwen3-0.6B distilled from
 # Qwen3-1.7B.
 import data
 import models

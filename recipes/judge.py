@@ -5,9 +5,11 @@
 # (never updated, so the reward does not drift with the policy) served by its own embedded engine; the envs of a
 # group ask it concurrently and one batching front coalesces their calls. It reads greedily and writes a score.
 # Defaults: SmolLM2-135M-Instruct as policy and as judge on a CPU (a judge that small is noisy: expect the reward to
-# wander rather than climb); with CUDA and the hub, Qwen2.5-0.5B-Instruct judged by Qwen2.5-7B-Instruct.
+# wander rather than climb); with CUDA, Qwen2.5-0.5B-Instruct judged by Qwen2.5-7B-Instruct.
 import random
 import re
+
+import torch
 
 import data
 import models
@@ -55,7 +57,11 @@ class Judge:
     def __init__(self, name: str):
         path = models.resolve_model(name)
         self.tokenizer = models.load_tokenizer(path)
-        model = models.load_model(path).requires_grad_(False)
+        # on a GPU the frozen judge runs there in bf16 (a 7B judge is 15 GB; in fp32 on the host it would be 30 GB
+        # and minutes per score); on a CPU in fp32, like everything else there
+        on_gpu = torch.cuda.is_available()
+        model = models.load_model(path, torch.bfloat16 if on_gpu else torch.float32).requires_grad_(False)
+        model = model.to("cuda" if on_gpu else "cpu")
         self.engine = EmbeddedEngine(model, tokenizer=self.tokenizer)   # concurrent scorers share its batch
         self.sampling = SamplingParams(temperature=1.0, top_k=1, max_tokens=8)   # top_k=1: greedy
 

@@ -5,7 +5,7 @@
 # reasoning-gym's <answer> extraction and the dataset's score_answer; agent/answered is the fraction of replies
 # that used the tags. `--run.data NAME` picks another of reasoning-gym's datasets (at its default config, with
 # reasoning-gym's default prompt).
-# Defaults: SmolLM2-135M-Instruct on a CPU, one-digit sums after two worked examples; with CUDA and the hub,
+# Defaults: SmolLM2-135M-Instruct on a CPU, one-digit sums after two worked examples; with CUDA,
 # Qwen3-0.6B on two- to three-term arithmetic with reasoning-gym's own prompt.
 import data
 import models

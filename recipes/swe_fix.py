@@ -10,7 +10,7 @@
 # The whole recipe: the bugs, the tasks, mini's configuration, the defaults and the agent (agents/process.py).
 # Defaults: on a CPU, a tiny Qwen3 taught mini-swe-agent's tool-call format (read the module, run the tests, submit):
 # the episodes are multi-turn and every stage of the pipeline runs, but it fixes nothing (the reward is what the bug
-# leaves passing); Qwen2.5-Coder-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA and the hub.
+# leaves passing); Qwen2.5-Coder-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA.
 import ast
 import importlib.util
 import json

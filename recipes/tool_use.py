@@ -4,7 +4,7 @@
 #
 # The whole recipe: the knowledge table, the two tools, the questions, the defaults and the agent (a ToolEnv).
 # Defaults: SmolLM2-135M-Instruct on a CPU (it rarely writes a well-formed call: expect tool errors and low reward
-# at first); Qwen2.5-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA and the hub.
+# at first); Qwen2.5-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA.
 import random
 
 import data

@@ -6,7 +6,7 @@
 # through the environment's own `run_rollout`, its client on the rollout's loopback session; the rubric's
 # `correct_answer` is the reward and its 0-weight `boxed` metric is logged as agent/boxed.
 # Defaults: SmolLM2-135M-Instruct on a CPU (the math recipe's problems: it gets about a third right at the
-# start, so every group has signal); Qwen3-0.6B with CUDA and the hub.
+# start, so every group has signal); Qwen3-0.6B with CUDA.
 import verifiers as vf
 from datasets import Dataset
 
