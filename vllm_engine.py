@@ -434,14 +434,15 @@ class _Request:
                              f"not the {len(self.prompt_ids)} the trainer's image processor made; the engine's "
                              f"checkpoint must hold the same image processor as the trainer's")
         completion = output.outputs[0]
+        flat, k = completion.logprobs, self.params.top_logprobs   # vLLM's FlatLogprobs (see _vllm_params)
         for j, token in enumerate(completion.token_ids):
-            ranked = completion.logprobs[j]
+            first, end = flat.start_indices[j], flat.end_indices[j]   # the sampled token's entry, then the top k
             self.token_ids.append(token)
-            self.logprobs.append(float(ranked[token].logprob))
-            if self.params.top_logprobs:
-                best = sorted((entry.rank, t, entry.logprob) for t, entry in ranked.items()
-                              if entry.rank is not None and entry.rank <= self.params.top_logprobs)
-                self.top.append([(t, float(lp)) for _, t, lp in best][: self.params.top_logprobs])
+            self.logprobs.append(float(flat.logprobs[first]))
+            if k:
+                best = sorted((flat.ranks[i], flat.token_ids[i], flat.logprobs[i]) for i in range(first + 1, end)
+                              if flat.ranks[i] is not None and flat.ranks[i] <= k)
+                self.top.append([(t, float(lp)) for _, t, lp in best][:k])
             if self.listener is not None:
                 self.listener(token)
         if getattr(completion, "routed_experts", None) is not None:
@@ -487,7 +488,9 @@ def _vllm_params(request: _Request):
     after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
     e^-100 against the rest, is below what an fp32 logprob resolves, and the trainer's -inf agrees (tested). A
     grammar goes in as constraints.lark_grammar, the text the embedded engine and the replay build their matchers
-    from, with its stop ids as the request's (so it ends where the grammar does)."""
+    from, with its stop ids as the request's (so it ends where the grammar does). Logprobs come flat (a few lists
+    per request, not a dict and a Logprob per token: vLLM's client runs in this process, and 256 x 512 tokens of
+    those kept Python's collector busy for seconds a step)."""
     import constraints
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -503,7 +506,7 @@ def _vllm_params(request: _Request):
         repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
-        detokenize=bool(p.stop))
+        detokenize=bool(p.stop), flat_logprobs=True)
 
 
 def _checkpoint_keys(model_path: str) -> set[str]:
