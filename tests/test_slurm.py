@@ -108,9 +108,9 @@ def slurm():
     daemons: list[subprocess.Popen] = []
 
     def start(name: str, *args: str, conf: str = "slurm.conf") -> None:
-        daemons.append(subprocess.Popen([name, *args], env={**env, "SLURM_CONF": os.path.join(home, conf)},
-                                        stdout=open(os.path.join(home, f"{name}-{len(daemons)}.out"), "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True))
+        with open(os.path.join(home, f"{name}-{len(daemons)}.out"), "w") as out:
+            daemons.append(subprocess.Popen([name, *args], env={**env, "SLURM_CONF": os.path.join(home, conf)},
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
     def logs() -> str:
         return "\n".join(tail(os.path.join(home, f)) for f in sorted(os.listdir(home)) if f.endswith((".out", ".log")))
@@ -152,7 +152,7 @@ def slurm():
         yield env
     finally:
         # jobs first (their steps run under slurmstepd, apart from slurmd), then the daemons, newest first
-        if daemons and daemons[1:2] and daemons[1].poll() is None:
+        if any(p.args[0] == "slurmctld" and p.poll() is None for p in daemons):
             jobs = slurm_cmd(env, "squeue", "--noheader", "--format=%A").stdout.split()
             if jobs:
                 slurm_cmd(env, "scancel", *jobs)
