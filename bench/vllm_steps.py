@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--no-sleep", action="store_true", help="keep a GPU engine awake between steps")
     parser.add_argument("--no-update", action="store_true", help="never push weights (isolates the update)")
     parser.add_argument("--engine-memory", type=float, default=0.3, help="train.py's --rollout.engine_memory")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", default="vllm-steps.json")
     args = parser.parse_args()
     if args.tiny == bool(args.model):
@@ -199,7 +199,8 @@ def main() -> None:
 
     on_gpu = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if on_gpu else "cpu")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = models.tiny_model_dir("qwen3", head_dim=32) if args.tiny else args.model
     max_length = max(PREFIX + PROBE_TAIL, (256 if args.recipe else PREFIX + TAIL) + args.max_tokens) + 16
     cfg, policy, trainer, work = None, None, None, tempfile.mkdtemp(prefix="vllm-steps-")
