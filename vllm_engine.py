@@ -36,6 +36,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -268,9 +269,19 @@ class VLLMEngine:
                              "with --rollout.engine embedded, or start the vLLM run from the checkpoint's weights")
 
     def shutdown(self) -> None:
+        # vLLM stops its engine processes before it cancels its client's output task, which then logs the engine's
+        # exit as a failure (EngineDeadError): cancel that task first
+        self._call(self._stop_output_handler())
         self._llm.shutdown()
         del self._llm           # its finaliser shuts down again: let it run now, not at interpreter exit
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _stop_output_handler(self) -> None:
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
 
     # -- moving weights --
 
