@@ -70,7 +70,7 @@ free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); pri
 # The Ray head on this node and, inside a Slurm job (whose batch script runs on the job's first node), a worker on
 # every other node of the job, each one `srun` step; once every node has joined, train.py runs on the cluster with
 # --runtime.address; then only the Ray processes started here are stopped (SIGTERM to a `ray start --block` drains
-# and stops its node; srun passes it to its step). RAY_START_ARGS go to every `ray start` (e.g. "--num-gpus 8").
+# and stops its node; to an srun, it cancels the worker's step). RAY_START_ARGS go to every `ray start`.
 cluster() {
   local ray=("$PY" -m ray.scripts.scripts start --block --disable-usage-stats ${RAY_START_ARGS:-}) port head rc=0
   local pids=() workers=() node
