@@ -19,6 +19,7 @@ import argparse
 import base64
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import io
@@ -315,6 +316,10 @@ def main(argv: list[str]) -> None:
     try:
         push()
         start_step = resume_run(run_state, engine) if tr.resume else 0
+        # the start-up's objects (modules, tokenizers, the engine's client) live to the end: moved out of the
+        # collector's reach, a full collection mid-run scans only what the steps make (0.93 s -> 0.14 s measured)
+        gc.collect()
+        gc.freeze()
         train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper)
     finally:
         if isinstance(policy, runtime.TrainerGroup):
@@ -328,7 +333,7 @@ def main(argv: list[str]) -> None:
 @contextlib.contextmanager
 def phase(what: str):
     """A start-up phase on one line: what it does as it starts, how long it took as it ends (no silence before the
-    first step; torch.compile, where asked, runs inside the first step)."""
+    first step; torch.compile, on by default on a GPU, runs inside the first step)."""
     print(f"tracerl: {what} ...", end="", flush=True)
     t0 = time.time()
     yield

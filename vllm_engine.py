@@ -88,6 +88,13 @@ class WorkerExtension:
     is not available. vLLM's layerwise reload wraps the load, as its own weight-transfer engines do: it restores
     the loaders that vLLM's post-load processing (e.g. the CPU's weight repacking) took off the parameters."""
 
+    def tracerl_exact_top_p(self) -> None:
+        """vLLM's exact top-k/top-p (sort, softmax, cumsum: the trainer's invariants.processed_logprobs) in place of
+        its Triton pivot search, which a GPU batch of 8 or more rows takes: a bisection of at most 18 steps with a
+        fast exp, so the nucleus of a token near its edge differs from the one the trainer recomputes."""
+        from vllm.v1.sample.ops import topk_topp_sampler
+        topk_topp_sampler.apply_top_k_top_p = topk_topp_sampler.apply_top_k_top_p_pytorch
+
     def tracerl_load_weights(self, serialized_state: bytes) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         model = self.model_runner.model
@@ -158,9 +165,19 @@ class VLLMEngine:
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
             # pickle are this process and the engine it started
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        exact = dtype == "float32" and torch.cuda.is_available()
+        if exact:
+            # fp32 on a GPU agrees with the trainer's fp32 recompute only with both of these (bench/fp32_parity.py
+            # on an H200, 8,192 tokens at T 0.8: mean |diff| 1.9e-3 nats as vLLM comes, 4.7e-6 with both): vLLM's
+            # fp32 attention (Triton) runs its dots in TF32 unless TRITON_F32_DEFAULT=ieee, in the engine process
+            # this one spawns, with kernels of their own (Triton's cache does not key on the setting) ...
+            os.environ["TRITON_F32_DEFAULT"] = "ieee"
+            os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "f32-ieee"))
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True).start()
         self._llm = self._call(_build(AsyncLLM, args))
+        if exact:    # ... and its top-p is the exact sort, not the approximate kernel
+            self._call(self._llm.collective_rpc("tracerl_exact_top_p"))
         if transfer == "ipc":
             from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
             self._call(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={})))
