@@ -16,10 +16,8 @@
 #      has downloaded it.
 #   3. Per recipe, a subprocess runs train.py's main exactly as
 #        python train.py --recipe NAME --model DIR [--run.ref_model DIR] --run.steps 3
-#      with no other flag. One difference from a user's machine, and only because the hub is unreachable here:
-#      models.gpu_defaults() (CUDA *and* a reachable hub) is made to answer "is CUDA available", so the recipe picks
-#      the GPU defaults a user with hub access gets. A recipe that runs model code gets the sandbox this machine
-#      has; protections it lacks are accepted by name (TRACERL_SANDBOX_ACCEPT) and recorded in the summary.
+#      with no other flag: with CUDA present the recipe picks its GPU defaults (models.gpu_defaults), as a user's
+#      run does. A recipe that runs model code gets the sandbox this machine has; protections it lacks are accepted by name (TRACERL_SANDBOX_ACCEPT) and recorded in the summary.
 #   4. Recorded per recipe: seconds per step and its phases (OUT/metrics.jsonl), start-up phases and time to the
 #      first step (the run's own "tracerl: ... N s" lines), the final checkpoint's size and time, peak GPU memory of
 #      the whole device (nvidia-smi polled every 0.5 s: the engine core and the judge are other processes, so
@@ -264,13 +262,10 @@ def recipe_models(name: str) -> dict:
 
 # ---- one train.py run ----
 
-# train.py's main with models.gpu_defaults answering "is CUDA available" (see the header), and the process's peak
-# RSS written at exit
+# train.py's main, and the process's peak RSS written at exit
 SHIM = """
 import atexit, json, os, resource, runpy, sys
 sys.path.insert(0, os.getcwd())
-import torch, models
-models.gpu_defaults = lambda: torch.cuda.is_available()
 def _rss():
     mib = lambda usage: resource.getrusage(usage).ru_maxrss / 1024
     with open(os.environ["TRACERL_BENCH_RSS"], "w") as f:
@@ -427,7 +422,6 @@ def main() -> None:
                "weights": "random (transformers' init), bf16 safetensors",
                "tokenizer": f"Qwen's BPE vocabulary ({tokenizer_source}), Qwen2.5/Qwen3 added tokens, the project's "
                             f"ChatML template in place of each model's own",
-               "gpu_defaults": "models.gpu_defaults() answered 'CUDA available' (no hub here)",
                "built": {}, "recipes": {}}
     try:
         import vllm
