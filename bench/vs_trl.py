@@ -1,0 +1,397 @@
+# bench/vs_trl.py — tracerl against TRL's GRPOTrainer (1.16) on the same task, model and batch, one after the other
+# on the same machine: seconds per RL step, where each side's step goes, the reward curve, time to the first step and
+# the whole process, and the ratio (TRL's seconds per step / tracerl's: above 1 means tracerl is faster).
+#
+# The task is the math recipe (recipes/math.py: data.arithmetic_tasks, the grader's verdict as the reward) on
+# SmolLM2-135M-Instruct. Both sides get the same prompts in the same order (rendered by the tokenizer's chat template;
+# the TRL side checks that its prompt ids equal tracerl's before it trains), prompts x samples per RL step, new tokens,
+# temperature, lr (constant), beta 0, seed, and two optimizer steps per rollout batch (tracerl: --train.minibatches 2;
+# TRL: micro-batches of 8, gradient accumulation A, steps_per_generation 2A, so a generation batch gives two optimizer
+# steps and its logprobs are recomputed once before them, as tracerl's are). TRL keeps its other defaults (loss
+# "dapo", clip 0.2, gradient checkpointing on); --trl-set changes any GRPOConfig field.
+#
+# tracerl runs as `python train.py --recipe math ...` (flags only); its seconds per step and phases come from its
+# OUT/metrics.jsonl (time/*) and the times its progress lines arrive. TRL is never a dependency of tracerl: it runs in
+# a Python of its own (--trl-python, see docs/vs-trl.md for the set-up) as this same file's `trl-driver` mode, whose
+# callback records when each optimizer step ends and whose hooks time generation, weight sync and the recompute.
+#
+#   python bench/vs_trl.py --preset cpu --trl-python .cache/trl-venv/bin/python [--steps 5] [--tracerl-commit REV]
+#   python bench/vs_trl.py --preset h200 --model DIR --trl-python python3 --trl-pythonpath /tmp/trl-site
+#   python bench/vs_trl.py ... --sides trl-vllm --out runs/vs_trl-h200    # one side; the summary gathers all in --out
+#
+# Seconds per RL step: the median, over every step after the first, of the time from one step's end to the next's
+# (the same clock on both sides). Only this file's standard-library imports load at the top: the TRL side imports it.
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PRESETS = {   # the README's CPU math run, and the H200 shape of issue 19
+    "cpu": dict(prompts=8, samples=4, max_tokens=40, max_length=256, temperature=0.7, lr=3e-5, steps=5, bf16=False,
+                engine="embedded", trl_sides=["trl-transformers"]),
+    "h200": dict(prompts=32, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=3e-5, steps=10, bf16=True,
+                 engine="vllm", trl_sides=["trl-vllm", "trl-transformers"]),
+}
+MICRO_BATCH = 8          # TRL's rows per forward/backward (its default; tracerl's micro-batches are its own defaults)
+MINIBATCHES = 2          # optimizer steps per rollout batch
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a running process has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:]) if len(values) > 1 else float("nan")
+
+
+def phase_medians(per_step: list[float], phases: list[dict[str, float]], rest: str) -> tuple[dict, list[dict]]:
+    """Each phase's median over the steps after the first, and each step's phases; `rest` is what a step spent
+    outside its timed phases."""
+    rows = [{**p, rest: total - sum(p.values())} for total, p in zip(per_step, phases)]
+    return {name: median_after_first([row[name] for row in rows]) for name in rows[0]}, rows
+
+
+def step_intervals(start: float, ends: list[float]) -> list[float]:
+    """Seconds of each RL step, from the previous step's end (the first: from the loop's start) to its own."""
+    return [b - a for a, b in zip([start] + ends[:-1], ends)]
+
+
+# ---- tracerl side: train.py as a subprocess ------------------------------------------------------------------------
+
+def tracerl_source(commit: str, out: str) -> tuple[str, str]:
+    """The tracerl tree to run and its commit: `commit` exported from git (a clean tree, whatever the working tree
+    holds now), or the working tree itself, its HEAD marked '+dirty' when tracked files differ from it."""
+    if commit:
+        folder = os.path.join(out, "tracerl-src")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        full = subprocess.run(["git", "-C", ROOT, "rev-parse", commit], check=True, capture_output=True,
+                              text=True).stdout.strip()
+        archive = subprocess.run(["git", "-C", ROOT, "archive", full], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        return folder, full
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return ROOT, head + ("+dirty" if dirty else "")
+
+
+def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
+    run_dir = os.path.join(out, "tracerl")
+    argv = [sys.executable, os.path.join(source, "train.py"), "--recipe", "math", "--model", model,
+            "--steps", str(cfg["steps"]), "--seed", str(cfg["seed"]), "--out", run_dir,
+            "--rollout.prompts_per_step", str(cfg["prompts"]), "--rollout.samples_per_prompt", str(cfg["samples"]),
+            "--rollout.max_tokens", str(cfg["max_tokens"]), "--rollout.max_length", str(cfg["max_length"]),
+            "--rollout.temperature", str(cfg["temperature"]), "--rollout.engine", cfg["engine"],
+            "--actor.lr", str(cfg["lr"]), "--actor.lr_schedule", "constant", "--train.minibatches", str(MINIBATCHES),
+            "--algo.kl_coef", "0"]      # everything else (micro-batches, precision, compile) is tracerl's default
+    print("tracerl:", " ".join(argv[1:]), flush=True)
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    startup, step_ends, step_cpu = {}, [], []
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "tracerl.log"), "w") as log:
+        for line in proc.stdout:         # each line timed as it arrives: train.py flushes every one
+            log.write(line)
+            if re.match(r"step\s+\d+/\d+ \|", line):
+                step_ends.append(time.time())
+                step_cpu.append(process_cpu_s(proc.pid))
+                print("  " + line.rstrip(), flush=True)
+            elif found := re.match(r"tracerl: (.+?) \.\.\. ([\d.]+) s$", line.strip()):
+                startup[found.group(1)] = float(found.group(2))    # the start-up phases it prints
+    wall = time.time() - t0
+    if proc.wait() != 0 or len(step_ends) != cfg["steps"]:
+        raise SystemExit(f"tracerl exited with {proc.returncode} after {len(step_ends)} of {cfg['steps']} steps; "
+                         f"see {os.path.join(out, 'tracerl.log')}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f]
+    loop_start = step_ends[0] - steps[0]["time/step_s"]
+    per_step = step_intervals(loop_start, step_ends)
+    phase_keys = {"rollout": "time/rollout_s", "recompute": "time/recompute_s", "train": "time/train_s",
+                  "weight_push": "time/weight_push_s"}
+    timed = [{name: s.get(key, 0.0) for name, key in phase_keys.items()} for s in steps]
+    phases, rows = phase_medians(per_step, timed, "other")    # other: logging, the progress line
+    return {"s_per_step": median_after_first(per_step), "steps_s": per_step, "phases": phases, "steps_phases": rows,
+            "cpu_s_per_step": median_after_first(step_intervals(step_cpu[0], step_cpu)),
+            "reward": [s["rollout/reward"] for s in steps],
+            "sampled_tokens": [s["rollout/sampled_tokens"] for s in steps],
+            "wall_s": wall, "to_first_step_s": step_ends[0] - t0, "startup_s": loop_start - t0,
+            "exit_s": t0 + wall - step_ends[-1], "startup_phases": startup,
+            "load_avg_1min": [load, os.getloadavg()[0]]}
+
+
+# ---- TRL side: this file's trl-driver mode, in TRL's own Python ------------------------------------------------------
+
+def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: str, trl_pythonpath: str,
+            trl_set: dict, out: str) -> dict:
+    os.makedirs(out, exist_ok=True)
+    job = {"side": side, "cfg": cfg, "model": model, "prompts": prompts, "trl_set": trl_set,
+           "output_dir": os.path.join(out, side), "result": os.path.join(out, f"{side}.driver.json")}
+    job_path = os.path.join(out, f"{side}.job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    env = {**os.environ, **OFFLINE}
+    if trl_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (trl_pythonpath, env.get("PYTHONPATH", "")) if p)
+    print(f"{side}: {trl_python} {os.path.relpath(__file__, ROOT)} trl-driver {job_path}", flush=True)
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    with open(os.path.join(out, f"{side}.log"), "w") as log:
+        code = subprocess.run([trl_python, os.path.abspath(__file__), "trl-driver", job_path], env=env,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    if code != 0:
+        raise SystemExit(f"{side} exited with {code}; see {os.path.join(out, side + '.log')}")
+    with open(job["result"]) as f:
+        d = json.load(f)
+    ends = d["optimizer_step_ends"][MINIBATCHES - 1::MINIBATCHES]      # an RL step ends with its last optimizer step
+    per_step = step_intervals(d["train_begin"], ends)
+    phases, rows = phase_medians(per_step, d["phase_s"], "train")   # train: the loss's forwards, backward, optimizer
+    opt = step_intervals(d["train_begin"], d["optimizer_step_ends"])
+    for k in range(MINIBATCHES):        # each optimizer step of an RL step: the first one generates
+        phases[f"optimizer_step_{k + 1}"] = median_after_first(opt[k::MINIBATCHES])
+    cpu = d["optimizer_step_cpu_s"][MINIBATCHES - 1::MINIBATCHES]
+    return {"s_per_step": median_after_first(per_step), "steps_s": per_step, "phases": phases, "steps_phases": rows,
+            "cpu_s_per_step": median_after_first(step_intervals(cpu[0], cpu)), "reward": d["reward"],
+            "sampled_tokens": d["sampled_tokens"], "wall_s": wall,
+            "to_first_step_s": ends[0] - t0, "startup_s": d["train_begin"] - t0, "exit_s": t0 + wall - ends[-1],
+            "versions": d["versions"], "grpo_config": d["grpo_config"], "load_avg_1min": [load, os.getloadavg()[0]]}
+
+
+def trl_driver(job_path: str) -> None:
+    """TRL's side, run by TRL's own Python: GRPOTrainer on the job's prompts; writes when each optimizer step ended,
+    each generation's phases and reward. Imports nothing of tracerl but its grader (agents/graders.py, by path)."""
+    with open(job_path) as f:
+        job = json.load(f)
+    cfg, side = job["cfg"], job["side"]
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from trl.extras import profiling
+
+    spec = importlib.util.spec_from_file_location("graders", os.path.join(ROOT, "agents", "graders.py"))
+    graders = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graders)
+
+    # the prompts exactly as tracerl encodes them, or nothing is measured
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job["model"])
+    for p in job["prompts"]:
+        ids = tokenizer.apply_chat_template(p["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+        if list(ids["input_ids"]) != p["tracerl_ids"]:
+            raise SystemExit(f"TRL's prompt ids differ from tracerl's for {p['prompt']!r}")
+
+    events = []           # (name, end time, seconds) of every block TRL itself times, plus ours below
+    profiling.ProfilingContext._log_metrics = lambda self, seconds: events.append((self.name, time.time(), seconds))
+    rewards, sampled = [], []
+
+    def math_reward(completions, label, completion_ids, **_):
+        """The math recipe's reward: the grader's verdict on the decoded reply."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [graders.grade(t, answer) for t, answer in zip(texts, label)]
+        rewards.append(sum(scores) / len(scores))
+        sampled.append(float(sum(len(ids) for ids in completion_ids)))
+        return scores
+
+    class TimedGRPOTrainer(trl.GRPOTrainer):
+        """Times a generation batch's whole scoring, and inside it the logprob recompute (the forward pass over the
+        batch before any optimizer step; the loss's own forwards run later, outside it)."""
+        scoring = False
+
+        def _generate_and_score_completions(self, inputs):
+            t0, self.scoring = time.time(), True
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                self.scoring = False
+                events.append(("generate_and_score", time.time(), time.time() - t0))
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            t0 = time.time()
+            try:
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            finally:
+                if self.scoring:
+                    events.append(("recompute", time.time(), time.time() - t0))
+
+    clock = {"train_begin": None, "optimizer_step_ends": [], "optimizer_step_cpu_s": []}
+
+    class Clock(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock["train_begin"] = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock["optimizer_step_ends"].append(time.time())
+            clock["optimizer_step_cpu_s"].append(time.process_time())
+
+    batch = cfg["prompts"] * cfg["samples"]
+    accumulation = batch // MINIBATCHES // MICRO_BATCH
+    settings = dict(output_dir=job["output_dir"], learning_rate=cfg["lr"], lr_scheduler_type="constant", beta=0.0,
+                    num_generations=cfg["samples"], per_device_train_batch_size=MICRO_BATCH,
+                    gradient_accumulation_steps=accumulation, steps_per_generation=accumulation * MINIBATCHES,
+                    max_completion_length=cfg["max_tokens"], temperature=cfg["temperature"],
+                    max_steps=cfg["steps"] * MINIBATCHES, seed=cfg["seed"], shuffle_dataset=False, bf16=cfg["bf16"],
+                    use_vllm=side == "trl-vllm", vllm_mode="colocate", report_to="none", save_strategy="no",
+                    disable_tqdm=True)
+    settings.update(job["trl_set"])
+    args = trl.GRPOConfig(**settings)
+    dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "label": p["label"]} for p in job["prompts"]])
+    trainer = TimedGRPOTrainer(model=job["model"], reward_funcs=math_reward, args=args, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+
+    # each generation's phases, from the blocks that ended inside its RL step
+    ends = clock["optimizer_step_ends"][MINIBATCHES - 1::MINIBATCHES]
+    if len(ends) != cfg["steps"] or len(rewards) != cfg["steps"]:
+        raise SystemExit(f"expected {cfg['steps']} generations of {MINIBATCHES} optimizer steps each; got "
+                         f"{len(rewards)} generations and {len(clock['optimizer_step_ends'])} optimizer steps")
+    phase_s = []
+    for start, end in zip([clock["train_begin"]] + ends[:-1], ends):
+        def total(*suffixes: str) -> float:
+            return sum(s for name, t, s in events if start < t <= end and name.endswith(suffixes))
+        rollout, push, recompute = total(".generate", ".generate_batch"), total(".sync_weights"), total("recompute")
+        phase_s.append({"rollout": rollout, "weight_push": push, "recompute": recompute,
+                        "scoring_other": total("generate_and_score") - rollout - push - recompute})
+    versions = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                "datasets": datasets.__version__}
+    if side == "trl-vllm":
+        import vllm
+        versions["vllm"] = vllm.__version__
+    with open(job["result"], "w") as f:
+        json.dump({**clock, "phase_s": phase_s, "reward": rewards, "sampled_tokens": sampled, "versions": versions,
+                   "grpo_config": {k: getattr(args, k) for k in sorted(settings) if k != "output_dir"}
+                   | {"loss_type": args.loss_type, "epsilon": args.epsilon, "gradient_checkpointing":
+                      args.gradient_checkpointing, "scale_rewards": args.scale_rewards}}, f, indent=1, default=str)
+
+
+# ---- the summary ------------------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def math_prompts(cfg: dict, model: str) -> list[dict]:
+    """The math recipe's train prompts in the order tracerl's loop takes them, with tracerl's prompt ids."""
+    sys.path.insert(0, ROOT)
+    import data
+    import models
+    spec = importlib.util.spec_from_file_location("recipe_math", os.path.join(ROOT, "recipes", "math.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    tasks = recipe.tasks("train", cfg["seed"])
+    tokenizer = models.load_tokenizer(model)
+    picked = [tasks[i % len(tasks)] for i in range(cfg["steps"] * cfg["prompts"])]
+    return [{"prompt": t.messages, "label": t.label, "tracerl_ids": data.render_prompt_ids(tokenizer, t.messages)}
+            for t in picked]
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["trl-driver"]:
+        return trl_driver(argv[1])
+    parser = argparse.ArgumentParser(description="tracerl against TRL's GRPOTrainer on the math recipe, side by side")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--steps", type=int, default=0, help="RL steps per side (0 = the preset's)")
+    parser.add_argument("--model", default="smollm2", help="a model folder or packaged name (models.resolve_model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trl-python", default="", help="the Python of TRL's own environment")
+    parser.add_argument("--trl-pythonpath", default="", help="prepended to PYTHONPATH for the TRL side only")
+    parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
+                        help="a GRPOConfig field for the TRL side, e.g. gradient_checkpointing=false (repeatable)")
+    parser.add_argument("--tracerl-commit", default="", help="run tracerl as of this commit (git archive) instead "
+                                                             "of the working tree")
+    parser.add_argument("--sides", default="", help="comma list of tracerl, trl-transformers, trl-vllm "
+                                                    "(default: tracerl and the preset's TRL runs)")
+    parser.add_argument("--out", default="", help="work folder (default runs/vs_trl-PRESET); a side's result stays "
+                                                  "there, so runs of single sides add up to one summary")
+    parser.add_argument("--json", default="", help="the summary (default docs/vs-trl-PRESET.json)")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    cfg = {k: preset[k] for k in ("prompts", "samples", "max_tokens", "max_length", "temperature", "lr", "bf16",
+                                  "engine")}
+    cfg.update(preset=args.preset, steps=args.steps or preset["steps"], seed=args.seed, micro_batch=MICRO_BATCH,
+               minibatches=MINIBATCHES, beta=0.0)
+    sides = args.sides.split(",") if args.sides else ["tracerl"] + preset["trl_sides"]
+    unknown = set(sides) - {"tracerl", "trl-transformers", "trl-vllm"}
+    if unknown or ({"trl-transformers", "trl-vllm"} & set(sides) and not args.trl_python):
+        parser.error(f"unknown sides {sorted(unknown)}" if unknown else "the TRL sides need --trl-python (TRL's own "
+                     "environment; docs/vs-trl.md says how to make one)")
+    if cfg["prompts"] * cfg["samples"] % (MINIBATCHES * MICRO_BATCH):
+        parser.error(f"prompts x samples must be a multiple of {MINIBATCHES * MICRO_BATCH}")
+    trl_set = {}
+    for item in args.trl_set:
+        key, _, value = item.partition("=")
+        try:
+            trl_set[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--trl-set {item!r}: expected KEY=JSON, e.g. gradient_checkpointing=false or "
+                         f'lr_scheduler_type=\"linear\"')
+    out = os.path.abspath(args.out or os.path.join(ROOT, "runs", f"vs_trl-{args.preset}"))
+    os.makedirs(out, exist_ok=True)
+
+    sys.path.insert(0, ROOT)
+    import models
+    model = models.resolve_model(args.model)
+    prompts = math_prompts(cfg, model) if set(sides) - {"tracerl"} else []
+    for side in sides:        # one after the other: each has the machine to itself
+        if side == "tracerl":
+            source, commit = tracerl_source(args.tracerl_commit, out)
+            result = {**run_tracerl(cfg, model, source, out), "commit": commit}
+        else:
+            result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set, out)
+        result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+        with open(os.path.join(out, f"{side}.json"), "w") as f:
+            json.dump({"cfg": cfg, "result": result}, f, indent=1)
+        print(f"{side}: {result['s_per_step']:.2f} s per RL step, reward {result['reward'][0]:.2f} -> "
+              f"{result['reward'][-1]:.2f}, {result['wall_s']:.0f} s in all", flush=True)
+
+    # the summary: every side in --out measured with this configuration
+    results = {}
+    for side in ("tracerl", "trl-vllm", "trl-transformers"):
+        path = os.path.join(out, f"{side}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved["cfg"] == cfg:
+                results[side] = saved["result"]
+    ratios = {}
+    if "tracerl" in results:
+        for side in ("trl-vllm", "trl-transformers"):
+            if side in results:
+                for name, key in (("s_per_step", "s_per_step"), ("cpu_s_per_step", "cpu_s_per_step"),
+                                  ("to_first_step", "to_first_step_s")):
+                    ratios[f"{side}_{name} / tracerl"] = results[side][key] / results["tracerl"][key]
+    summary = {"what": "tracerl vs TRL GRPOTrainer, math recipe, one after the other on one machine; ratio > 1: "
+                       "tracerl faster", "config": cfg, "model": model, "machine": machine(),
+               "date": datetime.date.today().isoformat(), **results, "ratios": ratios}
+    path = args.json or os.path.join(ROOT, "docs", f"vs-trl-{args.preset}.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(ratios, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
