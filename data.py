@@ -7,7 +7,8 @@
 # arithmetic dataset, and geo3k (hiyouga/geometry3k through `datasets`, or a synthetic stand-in drawn with PIL).
 # Never: tokenizes a response back into ids (sampled ids come from the engine), touches the network (an image
 # arrives as a PIL image or a data: URL, never fetched).
-# Invariant: CHATML_TEMPLATE is prefix-preserving — for any conversation m and k >= 1,
+# Prefix property (what lets loopback.py extend a record instead of sealing it: invariant 1, token identity):
+#   CHATML_TEMPLATE is prefix-preserving — for any conversation m and k >= 1,
 #   render(m[:k]) is a string prefix of render(m[:k+1]) (both without generation prompt), and
 #   render(m[:k], add_generation_prompt=True) is a prefix of render(m[:k] + [assistant turn]).
 #   Each message renders to a self-contained block that depends only on itself (and, for the first

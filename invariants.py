@@ -1,12 +1,14 @@
 # invariants.py — the three correctness invariants of tracerl, as code.
-# Owns every rule about tokens, versions and routes:
+# Owns every rule about tokens, versions and routes. The numbering below is the project's only one (the design
+# card's); code, tests and docs cite an invariant as "invariant N" with its short name:
 #   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger,
 #      segment sealing, TrainBatch, check_token_identity, check_sampled_once);
-#   2. policy version: every sampled token keeps the version and behavior logprob it was sampled with;
-#      staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a rejection removes;
+#   2. policy version (policy-version semantics): every sampled token keeps the version and behavior logprob it
+#      was sampled with; staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a
+#      rejection removes;
 #   3. forward consistency: one processed distribution for engine and trainer (processed_logprobs, at each
-#      token's recorded Sampling) and MoE rollout routing replay (R3): the trainer uses the experts the engine
-#      used.
+#      token's recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it)
+#      and MoE rollout routing replay (R3): the trainer uses the experts the engine used.
 # Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`.
 # Imported by every stage (engine, actor, algorithms, trainer).
 from __future__ import annotations

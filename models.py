@@ -5,9 +5,10 @@
 # of them by name or path, and the extra forward inputs of a vision-language model (images and M-RoPE positions),
 # built by one function for the engine and the trainer alike.
 # Never: reaches a model hub or the network (everything is built from files on disk or from code).
-# Invariants: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
-#   marker file, then renamed into place; a folder without the marker is never returned. Forward consistency
-#   (3): a VLM's positions and pixel inputs come from `vision_inputs` on both sides of the engine/trainer line.
+# Keeps: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
+#   marker file, then renamed into place; a folder without the marker is never returned. Invariant 3 (forward
+#   consistency): a VLM's positions and pixel inputs come from `vision_inputs` on both sides of the engine/trainer
+#   line.
 import functools
 import hashlib
 import importlib.util

@@ -1,6 +1,7 @@
-# Invariants 1 (token identity) and 2 (policy version): the ledger records exactly what the engine sampled and
-# seals on any non-extension; batches are checked id by id; on-policy data make every correction an exact no-op;
-# staleness, gates and IS weights follow their formulas.
+# Invariants 1 (token identity) and 2 (policy version), and the batch side of 3 (forward consistency): the ledger
+# records exactly what the engine sampled and seals on any non-extension of its ids; batches are checked id by id;
+# on-policy data make every correction an exact no-op; staleness, gates and IS weights follow their formulas; each
+# token's recorded sampling rides into the batch. (Invariant 3 against a real engine: test_rollout.py, test_r3.py.)
 import logging
 import math
 
@@ -24,7 +25,7 @@ def generation(ids: list[int], logprobs: list[float], versions: list[int], sampl
     """An engine output as the runner hands it on (the prompt does not matter to these checks)."""
     return Generation([], ids, logprobs, versions, None, "stop", sampling=sampling)
 
-# ---- token identity: ledger ----
+# ---- invariant 1, token identity: ledger ----
 
 
 def two_turn_ledger() -> TokenLedger:
@@ -129,7 +130,7 @@ def test_routes_first_writer_wins_with_minus_one_sentinel():
         ledger.absorb_routes(np.full((1, 2, 2), 40000))  # would wrap in int16
 
 
-# ---- token identity: batches ----
+# ---- invariant 1, token identity: batches ----
 
 
 def batch_rows():
@@ -177,7 +178,7 @@ def test_negative_control_a_corrupted_batch_fails_token_identity(corrupt, messag
         check_token_identity(batch, rows)
 
 
-# ---- policy version: on-policy identity ----
+# ---- invariant 2, policy version: on-policy identity ----
 
 
 def on_policy_batch(V=3):
@@ -226,7 +227,7 @@ def test_is_weights_carry_no_gradient(level):
     assert not w.requires_grad and w.grad_fn is None
 
 
-# ---- policy version: staleness and gates ----
+# ---- invariant 2, policy version: staleness and gates ----
 
 
 def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
@@ -320,7 +321,7 @@ def test_mismatch_k3_estimates_kl_of_the_behavior_policy_to_the_trainer():
     assert expected != pytest.approx((pi * (pi / mu).log()).sum().item(), abs=1e-3)   # not the other direction
 
 
-# ---- policy version: IS weights ----
+# ---- invariant 2, policy version: IS weights ----
 
 
 def off_policy_batch():
@@ -384,7 +385,7 @@ def test_validate_correction_refuses_bad_configs(bad, message):
         validate_correction(CorrectionConfig(**bad))
 
 
-# ---- forward consistency: the processing a token was drawn with rides in the batch ----
+# ---- invariant 3, forward consistency: the processing a token was drawn with rides in the batch ----
 
 @pytest.mark.parametrize("sampling, message", [
     (Sampling(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),

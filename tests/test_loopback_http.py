@@ -512,7 +512,7 @@ def test_images_reach_a_vision_language_model_on_both_wires_and_train_with_their
                 {"type": "text", "text": "What is this?"}, block]}])
         assert trainable_ids(trace(anthropic_info)) == first.model_extra["token_ids"]
         assert message.usage.input_tokens == len(first.model_extra["prompt_token_ids"])
-        # forward consistency: the trainer, fed the row's own images, recomputes the engine's logprobs
+        # invariant 3 (forward consistency): the trainer, fed the row's own images, recomputes the engine's logprobs
         rows = loopback.close_session(info.session_id).ledger.rows()
         batch = invariants.build_batch(rows, [1.0], pad_id=0)
         invariants.check_token_identity(batch, rows)

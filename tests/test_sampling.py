@@ -1,7 +1,8 @@
-# Per-request sampling (invariants 2 and 3): an agent may send its own temperature/top_p/top_k, min_p, logit_bias,
-# repetition/frequency/presence penalties and a grammar on either wire, and an Env may change SamplingParams
-# between turns; the engine samples with them, every token records the sampling that drew it, and the trainer
-# recomputes each token's logprob with exactly that sampling, the penalties and grammar from the row's own ids.
+# Per-request sampling (invariant 3, forward consistency, on invariant 2's per-token record): an agent may send
+# its own temperature/top_p/top_k, min_p, logit_bias, repetition/frequency/presence penalties and a grammar on
+# either wire, and an Env may change SamplingParams between turns; the engine samples with them, every token
+# records the sampling that drew it, and the trainer recomputes each token's logprob with exactly that sampling,
+# the penalties and grammar from the row's own ids.
 # The trainer's own mismatch metric is then ~1e-6; recomputing without a field (what a trainer that ignores the
 # record does) is off by a clear margin, which shows each trap is armed.
 import dataclasses

@@ -95,7 +95,7 @@ def test_image_pad_runs_collapse_to_the_one_pad_vllm_expands():
     assert _collapse_pad_runs(rendered, pad) == rendered        # already one pad per image: unchanged
 
 
-# ---- invariant 2: behavior logprobs are the trainer's, at each request's own sampling ---------------------------
+# ---- invariant 3: behavior logprobs are the trainer's, at each request's own sampling ---------------------------
 
 def test_vllm_logprobs_equal_the_trainer_recompute_in_fp32(fresh, model):
     gens = fresh.generate(PROMPTS, PARAMS)

@@ -136,7 +136,7 @@ def mixed_batch(vl, tok, processor, pad):
     return prompts, images, batch
 
 
-# ---- forward consistency: engine vs trainer ----
+# ---- invariant 3, forward consistency: engine vs trainer ----
 
 def test_engine_logprobs_equal_trainer_recompute_over_a_padded_batch_with_images(vl, mixed):
     _, images, batch = mixed
@@ -235,7 +235,7 @@ def test_engines_refuse_images_they_cannot_place(vl, mixed, pad):
         pytest.approx([lp for g in direct for lp in g.behavior_logprobs], abs=1e-5)
 
 
-# ---- token identity: pads, images and the ledger ----
+# ---- invariant 1, token identity: pads, images and the ledger ----
 
 def test_expand_image_pads_gives_each_image_its_own_run_in_order(processor, pad):
     big, small = data.image_inputs(processor, [picture(56, 56, 0), picture(28, 28, 1)])
