@@ -4,7 +4,7 @@
 # GRPO, Dr.GRPO, GSPO, on-policy distillation); Schulman's KL estimators k1/k2/k3; the PPO-clip and GSPO-token
 # surrogates; loss aggregation over GLOBAL denominators; DAPO dynamic filtering.
 # Never does: touch a model, a tokenizer, a file, a process group or an engine; compute importance-sampling weights.
-# Invariant kept: policy version. The train/infer correction weights come in as `is_weights`, computed in
+# Invariant kept: 2 (policy version). The train/infer correction weights come in as `is_weights`, computed in
 # invariants.py; this module only multiplies them in, detached, so they can never carry gradient.
 # Tensor convention: per-token arrays are [B, T], aligned to tokens, `loss_mask` float 0/1, position 0 never trainable.
 from dataclasses import dataclass
@@ -199,9 +199,16 @@ def policy_loss(
     PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_old.
     GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)) over
     every token of the sequence i (a rollout: all its rows, seq_index [B] maps rows to rollouts, None = one row
-    each), whose gradient equals sequence-level GSPO when advantages are per sequence and loss_agg is
-    seq_mean_token_mean. The rows of a sequence must all be in this call. w = is_weights from
-    invariants.correction_weights, DETACHED here (None -> 1)."""
+    each). Every token of a sequence has the value r_t = s_i, so where A is constant within the sequence the clip
+    takes one branch for all its tokens, and an unclipped token's gradient is w_t * A_i * s_i * grad log pi_t (a
+    clipped one's is 0). That sums to the gradient of sequence-level GSPO, w_i * A_i * grad s_i with
+    grad s_i = s_i * mean_t grad log pi_t, only when all three hold: A is constant within a sequence,
+    loss_agg is seq_mean_token_mean (each token weighted by 1 / its sequence's token count),
+    and w is constant within a sequence (is_weights None, or correction level off, seq or geo: one weight
+    per rollout). Per-token IS weights (correction level token) weight each token's gradient by its own w_t,
+    which sequence-level GSPO cannot express; that is GSPO-token with per-token weights, not GSPO. The rows of a
+    sequence must all be in this call. w = is_weights from invariants.correction_weights, DETACHED here
+    (None -> 1)."""
     token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     log_ratio = token_log_ratio
     if cfg.estimator == "gspo":

@@ -7,9 +7,14 @@
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids
 # (BPE splits are many-to-one, tool JSON is re-serialized, templates strip <think>). So a new request
-# that only appends messages is served as: the ledger's exact tokens + the encoded *delta* text. Anything
-# else (edited history, a template that rewrote an earlier turn, compaction) is re-rendered from scratch
-# and the ledger seals the segment (the new prompt is not a bitwise extension of the old tokens).
+# that only appends messages (the three checks of `_delta_text`) is served as: the ledger's exact tokens + the
+# encoded *delta* text, which always extends the open segment. Anything else (edited history, a template that
+# rewrote an earlier turn, compaction) is rendered and encoded whole. Whether a turn seals is then decided by
+# the ledger alone, from ids and images, never from text: `TokenLedger.extend_or_seal` seals exactly when the
+# open segment's token ids are not a prefix of the new prompt's ids, or its images are not the first images of
+# the new prompt (the same objects; a session processes each image URL once, so an unchanged image is the same
+# object). A whole re-encoding whose ids still begin with every recorded id extends; one that differs at any
+# recorded position seals.
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
 # context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
 # A retried request (identical messages, tools, sampling and turn options to the last one) is answered from the
