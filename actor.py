@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 import algo
 import invariants
@@ -218,11 +220,111 @@ def _head_returns(model, forward):
         del head.forward
 
 
+# ---- shared prefixes: a GRPO group's prompt computed once ----
+# The rows of a group repeat one prompt (samples_per_prompt times), and in a math batch the prompt is two thirds of
+# the tokens. Rows of a micro-batch whose ids agree up to before their first wanted position form a set: its prefix
+# runs once, with the KV cache kept under autograd, the cache is expanded to the set's rows (index_select: the
+# backward sums the rows' gradients into the one prefix), and each row's remainder runs on it at its own position
+# ids. No wanted position is in a prefix (a prefix ends one token before the first position that predicts a wanted
+# token), so the head sees the same positions in the same order as the plain forward, and each logprob is the
+# plain forward's to fp32 round-off: invariant 3 holds, and the ids themselves decide, never a group id.
+
+@dataclass
+class SharedPrefixes:
+    """Which rows of a micro-batch share which prefix (shared_prefixes)."""
+    leaders: Tensor     # long [S]: a row of each set; its ids[:lengths[s]] are the set's prefix
+    lengths: Tensor     # long [S]: each set's prefix length, >= 1
+    row_set: Tensor     # long [B]: the set of each row (0 for a row without prefix: its cache columns are masked)
+    row_prefix: Tensor  # long [B]: the prefix length each row reuses (0 = none)
+    saved: int          # token positions not computed: sum over sets of (rows - 1) * length
+
+
+def _prefix_limits(positions: Tensor, attention_mask: Tensor) -> list[int]:
+    """Per row, the longest prefix holding no position that predicts a wanted token: token t is predicted at t-1,
+    so a row whose first wanted token is s may share its ids[:s-1] (a row without one, all but its last id)."""
+    lengths = attention_mask.sum(-1)
+    first = torch.where(positions.any(-1), positions.int().argmax(-1), lengths)
+    return (torch.minimum(first, lengths) - 1).clamp(min=0).tolist()
+
+
+def shared_prefixes(input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> SharedPrefixes | None:
+    """Sets of rows (bool [B, T] `positions`: the wanted ones) that start with the same ids, chosen to skip the most
+    token positions; None if no two rows share one. Rows sorted by their ids are cut into runs of neighbours,
+    each run sharing the longest prefix common to all of its rows (the shortest neighbour LCP, capped by each row's
+    _prefix_limits); the cut maximising the positions saved, sum (rows - 1) * prefix, is found exactly by dynamic
+    programming over the cut points."""
+    caps = _prefix_limits(positions.cpu(), attention_mask.cpu())
+    ids = input_ids.cpu()
+    order = sorted(range(len(caps)), key=lambda b: ids[b, :caps[b]].tolist())
+    ids = ids[order]
+    differ = ids[1:] != ids[:-1]                         # [n-1, T]: where neighbours in id order first differ
+    link = [0] + torch.where(differ.any(-1), differ.int().argmax(-1), ids.shape[1]).tolist()
+    cap = [caps[b] for b in order]
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)   # best[i]: most positions saved over rows :i
+    for i in range(1, len(order) + 1):
+        best[i], cut[i], common = best[i - 1], i - 1, cap[i - 1]
+        for j in range(i - 2, -1, -1):                   # the run j .. i-1
+            common = min(common, cap[j], link[j + 1])
+            if common == 0:
+                break
+            if best[j] + (i - 1 - j) * common > best[i]:
+                best[i], cut[i] = best[j] + (i - 1 - j) * common, j
+    if best[-1] == 0:
+        return None
+    row_set, row_prefix, leaders, lengths, i = [0] * len(order), [0] * len(order), [], [], len(order)
+    while i > 0:
+        j = cut[i]
+        common = min(cap[j:i] + link[j + 1:i])
+        if common > 0:
+            for k in range(j, i):
+                row_set[order[k]], row_prefix[order[k]] = len(leaders), common
+            leaders.append(order[j])
+            lengths.append(common)
+        i = j
+    device = input_ids.device
+    return SharedPrefixes(torch.tensor(leaders, device=device), torch.tensor(lengths, device=device),
+                          torch.tensor(row_set, device=device), torch.tensor(row_prefix, device=device), best[-1])
+
+
+def _caches_prefixes(model) -> bool:
+    """Whether the model's forward can take a shared prefix's KV: a text model whose every layer keeps a plain full
+    KV cache. Not a VLM (its positions and image features come from models.vision_inputs over the whole row), not
+    sliding-window or recurrent layers (their caches hold a window or a state, not every position's keys)."""
+    if models.is_vision_model(model):
+        return False
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def _shared_prefix_forward(model, input_ids: Tensor, attention_mask: Tensor, real: Tensor,
+                           prefixes: SharedPrefixes, head_logprobs) -> Tensor:
+    """head_logprobs of the hidden states at `real` (bool [B, T-1], row-major, as the plain forward selects them),
+    each set's prefix run once. Two forwards: the sets' prefixes [S, P] (right-padded) filling a KV cache, then every
+    row's remainder [B, R] from position row_prefix on, over the cache's row of its set."""
+    device, width = input_ids.device, int(prefixes.lengths.max())
+    span = torch.arange(width, device=device)
+    cache = DynamicCache(config=model.config)
+    with _head_returns(model, lambda hidden: hidden[:, :0]):        # no prefix position is wanted
+        model(input_ids=input_ids[prefixes.leaders, :width], attention_mask=(span < prefixes.lengths[:, None]).long(),
+              position_ids=span.expand(len(prefixes.leaders), -1), past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(prefixes.row_set)                      # [S, heads, P, d] -> [B, heads, P, d]
+    lengths = attention_mask.sum(-1)
+    rest = int((lengths - prefixes.row_prefix).max())
+    columns = prefixes.row_prefix[:, None] + torch.arange(rest, device=device)    # [B, R]: each column's position
+    rest_mask = (columns < lengths[:, None]).long()
+    select = F.pad(real, (0, width + rest)).gather(1, columns)        # the wanted positions of the remainders
+    if int(select.sum()) != int(real.sum()):
+        raise RuntimeError("a shared prefix holds a wanted position; shared_prefixes must stop before it")
+    mask = torch.cat([(span < prefixes.row_prefix[:, None]).long(), rest_mask], 1)   # [B, P + R]
+    with _head_returns(model, lambda hidden: head_logprobs(hidden[select])):
+        return model(input_ids=input_ids.gather(1, columns.clamp(max=input_ids.shape[1] - 1)), attention_mask=mask,
+                     position_ids=columns, past_key_values=cache, use_cache=True).logits          # [N, 2]
+
+
 def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
                     images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
                     top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
-                    runs: list[list[invariants.AdjustedRun]] | None = None,
-                    positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                    runs: list[list[invariants.AdjustedRun]] | None = None, positions: Tensor | None = None,
+                    prefixes: SharedPrefixes | None = None) -> tuple[Tensor, Tensor | None]:
     """[B,T] logprob of each token given its prefix (position 0, padding and tokens outside `positions` = 0.0)
     under the distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
     scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling); runs: per row,
@@ -238,15 +340,18 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
     head = model.get_output_embeddings()
     adjust = _run_adjuster(runs, real, input_ids) if runs else None
 
-    def head_forward(hidden: Tensor) -> Tensor:          # hidden [B, T', H]; T' > T with a blank image
-        return _chunked_head_logprobs(hidden[:, :width - 1][real], head, input_ids[:, 1:][real],
+    def head_logprobs(hidden: Tensor) -> Tensor:         # [N, H]: the hidden states of `real`, row-major
+        return _chunked_head_logprobs(hidden, head, input_ids[:, 1:][real],
                                       *(_per_position(x, real) for x in (temperature, top_p, top_k, min_p)),
                                       with_entropy, adjust)
 
-    ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
-    with _head_returns(model, head_forward):
-        per_position = model(input_ids=ids, attention_mask=mask, use_cache=False,
-                             **_forward_inputs(model, ids, mask, images)).logits          # [N, 2]
+    if prefixes is not None and not any(images or []) and _caches_prefixes(model):
+        per_position = _shared_prefix_forward(model, input_ids, attention_mask, real, prefixes, head_logprobs)
+    else:
+        ids, mask, images = _with_blank_image(model, input_ids, attention_mask, images)
+        with _head_returns(model, lambda hidden: head_logprobs(hidden[:, :width - 1][real])):  # T' > T: blank image
+            per_position = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                 **_forward_inputs(model, ids, mask, images)).logits          # [N, 2]
     grid = torch.zeros(real.shape, dtype=torch.float32, device=per_position.device)
 
     def on_tokens(values: Tensor) -> Tensor:             # [N] -> [B, T], 0 at position 0 and on padding
@@ -258,7 +363,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
                       routes: Tensor | None = None, images: list[list[invariants.ImageInput]] | None = None,
                       top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
                       runs: list[list[invariants.AdjustedRun]] | None = None,
-                      positions: Tensor | None = None) -> Tensor:
+                      positions: Tensor | None = None, prefixes: SharedPrefixes | None = None) -> Tensor:
     """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits
     through invariants.adjust_logits where `runs` say, temperature, top_p, top_k, min_p) at the sampled id. [B,T]
     fp32 aligned to tokens; position 0 and padding are 0.0. The sampling arguments are scalars or [B,T] per-token
@@ -269,7 +374,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
     replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
         return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
-                               min_p=min_p, runs=runs, positions=positions)[0]
+                               min_p=min_p, runs=runs, positions=positions, prefixes=prefixes)[0]
 
 
 def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:
@@ -485,24 +590,35 @@ class Actor:
 
     def _micro_batches(self, batch: invariants.TrainBatch) -> list[Tensor | None]:
         """Row indices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio and the sequence gates need
-        all of a rollout's rows in one forward), longest rollouts first so that rows of like length share a
-        micro-batch and little padding is computed, at most _micro_batch_limits() rows and padded tokens (rows x
-        longest row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
+        all of a rollout's rows in one forward), the rollouts of one prompt together (shared_prefixes computes it once),
+        longest first so that rows of like length share a micro-batch and little padding is computed, at most
+        _micro_batch_limits() rows and padded tokens (rows x longest row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
         collectives in every forward/backward, so a rank that ran fewer would leave the others waiting in a
         collective forever."""
         lengths = batch.attention_mask.sum(-1).tolist()
         rollouts: dict[str, list[int]] = {}
         for b, rollout_id in enumerate(batch.rollout_ids):
             rollouts.setdefault(rollout_id, []).append(b)
+        # rollouts that may share a prefix (the same ids up to their first row's _prefix_limits) form a unit, kept in
+        # one micro-batch when it fits in one (else split into whole rollouts): units longest first, and within a
+        # unit its rollouts longest first
+        limits = _prefix_limits(wanted_positions(batch.loss_mask, batch.runs), batch.attention_mask)
+        units: dict[tuple, list[list[int]]] = {}
+        for rows in rollouts.values():
+            units.setdefault(tuple(batch.input_ids[rows[0], :limits[rows[0]]].tolist()), []).append(rows)
+        longest = lambda rows: max(lengths[b] for b in rows)  # noqa: E731
         size, tokens = self._micro_batch_limits()
+        fits = lambda count, width: not ((size and count > size) or (tokens and count * width > tokens))  # noqa: E731
         groups, current, width = [], [], 0
-        for rows in sorted(rollouts.values(), key=lambda rows: -max(lengths[b] for b in rows)):
-            grown = max([width] + [lengths[b] for b in rows])
-            if current and ((size and len(current) + len(rows) > size) or
-                            (tokens and (len(current) + len(rows)) * grown > tokens)):
-                groups.append(current)                    # this rollout starts the next micro-batch
-                current, grown = [], max(lengths[b] for b in rows)
-            current, width = current + rows, grown
+        for unit in sorted(units.values(), key=lambda unit: -max(map(longest, unit))):
+            unit = sorted(unit, key=lambda rows: -longest(rows))
+            whole = [b for rows in unit for b in rows]
+            for rows in [whole] if fits(len(whole), longest(whole)) else unit:
+                grown = max(width, longest(rows))
+                if current and not fits(len(current) + len(rows), grown):
+                    groups.append(current)                    # these rows start the next micro-batch
+                    current, grown = [], longest(rows)
+                current, width = current + rows, grown
         if current:
             groups.append(current)
         most = int(self._reduce([len(groups)], dist.ReduceOp.MAX)[0])
@@ -527,8 +643,17 @@ class Actor:
         sampling = {name: self._cut(getattr(batch, name), rows, width) for name in invariants.SAMPLING_TENSORS}
         sampling["runs"] = [batch.runs[b] for b in rows.tolist()]
         sampling["positions"] = wanted_positions(self._cut(batch.loss_mask, rows, width), sampling["runs"])
-        return (self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width), routes,
-                [batch.images[b] for b in rows.tolist()], sampling, width)
+        input_ids, attention_mask = self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width)
+        # the prefixes a micro-batch's rows share are computed once, except where that cannot be exact: routes
+        # replayed (R3 replays each row's own recorded routes, and a shared prefix would carry one row's),
+        # checkpointed layers (their recompute in backward would append to the KV cache a second time), compiled
+        # layers (the cache's layer index makes each layer a graph of its own: past torch._dynamo's recompile limit
+        # of 8 the other layers run eager), and FSDP2 (its collectives run in every forward call; the calls of a
+        # shared forward depend on the rows, so ranks could make different numbers of calls and wait forever).
+        # actor/prefix_tokens_saved reads 0 then.
+        if routes is None and not (self.cfg.activation_checkpointing or self.compiled) and self.world_size == 1:
+            sampling["prefixes"] = shared_prefixes(input_ids, attention_mask, sampling["positions"])
+        return input_ids, attention_mask, routes, [batch.images[b] for b in rows.tolist()], sampling, width
 
     # -- logprob recompute (pi_old / pi_prox) --
 
@@ -582,8 +707,9 @@ class Actor:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
         record = _empty_record(batch.input_ids.shape)
-        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "trainable_tokens": 0.0, "gated_tokens": 0.0,
-                "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0, **{name: 0.0 for name in POLICY_LOSS_METRICS},
+        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "prefix_tokens_saved": 0.0, "trainable_tokens": 0.0,
+                "gated_tokens": 0.0, "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0,
+                **{name: 0.0 for name in POLICY_LOSS_METRICS},
                 **{f"gate/{k}": 0.0 for k in GATE_COUNTS}, **{f"is/{k}": 0.0 for k in IS_METRICS}}
         maxes = {"staleness_max": 0.0, "logprob_diff_max": 0.0}
         gate = functools.partial(self._gate, trainer_version=trainer_version, correction_cfg=correction_cfg,
@@ -647,6 +773,7 @@ class Actor:
                 loss.backward()       # also with nothing kept: under FSDP2 every rank runs every backward
             record.write(rows, width, contribution=token_share.detach())
             mb_tokens = float(mb["mask"].sum())
+            sums["prefix_tokens_saved"] += sampling["prefixes"].saved if sampling.get("prefixes") else 0.0
             sums["loss"] += float(loss.detach())
             sums["entropy"] += float((entropy * mb["mask"]).sum())
             for name in POLICY_LOSS_METRICS:  # per-micro-batch token means -> token-weighted sums
@@ -726,6 +853,8 @@ class Actor:
                    "actor/version": float(self.version),
                    "actor/kept_tokens": global_tokens, "actor/kept_seqs": global_seqs,
                    "actor/entropy": total["entropy"] / kept, "actor/kl_ref": total["kl_ref"] / kept,
+                   # token positions the forward did not compute: prompts shared by a micro-batch's rows, run once
+                   "actor/prefix_tokens_saved": total["prefix_tokens_saved"],
                    **{f"actor/{name}": total[name] / kept for name in POLICY_LOSS_METRICS},
                    "actor/staleness_mean": total["staleness"] / max(total["rollouts"], 1.0),   # per rollout
                    "actor/staleness_max": top["staleness_max"],

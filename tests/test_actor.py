@@ -638,3 +638,154 @@ def test_the_gradient_through_penalised_biased_logits_equals_a_hand_written_refe
     assert max(abs(a - b) for a, b in zip(got[0, start:].tolist(), by_hand)) < 1e-5
     assert max_abs_diff(ours, reference) <= 1e-5 * max(g.abs().max().item() for g in reference.values())
     assert max_abs_diff(unprocessed, reference) > 1e-2 * max(g.abs().max().item() for g in reference.values())
+
+
+# ---- shared prefixes: a group's prompt computed once, the same numbers as the unshared forward ----
+
+def shared_prompt_rows(vocab: int, seed: int = 0) -> tuple[list[invariants.Segment], dict[str, int]]:
+    """Rows as a GRPO batch holds them, plus the cases that must not share: group A (3 rows of one prompt, replies
+    of 5, 9, 3 tokens, each at its own top_p/top_k/min_p), a row of A's prompt with 3 more context tokens before
+    its reply (it diverges later), a row whose prompt differs from A's by ONE id in the middle, group B (2 rows), a
+    row whose prompt differs from B's in its last id only, and group C (2 rows of bias, penalties and min_p: adjusted
+    runs over a shared 4-token prompt). Returns the rows and the index of each named case."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def row(name: str, group: str, context: list[int], reply: list[int], sampling) -> invariants.Segment:
+        n = len(context) + len(reply)
+        trainable = [t >= len(context) for t in range(n)]
+        return invariants.Segment(name, group, 0, context + reply, trainable, [0.0] * n,
+                                  [0 if tr else -1 for tr in trainable],
+                                  [sampling if tr else invariants.UNSAMPLED for tr in trainable])
+
+    prompt_a, prompt_b = ids(12), ids(8)
+    one_off = list(prompt_a)
+    one_off[5] = (one_off[5] + 1) % vocab
+    last_off = prompt_b[:-1] + [(prompt_b[-1] + 1) % vocab]
+    rows = [row("a0", "A", prompt_a, ids(5), invariants.Sampling(TEMPERATURE, top_p=0.9)),
+            row("a1", "A", prompt_a, ids(9), invariants.Sampling(1.0, top_k=20)),
+            row("a2", "A", prompt_a, ids(3), invariants.Sampling(0.8, min_p=0.05)),
+            row("later", "A", prompt_a + ids(3), ids(4), SAMPLING),
+            row("one_off", "A", one_off, ids(5), SAMPLING),
+            row("b0", "B", prompt_b, ids(6), SAMPLING), row("b1", "B", prompt_b, ids(4), SAMPLING),
+            row("last_off", "B", last_off, ids(5), SAMPLING)]
+    for k in range(2):
+        processed = processed_row(vocab, seed=seed + k)
+        processed.token_ids[:4] = rows[0].token_ids[:4] if k else processed.token_ids[:4]
+        rows.append(invariants.Segment(f"c{k}", "C", 0, processed.token_ids, processed.trainable,
+                                       processed.behavior_logprobs, processed.policy_versions, processed.sampling))
+    rows[-1].token_ids[:4] = rows[-2].token_ids[:4]
+    return rows, {r.rollout_id: i for i, r in enumerate(rows)}
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A random 2-layer Llama at the tiny models' shape: an architecture beside the Qwen ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    qwen = models.tiny_model("qwen3").config
+    config = LlamaConfig(vocab_size=qwen.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         eos_token_id=qwen.eos_token_id, pad_token_id=qwen.pad_token_id, bos_token_id=None)
+    config._attn_implementation = models.ATTN_IMPLEMENTATION
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    tiny_llama().save_pretrained(folder)
+    return folder
+
+
+def sampling_of(batch: invariants.TrainBatch) -> dict:
+    return {**{name: getattr(batch, name) for name in invariants.SAMPLING_TENSORS}, "runs": batch.runs,
+            "positions": actor.wanted_positions(batch.loss_mask, batch.runs)}
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
+def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
+    model = tiny_llama() if kind == "llama" else models.tiny_model(kind)
+    rows, at = shared_prompt_rows(model.config.vocab_size)
+    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
+    sampling = sampling_of(batch)
+    plan = actor.shared_prefixes(batch.input_ids, batch.attention_mask, sampling["positions"])
+
+    # the plan shares only ids that are equal, and never a position that predicts a wanted token
+    for b in range(len(rows)):
+        for c in range(len(rows)):
+            if plan.row_set[b] == plan.row_set[c] and plan.row_prefix[b] and plan.row_prefix[c]:
+                n = int(plan.row_prefix[b])
+                assert n == plan.row_prefix[c] and batch.input_ids[b, :n].equal(batch.input_ids[c, :n])
+        assert plan.row_prefix[b] <= int(sampling["positions"][b].nonzero()[0]) - 1
+    same = lambda *names: len({int(plan.row_set[at[n]]) for n in names}) == 1  # noqa: E731
+    assert same("a0", "a1", "a2", "later") and int(plan.row_prefix[at["a0"]]) == 11
+    assert not same("a0", "one_off"), "a prompt one id away from A's must not take A's prefix"
+    assert same("b0", "b1", "last_off") and int(plan.row_prefix[at["b0"]]) == 7   # all but B's last prompt id
+    assert same("c0", "c1") and plan.saved > 0
+
+    weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
+    results = []
+    for prefixes in (None, plan):
+        model.zero_grad()
+        logprobs = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=prefixes, **sampling)
+        (logprobs * weights).sum().backward()
+        results.append((logprobs.detach(), grads(model)))
+    (plain, plain_grads), (shared, shared_grads) = results
+    assert (plain - shared).abs().max() <= 1e-5
+    scale = max(g.abs().max().item() for g in plain_grads.values())
+    assert max_abs_diff(plain_grads, shared_grads) <= 1e-5 * scale, "the prefix's gradient sums over its rows"
+
+    # negative control: the one-id-off row made to reuse A's prefix gets other logprobs, so the id check is armed
+    forged = actor.SharedPrefixes(**{**vars(plan), "row_set": plan.row_set.clone(),
+                                     "row_prefix": plan.row_prefix.clone()})
+    forged.row_set[at["one_off"]], forged.row_prefix[at["one_off"]] = plan.row_set[at["a0"]], 11
+    with torch.no_grad():
+        wrong = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=forged, **sampling)
+    assert (wrong[at["one_off"]] - plain[at["one_off"]]).abs().max() > 1e-3
+    assert (wrong[at["a0"]] - plain[at["a0"]]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("old_given", [True, False], ids=["recomputed", "own_forward"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_a_train_step_over_shared_prompts_equals_the_unshared_step(qwen3_dir, llama_dir, monkeypatch, kind,
+                                                                   old_given):
+    model_dir = qwen3_dir if kind == "qwen3" else llama_dir
+    results = []
+    for share in (False, True):
+        with monkeypatch.context() as patch:
+            if not share:
+                patch.setattr(actor, "shared_prefixes", lambda *args: None)
+            policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=4),
+                                 total_steps=1)
+            rows, _ = shared_prompt_rows(policy.model.config.vocab_size)
+            advantages = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(rows))]
+            batch = invariants.build_batch(rows, advantages, pad_id=0)
+            old = policy.recompute_logprobs(batch)
+            noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+            batch.behavior_logprobs = (old + noise) * batch.loss_mask       # off-policy: IS weights are not 1
+            report = policy.train_step(batch, old if old_given else None, algo.AlgoConfig(), invariants.CorrectionConfig(),
+                                       0)
+            results.append((old, report, grads(policy.model), policy.export_weights()))
+    (old_plain, plain, plain_grads, plain_weights), (old_shared, shared, shared_grads, shared_weights) = results
+    assert plain.metrics["actor/prefix_tokens_saved"] == 0 and shared.metrics["actor/prefix_tokens_saved"] > 0
+    assert (old_plain - old_shared).abs().max() <= 1e-5
+    assert (plain.prox_logprobs - shared.prox_logprobs).abs().max() <= 1e-5
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
+        assert math.isclose(plain.metrics[key], shared.metrics[key], rel_tol=1e-5, abs_tol=1e-7), key
+    scale = max(g.abs().max().item() for g in plain_grads.values())
+    assert max_abs_diff(plain_grads, shared_grads) <= 1e-5 * scale
+    assert max_abs_diff(plain_weights, shared_weights) <= 1e-5
+
+
+def test_micro_batches_keep_a_prompts_rollouts_together(qwen3_dir):
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=4), total_steps=1)
+    rows, at = shared_prompt_rows(policy.model.config.vocab_size)
+    batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
+    micro = [set(m.tolist()) for m in policy._micro_batches(batch)]
+    for group in (["a0", "a1", "a2"], ["b0", "b1", "last_off"], ["c0", "c1"]):
+        assert sum({at[n] for n in group} <= m for m in micro) == 1, group
+    lengths = batch.attention_mask.sum(-1)
+    longest = [max(lengths[b] for b in m) for m in micro]
+    assert longest == sorted(longest, reverse=True), "longest first across the prompts"
