@@ -11,7 +11,9 @@
 #     in the recompute and in the loss forward alike (gradients through the live logits), with the engine's
 #     position ids, the model in eval mode for recompute AND training (no dropout/jitter differences), no
 #     autocast, MoE routes replayed through the forward and the backward (invariants.replay_routes), and a VLM
-#     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs).
+#     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs). A
+#     prompt that a micro-batch's rows share by their ids is computed once (shared_prefixes), its logprobs and
+#     gradients the unshared forward's to fp32 round-off.
 #   2 (policy version): the version gate and the train/infer IS weights come from invariants.gate_sequences and
 #     invariants.correction_weights, over whole rollouts; this module applies them, drops what they reject from
 #     the mask, and weighs each token by algo.loss_weights over the step's GLOBAL counts.
@@ -223,8 +225,8 @@ def _head_returns(model, forward):
 # ---- shared prefixes: a GRPO group's prompt computed once ----
 # The rows of a group repeat one prompt (samples_per_prompt times), and in a math batch the prompt is two thirds of
 # the tokens. Rows of a micro-batch whose ids agree up to before their first wanted position form a set: its prefix
-# runs once, with the KV cache kept under autograd, the cache is expanded to the set's rows (index_select: the
-# backward sums the rows' gradients into the one prefix), and each row's remainder runs on it at its own position
+# runs once, with the KV cache kept under autograd, the cache is expanded to the set's rows (an index along the
+# batch: the backward sums the rows' gradients into the one prefix), and each row's remainder runs on it at its own position
 # ids. No wanted position is in a prefix (a prefix ends one token before the first position that predicts a wanted
 # token), so the head sees the same positions in the same order as the plain forward, and each logprob is the
 # plain forward's to fp32 round-off: invariant 3 holds, and the ids themselves decide, never a group id.
@@ -329,7 +331,8 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
     under the distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
     scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling); runs: per row,
     its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM. Only real
-    positions (bool [B,T], default every real token) reach the output projection, in chunks."""
+    positions (bool [B,T], default every real token) reach the output projection, in chunks. `prefixes`
+    (shared_prefixes of these rows and positions): each shared prefix computed once, where the model allows it."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
@@ -369,8 +372,8 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
     fp32 aligned to tokens; position 0 and padding are 0.0. The sampling arguments are scalars or [B,T] per-token
     tensors, and runs a TrainBatch's (a batch's recorded sampling). `routes` (long [B,T,L,k]) replays the engine's
     MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs; `positions` (bool [B,T])
-    limits the work to the tokens wanted (the rest read 0.0). Gradients flow unless the caller is under
-    torch.no_grad()."""
+    limits the work to the tokens wanted (the rest read 0.0), and `prefixes` (shared_prefixes of the same rows and
+    positions) computes each prefix they share once. Gradients flow unless the caller is under torch.no_grad()."""
     replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
         return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
