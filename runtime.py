@@ -199,10 +199,12 @@ class EngineActor:
         self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
 
     @ray.method(concurrency_group="control")
-    def placement(self) -> tuple[str | None, bool]:
-        """(the GPU this actor holds, or None; whether its engine takes CUDA IPC updates: a vLLM engine on it)."""
+    def placement(self) -> tuple[str | None, str | None]:
+        """(the GPU this actor holds, or None; the checkpoint of its engine if that takes CUDA IPC updates (a vLLM
+        engine on the GPU), else None)."""
         gpu = _gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
-        return gpu, isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
+        takes_ipc = isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
+        return gpu, self.engine.model_path if takes_ipc else None
 
     @ray.method(concurrency_group="control")
     def open_weight_channel(self, address: str, port: int, backend: str, timeout_s: float) -> None:
@@ -270,7 +272,8 @@ class EngineProxy:
     def __init__(self, index: int, handle, version: int):
         self.index, self.handle = index, handle
         self.version = version         # kept here, so reading it costs no round trip
-        self.gpu_uuid, self.takes_ipc = ray.get(handle.placement.remote())
+        self.gpu_uuid, self.model_path = ray.get(handle.placement.remote())
+        self.takes_ipc = self.model_path is not None
         self.channel: WeightChannel | None = None       # opened at the first update that is not CUDA IPC
         self.dead = False
 
@@ -328,9 +331,10 @@ class EngineProxy:
         if not isinstance(state, WeightPush):
             self._call(self.handle.update_weights, state, version)
         elif self.takes_ipc and state.gpu_uuid == self.gpu_uuid:
-            from vllm_engine import send_ipc_weights
-            names = self._call(self.handle.begin_weight_update, list(state.tensors), version)
-            send_ipc_weights({name: state.tensors[name] for name in names},
+            from vllm_engine import checkpoint_state, send_ipc_weights
+            tensors = checkpoint_state(state.tensors, self.model_path)     # the names vLLM's checkpoint uses
+            names = self._call(self.handle.begin_weight_update, list(tensors), version)
+            send_ipc_weights({name: tensors[name] for name in names},
                              lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
             self._call(self.handle.finish_weight_update, version)
         else:

@@ -30,13 +30,15 @@
 # (`transfer="ipc"`; the actor may sit in this process or in another one: `begin_weight_update`,
 # `receive_weight_chunk`, `finish_weight_update` with `send_ipc_weights` on the trainer's side); on a CPU, where
 # there is no IPC, a state dict through `collective_rpc` into `WorkerExtension` (`transfer="rpc"`). Either way
-# every key of the engine's checkpoint must arrive. An engine on a GPU of its own gets the weights over the async
+# the weights travel under the checkpoint's names and layout (`checkpoint_state`: transformers 5 renames and fuses
+# some models' weights as it loads them) and every key of the engine's checkpoint must arrive. An engine on a GPU of its own gets the weights over the async
 # runtime's weight channel (runtime.py: NCCL into its process), then by CUDA IPC from there.
 # Never: computes rewards, touches the ledger, or trains.
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import os
@@ -69,6 +71,29 @@ def is_moe_config(config: dict) -> bool:
     transformers 5), DeepSeek's n_routed_experts."""
     text_config = config.get("text_config", config)
     return any(key in text_config for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(model_path: str) -> torch.nn.Module:
+    """The checkpoint's transformers model on the meta device (no memory): what reverting its weight conversion
+    needs to know (its class, and so the renamings and fusions transformers applies when loading it)."""
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    auto_class = (transformers.AutoModelForImageTextToText if "vision_config" in config.to_dict()
+                  else transformers.AutoModelForCausalLM)
+    with torch.device("meta"):
+        return auto_class.from_config(config)
+
+
+def checkpoint_state(state: dict[str, torch.Tensor], model_path: str) -> dict[str, torch.Tensor]:
+    """The trainer's state dict under the names and layout of the checkpoint at `model_path`, which is what vLLM
+    loads and what `begin_weight_update` checks coverage against. transformers 5 converts some models' weights as
+    it loads them: Qwen2.5-VL's language model moves under `model.language_model.`, an MoE's per-expert matrices
+    fuse into one tensor per layer; so a trainer's state dict of those models names no key of their checkpoint.
+    transformers' own inverse (`revert_weight_conversion`, what `save_pretrained` applies) undoes it: renamed keys
+    keep their tensors, split experts are views of the fused ones (no copy). A model transformers loads as saved
+    comes back unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+    return revert_weight_conversion(_meta_model(model_path), dict(state))
 
 
 def send_ipc_weights(state: dict[str, torch.Tensor], send: Callable[[dict], None]) -> None:
@@ -205,7 +230,9 @@ class VLLMEngine:
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load a full state dict from the actor and stamp `version` on every later token. Pauses (keeping
         requests) unless already paused; kept requests are re-prefilled by the new weights. On a GPU the tensors
-        go by CUDA IPC (a CPU tensor is copied to the engine's GPU first)."""
+        go by CUDA IPC (a CPU tensor is copied to the engine's GPU first). `state` may use the trainer's names
+        or the checkpoint's (checkpoint_state)."""
+        state = checkpoint_state(state, self.model_path)
         names = self.begin_weight_update(list(state), version)
         if self.transfer == "ipc":
             send_ipc_weights({name: state[name].cuda() for name in names}, self.receive_weight_chunk)
@@ -220,8 +247,8 @@ class VLLMEngine:
     # with some weights new: the caller takes it out of rotation (router.Router does) rather than sample with it.
 
     def begin_weight_update(self, names: list[str], version: int) -> list[str]:
-        """Check that `names` cover the engine's checkpoint, pause (requests kept), and open vLLM's weight update.
-        Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
+        """Check that `names` (the checkpoint's: checkpoint_state) cover the engine's checkpoint, pause (requests
+        kept), and open vLLM's weight update. Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
         if self._tied:

@@ -28,6 +28,7 @@
 #
 #   python bench/recipes_gpu.py [--recipes geo3k tool_use code_exec judge distill] [--work /tmp/tracerl-recipes]
 #                               [--out recipes-gpu.json] [--timeout 540] [--budget 570] [--tiny]
+#   python bench/recipes_gpu.py --build-only ...       # build the models only (a machine's first minutes)
 #   python bench/recipes_gpu.py --write-tokenizer      # here: the tokenizer folder to carry, .carry/qwen-tokenizer
 import argparse
 import glob
@@ -406,6 +407,7 @@ def main() -> None:
                         "each run's timeout is cut to what is left, and a recipe is not started with under 60 s left")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes of the same architectures (CPU test)")
     parser.add_argument("--write-tokenizer", action="store_true", help=f"write {TOKENIZER_CARRY} and exit")
+    parser.add_argument("--build-only", action="store_true", help="build the recipes' models under --work, run none")
     args = parser.parse_args()
     if args.write_tokenizer:
         print(f"wrote {TOKENIZER_CARRY} from {write_tokenizer(TOKENIZER_CARRY)}")
@@ -452,6 +454,10 @@ def main() -> None:
                        for key in ("model", "ref_model") if names[key]}
             for other in names["others"]:          # named by no flag: resolved through the hub cache
                 ensure_model(hub_cache, other, tokenizer_dir, args.tiny, summary["built"])
+            if args.build_only:
+                entry.update(ok=True, built_only=True)
+                save()
+                continue
         except Exception as error:  # noqa: BLE001 - one recipe's failure still leaves the others' figures
             entry.update(ok=False, error=f"building its models: {type(error).__name__}: {error}"[:3000])
             save()

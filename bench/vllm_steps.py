@@ -174,6 +174,27 @@ def slope(values: list[float]) -> float:
     return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
 
 
+def summarize(records: list[dict], args, path: str, on_gpu: bool, start_s: float) -> dict:
+    """The run's JSON summary so far: written after every step, so a run cut short keeps the steps it made."""
+    speeds = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]
+    k = max(1, min(5, len(speeds) // 2))
+    counters = [name for name, v in records[0].items() if name != "step" and isinstance(v, (int, float))]
+    summary = {
+        "model": path, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "vllm": __import__("vllm").__version__, "torch": torch.__version__,
+        "config": {k_: v for k_, v in vars(args).items() if k_ != "out"}, "engine_start_s": start_s,
+        # the engine's tokens/s over its last k steps against its first k after step 1: 1.0 is no decline
+        "last_over_first": (sum(speeds[-k:]) / k) / (sum(speeds[:k]) / k),
+        "tokens_per_s_slope_pct_per_step": 100 * slope(speeds) / (sum(speeds) / len(speeds)),
+        "change_per_step": {name: slope([r.get(name, 0.0) for r in records[1:]]) for name in counters},
+        "stale_prefix_hits": None if args.no_update else sum(r["probe_cached_tokens"] for r in records),
+        "steps": records,
+    }
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="generation speed of the vLLM engine over the steps of a sync run")
     parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 on vLLM's CPU build")
@@ -313,6 +334,7 @@ def main() -> None:
             "router_sessions": float(len(router._sessions)), "threads": float(threading.active_count()),
             "gc_objects": float(len(gc.get_objects())), "rss_mb": rss, "engine_rss_mb": engine_rss, **gpu_memory()})
         records.append(record)
+        summarize(records, args, path, on_gpu, start_s)
         print(f"step {step + 1:3d}: {record['tokens_per_s']:8.0f} tok/s engine, {record['rollout_tokens_per_s']:8.0f} "
               f"rollout ({record['tokens']} tokens, {record['gen_s']:.2f}/{rollout_s:.2f} s, len "
               f"{record['len_mean']:.0f}) | probe cached {probe_cached} | cores {record['trainer_cores']:.2f}+"
@@ -323,23 +345,8 @@ def main() -> None:
 
     engine.shutdown()
     shutil.rmtree(work, ignore_errors=True)
-    speeds = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]
-    k = max(1, min(5, len(speeds) // 2))
-    counters = [name for name, v in records[0].items() if name != "step" and isinstance(v, (int, float))]
-    summary = {
-        "model": path, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "vllm": __import__("vllm").__version__, "torch": torch.__version__,
-        "config": {k_: v for k_, v in vars(args).items() if k_ != "out"}, "engine_start_s": start_s,
-        # the engine's tokens/s over its last k steps against its first k after step 1: 1.0 is no decline
-        "last_over_first": (sum(speeds[-k:]) / k) / (sum(speeds[:k]) / k),
-        "tokens_per_s_slope_pct_per_step": 100 * slope(speeds) / (sum(speeds) / len(speeds)),
-        "change_per_step": {name: slope([r.get(name, 0.0) for r in records[1:]]) for name in counters},
-        "stale_prefix_hits": None if args.no_update else sum(r["probe_cached_tokens"] for r in records),
-        "steps": records,
-    }
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"engine tokens/s, last {k} steps over first {k} (step 1 excluded): {summary['last_over_first']:.3f}; "
+    summary = summarize(records, args, path, on_gpu, start_s)
+    print(f"engine tokens/s, last steps over first steps (step 1 excluded): {summary['last_over_first']:.3f}; "
           f"slope {summary['tokens_per_s_slope_pct_per_step']:+.2f}% per step; prompt tokens of old weights reused "
           f"after an update: {summary['stale_prefix_hits']}; summary {args.out}", flush=True)
 
