@@ -337,7 +337,7 @@ def bench_r3_update(tiny: bool) -> dict:
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():        # every router gets new weights: most positions change experts
         for router in invariants.moe_routers(new):
-            router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std() * 3)
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     if on_gpu:
         import vllm_engine
         engine = vllm_engine.VLLMEngine(folder, dtype="float32", transfer="rpc", enforce_eager=True,
