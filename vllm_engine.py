@@ -318,7 +318,17 @@ class VLLMEngine:
         self._call(self._stop_output_handler())
         self._llm.shutdown()
         del self._llm           # its finaliser shuts down again: let it run now, not at interpreter exit
+        # a task vLLM's client leaves on the loop (its engine-core output queue, after a run that ended on an
+        # error) would be destroyed pending at exit, with asyncio's error log: cancel and await what is left
+        self._call(self._cancel_pending())
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+    @staticmethod
+    async def _cancel_pending() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stop_output_handler(self) -> None:
         handler = getattr(self._llm, "output_handler", None)
