@@ -808,11 +808,12 @@ class RolloutPool:
     """Keeps prompt groups in flight on runner threads and hands the trainer B = groups_per_step finished groups
     per step, in admission order.
 
-    Admission (AReaL, arXiv 2505.24298; areal/core/staleness_manager.py):
-        capacity = min(max_concurrent - running, (eta + V + 1) * B - (accepted + running))
-    V = policy steps trained, accepted = groups finished and kept (consumed or waiting). Here max_concurrent is
-    (eta + 1) * B, which the second term never exceeds, and no group is started that no step of the run would
-    train (eta + V + 1 is capped at the run's steps). Why it bounds staleness: when a group starts at V = a, at
+    Admission (AReaL, arXiv 2505.24298; areal/core/staleness_manager.py, without its max_concurrent term):
+        capacity = min(eta + V + 1, steps) * B - (accepted + running)
+    V = policy steps trained, accepted = groups finished and kept (consumed or waiting), steps = the run's last
+    step, so no group is started that no step of the run would train. AReaL's max_concurrent - running is not
+    needed: running plus kept-but-unconsumed groups never exceed (eta + 1) * B, since V * B of the accepted are
+    consumed. Why it bounds staleness: when a group starts at V = a, at
     most (eta + a + 1) * B kept-or-running groups precede it or are it, so in admission order it is kept at most
     (eta + a + 1) * B - 1-th, and taking B per step in that order trains it by step eta + a. A group whose
     rollouts all failed, or (algo.filter_zero_variance) whose rewards are all equal, is not kept: its slot

@@ -8,11 +8,7 @@
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - prompts go in as token ids (`TokensPrompt`) and the ids vLLM sampled come back
 #     untouched; nothing is detokenized and re-encoded;
-#   invariant 2 (policy version) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's mask,
-#     logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution invariants.adjust_logits
-#     and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by field; a grammar runs
-#     on vLLM's llguidance backend as the very grammar text constraints.py replays); the version of
-#     every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
+#   invariant 2 (policy version) - the version of every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
 #     request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a request kept across
 #     an update is re-prefilled by the new weights
 #     (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as the embedded engine does: continuing on the
@@ -20,7 +16,11 @@
 #     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it); and a
 #     request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
 #     version a request starts at, so it holds even for blocks the reset could not drop);
-#   invariant 3 (forward consistency) - an MoE model returns the experts vLLM routed each position to
+#   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
+#     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
+#     invariants.adjust_logits and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by
+#     field; a grammar runs on vLLM's llguidance backend as the very grammar text constraints.py replays); an MoE
+#     model returns the experts vLLM routed each position to
 #     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; a VLM's
 #     images go in as vLLM multimodal data: each image's source (the copy the trainer's processor resized, so
 #     vLLM's processor computes the same pixels) with its pad run collapsed to the one pad vLLM expands, and the
