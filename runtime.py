@@ -43,6 +43,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import algo
 import invariants
 import models
+from agents import load_recipe
+from router import Router
 from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
 from vllm_engine import VLLMEngine
 
@@ -630,10 +632,8 @@ class RunnerActor:
     router keeps the control plane (pause, weights, resume). Many groups run at once, on the actor's threads."""
 
     def __init__(self, recipe: str, model_path: str, engines: list, version: int, runner_kwargs: dict):
-        import train
-        from router import Router
         self.router = Router([EngineProxy(i, handle, version) for i, handle in enumerate(engines)])
-        self.runner = train.load_recipe(recipe).AgentRunner(
+        self.runner = load_recipe(recipe).AgentRunner(
             self.router, models.load_tokenizer(model_path), image_processor=models.load_image_processor(model_path),
             **runner_kwargs)
 

@@ -20,7 +20,6 @@ import base64
 import contextlib
 import dataclasses
 import gc
-import importlib.util
 import inspect
 import io
 import json
@@ -43,7 +42,7 @@ import invariants
 import models
 import runtime
 import viewer
-from agents import sandbox
+from agents import load_recipe, sandbox
 from agents.process import ProcessAgent
 from agents.tools import python_tool
 from rollout import EmbeddedEngine, SamplingParams, validate_sampling
@@ -52,7 +51,6 @@ import vllm_engine
 from vllm_engine import VLLMEngine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-RECIPES = os.path.join(ROOT, "recipes")
 
 
 # ---- config: one section per stage, owned by that stage's module --------------------------------------
@@ -118,18 +116,6 @@ SHORT_FLAGS = ("recipe", "steps", "model", "out", "seed")   # --steps N == --run
 
 # ---- command line ---------------------------------------------------------------------------------------
 
-def load_recipe(name: str):
-    """recipes/<name>.py, or any recipe file given by its path (a fork's own recipe needs no copy in recipes/)."""
-    path = name if name.endswith(".py") else os.path.join(RECIPES, f"{name}.py")
-    if not os.path.exists(path):
-        known = sorted(f[:-3] for f in os.listdir(RECIPES) if f.endswith(".py") and not f.startswith("_"))
-        raise SystemExit(f"error: unknown recipe {name!r}; known recipes: {', '.join(known)}")
-    spec = importlib.util.spec_from_file_location(f"recipe_{os.path.basename(path)[:-3]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _parse_value(text: str, like):
     if isinstance(like, bool):
         if text.lower() not in ("true", "false", "1", "0"):
@@ -141,12 +127,18 @@ def _parse_value(text: str, like):
 
 
 def field_help(cls) -> dict[str, str]:
-    """A dataclass field's trailing comment is its --help text (one source of truth for both)."""
+    """A dataclass field's trailing comment is its --help text (one source of truth for both). "one of NAME", where
+    NAME is a tuple of the field's module (algo.ESTIMATORS), is printed with the names it holds."""
+    module = sys.modules[cls.__module__]
+
+    def names(match: re.Match) -> str:
+        choices = getattr(module, match.group(1), None)
+        return f"one of {', '.join(choices)}" if isinstance(choices, tuple) else match.group(0)
     found = {}
     for line in inspect.getsource(cls).splitlines():
         match = re.match(r"\s+(\w+):[^#]*#\s*(.+)$", line)
         if match:
-            found[match.group(1)] = match.group(2).replace("%", "%%")
+            found[match.group(1)] = re.sub(r"one of ([A-Z][A-Z_]+)\b", names, match.group(2)).replace("%", "%%")
     return found
 
 

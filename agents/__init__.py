@@ -455,7 +455,24 @@ class ChatAgentRunner:
                        logged, session.generations)
 
 
-# ---- loading a recipe's agent ------------------------------------------------------------------------
+# ---- loading a recipe, and a recipe's agent ----------------------------------------------------------
+
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+
+
+def load_recipe(name: str):
+    """recipes/<name>.py, or any recipe file given by its path (a fork's own recipe needs no copy in recipes/).
+    Here, below both train.py and runtime.py (whose runner actors load the recipe too), so neither imports the
+    other for it."""
+    path = name if name.endswith(".py") else os.path.join(RECIPES, f"{name}.py")
+    if not os.path.exists(path):
+        known = sorted(f[:-3] for f in os.listdir(RECIPES) if f.endswith(".py") and not f.startswith("_"))
+        raise SystemExit(f"error: unknown recipe {name!r}; known recipes: {', '.join(known)}")
+    spec = importlib.util.spec_from_file_location(f"recipe_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def load_agent_runner(path: str) -> type:
     """Import the Python file at `path` and return its `AgentRunner` class."""

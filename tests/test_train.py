@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import actor
+import algo
 import data
 import invariants
 import models
@@ -195,6 +196,9 @@ def test_help_lists_every_flag_with_its_default():
         for name in cls.__dataclass_fields__:
             assert f"--{section}.{name}" in done.stdout
     assert "(default: smollm2)" in done.stdout
+    # a choice list named in a field's comment is printed as the names it holds, not as the constant's name
+    assert "one of ESTIMATORS" not in done.stdout and "one of LR_SCHEDULES" not in done.stdout
+    assert f"one of {', '.join(algo.ESTIMATORS)}" in " ".join(done.stdout.split())
 
 
 def test_minibatches_hold_whole_groups():
