@@ -683,11 +683,11 @@ class Actor:
 
     # -- one optimizer step --
 
-    def train_step(self, batch: invariants.TrainBatch, old_logprobs: Tensor | None, algo_cfg: algo.AlgoConfig,
+    def train_step(self, batch: invariants.TrainBatch, prox_logprobs: Tensor | None, algo_cfg: algo.AlgoConfig,
                    correction_cfg: invariants.CorrectionConfig, trainer_version: int,
                    ref_logprobs: Tensor | None = None, token_budget: int | None = None) -> "StepReport":
         """ONE optimizer step over this rank's rows of the step's batch (all micro-batches, all ranks).
-        old_logprobs: [B,T] recomputed with the weights of `trainer_version` (the proximal policy), or None when
+        prox_logprobs: [B,T] recomputed with the weights of `trainer_version` (the proximal policy), or None when
         those weights are the current ones (the batch's first optimizer step): each micro-batch's own forward then
         gives them, detached, and the separate recompute pass is saved. That is exact, not an approximation: the
         proximal logprobs ARE these weights' logprobs, the PPO ratio is 1 with the policy gradient as its gradient,
@@ -698,13 +698,13 @@ class Actor:
         (StepReport.prox_logprobs: the proximal logprobs used). Gradients of the step stay on the parameters until
         the next call (zeroed at the start)."""
         _check_right_padded(batch.attention_mask)
-        if old_logprobs is None and trainer_version != self.version:
-            raise ValueError(f"old_logprobs=None means the proximal policy is the current weights (version "
+        if prox_logprobs is None and trainer_version != self.version:
+            raise ValueError(f"prox_logprobs=None means the proximal policy is the current weights (version "
                              f"{self.version}), but trainer_version is {trainer_version}; pass recompute_logprobs "
                              f"of the batch taken at version {trainer_version}")
-        if old_logprobs is not None and old_logprobs.shape != batch.input_ids.shape:
-            raise ValueError(f"old_logprobs must be [B,T]={tuple(batch.input_ids.shape)} aligned to tokens, "
-                             f"got {tuple(old_logprobs.shape)}; use recompute_logprobs(batch)")
+        if prox_logprobs is not None and prox_logprobs.shape != batch.input_ids.shape:
+            raise ValueError(f"prox_logprobs must be [B,T]={tuple(batch.input_ids.shape)} aligned to tokens, "
+                             f"got {tuple(prox_logprobs.shape)}; use recompute_logprobs(batch)")
         kl_coef = algo.kl_loss_coef(algo_cfg)
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
@@ -722,10 +722,10 @@ class Actor:
         # (1)-(2) with the proximal logprobs given, the sequence gates and IS weights of the whole step come first, so
         # the GLOBAL denominators (3) are known and every token's loss weight is final before any backward
         weights = None
-        if old_logprobs is not None:
-            whole = gate(old_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
+        if prox_logprobs is not None:
+            whole = gate(prox_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
                          batch.policy_versions, invariants.sequence_index(batch.rollout_ids))
-            record.write(slice(None), batch.input_ids.shape[1], prox=old_logprobs, is_weights=whole.is_weights,
+            record.write(slice(None), batch.input_ids.shape[1], prox=prox_logprobs, is_weights=whole.is_weights,
                          mask=whole.mask, kept=whole.keep, staleness=whole.stale)
             global_tokens, global_seqs = self._global_counts(whole.mask, whole.seq_index)
             if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update

@@ -145,12 +145,12 @@ def rollout_advantages(
 
 
 def distill_advantages(
-    teacher_logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor, kl_coef: float = 1.0
+    teacher_logprobs: Tensor, prox_logprobs: Tensor, loss_mask: Tensor, kl_coef: float = 1.0
 ) -> Tensor:
     """On-policy distillation (thinkingmachines.ai/blog/on-policy-distillation): per-token advantage
     kl_coef * (log pi_teacher - log pi_old) on the sampled token, i.e. minus a k1 reverse-KL estimate, discount 0.
     Returns a detached [B, T] tensor, 0 off the mask. Pass cfg.kl_coef (the distillation strength)."""
-    return (kl_coef * (teacher_logprobs - old_logprobs) * loss_mask).detach()
+    return (kl_coef * (teacher_logprobs - prox_logprobs) * loss_mask).detach()
 
 
 # ---- KL estimators ----
@@ -172,13 +172,13 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Ten
 
 
 def kl_reward_penalty(
-    old_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, kl_coef: float, estimator: str
+    prox_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, kl_coef: float, estimator: str
 ) -> Tensor:
     """KL as a reward, for estimator 'reinforce' (REINFORCE++ 2501.03262, gamma = 1): each token's return gets
     -kl_coef * sum_{s >= t} kl_s over the row's trainable tokens. Add it to the rollout advantage:
     advantages[b, t] = R_b + penalty[b, t]. Detached [B, T], 0 off the mask.
     Limitation: the sum runs within one row, so a later segment's KL does not reach an earlier segment."""
-    kl = kl_divergence(old_logprobs, ref_logprobs, estimator).detach() * loss_mask
+    kl = kl_divergence(prox_logprobs, ref_logprobs, estimator).detach() * loss_mask
     kl_to_go = kl.flip(-1).cumsum(-1).flip(-1)
     return -kl_coef * kl_to_go * loss_mask
 
@@ -188,7 +188,7 @@ def kl_reward_penalty(
 
 def policy_loss(
     logprobs: Tensor,
-    old_logprobs: Tensor,
+    prox_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     cfg: AlgoConfig,
@@ -209,7 +209,7 @@ def policy_loss(
     which sequence-level GSPO cannot express; that is GSPO-token with per-token weights, not GSPO. The rows of a
     sequence must all be in this call. w = is_weights from invariants.correction_weights, DETACHED here
     (None -> 1)."""
-    token_log_ratio = ((logprobs - old_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    token_log_ratio = ((logprobs - prox_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     log_ratio = token_log_ratio
     if cfg.estimator == "gspo":
         tokens = per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0)

@@ -186,7 +186,7 @@ class ChatSession:
         self._expected_prompt_text = ""
         self._echo_text = ""                   # how the last reply must open its echoed assistant block
         self.turns = 0                         # generations committed to the ledger
-        self.clipped_turns = 0                 # of those, replies that hit max_tokens before a stop token
+        self.max_tokens_turns = 0                 # of those, replies that hit max_tokens before a stop token
         self.generations: list[Generation] = []  # the engine's output of every committed turn, in order: the
                                                # run-time check that the ledger trains each sampled token once
         self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
@@ -250,7 +250,7 @@ class ChatSession:
                 self.ledger.absorb_routes(gen.routes)
             self.generations.append(gen)
         self.turns += 1
-        self.clipped_turns += gen.finish_reason == "length"
+        self.max_tokens_turns += gen.finish_reason == "length"
         self.image_pad_turns += sampled_pad
         self._expected = [*messages, message]
         self._expected_prompt_text = prompt_text

@@ -571,10 +571,10 @@ class TrainerGroup:
                          for r, rows in zip(self.ranks, shares)])
         return _gather(parts, shares, batch.input_ids.shape)
 
-    def train_step(self, batch, old_logprobs: torch.Tensor | None, *args, ref_logprobs=None, **kwargs):
+    def train_step(self, batch, prox_logprobs: torch.Tensor | None, *args, ref_logprobs=None, **kwargs):
         shares = self._deal(batch)
         reports = ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows),
-                                         None if old_logprobs is None else old_logprobs[rows], *args,
+                                         None if prox_logprobs is None else prox_logprobs[rows], *args,
                                          ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
                                          **kwargs) for r, rows in zip(self.ranks, shares)])
         shape = batch.input_ids.shape

@@ -517,14 +517,14 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     trainer_version = policy.version
     parts = minibatch_indices(batch.group_ids, tr.minibatches)
     # pi_prox at version V, each token at its own sampling. The first minibatch's optimizer step runs at version V
-    # itself, so its own forward gives those logprobs (Actor.train_step with old_logprobs=None) and only the later
+    # itself, so its own forward gives those logprobs (Actor.train_step with prox_logprobs=None) and only the later
     # minibatches need a recompute, taken now, before any step moves the weights. Distillation's advantages and a
     # KL reward need every row's before training, so they recompute all rows.
     needs_all = reference is not None and (a.estimator == "on_policy_distill" or a.kl_in_reward)
     later = [i for part in parts[0 if needs_all else 1:] for i in part]
-    old_logprobs = torch.zeros(batch.input_ids.shape)
+    prox_logprobs = torch.zeros(batch.input_ids.shape)
     if later:
-        old_logprobs[later] = policy.recompute_logprobs(invariants.select_rows(batch, later))
+        prox_logprobs[later] = policy.recompute_logprobs(invariants.select_rows(batch, later))
     ref_logprobs = None
     if reference is not None:
         if isinstance(policy, actor.Actor):
@@ -533,9 +533,9 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
             with torch.no_grad():
                 ref_logprobs = actor.batch_logprobs(reference, batch)
         if a.estimator == "on_policy_distill":
-            batch.advantages = algo.distill_advantages(ref_logprobs, old_logprobs, batch.loss_mask, a.kl_coef)
+            batch.advantages = algo.distill_advantages(ref_logprobs, prox_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:
-            batch.advantages = batch.advantages + algo.kl_reward_penalty(old_logprobs, ref_logprobs,
+            batch.advantages = batch.advantages + algo.kl_reward_penalty(prox_logprobs, ref_logprobs,
                                                                          batch.loss_mask, a.kl_coef, a.kl_estimator)
     t_recompute = time.time() - t0
 
@@ -545,11 +545,11 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     reports = []
     for k, part in enumerate(parts):
         own_forward = k == 0 and not needs_all
-        report = policy.train_step(invariants.select_rows(batch, part), None if own_forward else old_logprobs[part],
+        report = policy.train_step(invariants.select_rows(batch, part), None if own_forward else prox_logprobs[part],
                                    a, cfg["correction"], trainer_version=trainer_version, token_budget=token_budget,
                                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[part])
         if own_forward:
-            old_logprobs[part] = report.prox_logprobs
+            prox_logprobs[part] = report.prox_logprobs
         reports.append((part, report))
         for name, value in report.metrics.items():     # averaged over the minibatches that ran
             metrics[name] = metrics.get(name, 0.0) + float(value) / len(parts)
@@ -558,12 +558,12 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute
-    mismatch = invariants.mismatch_metrics(old_logprobs, batch.behavior_logprobs, batch.loss_mask)
+    mismatch = invariants.mismatch_metrics(prox_logprobs, batch.behavior_logprobs, batch.loss_mask)
     metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})   # k3_kl: KL(behavior || prox)
     if ref_logprobs is not None:
         mask = batch.loss_mask.bool()
-        metrics["kl/k3_to_reference"] = algo.kl_divergence(old_logprobs, ref_logprobs, "k3")[mask].mean().item()
-    write_traces(out, step, batch, segs, [r for r, _ in rows], old_logprobs, ref_logprobs, reports, cfg, tokenizer,
+        metrics["kl/k3_to_reference"] = algo.kl_divergence(prox_logprobs, ref_logprobs, "k3")[mask].mean().item()
+    write_traces(out, step, batch, segs, [r for r, _ in rows], prox_logprobs, ref_logprobs, reports, cfg, tokenizer,
                  trainer_version)
     return metrics
 
@@ -656,8 +656,8 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/response_length": sum(sampled) / n,
         "rollout/sampled_tokens": float(sum(sampled)),
         "rollout/count": float(len(rollouts)),
-        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / n,
-        "rollout/clipped_frac": sum(r.clipped_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
+        "rollout/hit_max_tokens_frac": sum(r.truncated for r in rollouts) / n,
+        "rollout/hit_max_tokens_frac": sum(r.max_tokens_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
     }
@@ -771,13 +771,13 @@ def plot_metrics(history: list[dict], path: str) -> None:
 
 # ---- token traces: one sample, token by token ---------------------------------------------------------------
 
-def trace_picks(segs, batch, old_logprobs, n: int) -> list[tuple[int, str]]:
+def trace_picks(segs, batch, prox_logprobs, n: int) -> list[tuple[int, str]]:
     """The rows a step traces, each with why: its first n rows (whole groups, so a group's best and worst are
     there), then the row whose sampled tokens the trainer disagrees with most, then up to n rows of sealed rollouts."""
     if n <= 0:
         return []
     picks = [(b, "first rows") for b in range(min(n, len(segs)))]
-    gap = ((old_logprobs - batch.behavior_logprobs).abs() * batch.loss_mask).amax(dim=1)   # [B]
+    gap = ((prox_logprobs - batch.behavior_logprobs).abs() * batch.loss_mask).amax(dim=1)   # [B]
     extra = [(int(gap.argmax()), "largest mismatch")] if len(segs) else []
     sealed = [b for b, s in enumerate(segs) if s.seal_reason or s.segment_id > 0]
     for b, why in extra + [(b, "sealed") for b in sealed[:n]]:
@@ -797,7 +797,7 @@ def image_thumbnail(image, side: int = 192) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def write_traces(out, step, batch, segs, rollouts, old_logprobs, ref_logprobs, reports, cfg, tokenizer,
+def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, reports, cfg, tokenizer,
                  trainer_version) -> None:
     """OUT/traces/step_NNNNNN.jsonl: per token id, text, version, sampling, behavior and trainer logprob, IS weight,
     mask reason, advantage and its contribution to the loss, as the optimizer step that trained it computed them
@@ -805,7 +805,7 @@ def write_traces(out, step, batch, segs, rollouts, old_logprobs, ref_logprobs, r
     images (`python train.py view OUT` draws them)."""
     corr = cfg["correction"]
     with open(os.path.join(out, "traces", f"step_{step + 1:06d}.jsonl"), "w") as f:
-        for b, why in trace_picks(segs, batch, old_logprobs, cfg["train"].trace_rows):
+        for b, why in trace_picks(segs, batch, prox_logprobs, cfg["train"].trace_rows):
             part, report = next((part, report) for part, report in reports if b in part)
             r = part.index(b)                          # the row's index inside its minibatch
             n = len(segs[b].token_ids)
@@ -832,7 +832,7 @@ def write_traces(out, step, batch, segs, rollouts, old_logprobs, ref_logprobs, r
                 "top_p": batch.top_p[b, :n].tolist(),
                 "top_k": batch.top_k[b, :n].tolist(),
                 "behavior_logprob": segs[b].behavior_logprobs,
-                "trainer_logprob": old_logprobs[b, :n].tolist(),
+                "trainer_logprob": prox_logprobs[b, :n].tolist(),
                 "reference_logprob": None if ref_logprobs is None else ref_logprobs[b, :n].tolist(),
                 "is_weight": report.is_weights[r, :n].tolist(),
                 "mask_reason": reasons,

@@ -160,7 +160,7 @@ class Rollout:
     score: float
     num_turns: int
     truncated: bool
-    clipped_turns: int = 0                     # turns whose reply hit max_tokens before a stop token
+    max_tokens_turns: int = 0                     # turns whose reply hit max_tokens before a stop token
     info: dict[str, float] = field(default_factory=dict)
     generations: list[Generation] = field(default_factory=list)  # the engine's output for every turn, in order:
                                                # train.py checks the rows train each sampled token exactly once
@@ -184,7 +184,7 @@ class _Episode:
     score: float | None = None
     turns: int = 0
     truncated: bool = False
-    clipped_turns: int = 0
+    max_tokens_turns: int = 0
     generations: list[Generation] = field(default_factory=list)
     done: bool = False
     failed: str = ""
@@ -285,7 +285,7 @@ class EnvRunner:
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
             ep.turns += 1
-            ep.clipped_turns += gen.finish_reason == "length"
+            ep.max_tokens_turns += gen.finish_reason == "length"
             stepping.append(ep)
             actions.append((ep.env.step, self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
         # every env steps at once (one slow env does not delay the others), all under one deadline
@@ -346,7 +346,7 @@ class EnvRunner:
     def _to_rollout(self, ep: _Episode) -> Rollout:
         return Rollout(ep.ledger.rollout_id, ep.ledger.group_id, ep.task.task_id, ep.ledger.rows(),
                        ep.reward, ep.score if ep.score is not None else ep.reward, ep.turns, ep.truncated,
-                       ep.clipped_turns, ep.info, ep.generations)
+                       ep.max_tokens_turns, ep.info, ep.generations)
 
 
 # ---- the ChatAgent form: the agent owns the loop and talks to a stock SDK ----------------------------
@@ -451,7 +451,7 @@ class ChatAgentRunner:
         rows = session.ledger.rows()
         score = result.score if result.score is not None else float(result.reward)
         return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
-                       session.turns, bool(result.truncated), session.clipped_turns,
+                       session.turns, bool(result.truncated), session.max_tokens_turns,
                        logged, session.generations)
 
 

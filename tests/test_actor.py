@@ -223,7 +223,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
 
 @pytest.mark.parametrize("loss_agg", algo.LOSS_AGGREGATIONS)
 def test_the_first_step_takes_its_proximal_logprobs_from_its_own_forward(qwen3_dir, loss_agg):
-    """old_logprobs=None (the proximal policy is the current weights) gives the step a recompute gives: the same
+    """prox_logprobs=None (the proximal policy is the current weights) gives the step a recompute gives: the same
     proximal logprobs, gates, IS rejections, metrics and gradient, also split into micro-batches whose global
     denominators are known only after the last one ran."""
     algo_cfg = algo.AlgoConfig(estimator="reinforce", loss_agg=loss_agg)

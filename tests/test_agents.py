@@ -435,7 +435,7 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
         row = r.rows[0]
         trained = [t for t, keep in zip(row.token_ids, row.trainable) if keep]
         assert trained in sampled and r.reward == len(trained)
-        assert r.clipped_turns == SDK_CLIPPED[tuple(trained)]
+        assert r.max_tokens_turns == SDK_CLIPPED[tuple(trained)]
         check_token_identity(build_batch(r.rows, [1.0], pad_id=0), r.rows)
     assert len({r.rollout_id for r in rollouts}) == 3 and [r.group_id for r in rollouts] == ["g1", "g1", "g2"]
     # concurrent sessions shared the engine's decode steps (each turn is its own call, batched by the engine)

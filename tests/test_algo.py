@@ -44,14 +44,14 @@ def expected_bandit_loss(theta, theta_old, estimator: str, group_size: int, arm_
     weight = old_logp[arms].reshape(len(outcomes), group_size).sum(-1).exp().repeat_interleave(group_size)
     rows = len(arms)
     logprobs = torch.stack([torch.zeros(rows), torch.log_softmax(theta, 0)[arms]], dim=1)
-    old_logprobs = torch.stack([torch.zeros(rows), old_logp[arms]], dim=1)
+    prox_logprobs = torch.stack([torch.zeros(rows), old_logp[arms]], dim=1)
     loss_mask = torch.tensor([[0.0, 1.0]]).repeat(rows, 1)
     group_ids = [f"o{i // group_size}" for i in range(rows)]
     rollout_ids = [f"o{i // group_size}-{i % group_size}" for i in range(rows)]
     adv = algo.rollout_advantages(arm_rewards[arms].tolist(), group_ids, rollout_ids, estimator)
     advantages = torch.tensor(adv)[:, None] * loss_mask
     cfg = AlgoConfig(estimator=estimator, **cfg_kw)
-    token_loss, _ = algo.policy_loss(logprobs, old_logprobs, advantages, loss_mask, cfg)
+    token_loss, _ = algo.policy_loss(logprobs, prox_logprobs, advantages, loss_mask, cfg)
     weighted = token_loss * weight[:, None]
     return (weighted * algo.loss_weights(loss_mask, "token_mean", global_tokens=group_size, global_seqs=1)).sum()
 
@@ -195,10 +195,10 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
     advantages = torch.randn(loss_mask.shape, generator=gen) * loss_mask
     is_weights = torch.rand(loss_mask.shape, generator=gen) + 0.5
     n_tokens = loss_mask.sum().item()
-    old_logprobs = token_logprobs(logits, input_ids).detach()
+    prox_logprobs = token_logprobs(logits, input_ids).detach()
 
     def ppo(lg):
-        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask,
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask,
                                          AlgoConfig(), is_weights)
         return (token_loss * algo.loss_weights(loss_mask, "token_mean", n_tokens, 6)).sum()
 
@@ -206,7 +206,7 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
         return -(is_weights * advantages * token_logprobs(lg, input_ids) * loss_mask).sum() / n_tokens
 
     torch.testing.assert_close(grad_of(ppo, logits), grad_of(reinforce, logits), rtol=0, atol=1e-12)
-    _, metrics = algo.policy_loss(old_logprobs, old_logprobs, advantages, loss_mask, AlgoConfig(), is_weights)
+    _, metrics = algo.policy_loss(prox_logprobs, prox_logprobs, advantages, loss_mask, AlgoConfig(), is_weights)
     assert metrics == {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
 
 
@@ -241,17 +241,17 @@ def test_is_weights_carry_no_gradient():
 
 def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantages():
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=1)
-    old_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
+    prox_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
     seq_advantage = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3, 2.0])
     advantages = seq_advantage[:, None] * loss_mask
     cfg = AlgoConfig(estimator="gspo", clip_low=0.1, clip_high=0.1)
 
     def gspo_token(lg):
-        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask, cfg)
         return (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 36.0, 6)).sum()
 
     def seq_ratio(lg):  # s_i = exp(mean_t log(pi / pi_old)), differentiable
-        log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
+        log_ratio = (token_logprobs(lg, input_ids) - prox_logprobs) * loss_mask
         return torch.exp(log_ratio.sum(-1) / loss_mask.sum(-1))
 
     def gspo_sequence(lg):  # -(1/G) sum_i min(s_i A_i, clip(s_i) A_i)
@@ -266,7 +266,7 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
 def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
     # rows 0+1 are one rollout sealed in two (its context was rewritten), rows 2..5 one row each
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=3)
-    old_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
+    prox_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
     seq_index = invariants.sequence_index(["r0", "r0", "r1", "r2", "r3", "r4"])
     seq_advantage = torch.tensor([1.0, 1.0, -0.5, 0.8, -1.2, 0.3])           # a rollout's rows share its advantage
     advantages = seq_advantage[:, None] * loss_mask
@@ -276,12 +276,12 @@ def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
                                 seq_index=seq_index)
 
     def gspo_token(lg):
-        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg,
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask, cfg,
                                          seq_index=seq_index)
         return (token_loss * weights).sum()
 
     def gspo_sequence(lg):  # the rollout's ratio over the tokens of both its rows, then the mean over rollouts
-        log_ratio = (token_logprobs(lg, input_ids) - old_logprobs) * loss_mask
+        log_ratio = (token_logprobs(lg, input_ids) - prox_logprobs) * loss_mask
         s = torch.exp(torch.stack([log_ratio[:2].sum() / loss_mask[:2].sum()] +
                                   [log_ratio[b].sum() / loss_mask[b].sum() for b in range(2, 6)]))
         a = torch.cat([seq_advantage[:1], seq_advantage[2:]])
@@ -292,7 +292,7 @@ def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
     per_row = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 6.0)
 
     def gspo_rows(lg):
-        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), old_logprobs, advantages, loss_mask, cfg)
+        token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask, cfg)
         return (token_loss * per_row).sum()
     assert (grad_of(gspo_rows, logits) - grad_of(gspo_sequence, logits)).abs().max() > 1e-3
 
@@ -431,7 +431,7 @@ def test_kl_loss_term_is_off_when_kl_is_a_reward_or_the_reference_is_a_teacher()
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=2)
-    old_logprobs = (token_logprobs(logits, input_ids) + 0.1 * torch.randn(loss_mask.shape, generator=gen)).detach()
+    prox_logprobs = (token_logprobs(logits, input_ids) + 0.1 * torch.randn(loss_mask.shape, generator=gen)).detach()
     advantages = torch.randn(loss_mask.shape, generator=gen) * loss_mask
     global_tokens, global_seqs, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
     splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches with different token counts
@@ -439,7 +439,7 @@ def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_seqs, max_len)   # once per step
 
     def loss(lg, rows, weights):
-        token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), old_logprobs[rows],
+        token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), prox_logprobs[rows],
                                          advantages[rows], loss_mask[rows], AlgoConfig())
         return (token_loss * weights).sum()
 
