@@ -710,7 +710,8 @@ class Actor:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
         record = _empty_record(batch.input_ids.shape)
-        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "prefix_tokens_saved": 0.0, "trainable_tokens": 0.0,
+        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "prefix_tokens_saved": 0.0, "r3_unreplayed_tokens": 0.0,
+                "trainable_tokens": 0.0,
                 "gated_tokens": 0.0, "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0,
                 **{name: 0.0 for name in POLICY_LOSS_METRICS},
                 **{f"gate/{k}": 0.0 for k in GATE_COUNTS}, **{f"is/{k}": 0.0 for k in IS_METRICS}}
@@ -733,7 +734,9 @@ class Actor:
             weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget,
                                         whole.seq_index)
 
-        # (4) micro-batches of whole rollouts: forward with grad, backward. Without proximal logprobs, each micro-batch
+        # (4) micro-batches of whole rollouts: forward with grad, backward. `record` is filled in place as they run:
+        # with the proximal logprobs given it is complete already; without, a micro-batch's own gate replaces its
+        # rows' cut of it (mb.update) before any use, so no micro-batch reads another's unfilled rows. Without proximal logprobs, each micro-batch
         # is gated on its own forward's (every gate is per rollout or per token, and a micro-batch holds whole
         # rollouts), its tokens weighed by the numerators of algo.loss_weights, and the summed gradient divided by
         # the global count once at the end (the gradient is linear in the weights)
@@ -754,6 +757,10 @@ class Actor:
             # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
             # otherwise route live and disagree with the forward)
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
+            if routes is not None:   # trainable tokens whose predicting position has a layer with no recorded route:
+                # the live router chose there (invariant 3 holds only where routes were recorded)
+                unrouted = (routes[:, :-1] < 0).flatten(2).any(-1) & (mb["loss_mask"][:, 1:] > 0)
+                sums["r3_unreplayed_tokens"] += float(unrouted.sum())
             with replay:
                 with self._compute():
                     logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,
@@ -858,6 +865,7 @@ class Actor:
                    "actor/entropy": total["entropy"] / kept, "actor/kl_ref": total["kl_ref"] / kept,
                    # token positions the forward did not compute: prompts shared by a micro-batch's rows, run once
                    "actor/prefix_tokens_saved": total["prefix_tokens_saved"],
+                   "actor/r3_unreplayed_tokens": total["r3_unreplayed_tokens"],   # MoE: trained on live routes
                    **{f"actor/{name}": total[name] / kept for name in POLICY_LOSS_METRICS},
                    "actor/staleness_mean": total["staleness"] / max(total["rollouts"], 1.0),   # per rollout
                    "actor/staleness_max": top["staleness_max"],

@@ -561,7 +561,7 @@ MAX_LOG_RATIO = 30.0  # clamp on log rho and log u before exp (keeps weights fin
 
 @dataclass
 class CorrectionConfig:
-    max_staleness: int = 0       # eta: sequences with staleness > eta are dropped by the gate
+    max_staleness: int = 0       # in optimizer steps (versions): older sequences are dropped (async: eta x minibatches)
     level: str = "off"           # off | token | seq | geo: what the IS weight u is computed over
     mode: str = "mask"           # mask | clip | trunc: how u is bounded into the weight w
     low: float = 0.5             # band [low, high] for u; must contain 1

@@ -58,7 +58,7 @@ PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")    # Ray's place
 @dataclass
 class RuntimeConfig:
     mode: str = "sync"          # sync: one process, roll out then train; ray: engines in Ray actors, rollouts stream
-    eta: int = 1                # ray: most policy steps from a rollout's start to its training (AReaL's eta; 0 = sync)
+    eta: int = 1                # ray: in RL steps (batches), most from a rollout's start to its training (AReaL's eta)
     engines: int = 1            # ray: engine actors behind the router
     engine_cpus: float = 1.0    # CPUs per engine actor (its torch threads)
     engine_gpus: float = 0.0    # GPUs per engine actor (0 = the engine runs on CPU)

@@ -510,10 +510,14 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     # a row sampled under a grammar has its masks replayed here, with the policy's tokenizer and logits width
     batch = invariants.build_batch(segs, advantages, pad_id=pad_id, tokenizer=tokenizer,
                                    vocab_size=policy.model.config.get_text_config().vocab_size)
-    # invariant 1, at the last moment before the loss (a VLM's rows: also each image on exactly its pad run)
+    # invariant 1 on the whole batch, as the actor receives it (a VLM's rows: also each image on exactly its pad
+    # run); what comes after only selects rows (minibatches, ranks, micro-batches: invariants.select_rows and index
+    # tensors) or cuts trailing padding, so no token id is changed after this check
     invariants.check_token_identity(batch, segs, image_pad_id=getattr(policy.model.config, "image_token_id", None))
 
     t0 = time.time()
+    # every minibatch is gated against version V, the weights pi_prox is taken at, not the weights a minibatch's
+    # step starts from: that is why a sync run's tokens have staleness 0 in every minibatch (invariant 2)
     trainer_version = policy.version
     parts = minibatch_indices(batch.group_ids, tr.minibatches)
     # pi_prox at version V, each token at its own sampling. The first minibatch's optimizer step runs at version V
@@ -553,8 +557,9 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
         reports.append((part, report))
         for name, value in report.metrics.items():     # averaged over the minibatches that ran
             metrics[name] = metrics.get(name, 0.0) + float(value) / len(parts)
+    last = reports[-1][1]
     for name in ("actor/version", "actor/lr"):          # states, not averages: the value after the last step
-        metrics[name] = float(report.metrics[name])
+        metrics[name] = float(last.metrics[name])
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute

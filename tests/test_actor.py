@@ -489,6 +489,15 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     metrics = policy.train_step(batch, replayed, algo.AlgoConfig(estimator="reinforce"),
                                 invariants.CorrectionConfig(level="token"), 0).metrics
     assert metrics["actor/skipped"] == 0.0 and policy.version == 1
+    assert metrics["actor/r3_unreplayed_tokens"] == 0.0       # every trained token's position has its routes
+    # a row whose routes were lost at one position of one layer: its next token trains on the live router's choice
+    holed = batch.routes.clone()
+    holed[1, 4, 0] = -1
+    hole = invariants.TrainBatch(**{**vars(batch), "routes": holed})
+    assert batch.loss_mask[1, 5] == 1
+    report = policy.train_step(hole, policy.recompute_logprobs(hole), algo.AlgoConfig(estimator="reinforce"),
+                               invariants.CorrectionConfig(level="token", max_staleness=1), 1)
+    assert report.metrics["actor/skipped"] == 0.0 and report.metrics["actor/r3_unreplayed_tokens"] == 1.0
     routers = invariants.moe_routers(policy.model)
     assert len(routers) == policy.model.config.num_hidden_layers
     for router in routers:
