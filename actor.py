@@ -23,7 +23,7 @@ import functools
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,25 +52,21 @@ IS_METRICS = ("is_masked_frac", "is_clipped_frac", "mismatch_abs_log_ratio", "mi
 
 @dataclass
 class StepReport:
-    """What one optimizer step did, overall and to each token of this rank's rows ([B, T] / [B], on CPU)."""
-    metrics: dict[str, float]
+    """What one optimizer step did, overall and to each token of this rank's rows ([B, T] / [B], on CPU). train_step
+    fills it one micro-batch at a time (write) and sets its metrics when the step ends (done)."""
     loss_contribution: Tensor   # token_loss * weight: the token's exact share of the step's loss (0 if not trained)
     is_weights: Tensor          # the detached IS weight its loss was multiplied by (1 off the trainable tokens)
     kept: Tensor                # bool [B]: the row's rollout passed the sequence gate
     staleness: Tensor           # long [B]: trainer version - the oldest version of the row's rollout
     mask: Tensor                # the final loss mask: trainable, in a kept rollout, not rejected by the IS mask
     prox_logprobs: Tensor       # the proximal logprobs the step used: given, or from its own forward
+    metrics: dict[str, float] = field(default_factory=dict)
 
-
-@dataclass
-class _StepRecord:
-    """train_step's per-token record, filled one micro-batch at a time."""
-    prox: Tensor
-    contribution: Tensor
-    is_weights: Tensor
-    mask: Tensor
-    kept: Tensor
-    staleness: Tensor
+    @classmethod
+    def empty(cls, shape: torch.Size) -> "StepReport":
+        return cls(loss_contribution=torch.zeros(shape), is_weights=torch.ones(shape),
+                   kept=torch.zeros(shape[0], dtype=torch.bool), staleness=torch.zeros(shape[0], dtype=torch.long),
+                   mask=torch.zeros(shape), prox_logprobs=torch.zeros(shape))
 
     def write(self, rows: Tensor | slice, width: int, **values: Tensor) -> None:
         for name, value in values.items():
@@ -80,9 +76,9 @@ class _StepRecord:
             else:
                 target[rows] = value.to(target.dtype).cpu()
 
-    def done(self, metrics: dict[str, float]) -> StepReport:
-        return StepReport(metrics, self.contribution, self.is_weights, self.kept, self.staleness, self.mask,
-                          self.prox)
+    def done(self, metrics: dict[str, float]) -> "StepReport":
+        self.metrics = metrics
+        return self
 
 
 @dataclass
@@ -94,13 +90,6 @@ class _Gated:
     is_weights: Tensor
     mask: Tensor
     seq_index: Tensor
-
-
-def _empty_record(shape: torch.Size) -> _StepRecord:
-    rows = shape[0]
-    return _StepRecord(prox=torch.zeros(shape), contribution=torch.zeros(shape), is_weights=torch.ones(shape),
-                       mask=torch.zeros(shape), kept=torch.zeros(rows, dtype=torch.bool),
-                       staleness=torch.zeros(rows, dtype=torch.long))
 
 
 # ---- logprobs (the trainer side of "behavior logprob") ----
@@ -225,11 +214,11 @@ def _head_returns(model, forward):
 # ---- shared prefixes: a GRPO group's prompt computed once ----
 # The rows of a group repeat one prompt (samples_per_prompt times), and in a math batch the prompt is two thirds of
 # the tokens. Rows of a micro-batch whose ids agree up to before their first wanted position form a set: its prefix
-# runs once, with the KV cache kept under autograd, the cache is expanded to the set's rows (an index along the
-# batch: the backward sums the rows' gradients into the one prefix), and each row's remainder runs on it at its own position
+# runs once, with the KV cache kept under autograd, the cache is expanded to the set's rows (an index along the batch:
+# the backward sums the rows' gradients into the one prefix), and each row's remainder runs on it at its own position
 # ids. No wanted position is in a prefix (a prefix ends one token before the first position that predicts a wanted
-# token), so the head sees the same positions in the same order as the plain forward, and each logprob is the
-# plain forward's to fp32 round-off: invariant 3 holds, and the ids themselves decide, never a group id.
+# token), so the head sees the same positions in the same order as the plain forward, and each logprob is the plain
+# forward's to fp32 round-off: invariant 3 holds, and the ids themselves decide, never a group id.
 
 @dataclass
 class SharedPrefixes:
@@ -327,11 +316,11 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
                     top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
                     runs: list[list[invariants.AdjustedRun]] | None = None, positions: Tensor | None = None,
                     prefixes: SharedPrefixes | None = None) -> tuple[Tensor, Tensor | None]:
-    """[B,T] logprob of each token given its prefix (position 0, padding and tokens outside `positions` = 0.0)
-    under the distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p, top_k, min_p:
-    scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling); runs: per row,
-    its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM. Only real
-    positions (bool [B,T], default every real token) reach the output projection, in chunks. `prefixes`
+    """[B,T] logprob of each token given its prefix (position 0, padding and tokens outside `positions` = 0.0) under the
+    distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p,
+    top_k, min_p: scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling);
+    runs: per row, its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM.
+    Only real positions (bool [B,T], default every real token) reach the output projection, in chunks. `prefixes`
     (shared_prefixes of these rows and positions): each shared prefix computed once, where the model allows it."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
@@ -411,8 +400,8 @@ class ActorConfig:
     lr_schedule: str = "constant"              # one of LR_SCHEDULES, applied after warmup
     warmup_steps: int = 0                      # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1                  # cosine ends at lr * min_lr_ratio on the last step
-    micro_batch_size: int = 0                  # rows per forward/backward on each rank (0 = auto: 8 on a CPU, no cap on a GPU)
-    micro_batch_tokens: int = 0                # rows x longest row per micro-batch (0 = auto: none on a CPU, from memory on a GPU)
+    micro_batch_size: int = 0                  # rows per forward/backward (0 = auto: 8 on a CPU, none on a GPU)
+    micro_batch_tokens: int = 0                # rows x longest row (0 = auto: none on a CPU, from GPU memory)
     precision: str = "auto"                    # fp32 | bf16 | auto (bf16 on a GPU, fp32 on a CPU); see PRECISIONS
     activation_checkpointing: bool = False     # recompute each decoder layer in backward (memory for compute)
     compile: str = "auto"                      # torch.compile each decoder layer: true | false | auto (on a GPU)
@@ -593,11 +582,11 @@ class Actor:
 
     def _micro_batches(self, batch: invariants.TrainBatch) -> list[Tensor | None]:
         """Row indices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio and the sequence gates need
-        all of a rollout's rows in one forward), the rollouts of one prompt together (shared_prefixes computes it once),
-        longest first so that rows of like length share a micro-batch and little padding is computed, at most
-        _micro_batch_limits() rows and padded tokens (rows x longest row) unless one rollout alone is larger; padded with None up to the most any rank has: FSDP2 runs
-        collectives in every forward/backward, so a rank that ran fewer would leave the others waiting in a
-        collective forever."""
+        all of a rollout's rows in one forward), the rollouts of one prompt together (shared_prefixes computes it
+        once), longest first so that rows of like length share a micro-batch and little padding is computed, at most
+        _micro_batch_limits() rows and padded tokens (rows x longest row) unless one rollout alone is larger; padded
+        with None up to the most any rank has: FSDP2 runs collectives in every forward/backward, so a rank that ran
+        fewer would leave the others waiting in a collective forever."""
         lengths = batch.attention_mask.sum(-1).tolist()
         rollouts: dict[str, list[int]] = {}
         for b, rollout_id in enumerate(batch.rollout_ids):
@@ -638,7 +627,8 @@ class Actor:
     def _cut(self, t: Tensor, rows: Tensor, width: int) -> Tensor:
         return t[rows, :width].to(self.device)
 
-    def _rows(self, batch: invariants.TrainBatch, rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None, list, dict, int]:
+    def _rows(self, batch: invariants.TrainBatch,
+              rows: Tensor) -> tuple[Tensor, Tensor, Tensor | None, list, dict, int]:
         """input_ids, attention_mask, routes, images and the per-token sampling of `rows` (with the wanted
         positions), cut to their longest row (right padding), and that width."""
         width = max(int(batch.attention_mask[rows].sum(-1).max()), 1)
@@ -646,7 +636,8 @@ class Actor:
         sampling = {name: self._cut(getattr(batch, name), rows, width) for name in invariants.SAMPLING_TENSORS}
         sampling["runs"] = [batch.runs[b] for b in rows.tolist()]
         sampling["positions"] = wanted_positions(self._cut(batch.loss_mask, rows, width), sampling["runs"])
-        input_ids, attention_mask = self._cut(batch.input_ids, rows, width), self._cut(batch.attention_mask, rows, width)
+        input_ids = self._cut(batch.input_ids, rows, width)
+        attention_mask = self._cut(batch.attention_mask, rows, width)
         # the prefixes a micro-batch's rows share are computed once, except where that cannot be exact: routes
         # replayed (R3 replays each row's own recorded routes, and a shared prefix would carry one row's),
         # checkpointed layers (their recompute in backward would append to the KV cache a second time), compiled
@@ -709,7 +700,7 @@ class Actor:
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
-        record = _empty_record(batch.input_ids.shape)
+        record = StepReport.empty(batch.input_ids.shape)
         sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "prefix_tokens_saved": 0.0, "r3_unreplayed_tokens": 0.0,
                 "trainable_tokens": 0.0,
                 "gated_tokens": 0.0, "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0,
@@ -726,22 +717,22 @@ class Actor:
         if prox_logprobs is not None:
             whole = gate(prox_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
                          batch.policy_versions, invariants.sequence_index(batch.rollout_ids))
-            record.write(slice(None), batch.input_ids.shape[1], prox=prox_logprobs, is_weights=whole.is_weights,
-                         mask=whole.mask, kept=whole.keep, staleness=whole.stale)
+            record.write(slice(None), batch.input_ids.shape[1], prox_logprobs=prox_logprobs,
+                         is_weights=whole.is_weights, mask=whole.mask, kept=whole.keep, staleness=whole.stale)
             global_tokens, global_seqs = self._global_counts(whole.mask, whole.seq_index)
             if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
                 return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
             weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget,
                                         whole.seq_index)
 
-        # (4) micro-batches of whole rollouts: forward with grad, backward. `record` is filled in place as they run:
-        # with the proximal logprobs given it is complete already; without, a micro-batch's own gate replaces its
-        # rows' cut of it (mb.update) before any use, so no micro-batch reads another's unfilled rows. Without proximal logprobs, each micro-batch
+        # (4) micro-batches of whole rollouts: forward with grad, backward. Without proximal logprobs, each micro-batch
         # is gated on its own forward's (every gate is per rollout or per token, and a micro-batch holds whole
         # rollouts), its tokens weighed by the numerators of algo.loss_weights, and the summed gradient divided by
-        # the global count once at the end (the gradient is linear in the weights)
+        # the global count once at the end (the gradient is linear in the weights). `record` is filled in place as
+        # they run: with the proximal logprobs given it is complete already; without, a micro-batch's own gate
+        # replaces its rows' cut of it (mb.update) before any use, so no micro-batch reads another's unfilled rows.
         per_token = {"behavior": batch.behavior_logprobs, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-                     "versions": batch.policy_versions, "prox": record.prox, "w": record.is_weights,
+                     "versions": batch.policy_versions, "prox": record.prox_logprobs, "w": record.is_weights,
                      "mask": record.mask}
         if weights is not None:
             per_token["weights"] = weights
@@ -768,8 +759,8 @@ class Actor:
                 if weights is None:
                     own = gate(logprobs.detach().float(), mb["behavior"].float(), mb["loss_mask"].float(),
                                mb["versions"], seq_index)
-                    record.write(rows, width, prox=own.prox, is_weights=own.is_weights, mask=own.mask, kept=own.keep,
-                                 staleness=own.stale)
+                    record.write(rows, width, prox_logprobs=own.prox, is_weights=own.is_weights, mask=own.mask,
+                                 kept=own.keep, staleness=own.stale)
                     mb.update(prox=own.prox, w=own.is_weights, mask=own.mask,
                               weights=algo.loss_numerators(own.mask, algo_cfg.loss_agg, token_budget, seq_index))
                 token_loss, pl_metrics = algo.policy_loss(logprobs, mb["prox"], mb["advantages"].float(), mb["mask"],
@@ -781,7 +772,7 @@ class Actor:
                 token_share = token_loss * mb["weights"]      # each token's share of the step's loss
                 loss = token_share.sum()
                 loss.backward()       # also with nothing kept: under FSDP2 every rank runs every backward
-            record.write(rows, width, contribution=token_share.detach())
+            record.write(rows, width, loss_contribution=token_share.detach())
             mb_tokens = float(mb["mask"].sum())
             sums["prefix_tokens_saved"] += sampling["prefixes"].saved if sampling.get("prefixes") else 0.0
             sums["loss"] += float(loss.detach())
@@ -798,7 +789,7 @@ class Actor:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(denominator)
-            record.contribution /= denominator
+            record.loss_contribution /= denominator
             sums["loss"] /= denominator
 
         # (5) clip the global gradient norm, step, advance the schedule and the version
@@ -806,7 +797,7 @@ class Actor:
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
         if not math.isfinite(grad_norm):  # a NaN/inf gradient would poison AdamW's moments: skip the update
             self.optimizer.zero_grad(set_to_none=True)
-            record.contribution.zero_()
+            record.loss_contribution.zero_()
             return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True))
         metrics = self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=False)
         self.optimizer.step()
