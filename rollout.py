@@ -21,14 +21,18 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import invariants
 import models
@@ -229,6 +233,12 @@ class EmbeddedEngine:
         self.is_vision = models.is_vision_model(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
         self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
+        if model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(GROUPED_SDPA)   # the same outputs, bitwise, without copying KV heads
+        # a prefill needs the logits of each row's last position only: the others would cost a vocabulary-wide
+        # projection per prompt token
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
+            else {}
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
         self._running = threading.Event()        # cleared by pause(): decoding waits at a step boundary
@@ -401,7 +411,7 @@ class EmbeddedEngine:
 
     def _sample_all(self, batch: _Batch) -> None:
         """One token for every row, each from its own processed distribution, all computed and drawn at once on
-        the model's device: the rows drawing from the engine's stream in one multinomial call, each seeded row
+        the model's device: the rows drawing from the engine's stream in one call (_gumbel_max), each seeded row
         from its own generator, so a seeded row draws the same ids whatever else is in the batch. If the batch
         call fails (some row's parameters or grammar), each row is tried alone and only the one at fault fails."""
         rows = batch.rows
@@ -418,7 +428,7 @@ class EmbeddedEngine:
                     p = row.params
                     row_logprobs = invariants.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
                                                                  p.temperature, p.top_p, p.top_k, p.min_p)
-                    token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
+                    token = int(_gumbel_max(row_logprobs.exp()[None], row.generator)[0])
                     drawn[b] = (token, float(row_logprobs[token]))
                 self._record(row, *drawn[b], logprobs[b] if logprobs is not None else row_logprobs)
                 # the version of the weights that computed these logits, even if a listener (on this thread)
@@ -454,10 +464,10 @@ class EmbeddedEngine:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logprobs.device)
         shared = [b for b, row in enumerate(rows) if row.generator is self._generator]
         if shared:
-            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(-1)
+            tokens[shared] = _gumbel_max(probs[shared], self._generator)
         for b, row in enumerate(rows):
             if row.generator is not self._generator:
-                tokens[b] = torch.multinomial(probs[b], 1, generator=row.generator)[0]
+                tokens[b] = _gumbel_max(probs[b:b + 1], row.generator)[0]
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return list(zip(tokens.tolist(), chosen.tolist()))
 
@@ -498,7 +508,8 @@ class EmbeddedEngine:
         else:
             extra, next_positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, mask.sum(-1)
         cache = DynamicCache()
-        logits, routes = self._forward(ids, mask, cache, extra)
+        cache.layer_class_to_replicate = _GrowingLayer
+        logits, routes = self._forward(ids, mask, cache, {**extra, **self._last_logits})
         if routes is not None:
             # first writer wins (as in the ledger, and as a prefix cache does): a re-prefill after a weight swap
             # adds routes only for positions never forwarded before; those already recorded are the routes the
@@ -576,11 +587,71 @@ class EmbeddedEngine:
                           row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
 
 
+def _gumbel_max(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [N, V], drawn exactly from it: argmax(p / q) with q ~ Exp(1) per token, the
+    algorithm torch.multinomial uses for one sample. Its exponential_ is four times slower on a CPU than uniforms
+    and a log; the uniforms are fp64 so that q, and with it a rare token's chance, is not quantised near 0."""
+    q = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device).log_().neg_()
+    return (probs / q.to(probs.dtype)).argmax(-1)
+
+
+# ---- attention: grouped KV heads as they are ------------------------------------------------------------
+
+GROUPED_SDPA = "sdpa_grouped"
+
+
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa, except that on a CPU a grouped-query layer hands its KV heads to torch as they are:
+    transformers repeats them to one per query head whenever a mask is given (CUDA's fused kernels need that), which
+    copies the whole KV cache in every layer of every decode step; torch's CPU kernels take the groups
+    (enable_gqa) and give bitwise the same output (tests/test_rollout.py checks)."""
+    if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1 or dropout or \
+            kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=query.shape[2] > 1 and attention_mask is None and causal,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)   # the masks sdpa takes
+
+
 # ---- the batch's KV cache: rows join and leave between steps ----------------------------------------------
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with room for ROOM more positions: a decode step
+    writes its one new position in place, where DynamicLayer's torch.cat copies the whole layer's cache at every
+    step. When the room runs out, or the engine has replaced the tensors (rows joined or left), the next update
+    moves them into new buffers: one copy per ROOM steps or per change of rows."""
+    ROOM = 64
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    _view: torch.Tensor | None = None      # the keys this layer last returned: anything else is somebody's copy
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = length + key_states.shape[-2]
+        if self.keys is not self._view or end > self._buffers[0].shape[-2]:
+            b, heads, _, dim = key_states.shape
+            self._buffers = (key_states.new_empty(b, heads, end + self.ROOM, dim),
+                             value_states.new_empty(b, value_states.shape[1], end + self.ROOM, value_states.shape[-1]))
+            if length:
+                self._buffers[0][:, :, :length], self._buffers[1][:, :, :length] = self.keys, self.values
+        keys, values = self._buffers
+        keys[:, :, length:end], values[:, :, length:end] = key_states, value_states
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        self._view = self.keys
+        return self.keys, self.values
+
 
 def _mergeable(cache: DynamicCache) -> bool:
     """Plain full-attention layers ([B, heads, S, dim] keys and values) can be stacked and sliced by row."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, _GrowingLayer) for layer in cache.layers)
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
