@@ -350,7 +350,7 @@ class EmbeddedEngine:
 
     # -- the decoding thread --
 
-    @torch.no_grad()
+    @torch.inference_mode()       # no autograd bookkeeping on any tensor of a step (no_grad still versions them)
     def _decode(self) -> None:
         """Admit, sample, drop the finished, step; until no request is left (a later generate starts a new
         thread). An error no row can be blamed for fails the rows in flight, and decoding goes on."""
@@ -625,8 +625,8 @@ AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)   # the masks sdpa take
 class _GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views of buffers with room for ROOM more positions: a decode step
     writes its one new position in place, where DynamicLayer's torch.cat copies the whole layer's cache at every
-    step. When the room runs out, or the engine has replaced the tensors (rows joined or left), the next update
-    moves them into new buffers: one copy per ROOM steps or per change of rows."""
+    step. When the room runs out, or the engine has replaced the tensors (rows joined), the next update moves them
+    into new buffers: one copy per ROOM steps or per change of rows. Rows leave through `keep`, in one copy too."""
     ROOM = 64
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     _view: torch.Tensor | None = None      # the keys this layer last returned: anything else is somebody's copy
@@ -648,10 +648,23 @@ class _GrowingLayer(DynamicLayer):
         self._view = self.keys
         return self.keys, self.values
 
+    def keep(self, rows: torch.Tensor, start: int = 0) -> None:
+        """Only the cache rows `rows` (a row may repeat), from position `start` on, gathered straight into new
+        buffers with room."""
+        length = self.keys.shape[-2] - start
+        buffers = []
+        for t in (self.keys, self.values):
+            buffer = t.new_empty(len(rows), t.shape[1], length + self.ROOM, t.shape[-1])
+            torch.index_select(t[:, :, start:], 0, rows, out=buffer[:, :, :length])
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+        self.keys, self.values = self._buffers[0][:, :, :length], self._buffers[1][:, :, :length]
+        self._view = self.keys
+
 
 def _mergeable(cache: DynamicCache) -> bool:
     """Plain full-attention layers ([B, heads, S, dim] keys and values) can be stacked and sliced by row."""
-    return all(type(layer) in (DynamicLayer, _GrowingLayer) for layer in cache.layers)
+    return all(type(layer) is _GrowingLayer for layer in cache.layers)
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -683,7 +696,7 @@ def _select_rows(batch: _Batch, index: list[int], rows: list[_Row]) -> _Batch:
     picked = torch.tensor(index, device=batch.attention.device)
     if _mergeable(batch.cache):
         for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[picked], layer.values[picked]
+            layer.keep(picked)
     else:
         batch.cache.batch_select_indices(picked)
     return _Batch(list(rows), batch.cache, batch.attention[picked], batch.next_positions[picked],
@@ -700,7 +713,7 @@ def _select(batch: _Batch, keep: list[int]) -> _Batch:
     if _mergeable(batch.cache):
         start = int(attention.any(0).long().argmax())      # the first column some row attends
         for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[rows, :, start:], layer.values[rows, :, start:]
+            layer.keep(rows, start)
     else:                                                   # a cache kind with its own layout: rows only
         start = 0
         batch.cache.batch_select_indices(rows)
