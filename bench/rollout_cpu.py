@@ -5,14 +5,20 @@
 # in fp32, one generate call per "step" as the EnvRunner makes it. Reported as JSON: seconds per step (the first
 # call is a warm-up and is not counted), sampled tokens per second, and a digest of the sampled ids and
 # logprobs under a fixed engine seed (two builds of the engine that sample the same tokens print the same digest).
+# With --vs REV the same measurement runs in turn on this tree and on git revision REV (exported to a temporary
+# folder), --rounds times each, A B A B ..., and the summary adds the ratio of seconds per step pair by pair (the
+# machine's speed drifts; a pair shares its drift).
 #
-#   python bench/rollout_cpu.py [--steps 3] [--threads 0] [--out rollout.json]
+#   python bench/rollout_cpu.py [--steps 3] [--threads 0] [--vs REV --rounds 3] [--out rollout.json]
 import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,8 +39,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--vs", default=None, help="also measure git revision VS, in turn with this tree")
+    parser.add_argument("--rounds", type=int, default=3, help="with --vs: runs of each side")
     parser.add_argument("--out", default=None, help="also write the JSON summary here")
     args = parser.parse_args()
+    if args.vs:
+        return side_by_side(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = models.smollm2_path()
@@ -59,6 +69,36 @@ def main() -> None:
     summary = {"shape": f"{args.prompts} prompts x {args.samples} samples x <= {args.max_tokens} tokens, fp32",
                "threads": torch.get_num_threads(), "seconds_per_step": statistics.median(seconds),
                "steps": seconds, "tokens_per_s": sum(tokens) / sum(seconds), "digest": digest.hexdigest()[:16]}
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+def side_by_side(args) -> None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
+             "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as old:
+        archive = subprocess.run(["git", "-C", here, "archive", args.vs], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        shutil.copy(os.path.abspath(__file__), os.path.join(old, "bench"))   # REV may predate this script
+        for _ in range(args.rounds):
+            for side, tree in (("this", here), ("baseline", old)):
+                # the summary counts even if the process then dies at exit (torch's CPU build sometimes aborts
+                # in its static destructors, after the interpreter has finished): the exit status is kept with it
+                done = subprocess.run([sys.executable, os.path.join(tree, "bench", "rollout_cpu.py"), *flags],
+                                      cwd=tree, capture_output=True, text=True)
+                lines = done.stdout.strip().splitlines()
+                if not lines:
+                    raise SystemExit(f"the {side} run printed no summary (exit {done.returncode}):\n{done.stderr[-2000:]}")
+                runs[side].append({**json.loads(lines[-1]), "exit": done.returncode})
+                print(side, f"{runs[side][-1]['seconds_per_step']:.2f} s per step", file=sys.stderr, flush=True)
+    ratios = [a["seconds_per_step"] / b["seconds_per_step"] for a, b in zip(runs["this"], runs["baseline"])]
+    summary = {"vs": args.vs, "this_seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs["this"]),
+               "baseline_seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs["baseline"]),
+               "ratio_median": statistics.median(ratios), "ratios": ratios, "runs": runs}
     print(json.dumps(summary))
     if args.out:
         with open(args.out, "w") as f:
