@@ -7,16 +7,17 @@
 #
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
-#   invariant 2 (policy version) - each token carries the logprob of the distribution it was actually drawn
-#     from (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature,
-#     min_p, top-k, top-p, fp32, in vLLM's order), the sampling that defines that distribution (a grammar bound to
-#     the row's stop ids; where the penalties start), and the version of the weights that drew it; a weight
-#     swap in the middle of a request discards the KV cache and re-prefills (a cache filled by the old weights
-#     would condition new tokens on the old policy's keys and values, so their logprobs would belong to neither
-#     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill;
-#   invariant 3 (forward consistency) - MoE routes of every forwarded position are captured for replay, and
-#     a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the trainer
-#     does (decode steps continue each row from its own next position, kept here, not in the model).
+#   invariant 2 (policy version) - each token carries its behavior logprob and the version of the weights that
+#     drew it; a weight swap in the middle of a request discards the KV cache and re-prefills (a cache filled by
+#     the old weights would condition new tokens on the old policy's keys and values, so their logprobs would
+#     belong to neither version); a row's grammar and penalty state depend only on its ids, so they survive the
+#     re-prefill;
+#   invariant 3 (forward consistency) - that logprob is of the distribution the token was actually drawn from
+#     (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
+#     top-k, top-p, fp32, in vLLM's order), and the token records the sampling that defines it (a grammar bound
+#     to the row's stop ids; where the penalties start); MoE routes of every forwarded position are captured for
+#     replay, and a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the
+#     trainer does (decode steps continue each row from its own next position, kept here, not in the model).
 # Never: computes rewards, touches the ledger, or trains; never drops an image (a text model refuses them).
 from __future__ import annotations
 
