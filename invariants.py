@@ -594,9 +594,7 @@ def validate_correction(cfg: CorrectionConfig) -> None:
 
 def sequence_index(rollout_ids: Sequence[str]) -> Tensor:
     """[B] long: the rollout (0..S-1, in order of first appearance) each row belongs to. A "sequence" of the gates,
-    the IS levels and the loss aggregations is a rollout: all its rows (a rollout sealed into segments has several)
-    together. GSPO's sequence ratio and every sequence gate therefore need a rollout's rows in one micro-batch,
-    which Actor._micro_batches keeps."""
+    IS levels and loss aggregations is a rollout, all its rows (segments) together: so micro-batches hold rollouts."""
     first: dict[str, int] = {}
     return torch.tensor([first.setdefault(r, len(first)) for r in rollout_ids], dtype=torch.long)
 
