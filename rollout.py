@@ -412,7 +412,7 @@ class EmbeddedEngine:
 
     def _sample_all(self, batch: _Batch) -> None:
         """One token for every row, each from its own processed distribution, all computed and drawn at once on
-        the model's device: the rows drawing from the engine's stream in one call (_gumbel_max), each seeded row
+        the model's device: the rows drawing from the engine's stream in one multinomial call, each seeded row
         from its own generator, so a seeded row draws the same ids whatever else is in the batch. If the batch
         call fails (some row's parameters or grammar), each row is tried alone and only the one at fault fails."""
         rows = batch.rows
@@ -429,7 +429,7 @@ class EmbeddedEngine:
                     p = row.params
                     row_logprobs = invariants.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
                                                                  p.temperature, p.top_p, p.top_k, p.min_p)
-                    token = int(_gumbel_max(row_logprobs.exp()[None], row.generator)[0])
+                    token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
                     drawn[b] = (token, float(row_logprobs[token]))
                 self._record(row, *drawn[b], logprobs[b] if logprobs is not None else row_logprobs)
                 # the version of the weights that computed these logits, even if a listener (on this thread)
@@ -465,10 +465,10 @@ class EmbeddedEngine:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logprobs.device)
         shared = [b for b, row in enumerate(rows) if row.generator is self._generator]
         if shared:
-            tokens[shared] = _gumbel_max(probs[shared], self._generator)
+            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(-1)
         for b, row in enumerate(rows):
             if row.generator is not self._generator:
-                tokens[b] = _gumbel_max(probs[b:b + 1], row.generator)[0]
+                tokens[b] = torch.multinomial(probs[b], 1, generator=row.generator)[0]
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return list(zip(tokens.tolist(), chosen.tolist()))
 
@@ -586,14 +586,6 @@ class EmbeddedEngine:
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
                           row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
-
-
-def _gumbel_max(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [N, V], drawn exactly from it: argmax(p / q) with q ~ Exp(1) per token, the
-    algorithm torch.multinomial uses for one sample. Its exponential_ is four times slower on a CPU than uniforms
-    and a log; the uniforms are fp64 so that q, and with it a rare token's chance, is not quantised near 0."""
-    q = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device).log_().neg_()
-    return (probs / q.to(probs.dtype)).argmax(-1)
 
 
 # ---- attention: grouped KV heads as they are ------------------------------------------------------------
