@@ -128,6 +128,7 @@ def _with_blank_image(model, input_ids: Tensor, attention_mask: Tensor,
 
 
 LOGPROB_CHUNK = 1024   # positions whose [positions, vocab] logits exist at once (memory only, never results)
+KEPT_LOGITS = 2 ** 25  # positions x vocab up to which a forward keeps its logits for backward instead of recomputing
 
 
 def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int:
@@ -137,14 +138,23 @@ def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int
 
 
 def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tensor, temperature, top_p, top_k, min_p,
-                           with_entropy: bool, adjust=None) -> Tensor:
+                           with_entropy: bool, adjust=None, compiled: bool = False) -> Tensor:
     """[N, 2]: each position's logprob of its next id under the processed distribution, and that distribution's
     detached entropy, from hidden states [N, H]. The output projection runs LOGPROB_CHUNK positions at a time, and
-    under autograd each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab] logits never
-    exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits, begin)`
-    (_run_adjuster) applies invariants.adjust_logits to the positions of a chunk starting at `begin` that need it."""
+    under autograd, past KEPT_LOGITS, each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab]
+    logits never exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits,
+    begin)` (_run_adjuster) applies invariants.adjust_logits to the positions of a chunk starting at `begin` that
+    need it. `compiled` (the model's layers are): untruncated chunks run _untruncated_head compiled."""
+    fused = None
+    if compiled and adjust is None and not any(bool((x != off).any()) if isinstance(x, Tensor) else x != off
+                                               for x, off in ((top_p, 1.0), (top_k, -1), (min_p, 0.0))):
+        fused = _compiled_untruncated_head()
+
     def chunk(begin, h, ids, t, p, k, m):
-        logits = F.linear(h, head.weight, head.bias).float()     # fp32 BEFORE any processing, as the engine
+        logits = F.linear(h, head.weight, head.bias)
+        if fused is not None:
+            return fused(logits, t, ids, with_entropy)
+        logits = logits.float()                                 # fp32 BEFORE any processing, as the engine
         if adjust is not None:
             logits = adjust(logits, begin)
         log_probs = invariants.processed_logprobs(logits, t, p, k, m, keep=ids)
@@ -155,13 +165,41 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
             entropy = torch.special.entr(log_probs.exp()).sum(-1)
         return torch.stack([token, entropy], -1)
 
+    # a small step's logits (the CPU math recipe's: 320 positions x 49K) are kept for backward, not recomputed
+    recompute = torch.is_grad_enabled() and len(hidden) * head.weight.shape[0] > KEPT_LOGITS
     pieces = []
     for start in range(0, len(hidden), LOGPROB_CHUNK):
         part = slice(start, start + LOGPROB_CHUNK)
         args = [start, hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
                                                         for x in (temperature, top_p, top_k, min_p)]
-        pieces.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+        pieces.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
     return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2), dtype=torch.float32)
+
+
+def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, with_entropy: bool) -> Tensor:
+    """The chunk of _chunked_head_logprobs where no position is truncated (top_p 1, top_k -1, min_p 0) or adjusted:
+    with z = logits / T, the token's logprob z_id - logsumexp(z) and the entropy logsumexp(z) - sum_v p_v z_v, the
+    same numbers as processed_logprobs to fp32 rounding, without its [n, V] log-softmax. Compiled (with the
+    model's layers, on a GPU), the upcast, the scaling and the reductions fuse into passes over the logits that
+    eager runs one op at a time, forward and backward: at a 152K vocabulary they are memory-bound and many."""
+    scaled = logits.float() / (temperature.unsqueeze(-1) if isinstance(temperature, Tensor) else temperature)
+    log_z = torch.logsumexp(scaled, -1)
+    token = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return torch.stack([token, torch.zeros_like(token)], -1)
+    with torch.no_grad():
+        entropy = log_z - (torch.softmax(scaled, -1) * scaled).sum(-1)
+    return torch.stack([token, entropy.detach()], -1)
+
+
+@functools.cache
+def _compiled_untruncated_head():
+    return torch.compile(_untruncated_head, dynamic=True)
+
+
+def _is_compiled(model: torch.nn.Module) -> bool:
+    """Whether any module of `model` was compiled in place (Actor's compile: its decoder layers)."""
+    return any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
 
 
 def _run_adjuster(runs: list[list[invariants.AdjustedRun]], select: Tensor, input_ids: Tensor):
@@ -335,7 +373,7 @@ def _token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatur
     def head_logprobs(hidden: Tensor) -> Tensor:         # [N, H]: the hidden states of `real`, row-major
         return _chunked_head_logprobs(hidden, head, input_ids[:, 1:][real],
                                       *(_per_position(x, real) for x in (temperature, top_p, top_k, min_p)),
-                                      with_entropy, adjust)
+                                      with_entropy, adjust, _is_compiled(model))
 
     if prefixes is not None and not any(images or []) and _caches_prefixes(model):
         per_position = _shared_prefix_forward(model, input_ids, attention_mask, real, prefixes, head_logprobs)
@@ -510,10 +548,37 @@ class Actor:
             self._shard()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay,
-                                           fused=self.device.type == "cuda" and self.world_size == 1)
+                                           fused=self.world_size == 1)   # CPU too: 0.10 s a step, not 0.39 (135M)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, cfg, total_steps))
         self.version = 0  # optimizer steps taken = version of the current weights
+
+    def warm_up(self) -> None:
+        """Compile before the first step what the steps would compile in it (a no-op unless compiled): a train
+        forward and backward and a no-grad recompute over right-padded batches of 2, 3 and 1 rows (torch._dynamo
+        compiles a graph dynamic in rows and length at the second shape, and specializes one row), so the first
+        steps do not recompile. train.py runs it while the rollout engine starts. The weights, the optimizer and the
+        global RNG stay as they were (the gradients are dropped). Collective under FSDP2, like every method."""
+        if not self.compiled:
+            return
+        vocab, draw = self.model.config.get_text_config().vocab_size, torch.Generator().manual_seed(0)
+        for rows, length in ((2, 48), (3, 80), (1, 64)):
+            segments = []
+            for r in range(rows):
+                n, prompt = length - 16 * r, 12           # right-padded rows of unlike lengths, as steps bring
+                sampled = [t >= prompt for t in range(n)]
+                segments.append(invariants.Segment(
+                    f"warm-up {r}", f"warm-up {r}", 0, torch.randint(vocab, (n,), generator=draw).tolist(), sampled,
+                    [0.0] * n, [0 if s else -1 for s in sampled],
+                    [invariants.Sampling(0.7) if s else invariants.UNSAMPLED for s in sampled]))
+            batch = invariants.build_batch(segments, [1.0] * rows, pad_id=0)
+            input_ids, attention_mask, _, images, sampling, _ = self._rows(batch, torch.arange(rows))
+            with self._compute():
+                _token_logprobs(self.model, input_ids, attention_mask, images=images, with_entropy=True,
+                                **sampling)[0].sum().backward()
+            with torch.no_grad(), self._compute():
+                sequence_logprobs(self.model, input_ids, attention_mask, images=images, **sampling)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _checkpoint_layers(self) -> None:
         """Keep only each decoder layer's input in forward and recompute the layer in backward. torch's wrapper,

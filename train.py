@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -277,6 +278,10 @@ def main(argv: list[str]) -> None:
         with phase("the actor (model, optimizer)"):
             policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
     run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
+    # the actor compiles its layers (Actor.warm_up) while the engine starts, instead of inside the first steps:
+    # the two are independent, and on a GPU each takes tens of seconds (the engine's in a process of its own)
+    warming = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warm-up").submit(policy.warm_up) \
+        if isinstance(policy, actor.Actor) and policy.compiled else None
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go by CUDA IPC to an
         # engine on the trainer's GPU, over a weight channel (NCCL or gloo) to the others
@@ -306,6 +311,9 @@ def main(argv: list[str]) -> None:
             engine.update_weights(policy.export_weights(policy.device), policy.version)
             return {}
     try:
+        if warming is not None:
+            with phase("the actor's compile, begun as the engine started"):
+                warming.result()
         push()
         start_step = resume_run(run_state, engine) if tr.resume else 0
         # the start-up's objects (modules, tokenizers, the engine's client) live to the end: moved out of the

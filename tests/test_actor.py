@@ -507,11 +507,12 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
 # ---- GPU-speed knobs, proven on the CPU: chunked output projection, bf16, activation checkpointing, tokens ----
 
 def test_the_chunked_output_projection_changes_no_logprob_and_no_gradient(qwen3_dir, monkeypatch):
-    """The [positions, vocab] logits are made LOGPROB_CHUNK positions at a time (and recomputed in backward); a
-    chunk of 3 positions must give what one chunk of everything gives."""
+    """The [positions, vocab] logits are made LOGPROB_CHUNK positions at a time (and recomputed in backward past
+    KEPT_LOGITS); chunks of 3 positions, each recomputed, must give what one chunk of everything, kept, gives."""
     results = []
-    for chunk in (10**6, 3):
+    for chunk, kept in ((10**6, 10**12), (3, 0)):
         monkeypatch.setattr(actor, "LOGPROB_CHUNK", chunk)
+        monkeypatch.setattr(actor, "KEPT_LOGITS", kept)
         policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
         batch = make_batch([12, 6, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
         old = on_policy(batch, policy)
@@ -565,6 +566,58 @@ def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
     assert all(v.dtype == torch.float32 for state in fast.optimizer.state.values() for v in state.values()
                if torch.is_tensor(v) and v.is_floating_point())
     assert all(w.dtype == torch.float32 for w in fast.export_weights().values())
+
+
+def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_step(qwen3_dir):
+    """--actor.compile (a GPU's default): warm_up compiles what the first steps would (train.py runs it while the
+    engine starts), so steps of new shapes compile nothing, and it leaves the weights, the gradients and the global
+    RNG as they were; the compiled step, its output projection fused (_untruncated_head), is the eager step."""
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    cfg = dict(precision="fp32", max_grad_norm=1e9)
+    step = lambda policy, batch: policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"),  # noqa: E731
+                                                   invariants.CorrectionConfig(), policy.version)
+    vocab = models.load_model(qwen3_dir).config.vocab_size
+    first, second = make_batch([12, 6, 9], 3, vocab), make_batch([7, 15, 4, 11], 3, vocab, seed=1)
+    torch._dynamo.reset()
+    cold = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=2)
+    before = graphs()
+    step(cold, first)
+    assert graphs() > before                     # the trap is armed: without the warm-up, the first step compiles
+
+    torch._dynamo.reset()
+    warm = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=2)
+    weights, rng = {k: v.clone() for k, v in warm.model.state_dict().items()}, torch.get_rng_state()
+    warm.warm_up()
+    assert all(torch.equal(weights[k], v) for k, v in warm.model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in warm.model.parameters())
+    compiled = graphs()
+    old = warm.recompute_logprobs(first)
+    step(warm, first)
+    warm_grads = grads(warm.model)
+    step(warm, second)
+    assert graphs() == compiled                  # steps of other rows and lengths than the warm-up's: no compile
+
+    eager = actor.Actor(qwen3_dir, actor.ActorConfig(compile="false", **cfg), total_steps=2)
+    assert (eager.recompute_logprobs(first) - old).abs().max() <= 1e-5
+    step(eager, first)
+    eager_grads = grads(eager.model)
+    assert max_abs_diff(eager_grads, warm_grads) <= 1e-4 * max(g.abs().max().item() for g in eager_grads.values())
+
+
+def test_the_fused_head_is_processed_logprobs_untruncated():
+    """_untruncated_head (what a compiled actor runs for untruncated positions) is processed_logprobs' token
+    logprob and its distribution's entropy, with their gradient."""
+    logits = torch.randn(7, 50, dtype=torch.float64).float().requires_grad_()
+    temperature, ids = torch.rand(7) + 0.3, torch.randint(50, (7,))
+    fused = actor._untruncated_head(logits, temperature, ids, with_entropy=True)
+    reference = invariants.processed_logprobs(logits, temperature)
+    entropy = -(reference.exp() * reference).sum(-1)
+    assert (fused[:, 0] - reference.gather(-1, ids[:, None])[:, 0]).abs().max() <= 1e-6
+    assert (fused[:, 1] - entropy).abs().max() <= 1e-5
+    assert not torch.autograd.grad(fused[:, 1].sum(), logits, retain_graph=True)[0].any()   # a detached metric
+    fused_grad, = torch.autograd.grad(fused[:, 0].sum(), logits)
+    reference_grad, = torch.autograd.grad(reference.gather(-1, ids[:, None]).sum(), logits)
+    assert (fused_grad - reference_grad).abs().max() <= 1e-6
 
 
 # ---- the processing of bias, penalties and min_p: the same in the loss forward, differentiated correctly ----
