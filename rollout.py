@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -429,7 +430,7 @@ class EmbeddedEngine:
                     p = row.params
                     row_logprobs = invariants.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
                                                                  p.temperature, p.top_p, p.top_k, p.min_p)
-                    token = int(torch.multinomial(row_logprobs.exp(), 1, generator=row.generator))
+                    token = int(multinomial(row_logprobs.exp()[None], row.generator)[0])
                     drawn[b] = (token, float(row_logprobs[token]))
                 self._record(row, *drawn[b], logprobs[b] if logprobs is not None else row_logprobs)
                 # the version of the weights that computed these logits, even if a listener (on this thread)
@@ -464,11 +465,13 @@ class EmbeddedEngine:
         probs = logprobs.exp()
         tokens = torch.empty(len(rows), dtype=torch.long, device=logprobs.device)
         shared = [b for b, row in enumerate(rows) if row.generator is self._generator]
-        if shared:
-            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(-1)
+        if len(shared) == len(rows):
+            tokens = multinomial(probs, self._generator)
+        elif shared:
+            tokens[shared] = multinomial(probs[shared], self._generator)
         for b, row in enumerate(rows):
             if row.generator is not self._generator:
-                tokens[b] = torch.multinomial(probs[b], 1, generator=row.generator)[0]
+                tokens[b] = multinomial(probs[b:b + 1], row.generator)[0]
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return list(zip(tokens.tolist(), chosen.tolist()))
 
@@ -586,6 +589,48 @@ class EmbeddedEngine:
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
                           row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
+
+
+# ---- the draw: torch.multinomial's tokens, without its cost on a CPU ---------------------------------------
+
+def multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of probs [N, V] (fp32, unnormalised), exactly torch.multinomial(probs, 1, generator=...)
+    .squeeze(-1) would draw, and with the generator left exactly where it would leave it: the seeded replies users
+    and tests read stay the same. On a CPU torch draws q ~ Exp(1) per entry, q = -log1p(-u) with u the low 53 bits
+    of one random64 of the generator's stream (in fp64, cast to fp32), and takes the first argmax of probs / q.
+    That serial exponential_ costs about 30 ms per 32 x 49,152 draw; here torch.randint(0, 2**53) reads the same
+    random64s (its range is a power of two, so the same 53 bits) at a quarter of that, and the log is taken only for
+    the few entries that can win: q >= u, so an entry whose bound probs / u falls short of the exact score of the
+    bound's own best cannot be the argmax. Elsewhere (a GPU's Philox stream) it is torch.multinomial itself."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    low, high = torch.aminmax(probs)
+    if not (bool(low >= 0) and bool(high < float("inf"))) or bool((probs.sum(-1) == 0).any()):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)   # torch's own error, nothing drawn
+    bits = torch.randint(0, 2**53, probs.shape, generator=generator)    # [N, V] u * 2**53, exactly
+    inverse = bits / probs                     # ~ 2**53 * u / p, the inverse of an upper bound on p / q
+    best = inverse.argmin(-1)
+    with np.errstate(divide="ignore"):
+        threshold = torch.tensor([2.0**53 / _exact_score(p, b) * (1 + 1e-5) for p, b in
+                                  zip(probs.gather(-1, best[:, None]).squeeze(-1).tolist(),
+                                      bits.gather(-1, best[:, None]).squeeze(-1).tolist())])
+    rows, cols = (~(inverse > threshold[:, None])).nonzero(as_tuple=True)   # NaN (p = u = 0) stays a candidate
+    tokens = best.tolist()
+    winner: dict[int, np.float32] = {}
+    for r, c, p, b in zip(rows.tolist(), cols.tolist(), probs[rows, cols].tolist(), bits[rows, cols].tolist()):
+        s, held = _exact_score(p, b), winner.get(r)
+        # torch's argmax: the first NaN, else the first maximum (candidates come in column order)
+        if held is None or not np.isnan(held) and (np.isnan(s) or s > held):
+            winner[r], tokens[r] = s, c
+    return torch.tensor(tokens)
+
+
+def _exact_score(p: float, bits: int) -> np.float32:
+    """probs / q for one entry as torch computes it: q = fp32(-log1p(-u)) in fp64, u = bits * 2**-53, an fp32
+    division (p / 0 = inf, 0 / 0 = NaN where u = 0)."""
+    q = np.float32(-math.log1p(-(bits * 2.0**-53)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.float32(p) / q
 
 
 # ---- attention: grouped KV heads as they are ------------------------------------------------------------

@@ -606,3 +606,24 @@ def test_the_engines_kv_cache_and_grouped_attention_compute_what_transformers_do
         ours = decode(engine.model, rollout._GrowingLayer)
         theirs = decode(stock, DynamicLayer)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_the_engines_draw_is_torch_multinomials_draw_and_leaves_the_generator_where_it_would():
+    """rollout.multinomial reads torch's random stream more cheaply than torch.multinomial but must draw the same
+    index from every row and consume exactly as much of the stream (seeded replies stay the same): flat, peaked,
+    truncated (zeros) and unnormalised rows, one row or several, the engine's vocabulary width included."""
+    torch.manual_seed(1)
+    for trial in range(120):
+        rows, width = int(torch.randint(1, 6, ())), int(torch.randint(1, 3000, ())) if trial else 49152
+        logits = torch.randn(rows, width) * float(torch.rand(()) * 20)
+        if trial % 3 == 0:
+            logits[:, torch.rand(width) < 0.7] = -float("inf")
+            logits[:, 0] = 0
+        probs = torch.softmax(logits, -1) * (1.0 if trial % 2 else 3.7)
+        theirs, ours = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        for _ in range(3):
+            assert torch.equal(torch.multinomial(probs, 1, generator=theirs).squeeze(-1),
+                               rollout.multinomial(probs, ours))
+        assert torch.equal(theirs.get_state(), ours.get_state())
+    with pytest.raises(RuntimeError):                          # a bad row is refused as torch refuses it
+        rollout.multinomial(torch.tensor([[0.5, float("nan")]]), torch.Generator())
