@@ -627,3 +627,29 @@ def test_the_engines_draw_is_torch_multinomials_draw_and_leaves_the_generator_wh
         assert torch.equal(theirs.get_state(), ours.get_state())
     with pytest.raises(RuntimeError):                          # a bad row is refused as torch refuses it
         rollout.multinomial(torch.tensor([[0.5, float("nan")]]), torch.Generator())
+
+
+def test_the_engines_output_projection_in_vocabulary_slices_gives_the_models_logits_bitwise(monkeypatch):
+    """On a CPU the engine applies a plain model's output projection itself, in slices of the vocabulary: over a
+    left-padded prefill and decode steps its logits equal the model's own forward (of the last position, as the
+    engine asks it: a product over more rows may round differently) bit for bit."""
+    monkeypatch.setattr(rollout, "VOCAB_SLICE", 100)           # the tiny vocabulary in several slices
+    stock = models.tiny_model("qwen3", seed=0)
+    engine = EmbeddedEngine(copy.deepcopy(stock))
+    assert engine._decoder is not None and stock.config.vocab_size > 2 * rollout.VOCAB_SLICE
+    seqs = [[5, 17, 33, 2, 91], [7, 8], [100, 101, 102, 103]]
+    ids = torch.tensor([[0] * (5 - len(s)) + s for s in seqs])
+    mask = (torch.arange(5) >= torch.tensor([5 - len(s) for s in seqs])[:, None]).long()
+    steps = torch.randint(0, 690, (4, 3), generator=torch.Generator().manual_seed(0))
+    ours, theirs = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        logits = engine._forward(ids, mask, ours, extra)[0]
+        assert torch.equal(logits, stock(input_ids=ids, attention_mask=mask, past_key_values=theirs, logits_to_keep=1,
+                                         **extra).logits[:, -1])
+        for t, step in enumerate(steps):
+            mask = torch.cat([mask, mask.new_ones(3, 1)], 1)
+            extra = {"position_ids": mask.sum(-1, keepdim=True) - 1}
+            logits = engine._forward(step[:, None], mask, ours, extra)[0]
+            assert torch.equal(logits, stock(input_ids=step[:, None], attention_mask=mask, past_key_values=theirs,
+                                             **extra).logits[:, -1])
