@@ -379,17 +379,18 @@ class EmbeddedEngine:
                 try:
                     batch = self._admit(batch, arrived)
                     self._sample_all(batch)
-                    batch = self._leave(batch)
+                    batch, left = self._leave(batch)
+                    _hand_back(left)
                     # a listener on this thread may have loaded new weights during the pass: then the cache is
                     # stale, and stepping on it would record routes no weights produce; the next pass re-prefills
                     if batch.rows and batch.version == self.version:
                         self._step(batch)
                 except Exception as error:       # the model itself failed: fail what is in flight, keep serving
-                    for row in batch.rows + arrived:
-                        if not row.done.is_set():
-                            row.error = error
-                            row.done.set()
+                    left = [row for row in batch.rows + arrived if not row.done.is_set()]
+                    for row in left:
+                        row.error = error
                     batch = _Batch([], None, None, None, None, self.version)
+                    _hand_back(left)
 
     def _admit(self, batch: _Batch, arrived: list[_Row]) -> _Batch:
         """Bring the batch to the current weights and add the new rows. After a weight swap the cache belongs to
@@ -486,14 +487,12 @@ class EmbeddedEngine:
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return list(zip(tokens.tolist(), chosen.tolist()))
 
-    def _leave(self, batch: _Batch) -> _Batch:
-        """Hand back every finished or failed row, and keep the others' cache rows."""
+    def _leave(self, batch: _Batch) -> tuple[_Batch, list[_Row]]:
+        """The batch of the rows still decoding (only their cache rows kept), and the finished or failed rows."""
         left = [row for row in batch.rows if row.finish_reason or row.error]
         if left:
             batch = _select(batch, [b for b, row in enumerate(batch.rows) if not (row.finish_reason or row.error)])
-        for row in left:
-            row.done.set()
-        return batch
+        return batch, left
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
         """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
@@ -611,6 +610,15 @@ class EmbeddedEngine:
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
                           row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
+
+
+def _hand_back(rows: list[_Row]) -> None:
+    """Wake the callers of rows that left the batch. The decoding thread calls it only once the batch it replaced
+    is gone: freeing a tensor releases the GIL, and a daemon thread that takes it back while the interpreter
+    shuts down (the caller of the last rows may already be exiting) is ended by a forced unwind that meets a
+    noexcept C++ frame in torch and aborts the process ("terminate called without an active exception")."""
+    for row in rows:
+        row.done.set()
 
 
 # ---- the draw: torch.multinomial's tokens, without its cost on a CPU ---------------------------------------

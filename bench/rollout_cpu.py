@@ -86,8 +86,8 @@ def side_by_side(args) -> None:
         shutil.copy(os.path.abspath(__file__), os.path.join(old, "bench"))   # REV may predate this script
         for _ in range(args.rounds):
             for side, tree in (("this", here), ("baseline", old)):
-                # the summary counts even if the process then dies at exit (torch's CPU build sometimes aborts
-                # in its static destructors, after the interpreter has finished): the exit status is kept with it
+                # the summary counts even if the process then dies at exit (an engine before rollout._hand_back
+                # could abort there, its decoding thread freeing tensors during shutdown): the exit status is kept
                 done = subprocess.run([sys.executable, os.path.join(tree, "bench", "rollout_cpu.py"), *flags],
                                       cwd=tree, capture_output=True, text=True)
                 lines = done.stdout.strip().splitlines()
