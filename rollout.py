@@ -634,8 +634,8 @@ def multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     bound's own best cannot be the argmax. Elsewhere (a GPU's Philox stream) it is torch.multinomial itself."""
     if probs.device.type != "cpu" or probs.dtype != torch.float32:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    low, high = torch.aminmax(probs)
-    if not (bool(low >= 0) and bool(high < float("inf"))) or bool((probs.sum(-1) == 0).any()):
+    low, high = torch.aminmax(probs, dim=-1)   # a row of non-negative entries sums to 0 where its maximum is 0
+    if not (bool(low.min() >= 0) and bool(high.max() < float("inf"))) or bool((high == 0).any()):
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)   # torch's own error, nothing drawn
     bits = torch.randint(0, 2**53, probs.shape, generator=generator)    # [N, V] u * 2**53, exactly
     inverse = bits / probs                     # ~ 2**53 * u / p, the inverse of an upper bound on p / q
@@ -644,7 +644,8 @@ def multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
         threshold = torch.tensor([2.0**53 / _exact_score(p, b) * (1 + 1e-5) for p, b in
                                   zip(probs.gather(-1, best[:, None]).squeeze(-1).tolist(),
                                       bits.gather(-1, best[:, None]).squeeze(-1).tolist())])
-    rows, cols = (~(inverse > threshold[:, None])).nonzero(as_tuple=True)   # NaN (p = u = 0) stays a candidate
+    # a NaN (p = u = 0) is argmin's pick and torch's argmax's too: its row's threshold is NaN, with no candidates
+    rows, cols = (inverse <= threshold[:, None]).nonzero(as_tuple=True)
     tokens = best.tolist()
     winner: dict[int, np.float32] = {}
     for r, c, p, b in zip(rows.tolist(), cols.tolist(), probs[rows, cols].tolist(), bits[rows, cols].tolist()):
