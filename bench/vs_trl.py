@@ -48,6 +48,16 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
            "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
 
 
+def cold_caches(out: str, side: str) -> dict:
+    """Compile caches of one side's own, empty at its start (vLLM's torch.compile and AOT cache, inductor's, Triton's):
+    each side pays its own cold start, and the side run second cannot load kernels the first one compiled (vLLM's
+    cache key is the model and compilation config, which the two sides may share)."""
+    root = os.path.join(out, f"{side}.caches")
+    shutil.rmtree(root, ignore_errors=True)
+    return {"VLLM_CACHE_ROOT": os.path.join(root, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a running process has used so far, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
@@ -103,7 +113,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
     print("tracerl:", " ".join(argv[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
-    proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE, **cold_caches(out, "tracerl")},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     startup, step_ends, step_cpu = {}, [], []
     os.makedirs(out, exist_ok=True)
@@ -147,7 +158,7 @@ def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: s
     job_path = os.path.join(out, f"{side}.job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    env = {**os.environ, **OFFLINE}
+    env = {**os.environ, **OFFLINE, **cold_caches(out, side)}
     if trl_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (trl_pythonpath, env.get("PYTHONPATH", "")) if p)
     print(f"{side}: {trl_python} {os.path.relpath(__file__, ROOT)} trl-driver {job_path}", flush=True)
