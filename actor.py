@@ -145,10 +145,9 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
     logits never exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits,
     begin)` (_run_adjuster) applies invariants.adjust_logits to the positions of a chunk starting at `begin` that
     need it. `compiled` (the model's layers are): untruncated chunks run _untruncated_head compiled."""
-    fused = None
-    if compiled and adjust is None and not any(bool((x != off).any()) if isinstance(x, Tensor) else x != off
-                                               for x, off in ((top_p, 1.0), (top_k, -1), (min_p, 0.0))):
-        fused = _compiled_untruncated_head()
+    fused = _compiled_untruncated_head() if compiled and adjust is None and not any(
+        bool((x != off).any()) if isinstance(x, Tensor) else x != off
+        for x, off in ((top_p, 1.0), (top_k, -1), (min_p, 0.0))) else None
 
     def chunk(begin, h, ids, t, p, k, m):
         logits = F.linear(h, head.weight, head.bias)
@@ -165,8 +164,7 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
             entropy = torch.special.entr(log_probs.exp()).sum(-1)
         return torch.stack([token, entropy], -1)
 
-    # a small step's logits (the CPU math recipe's: 320 positions x 49K) are kept for backward, not recomputed
-    recompute = torch.is_grad_enabled() and len(hidden) * head.weight.shape[0] > KEPT_LOGITS
+    recompute = torch.is_grad_enabled() and len(hidden) * head.weight.shape[0] > KEPT_LOGITS  # CPU math: kept
     pieces = []
     for start in range(0, len(hidden), LOGPROB_CHUNK):
         part = slice(start, start + LOGPROB_CHUNK)
@@ -177,11 +175,9 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
 
 
 def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, with_entropy: bool) -> Tensor:
-    """The chunk of _chunked_head_logprobs where no position is truncated (top_p 1, top_k -1, min_p 0) or adjusted:
-    with z = logits / T, the token's logprob z_id - logsumexp(z) and the entropy logsumexp(z) - sum_v p_v z_v, the
-    same numbers as processed_logprobs to fp32 rounding, without its [n, V] log-softmax. Compiled (with the
-    model's layers, on a GPU), the upcast, the scaling and the reductions fuse into passes over the logits that
-    eager runs one op at a time, forward and backward: at a 152K vocabulary they are memory-bound and many."""
+    """A chunk with no truncated (top_p 1, top_k -1, min_p 0) or adjusted position, z = logits / T: logprob
+    z_id - logsumexp(z), entropy logsumexp(z) - sum_v p_v z_v (processed_logprobs' to fp32 rounding). Compiled, its
+    memory-bound passes over [n, V] (upcast, scale, reductions; forward and backward) fuse into a few."""
     scaled = logits.float() / (temperature.unsqueeze(-1) if isinstance(temperature, Tensor) else temperature)
     log_z = torch.logsumexp(scaled, -1)
     token = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - log_z
@@ -192,13 +188,10 @@ def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, 
     return torch.stack([token, entropy.detach()], -1)
 
 
-@functools.cache
-def _compiled_untruncated_head():
-    return torch.compile(_untruncated_head, dynamic=True)
+_compiled_untruncated_head = functools.cache(lambda: torch.compile(_untruncated_head, dynamic=True))
 
 
-def _is_compiled(model: torch.nn.Module) -> bool:
-    """Whether any module of `model` was compiled in place (Actor's compile: its decoder layers)."""
+def _is_compiled(model: torch.nn.Module) -> bool:   # Actor's compile: each decoder layer, in place
     return any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules())
 
 
@@ -536,6 +529,7 @@ class Actor:
         self.precision = cfg.precision if cfg.precision != "auto" else \
             ("bf16" if self.device.type == "cuda" else "fp32")
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
+        self.is_moe = bool(invariants.moe_routers(self.model))
         # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
         # (bench/gpu.py), paid once in the first step; on a CPU the step is matmul-bound and compiling buys little
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
@@ -554,19 +548,16 @@ class Actor:
         self.version = 0  # optimizer steps taken = version of the current weights
 
     def warm_up(self) -> None:
-        """Compile before the first step what the steps would compile in it (a no-op unless compiled): a train
-        forward and backward and a no-grad recompute over right-padded batches of 2, 3 and 1 rows (torch._dynamo
-        compiles a graph dynamic in rows and length at the second shape, and specializes one row), so the first
-        steps do not recompile. train.py runs it while the rollout engine starts. The weights, the optimizer and the
-        global RNG stay as they were (the gradients are dropped). Collective under FSDP2, like every method."""
+        """Compile now what the first steps would (no-op unless compiled): a train forward and backward and a
+        no-grad recompute over right-padded batches of 2, 3 and 1 rows (torch._dynamo makes rows and length dynamic
+        at the second, and specializes one row). Weights, optimizer and global RNG stay as they were."""
         if not self.compiled:
             return
         vocab, draw = self.model.config.get_text_config().vocab_size, torch.Generator().manual_seed(0)
         for rows, length in ((2, 48), (3, 80), (1, 64)):
             segments = []
-            for r in range(rows):
-                n, prompt = length - 16 * r, 12           # right-padded rows of unlike lengths, as steps bring
-                sampled = [t >= prompt for t in range(n)]
+            for r, n in enumerate(range(length, length - 16 * rows, -16)):   # right-padded rows of unlike lengths
+                sampled = [t >= 12 for t in range(n)]
                 segments.append(invariants.Segment(
                     f"warm-up {r}", f"warm-up {r}", 0, torch.randint(vocab, (n,), generator=draw).tolist(), sampled,
                     [0.0] * n, [0 if s else -1 for s in sampled],
@@ -766,11 +757,10 @@ class Actor:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
         record = StepReport.empty(batch.input_ids.shape)
-        sums = {"loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "prefix_tokens_saved": 0.0, "r3_unreplayed_tokens": 0.0,
-                "trainable_tokens": 0.0,
-                "gated_tokens": 0.0, "rollouts": 0.0, "staleness": 0.0, "logprob_diff": 0.0,
-                **{name: 0.0 for name in POLICY_LOSS_METRICS},
-                **{f"gate/{k}": 0.0 for k in GATE_COUNTS}, **{f"is/{k}": 0.0 for k in IS_METRICS}}
+        sums = dict.fromkeys(["loss", "entropy", "kl_ref", "prefix_tokens_saved", "r3_unreplayed_tokens",
+                              "trainable_tokens", "gated_tokens", "rollouts", "staleness", "logprob_diff",
+                              *POLICY_LOSS_METRICS, *(f"gate/{k}" for k in GATE_COUNTS),
+                              *(f"is/{k}" for k in IS_METRICS)], 0.0)
         maxes = {"staleness_max": 0.0, "logprob_diff_max": 0.0}
         gate = functools.partial(self._gate, trainer_version=trainer_version, correction_cfg=correction_cfg,
                                  sums=sums, maxes=maxes)
@@ -813,10 +803,12 @@ class Actor:
             # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
             # otherwise route live and disagree with the forward)
             replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
-            if routes is not None:   # trainable tokens whose predicting position has a layer with no recorded route:
-                # the live router chose there (invariant 3 holds only where routes were recorded)
-                unrouted = (routes[:, :-1] < 0).flatten(2).any(-1) & (mb["loss_mask"][:, 1:] > 0)
-                sums["r3_unreplayed_tokens"] += float(unrouted.sum())
+            # trainable tokens whose predicting position has a layer with no recorded route: the live router chose
+            # there (invariant 3 holds only where routes were recorded). No routes at all on an MoE model: every one
+            # (vLLM reports none for a request kept across a weight update: bench/fp32_parity.py on an H200)
+            unrouted = ((routes[:, :-1] < 0).flatten(2).any(-1) if routes is not None else
+                        torch.full_like(mb["loss_mask"][:, 1:], self.is_moe, dtype=torch.bool))
+            sums["r3_unreplayed_tokens"] += float((unrouted & (mb["loss_mask"][:, 1:] > 0)).sum())
             with replay:
                 with self._compute():
                     logprobs, entropy = _token_logprobs(self.model, input_ids, attention_mask, images=images,

@@ -490,13 +490,19 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
                                 invariants.CorrectionConfig(level="token"), 0).metrics
     assert metrics["actor/skipped"] == 0.0 and policy.version == 1
     assert metrics["actor/r3_unreplayed_tokens"] == 0.0       # every trained token's position has its routes
+    # a batch whose engine reported no routes at all (vLLM, for a request kept across a weight update): every
+    # trained token is counted as trained on live routes
+    unrouted = invariants.TrainBatch(**{**vars(batch), "routes": None})
+    report = policy.train_step(unrouted, None, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(
+        level="token", max_staleness=1), policy.version)
+    assert report.metrics["actor/r3_unreplayed_tokens"] == float(batch.loss_mask.sum()) > 0
     # a row whose routes were lost at one position of one layer: its next token trains on the live router's choice
     holed = batch.routes.clone()
     holed[1, 4, 0] = -1
     hole = invariants.TrainBatch(**{**vars(batch), "routes": holed})
     assert batch.loss_mask[1, 5] == 1
     report = policy.train_step(hole, policy.recompute_logprobs(hole), algo.AlgoConfig(estimator="reinforce"),
-                               invariants.CorrectionConfig(level="token", max_staleness=1), 1)
+                               invariants.CorrectionConfig(level="token", max_staleness=2), policy.version)
     assert report.metrics["actor/skipped"] == 0.0 and report.metrics["actor/r3_unreplayed_tokens"] == 1.0
     routers = invariants.moe_routers(policy.model)
     assert len(routers) == policy.model.config.num_hidden_layers
