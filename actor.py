@@ -185,7 +185,7 @@ def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, 
         return torch.stack([token, torch.zeros_like(token)], -1)
     with torch.no_grad():
         entropy = log_z - (torch.softmax(scaled, -1) * scaled).sum(-1)
-    return torch.stack([token, entropy.detach()], -1)
+    return torch.stack([token, entropy], -1)
 
 
 _compiled_untruncated_head = functools.cache(lambda: torch.compile(_untruncated_head, dynamic=True))
@@ -531,7 +531,7 @@ class Actor:
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
         self.is_moe = bool(invariants.moe_routers(self.model))
         # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
-        # (bench/gpu.py), paid once in the first step; on a CPU the step is matmul-bound and compiling buys little
+        # (bench/gpu.py), paid in warm_up (or else the first steps); on a CPU it would add minutes of compile
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
         if self.compiled:          # in place: parameter names, hooks and the state dict stay the module's own
             for layer in _decoder_layers(self.model):

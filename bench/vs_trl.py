@@ -114,8 +114,7 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
     load = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE, **cold_caches(out, "tracerl")},
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     startup, step_ends, step_cpu = {}, [], []
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "tracerl.log"), "w") as log:
