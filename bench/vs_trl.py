@@ -115,17 +115,21 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE, **cold_caches(out, "tracerl")},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    startup, step_ends, step_cpu = {}, [], []
+    startup, step_ends, step_cpu, phase = {}, [], [], None
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "tracerl.log"), "w") as log:
         for line in proc.stdout:         # each line timed as it arrives: train.py flushes every one
-            log.write(line)
+            log.write(f"{time.time() - t0:7.2f} {line}")      # the log is the start-up's timeline
             if re.match(r"step\s+\d+/\d+ \|", line):
                 step_ends.append(time.time())
                 step_cpu.append(process_cpu_s(proc.pid))
                 print("  " + line.rstrip(), flush=True)
-            elif found := re.match(r"tracerl: (.+?) \.\.\. ([\d.]+) s$", line.strip()):
-                startup[found.group(1)] = float(found.group(2))    # the start-up phases it prints
+            elif found := re.match(r"tracerl: (.+?) \.\.\.(?: ([\d.]+) s)?$", line.strip()):
+                phase = found.group(1)                            # a start-up phase train.py prints
+                if found.group(2):
+                    startup[phase], phase = float(found.group(2)), None
+            elif phase and (found := re.match(r"([\d.]+) s$", line.strip())):
+                startup[phase], phase = float(found.group(1)), None  # its time, after the engine's log lines
     wall = time.time() - t0
     if proc.wait() != 0 or len(step_ends) != cfg["steps"]:
         raise SystemExit(f"tracerl exited with {proc.returncode} after {len(step_ends)} of {cfg['steps']} steps; "
