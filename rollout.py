@@ -8,10 +8,15 @@
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
 #   invariant 2 (policy version) - each token carries its behavior logprob and the version of the weights that
-#     drew it; a weight swap in the middle of a request discards the KV cache and re-prefills (a cache filled by
-#     the old weights would condition new tokens on the old policy's keys and values, so their logprobs would
-#     belong to neither version); a row's grammar and penalty state depend only on its ids, so they survive the
-#     re-prefill;
+#     drew it. A weight update either drains or keeps the requests in flight (`drain_on_update`, the same policy as
+#     vllm_engine.VLLMEngine's). Drain, an MoE model's default: the update admits no new request (they wait, then
+#     start at the new version), lets those in flight finish, then loads; so every token of a request has one
+#     version and every position one route set, the one its tokens were drawn under (a request that spans an
+#     update has none: its tokens after the update were drawn under the new weights' routes at every earlier
+#     position, and the trainer replays one route per position). Keep, a dense model's default: a weight swap in
+#     the middle of a request discards the KV cache and re-prefills (a cache filled by the old weights would
+#     condition new tokens on the old policy's keys and values, so their logprobs would belong to neither
+#     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill;
 #   invariant 3 (forward consistency) - that logprob is of the distribution the token was actually drawn from
 #     (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
 #     top-k, top-p, fp32, in vLLM's order), and the token records the sampling that defines it (a grammar bound
@@ -229,15 +234,18 @@ class EmbeddedEngine:
     while there is work. A request fails alone: bad input is refused in its caller, and an error while
     prefilling or sampling one row fails that row only. `update_weights`, `pause` and `resume` may be called
     from any thread; they take effect between decode steps. The tokenizer is needed only for stop strings and
-    grammar constraints."""
+    grammar constraints. `drain_on_update` (None: True for an MoE model) makes a weight update wait for the
+    requests in flight to finish rather than re-prefill them (the header's invariant 2)."""
 
-    def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None):
+    def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None,
+                 drain_on_update: bool | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.version = version
         self.pad_id = _pad_id(model)
         self.eos_ids = _eos_ids(model)
         self.is_moe = bool(invariants.moe_routers(model))
+        self.drain_on_update = self.is_moe if drain_on_update is None else drain_on_update
         self.is_vision = models.is_vision_model(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
         self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
@@ -254,34 +262,70 @@ class EmbeddedEngine:
             getattr(head, "bias", None) is None else None
         self._generator = torch.Generator(self.device).manual_seed(seed)
         self._step_lock = threading.RLock()      # one decode step or one weight load at a time
-        self._running = threading.Event()        # cleared by pause(): decoding waits at a step boundary
+        self._running = threading.Event()        # cleared by pause() (keep): decoding waits at a step boundary
         self._running.set()
-        self._admission = threading.Lock()       # guards _waiting and _decoding
+        self._admission = threading.Lock()       # guards _waiting, _admitting and _decoding
         self._waiting: list[_Row] = []           # submitted, not yet in the batch
-        self._decoding = False                   # a decoding thread is running
+        self._admitting = True                   # cleared by pause() (drain) and by a draining update
+        self._decoding: threading.Thread | None = None   # the decoding thread, while one runs
+        self._idle = threading.Condition(self._admission)   # notified when the decoding thread ends
 
     # -- the control plane used by the trainer and the async runtime --
 
     def pause(self) -> None:
-        """Stop decoding at the next step boundary; requests in flight are kept, not dropped."""
-        self._running.clear()
+        """Keep: stop decoding at the next step boundary, requests in flight kept, not dropped. Drain: admit no
+        new request (they wait for resume); those in flight decode on to their end, so a weight update that
+        follows (the runtime's push: pause every engine, update each, resume) finds them finished sooner."""
+        if self.drain_on_update:
+            with self._admission:
+                self._admitting = False
+        else:
+            self._running.clear()
 
     def resume(self) -> None:
         self._running.set()
+        self._admit_again()
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full state dict from the actor and stamp `version` on every later token.
+        """Load a full state dict from the actor and stamp `version` on every later token; under the drain
+        policy only once the requests in flight have finished (new ones wait, then start at `version`).
         Every key must land (a refit that filters keys by name can silently ship a handful of a model's
         parameters); only a tied `lm_head.weight` may be absent from the export (it is the embedding)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
-        with self._step_lock:
-            result = self.model.load_state_dict(state, strict=False)
-            missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and _tied(self.model))]
-            if result.unexpected_keys or missing:
-                raise ValueError(f"weight update does not match the engine's model: unexpected keys "
-                                 f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
-            self.version = version
+        reopen = False
+        if self.drain_on_update:
+            with self._admission:
+                if self._decoding is threading.current_thread():
+                    raise RuntimeError("a draining weight update waits for the requests in flight to finish, so "
+                                       "it cannot run on the decoding thread (from a listener): update from "
+                                       "another thread, or build the engine with drain_on_update=False")
+                reopen, self._admitting = self._admitting, False
+                while self._decoding is not None:
+                    self._idle.wait()
+        try:
+            with self._step_lock:
+                result = self.model.load_state_dict(state, strict=False)
+                missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and _tied(self.model))]
+                if result.unexpected_keys or missing:
+                    raise ValueError(f"weight update does not match the engine's model: unexpected keys "
+                                     f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
+                self.version = version
+        finally:
+            if reopen:          # as it was: a caller's pause() holds new requests until its resume()
+                self._admit_again()
+
+    def _admit_again(self) -> None:
+        """Open admission, and start a decoding thread for the requests that waited."""
+        with self._admission:
+            self._admitting = True
+            self._start_decoding()
+
+    def _start_decoding(self) -> None:
+        """A decoding thread, if requests wait and none runs (the caller holds _admission)."""
+        if self._waiting and self._decoding is None:
+            self._decoding = threading.Thread(target=self._decode, name="embedded-engine", daemon=True)
+            self._decoding.start()
 
     def sampler_state(self) -> torch.Tensor:
         """The engine's own random stream (requests without a seed draw from it). A checkpoint saves it, so a
@@ -334,9 +378,8 @@ class EmbeddedEngine:
         if rows:
             with self._admission:
                 self._waiting += rows
-                if not self._decoding:
-                    self._decoding = True
-                    threading.Thread(target=self._decode, name="embedded-engine", daemon=True).start()
+                if self._admitting:
+                    self._start_decoding()
             for row in rows:
                 row.done.wait()
         for row in rows:
@@ -369,11 +412,14 @@ class EmbeddedEngine:
         thread). An error no row can be blamed for fails the rows in flight, and decoding goes on."""
         batch = _Batch([], None, None, None, None, self.version)
         while True:
-            self._running.wait()                 # pause(): hold the requests until resume()
+            self._running.wait()                 # pause() (keep): hold the requests until resume()
             with self._admission:
-                arrived, self._waiting = self._waiting, []
+                arrived = []
+                if self._admitting:              # else they wait for the update (drain) or the resume
+                    arrived, self._waiting = self._waiting, []
                 if not arrived and not batch.rows:
-                    self._decoding = False
+                    self._decoding = None
+                    self._idle.notify_all()      # a draining update waits for this
                     return
             with self._step_lock:
                 try:

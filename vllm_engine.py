@@ -2,19 +2,29 @@
 #
 # Owns: `VLLMEngine`, which drives vLLM's `AsyncLLM` (one private event loop in a background thread) and answers
 # the same calls as rollout.EmbeddedEngine: generate (token ids in, `Generation`s out, per-token streaming),
-# pause (requests kept) / resume, update_weights, sleep / wake_up (one GPU shared with the actor), sampler state.
+# pause / resume, update_weights, sleep / wake_up (one GPU shared with the actor), sampler state.
 # The embedded engine is its reference: tests run both on the same model and compare token for token.
 #
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - prompts go in as token ids (`TokensPrompt`) and the ids vLLM sampled come back
 #     untouched; nothing is detokenized and re-encoded;
-#   invariant 2 (policy version) - the version of every token is exact across a weight update: the update drains vLLM's output pipeline and then records, per
-#     request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a request kept across
-#     an update is re-prefilled by the new weights
-#     (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as the embedded engine does: continuing on the
-#     old KV cache would condition new tokens on the old policy's keys and values, so their logprobs would
-#     belong to neither version (`reprefill_on_update=False` keeps that behaviour, for measuring it); and a
-#     request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
+#   invariant 2 (policy version) - the version of every token is exact across a weight update, under either of two
+#     policies (`drain_on_update`, the embedded engine's too):
+#     drain (an MoE model's default) - the update admits no new request (they wait on the engine's loop, then
+#       start at the new version: none is lost or failed), lets those in flight finish (each is one turn, bounded
+#       by its max_tokens), then loads the weights and resumes. Every token of a request then has one version and
+#       vLLM's routes for all its positions: a request that spans an update has no right route set (its tokens
+#       after the update were drawn under the new weights' routes at every earlier position, those before under
+#       the old ones, and the trainer replays one route per position), and vLLM 0.26 reports none for it anyway
+#       (the re-prefill below preempts it, and vLLM drops a preempted request's routes: `routed_experts` None;
+#       `_Request` then returns routes None, which the trainer counts in actor/r3_unreplayed_tokens);
+#     keep (a dense model's default) - the update pauses vLLM with requests kept, drains vLLM's output pipeline and
+#       records, per request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a kept
+#       request is re-prefilled by the new weights (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as
+#       the embedded engine does: continuing on the old KV cache would condition new tokens on the old policy's
+#       keys and values, so their logprobs would belong to neither version (`reprefill_on_update=False` keeps
+#       that behaviour, for measuring it);
+#     and a request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
 #     version a request starts at, so it holds even for blocks the reset could not drop);
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
@@ -143,10 +153,12 @@ class WorkerExtension:
 class VLLMEngine:
     """The rollout engine of a GPU run. `generate` may be called from any number of threads; each call's requests
     join vLLM's running batch at once (vLLM batches continuously) and stream their tokens through `on_token`.
-    A request fails alone: its error is raised in its own caller only."""
+    A request fails alone: its error is raised in its own caller only. `drain_on_update` (None: True for an MoE
+    model) makes a weight update wait for the requests in flight rather than keep them (the header's invariant 2)."""
 
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
-                 transfer: str = "ipc", sleep_mode: bool = False, reprefill_on_update: bool = True,
+                 transfer: str = "ipc", sleep_mode: bool = False, drain_on_update: bool | None = None,
+                 reprefill_on_update: bool = True,
                  max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
                  compile_model: bool | None = None):
         from vllm import AsyncEngineArgs
@@ -162,6 +174,7 @@ class VLLMEngine:
             config = json.load(f)
         text_config = config.get("text_config", config)
         self.is_moe = is_moe_config(config)
+        self.drain_on_update = self.is_moe if drain_on_update is None else drain_on_update
         self.is_vision = "vision_config" in config
         self.vocab_size = text_config["vocab_size"]
         # the ids a request without stop ids ends on, as the embedded engine reads them (a grammar is bound to them)
@@ -179,6 +192,10 @@ class VLLMEngine:
         self._resume_after_update = False
         self._control = threading.Lock()              # one pause/update/resume sequence at a time
         self._active: dict[str, _Request] = {}          # request id -> its record, while it runs
+        self._admitting = asyncio.Event()             # cleared by pause() (drain): new requests wait on it
+        self._admitting.set()
+        self._drained = asyncio.Event()               # set when the last request in flight ends
+        self._generation_paused = False               # vLLM's scheduler is paused (pause() when keeping requests)
         self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -216,24 +233,26 @@ class VLLMEngine:
     # -- the control plane used by the trainer and the async runtime --
 
     def pause(self) -> None:
-        """Stop sampling; requests in flight are kept (vLLM's pause mode "keep"), and every token sampled before the
-        pause has been counted before this returns, so it keeps the old version."""
+        """Keep: stop sampling; requests in flight are kept (vLLM's pause mode "keep"), and every token sampled
+        before the pause has been counted before this returns, so it keeps the old version. Drain: admit no new
+        request (they wait for resume); those in flight run on to their end, so a weight update that follows (the
+        runtime's push: pause every engine, update each, resume) finds them finished sooner."""
         with self._control:
             if not self._paused:
-                self._call(self._pause_and_drain())
+                self._call(self._close_admission() if self.drain_on_update else self._pause_and_drain())
                 self._paused = True
 
     def resume(self) -> None:
         with self._control:
             if self._paused:
-                self._call(self._llm.resume_generation())
+                self._call(self._resume())
                 self._paused = False
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full state dict from the actor and stamp `version` on every later token. Pauses (keeping
-        requests) unless already paused; kept requests are re-prefilled by the new weights. On a GPU the tensors
-        go by CUDA IPC (a CPU tensor is copied to the engine's GPU first). `state` may use the trainer's names
-        or the checkpoint's (checkpoint_state)."""
+        """Load a full state dict from the actor and stamp `version` on every later token. Pauses unless already
+        paused; then, draining, waits for the requests in flight to finish, or, keeping them, re-prefills them with
+        the new weights. On a GPU the tensors go by CUDA IPC (a CPU tensor is copied to the engine's GPU first).
+        `state` may use the trainer's names or the checkpoint's (checkpoint_state)."""
         state = checkpoint_state(state, self.model_path)
         names = self.begin_weight_update(list(state), version)
         if self.transfer == "ipc":
@@ -249,8 +268,9 @@ class VLLMEngine:
     # with some weights new: the caller takes it out of rotation (router.Router does) rather than sample with it.
 
     def begin_weight_update(self, names: list[str], version: int) -> list[str]:
-        """Check that `names` (the checkpoint's: checkpoint_state) cover the engine's checkpoint, pause (requests
-        kept), and open vLLM's weight update. Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
+        """Check that `names` (the checkpoint's: checkpoint_state) cover the engine's checkpoint, pause (draining:
+        and wait for the requests in flight to finish), and open vLLM's weight update. Returns the names to send (a
+        tied head is the embedding: the checkpoint has no copy of it)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
         if self._tied:
@@ -262,8 +282,10 @@ class VLLMEngine:
                              f"unexpected keys {unexpected[:5]}")
         self._resume_after_update = not self._paused
         self.pause()
-        if self.transfer == "ipc":
-            with self._control:
+        with self._control:
+            if self.drain_on_update:
+                self._call(self._drain())
+            if self.transfer == "ipc":
                 self._call(self._llm.start_weight_update())
         return names
 
@@ -274,7 +296,8 @@ class VLLMEngine:
         self._call(self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
 
     def finish_weight_update(self, version: int) -> None:
-        """Close the update, re-prefill kept requests with the new weights, stamp `version`, resume."""
+        """Close the update, re-prefill kept requests with the new weights (there are none after a drain), stamp
+        `version`, resume."""
         with self._control:
             if self.transfer == "ipc":
                 self._call(self._llm.finish_weight_update())
@@ -405,6 +428,8 @@ class VLLMEngine:
     async def _run(self, request: _Request) -> None:
         from vllm.inputs import TokensPrompt
         request_id = uuid.uuid4().hex
+        while not self._admitting.is_set():   # a draining update: start after it, at its version
+            await self._admitting.wait()
         # prefix caching within one weight version only: the salt enters the hash of the prompt's first KV block,
         # so no request reuses blocks a request of an older version wrote (the update's cache reset cannot drop
         # the blocks of requests it keeps on their old KV cache, reprefill_on_update=False)
@@ -433,6 +458,24 @@ class VLLMEngine:
             raise
         finally:
             self._active.pop(request_id, None)
+            if not self._active:
+                self._drained.set()
+
+    async def _close_admission(self) -> None:
+        self._admitting.clear()
+
+    async def _resume(self) -> None:
+        """Undo either pause: vLLM's scheduler runs again (if it was paused) and new requests start."""
+        if self._generation_paused:
+            await self._llm.resume_generation()
+            self._generation_paused = False
+        self._admitting.set()
+
+    async def _drain(self) -> None:
+        """With admission closed: wait until every request in flight has finished."""
+        while self._active:
+            self._drained.clear()
+            await self._drained.wait()
 
     async def _pause_and_drain(self) -> None:
         """Pause with requests kept, then wait until every token sampled before the pause has been counted by
@@ -441,6 +484,7 @@ class VLLMEngine:
         marker put behind them is taken only after every output before it was processed."""
         from vllm.v1.engine import EngineCoreOutputs
         await self._llm.pause_generation(mode="keep", clear_cache=False)
+        self._generation_paused = True
         outputs = self._llm.engine_core.outputs_queue
         marker = EngineCoreOutputs()
         outputs.put_nowait(marker)
@@ -535,9 +579,9 @@ class _Request:
 
     def generation(self) -> Generation:
         p = self.params
-        routes = None
-        if self.routes is not None:   # positions 0 .. len(prompt)+len(tokens)-2 were forwarded
-            routes = self.routes[: len(self.prompt_ids) + len(self.token_ids) - 1]
+        routes, forwarded = None, len(self.prompt_ids) + len(self.token_ids) - 1   # positions 0 .. forwarded-1
+        if self.routes is not None and len(self.routes) >= forwarded:
+            routes = self.routes[:forwarded]    # else vLLM reported routes for some positions only: as none
         return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
                           self.finish_reason, self.stop_string, self.top if p.top_logprobs else None, self.sampling)
 

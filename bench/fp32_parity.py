@@ -1,5 +1,5 @@
 # bench/fp32_parity.py — why vLLM in fp32 on a GPU disagrees with the trainer's fp32 recompute, and which MoE routes
-# vLLM reports for a request kept across a weight update; each part one run, one JSON summary.
+# vLLM reports for a request in flight during a weight update (drained, or kept); each part one run, one JSON summary.
 #
 # parity: one fp32 model (SmolLM2-135M's architecture with random weights, its final norm scaled so its logits
 #   spread like a trained model's; or --model FOLDER, e.g. the smollm2 folder) samples 64 prompts x 128 tokens in
@@ -29,15 +29,17 @@
 #   Trainer variants: sdpa_fp32 (the project's: models.load_model, torch's default "highest" precision), eager_fp32
 #   (eager attention), sdpa_tf32 (torch.set_float32_matmul_precision("high")), fp64 (the model in float64: the
 #   reference both sides are measured against).
-# r3_update: a tiny Qwen3-MoE in fp32 on vllm_engine.VLLMEngine; a request is kept across a weight update that
-#   replaces every router's weights (so routes change), with the re-prefill (the project's default) and without it.
-#   Reported: which routes vLLM returns for the positions computed before the update (the first routes, or the
-#   recomputed ones), against transformers' routes under the old and the new weights, and the logprob gap of the
-#   tokens sampled after the update when the trainer replays vLLM's reported routes, the new weights' routes, or
-#   none. vLLM 0.26's scheduler sends each position's routes once, as it is first computed, and the client
-#   concatenates them (v1/core/sched/scheduler.py, v1/engine/output_processor.py); this part measures it.
-#   Routed-expert capture needs CUDA: with --tiny on a CPU the part runs on the embedded engine instead (which also
-#   re-prefills kept requests), to test the part's plumbing.
+# r3_update: a tiny Qwen3-MoE in fp32 on vllm_engine.VLLMEngine; a 64-token request is in flight when the runtime's
+#   push (pause, update, resume) replaces every router's weights (so routes change), and a 16-token request comes
+#   while the engine is paused. Under each update policy: drain (an MoE engine's default: the update waits for the
+#   request in flight; the second one starts after it), keep_reprefill (drain_on_update=False: the kept request is
+#   re-prefilled by the new weights), keep_old_kv_cache (also reprefill_on_update=False). Reported per request:
+#   its versions, whether vLLM reported routes for every forwarded position (vLLM 0.26 reported none for a request
+#   the re-prefill kept: `routed_experts` None), which routes they are against transformers' under the old and the
+#   new weights, and the logprob gap of each version's tokens when the trainer replays the reported routes, a fresh
+#   forward's routes at that version, or none (live routes); also how long the update took (a drain waits).
+#   Routed-expert capture needs CUDA: with --tiny on a CPU the part runs on the embedded engine instead (which keeps
+#   the same policies), to test the part's plumbing.
 # --tiny: a 2-layer Qwen3 (head_dim 32, the smallest vLLM's CPU attention takes) on vLLM's CPU build, 8 prompts x 32
 #   tokens, the variants a CPU has; it exists to test this script.
 #
@@ -309,7 +311,7 @@ def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
     return result
 
 
-# ---- R3: routes of a request kept across a weight update ----
+# ---- R3: routes of a request in flight during a weight update ----
 
 def captured_routes(model, ids: list[int], device: str) -> torch.Tensor:
     """transformers' own routes for one sequence: long [positions, layers, k], sorted (an expert set)."""
@@ -323,9 +325,64 @@ def match(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a == b).all(-1).float().mean()) if a.numel() else float("nan")
 
 
+def replay_gap(model, gen, routes, tokens: slice, device: str) -> dict | None:
+    """|behavior - trainer| over gen's tokens `tokens` (indices into its sampled tokens), the trainer (model, T 1)
+    replaying `routes` [positions, L, k] (None: its own live routes)."""
+    if tokens.start == tokens.stop:
+        return None
+    ids, mask = padded([(gen.prompt_ids, gen.token_ids, gen.behavior_logprobs, [])], device)
+    replay = None
+    if routes is not None:
+        replay = torch.full((1, ids.shape[1], *routes.shape[1:]), -1, dtype=torch.long)
+        replay[0, :len(routes)] = torch.as_tensor(routes).long()
+        replay = replay.to(device)
+    with torch.no_grad():
+        lp = actor.sequence_logprobs(model, ids, mask, 1.0, routes=replay)[0, len(gen.prompt_ids):].float().cpu()
+    diff = (torch.tensor(gen.behavior_logprobs) - lp[:len(gen.token_ids)])[tokens].abs()
+    return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(diff.numel())}
+
+
+def describe(gen, weights: dict, device: str) -> dict:
+    """What the engine reported for one request (versions, routes) against transformers under each version's
+    weights (`weights`: version -> model): which routes they are, and the trainer-replay logprob gap of the tokens of
+    each version replaying the reported routes, the routes a fresh forward at that version gives (what a consistent
+    engine reports), and none (live routes, what the trainer does without them)."""
+    versions = sorted(set(gen.policy_versions))
+    sequence = gen.prompt_ids + gen.token_ids[:-1]          # the forwarded positions
+    entry = {"tokens": len(gen.token_ids), "versions": {str(v): gen.policy_versions.count(v) for v in versions},
+             "positions_forwarded": len(sequence),
+             "routes_shape": None if gen.routes is None else list(gen.routes.shape)}
+    entry["routes_for_every_position"] = gen.routes is not None and len(gen.routes) == len(sequence)
+    reported = None if gen.routes is None else torch.from_numpy(gen.routes).long().sort(-1).values
+    fresh = {v: captured_routes(weights[v], sequence, device) for v in versions}
+    first = 0
+    for v in versions:               # the tokens of each version are a run: versions only move forward
+        n = gen.policy_versions.count(v)
+        tokens = slice(first, first + n)
+        part = {"tokens": n}
+        if reported is not None:      # positions before a token of this run conditioned it
+            positions = slice(0, len(gen.prompt_ids) + first + n - 1)
+            part["reported_equals_fresh_routes_at_this_version"] = match(reported[positions], fresh[v][positions])
+        for name, routes in (("reported", gen.routes), ("fresh_routes", fresh[v]), ("live", None)):
+            if name == "reported" and routes is None:
+                continue
+            part[f"gap_replaying_{name}"] = replay_gap(weights[v], gen, routes, tokens, device)
+        entry[f"v{v}"] = part
+        first += n
+    if len(versions) == 2 and reported is not None:   # which routes the positions before the update got
+        cut = len(gen.prompt_ids) + entry["versions"][str(versions[0])] - 1
+        old, new = fresh[versions[0]], fresh[versions[1]]
+        entry["positions_before_update"] = cut
+        entry["old_vs_new_weights_agree_before"] = match(old[:cut], new[:cut])
+        entry["reported_equals_old_weights_before"] = match(reported[:cut], old[:cut])
+        entry["reported_equals_new_weights_before"] = match(reported[:cut], new[:cut])
+        entry["reported_equals_new_weights_after"] = match(reported[cut:], new[cut:])
+    return entry
+
+
 def bench_r3_update(tiny: bool) -> dict:
-    """On a GPU, vLLM; with --tiny on a CPU (where vLLM captures no routes) the embedded engine, which re-prefills
-    kept requests too: a check of this part's plumbing, not of vLLM."""
+    """On a GPU, vLLM; with --tiny on a CPU (where vLLM captures no routes) the embedded engine, which keeps the
+    same update policies: a check of this part's plumbing, not of vLLM."""
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not tiny:
         return {"skipped": "vLLM captures routed experts only on CUDA (its capture needs Triton); run on the GPU"}
@@ -344,61 +401,54 @@ def bench_r3_update(tiny: bool) -> dict:
                                         gpu_memory_utilization=0.2, max_model_len=512)
     else:
         engine = rollout.EmbeddedEngine(models.load_model(folder), seed=0)
-    prompt = random_prompts(1, 24, vocab, seed=3)[0]
+    prompt, late_prompt = random_prompts(2, 24, vocab, seed=3)
     result = {"model": "tiny Qwen3-MoE (8 experts, top 2, head_dim 64), fp32", "prompt_tokens": len(prompt),
-              "engine": "vLLM (VLLMEngine)" if on_gpu else "the embedded engine (a CPU check of this part only)"}
+              "engine": "vLLM (VLLMEngine)" if on_gpu else "the embedded engine (a CPU check of this part only)",
+              "drain_on_update_default": engine.drain_on_update,
+              "how": "a 64-token request; after its 16th token the runtime's push (pause, update every router's "
+                     "weights, resume) and, while paused, a 16-token request; per request: versions, routes, and "
+                     "the trainer's logprob gap (T 1) replaying them"}
+    # policy -> (drain_on_update, reprefill_on_update); the embedded engine always re-prefills what it keeps
+    policies = {"drain": (True, True), "keep_reprefill": (False, True)}
+    if on_gpu:
+        policies["keep_old_kv_cache"] = (False, False)
     try:
-        for reprefill in (True, False) if on_gpu else (True,):
+        for name, (drain, reprefill) in policies.items():
+            engine.drain_on_update = drain
             if on_gpu:
                 engine.reprefill_on_update = reprefill
             version = engine.version + 1
             engine.update_weights(old.state_dict(), version)          # start from the old weights
-            heard, got = threading.Event(), []
+            heard, got, late = threading.Event(), [], []
             count = [0]
 
-            def listen(index: int, token_id: int) -> None:   # on the engine's loop
+            def listen(index: int, token_id: int) -> None:   # on the engine's loop (or decoding thread)
                 count[0] += 1
                 if count[0] == 16:
                     heard.set()
             params = rollout.SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=(vocab - 1,))
+            late_params = rollout.SamplingParams(temperature=1.0, max_tokens=16, seed=8, stop_token_ids=(vocab - 1,))
             worker = threading.Thread(target=lambda: got.extend(engine.generate([prompt], params, on_token=listen)))
             worker.start()
             heard.wait(120)
-            engine.update_weights(new.state_dict(), version + 1)
+            engine.pause()
+            at_pause = count[0]
+            late_worker = threading.Thread(target=lambda: late.extend(engine.generate([late_prompt], late_params)))
+            late_worker.start()
+            t0 = time.time()
+            engine.update_weights(new.state_dict(), version + 1)       # draining: once the request has finished
+            update_s = time.time() - t0
+            engine.resume()
             worker.join(300)
-            gen = got[0]
-            n_old = gen.policy_versions.count(version)
-            reported = torch.from_numpy(gen.routes).long().sort(-1).values          # [P + n - 1, L, k]
-            sequence = gen.prompt_ids + gen.token_ids[:-1]
-            routes_old, routes_new = captured_routes(old, sequence, device), captured_routes(new, sequence, device)
-            cut = len(gen.prompt_ids) + n_old - 1        # positions before it were computed before the update
-            before, after = slice(0, cut), slice(cut, len(sequence))
-            entry = {"n_old_tokens": n_old, "n_new_tokens": len(gen.token_ids) - n_old,
-                     "reported_routes_shape": list(gen.routes.shape),
-                     "before_update_positions": cut,
-                     "old_vs_new_weights_agree_before": match(routes_old[before], routes_new[before]),
-                     "reported_equals_old_weights_before": match(reported[before], routes_old[before]),
-                     "reported_equals_new_weights_before": match(reported[before], routes_new[before]),
-                     "reported_equals_new_weights_after": match(reported[after], routes_new[after]),
-                     "reported_equals_old_weights_after": match(reported[after], routes_old[after])}
-            # the tokens sampled after the update, recomputed by the new weights with each choice of replayed routes
-            row = [(gen.prompt_ids, gen.token_ids, gen.behavior_logprobs, [])]
-            ids, mask = padded(row, device)
-            span = slice(len(gen.prompt_ids) + n_old, len(gen.prompt_ids) + len(gen.token_ids))
-            behavior = torch.tensor(gen.behavior_logprobs[n_old:])
-            choices = {"reported": torch.from_numpy(gen.routes).long(), "new_weights": routes_new, "none": None}
-            for name, routes in choices.items():
-                replay = None
-                if routes is not None:
-                    replay = torch.full((1, ids.shape[1], *routes.shape[1:]), -1, dtype=torch.long)
-                    replay[0, :len(routes)] = routes
-                    replay = replay.to(device)
-                with torch.no_grad():
-                    lp = actor.sequence_logprobs(new, ids, mask, 1.0, routes=replay)[0, span].float().cpu()
-                diff = (behavior - lp).abs()
-                entry[f"after_update_gap_replaying_{name}"] = {"mean": float(diff.mean()), "max": float(diff.max())}
-            result["reprefill" if reprefill else "old_kv_cache"] = entry
-            print("r3_update", reprefill, json.dumps(entry), flush=True)
+            late_worker.join(300)
+            weights = {version: old, version + 1: new}
+            entry = {"tokens_at_pause": at_pause, "update_s": round(update_s, 3),
+                     "long": describe(got[0], weights, device), "late": describe(late[0], weights, device)}
+            entry["one_version_per_request"] = all(len(e["versions"]) == 1 for e in (entry["long"], entry["late"]))
+            entry["routes_for_every_position"] = all(e["routes_for_every_position"]
+                                                     for e in (entry["long"], entry["late"]))
+            result[name] = entry
+            print("r3_update", name, json.dumps(entry), flush=True)
     finally:
         if on_gpu:
             engine.shutdown()

@@ -1,8 +1,11 @@
 # GPU claims, checked on a CUDA machine (the CPU suite covers the same logic with gloo): the actor on a GPU
-# recomputes the CPU engine's behavior logprobs (text rows, and a VLM's rows with their images), and FSDP2
-# over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch.
+# recomputes the CPU engine's behavior logprobs (text rows, and a VLM's rows with their images), an MoE on vLLM
+# keeps R3 across a weight update (the drain: one version and vLLM's routes for every position of each request),
+# and FSDP2 over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch.
+import copy
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -74,6 +77,97 @@ def test_the_embedded_engine_samples_on_the_gpu_and_the_actor_recomputes_it():
         gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[batch.loss_mask.bool()].abs().max()
         print(f"{kind} engine on GPU vs actor on GPU: max |logprob diff| {gap.item():.2e}")
         assert gap <= 1e-4
+
+
+def _routes_of(model, gen) -> torch.Tensor:
+    """transformers' routes for gen's forwarded positions, each an expert set (sorted) [P + n - 1, L, k]."""
+    with invariants.capture_routes(model) as captured, torch.no_grad():
+        model(input_ids=torch.tensor([gen.prompt_ids + gen.token_ids[:-1]], device="cuda"))
+    return captured[-1].sort(-1).values.cpu()
+
+
+def _replay_gap(model, gen) -> float:
+    """max |behavior - trainer| over gen's tokens, the trainer replaying gen's routes."""
+    ids = torch.tensor([gen.prompt_ids + gen.token_ids], device="cuda")
+    replay = torch.full((1, ids.shape[1], *gen.routes.shape[1:]), -1, dtype=torch.long)
+    replay[0, :len(gen.routes)] = torch.from_numpy(gen.routes).long()
+    with torch.no_grad():
+        lp = actor.sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, routes=replay.cuda())[0].float().cpu()
+    return (torch.tensor(gen.behavior_logprobs) - lp[len(gen.prompt_ids):]).abs().max().item()
+
+
+def _push_during_a_request(engine, old, new):
+    """A 64-token request; after its 16th token the runtime's push (pause, update to `new`, resume) and, while
+    paused, a 16-token request. Returns (long, late, {version: its weights})."""
+    version = engine.version + 1
+    engine.update_weights(old.state_dict(), version)
+    heard, count, long, late = threading.Event(), [0], [], []
+
+    def listen(index, token_id):
+        count[0] += 1
+        if count[0] == 16:
+            heard.set()
+    stop = (engine.vocab_size - 1,)
+    worker = threading.Thread(target=lambda: long.extend(engine.generate(
+        [list(range(3, 27))], SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=stop), listen)))
+    worker.start()
+    assert heard.wait(120)
+    engine.pause()
+    late_worker = threading.Thread(target=lambda: late.extend(engine.generate(
+        [list(range(40, 64))], SamplingParams(temperature=1.0, max_tokens=16, seed=8, stop_token_ids=stop))))
+    late_worker.start()
+    engine.update_weights(new.state_dict(), version + 1)
+    engine.resume()
+    worker.join(300)
+    late_worker.join(300)
+    return long[0], late[0], {version: old, version + 1: new}
+
+
+def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_routes_replay():
+    """vLLM in fp32 serving a tiny Qwen3-MoE; a push that moves every router lands while a request runs. Draining
+    (an MoE engine's default): the request in flight and one submitted during the push each have one version and
+    vLLM's routes for every forwarded position, a fresh forward's at that version, and the trainer replaying them
+    meets vLLM's logprobs. With the drain forced off the kept request spans both versions (armed); what vLLM
+    reports for it (no routes, or which) is printed, and nothing fails."""
+    pytest.importorskip("vllm")
+    from vllm_engine import VLLMEngine
+    path = models.tiny_model_dir("qwen3_moe", head_dim=64)
+    old = models.load_model(path).cuda()
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for router in invariants.moe_routers(new):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
+    engine = VLLMEngine(path, dtype="float32", transfer="rpc", enforce_eager=True, gpu_memory_utilization=0.2,
+                        max_model_len=512)
+    try:
+        assert engine.is_moe and engine.drain_on_update
+        long, late, weights = _push_during_a_request(engine, old, new)
+        engine.drain_on_update = False
+        kept, _, kept_weights = _push_during_a_request(engine, old, new)
+    finally:
+        engine.shutdown()
+    for name, gen in (("in flight", long), ("submitted during the push", late)):
+        (version,) = set(gen.policy_versions)
+        assert gen.routes is not None and len(gen.routes) == len(gen.prompt_ids) + len(gen.token_ids) - 1
+        agree = (torch.from_numpy(gen.routes).long().sort(-1).values == _routes_of(weights[version], gen)).all(-1)
+        gap = _replay_gap(weights[version], gen)
+        print(f"drained, request {name}: version {version}, {len(gen.token_ids)} tokens, routes agree with "
+              f"transformers' at {agree.float().mean().item():.4f} of (position, layer); replay gap max {gap:.2e}")
+        assert agree.float().mean() >= 0.99 and gap <= 1e-3
+    versions = sorted(set(kept.policy_versions))
+    assert len(versions) == 2                                   # armed: kept across the push, it spans both
+    n_old = kept.policy_versions.count(versions[0])
+    if kept.routes is None:
+        print(f"kept and re-prefilled ({n_old} + {len(kept.token_ids) - n_old} tokens): vLLM reported no routes")
+    else:
+        cut = len(kept.prompt_ids) + n_old - 1
+        reported = torch.from_numpy(kept.routes).long().sort(-1).values
+        old_routes, new_routes = (_routes_of(kept_weights[v], kept) for v in versions)
+        print(f"kept and re-prefilled ({n_old} + {len(kept.token_ids) - n_old} tokens): vLLM reported routes "
+              f"{list(kept.routes.shape)}; before the push they equal the old weights' at "
+              f"{(reported[:cut] == old_routes[:cut]).all(-1).float().mean().item():.3f}, the new weights' at "
+              f"{(reported[:cut] == new_routes[:cut]).all(-1).float().mean().item():.3f}")
 
 
 def _nccl_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str,

@@ -6,6 +6,7 @@ import math
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -398,14 +399,15 @@ def test_a_failing_row_fails_alone_and_the_rest_of_its_batch_finishes(tiny):
 
 
 def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
-    """First writer wins, as in the ledger and a prefix cache: positions forwarded before the swap keep the
-    routes the tokens sampled so far were conditioned on; only positions forwarded after take the new routes."""
+    """An MoE request kept across a swap (drain_on_update=False; the default drains): first writer wins, as in the
+    ledger and a prefix cache: positions forwarded before the swap keep the routes the tokens sampled so far were
+    conditioned on; only positions forwarded after take the new routes."""
     old = models.tiny_model("qwen3_moe", seed=0)
     new = copy.deepcopy(old)
     with torch.no_grad():
         for router in invariants.moe_routers(new):
             router.weight.add_(2.0 * torch.randn_like(router.weight))
-    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0, drain_on_update=False)
     n_before, original = 4, engine._record
 
     def record_then_swap(row, *drawn):
@@ -429,16 +431,17 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
 
 
 def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step():
-    """The usual update (the trainer's thread, not a listener: pause, load, resume) lands between two passes,
-    after the old weights' step has forwarded the newest token: no token was sampled from that forward, so the
-    re-prefill's routes for its position replace it, and every route after the kept ones is the new weights'."""
+    """The usual update (the trainer's thread, not a listener: pause, load, resume) of an MoE request kept across it
+    (drain_on_update=False) lands between two passes, after the old weights' step has forwarded the newest token:
+    no token was sampled from that forward, so the re-prefill's routes for its position replace it, and every route
+    after the kept ones is the new weights'."""
     old = models.tiny_model("qwen3_moe", seed=0)
     new = copy.deepcopy(old)
     torch.manual_seed(1)
     with torch.no_grad():
         for router in invariants.moe_routers(new):
             router.weight.add_(2.0 * torch.randn_like(router.weight))
-    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0, drain_on_update=False)
     heard = threading.Event()
     prompt, result = [11, 12, 13, 14, 15], []
     worker = threading.Thread(target=lambda: result.extend(engine.generate(
@@ -463,6 +466,123 @@ def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step
     assert (old_routes[before] != new_routes[before]).any()      # armed: the stale step's position moves
     assert (gen.routes[:before] == old_routes[:before]).all()
     assert (gen.routes[before:] == new_routes[before:]).all()
+
+
+def _moe_pair():
+    """A tiny MoE and a copy whose every router moved (most positions change experts)."""
+    old = models.tiny_model("qwen3_moe", seed=0)
+    new = copy.deepcopy(old)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for router in invariants.moe_routers(new):
+            router.weight.add_(2.0 * torch.randn(router.weight.shape, generator=generator))
+    return old, new
+
+
+def _routes_of(model, gen) -> np.ndarray:
+    """A fresh full forward's routes for every position of gen that was forwarded [P + n - 1, L, k]."""
+    with invariants.capture_routes(model) as captured, torch.no_grad():
+        model(input_ids=torch.tensor([gen.prompt_ids + gen.token_ids]))
+    return captured[-1][:-1].numpy()
+
+
+def _update_during_a_long_request(engine, new_state, pause_first: bool, n_before=5):
+    """A long request; at its n_before-th token its decoding is held (in its listener) while, on another thread, a
+    weight update starts (after a pause from this thread, as the runtime's push does, or alone) and a short request
+    is submitted; then it is let go. Returns (long, short, the engine version each of the long request's tokens saw
+    when it was sampled)."""
+    held, go, seen, out = threading.Event(), threading.Event(), [], {}
+
+    def listen(_, token):
+        seen.append(engine.version)
+        if len(seen) == n_before:
+            held.set()
+            assert go.wait(60)
+
+    def push():
+        engine.update_weights(new_state, engine.version + 1)
+        if pause_first:
+            engine.resume()
+    params = SamplingParams(temperature=0.9, max_tokens=40, seed=1, stop_token_ids=(9999,))
+    long_job = threading.Thread(target=lambda: out.setdefault("long", engine.generate([[11, 12, 13, 14, 15]], params,
+                                                                                      listen)[0]))
+    long_job.start()
+    assert held.wait(60)
+    if pause_first:
+        engine.pause()
+    update = threading.Thread(target=push)
+    update.start()
+    while engine._admitting and not pause_first and engine.drain_on_update:   # the update has begun to drain
+        time.sleep(0.001)
+    short_job = threading.Thread(target=lambda: out.setdefault("short", engine.generate(
+        [[7, 8, 9]], SamplingParams(temperature=0.9, max_tokens=6, seed=2, stop_token_ids=(9999,)))[0]))
+    short_job.start()
+    while not engine._waiting:
+        time.sleep(0.001)
+    go.set()
+    for job in (long_job, update, short_job):
+        job.join(timeout=120)
+    return out["long"], out["short"], seen
+
+
+def test_an_moe_update_waits_for_the_request_in_flight_so_every_position_has_the_routes_its_tokens_saw():
+    """drain_on_update, an MoE model's default: an update from another thread waits while a long request finishes,
+    so all its tokens carry the old version and its routes at every position are a fresh forward's at the old
+    weights (the trainer replays them to parity); a request submitted during the drain waits, then runs wholly at
+    the new version with the new weights' routes."""
+    old, new = _moe_pair()
+    for pause_first in (False, True):
+        engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+        assert engine.drain_on_update
+        long, short, seen = _update_during_a_long_request(engine, new.state_dict(), pause_first)
+        assert seen == [0] * 40 and long.policy_versions == [0] * 40          # the weights never moved under it
+        assert short.policy_versions == [1] * 6 and engine.version == 1
+        for gen, weights in ((long, old), (short, new)):
+            assert (gen.routes == _routes_of(weights, gen)).all()
+            assert _max_gap([gen], _recompute(weights, [gen], 0.9, routes=True)) <= 1e-5
+        assert engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0].policy_versions == [1, 1]   # admits again
+
+
+def test_an_moe_request_kept_across_an_update_has_no_route_set_that_replays_all_its_tokens():
+    """The negative control, drain_on_update=False: the long request spans both versions, and no route set serves
+    it. Its recorded routes (first writer wins) are the old weights' where the new weights route otherwise, so
+    replaying them with the new weights misses the tokens sampled after the update; the new weights' routes (what
+    a re-prefill computed) give those tokens their logprobs but miss the ones before the update."""
+    old, new = _moe_pair()
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0, drain_on_update=False)
+    long, short, _ = _update_during_a_long_request(engine, new.state_dict(), pause_first=True)
+    n1 = long.policy_versions.count(0)
+    assert n1 == 5 and long.policy_versions == [0] * n1 + [1] * (40 - n1) and short.policy_versions == [1] * 6
+    cut = len(long.prompt_ids) + n1 - 1                     # positions forwarded by the old weights
+    old_routes, new_routes = _routes_of(old, long), _routes_of(new, long)
+    assert (long.routes[:cut] == old_routes[:cut]).all() and (long.routes[:cut] != new_routes[:cut]).any()
+    behavior = torch.tensor(long.behavior_logprobs)
+
+    def gaps(weights, routes):
+        replay = torch.full((1, len(long.prompt_ids) + 40, *routes.shape[1:]), -1, dtype=torch.long)
+        replay[0, :len(routes)] = torch.from_numpy(routes).long()
+        ids = torch.tensor([long.prompt_ids + long.token_ids])
+        with torch.no_grad():
+            lp = sequence_logprobs(weights, ids, torch.ones_like(ids), 0.9, routes=replay)[0, len(long.prompt_ids):]
+        return (behavior[:n1] - lp[:n1]).abs().max().item(), (behavior[n1:] - lp[n1:]).abs().max().item()
+    assert gaps(old, long.routes)[0] <= 1e-5 and gaps(new, long.routes)[1] > 1e-3   # recorded: after the update off
+    assert gaps(new, new_routes)[1] <= 1e-5 and gaps(old, new_routes)[0] > 1e-3     # recomputed: before it off
+
+
+def test_a_draining_update_refuses_to_run_on_the_decoding_thread():
+    """A listener that loads weights under the drain policy would wait for its own request: refused, saying why."""
+    old, new = _moe_pair()
+    engine = EmbeddedEngine(copy.deepcopy(old), version=0)
+    errors = []
+
+    def listen(_, token):
+        if not errors:
+            try:
+                engine.update_weights(new.state_dict(), version=1)
+            except RuntimeError as error:
+                errors.append(error)
+    engine.generate([[5, 6]], SamplingParams(max_tokens=3, seed=0), listen)
+    assert errors and "decoding thread" in str(errors[0]) and engine.version == 0
 
 
 def test_a_weight_swap_reprefills_every_row_of_a_merged_batch_at_its_own_progress(tiny):

@@ -57,7 +57,7 @@ def fresh(engine, model):
     engine.version = VERSION
     engine.update_weights(model.state_dict(), VERSION)
     yield engine
-    engine.reprefill_on_update = True
+    engine.reprefill_on_update, engine.drain_on_update = True, engine.is_moe
 
 
 def _gap(gens, recomputed) -> float:
@@ -80,6 +80,36 @@ def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
     for kind, moe in [("qwen3_moe", True), ("qwen3", False), ("qwen2_5_vl", False)]:
         with open(os.path.join(models.tiny_model_dir(kind), "config.json")) as f:
             assert is_moe_config(json.load(f)) is moe
+
+
+def test_a_request_vllm_reported_no_routes_for_comes_back_without_routes_not_failing():
+    """vLLM 0.26 reports no routed experts for a request it preempted (the keep policy's re-prefill does): the
+    request still comes back whole, with routes None (the trainer counts those tokens as unreplayed), as it does
+    when vLLM reported routes for only some positions; routes for every forwarded position come back as they are."""
+    import numpy as np
+    from vllm.logprobs import FlatLogprobs, Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from rollout import recorded_sampling
+    from vllm_engine import _Request
+    prompt, tokens, params = [5, 6, 7], [8, 9, 10, 11], SamplingParams(max_tokens=4)
+    every = np.arange(6 * 2 * 2, dtype=np.int16).reshape(6, 2, 2)          # positions 0 .. 5 = P + n - 2
+
+    def finished(routes):
+        logprobs = FlatLogprobs()
+        for t in tokens:
+            logprobs.append({t: Logprob(-0.5, rank=1)})
+        completion = CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None, logprobs=logprobs,
+                                      routed_experts=routes, finish_reason="length")
+        request = _Request(prompt, params, None, [], recorded_sampling(params, len(prompt)))
+        request.version_starts.append((VERSION, 0))
+        request.take(RequestOutput(request_id="r", prompt=None, prompt_token_ids=prompt, prompt_logprobs=None,
+                                   outputs=[completion], finished=True))
+        return request.generation()
+    assert (finished(every).routes == every).all()
+    for partial in (None, every[:4]):
+        gen = finished(partial)
+        assert gen.routes is None and gen.token_ids == tokens and gen.behavior_logprobs == [-0.5] * 4
+        assert gen.policy_versions == [VERSION] * 4 and gen.finish_reason == "length"
 
 
 def test_image_pad_runs_collapse_to_the_one_pad_vllm_expands():
@@ -267,6 +297,55 @@ def test_continuing_on_the_old_kv_cache_gives_logprobs_of_neither_version(fresh,
     behavior = torch.tensor(gen.behavior_logprobs)
     new_lp = _recompute(new, [gen], 0.9)[0]
     assert (behavior[n1:] - new_lp[n1:]).abs().max() > 1e-3
+
+
+def _update_beside_a_long_request(engine, new_state):
+    """A long streamed request; once it has sampled 5 tokens, a weight update from another thread, and once the
+    update has paused the engine, a short request. Returns (the long one, the short one, how many tokens the long
+    one had sampled when the short one was submitted)."""
+    heard, count = threading.Event(), [0]
+
+    def listen(index, token_id):
+        count[0] += 1
+        if count[0] == 5:
+            heard.set()
+    long = []
+    params = SamplingParams(temperature=0.9, max_tokens=200, seed=5, stop_token_ids=(689,))
+    long_job = threading.Thread(target=lambda: long.extend(engine.generate([PROMPTS[0]], params, listen)))
+    long_job.start()
+    assert heard.wait(timeout=120)
+    update = threading.Thread(target=engine.update_weights, args=(new_state, VERSION + 1))
+    update.start()
+    while not engine._paused and update.is_alive():
+        time.sleep(0.001)
+    at_submit = count[0]
+    late = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.9, max_tokens=8, seed=6))[0]
+    update.join(timeout=120)
+    long_job.join(timeout=120)
+    return long[0], late, at_submit
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_a_draining_update_lets_the_request_in_flight_finish_at_its_version_and_the_next_waits(fresh, model, drain):
+    """drain_on_update (an MoE model's default, forced here on a dense one: vLLM's CPU build captures no routes):
+    the update waits for the request in flight, every one of whose tokens keeps the old version, and a request
+    submitted meanwhile waits and then runs wholly at the new version. Negative control, the policy off: the long
+    request spans both versions (what an MoE request must not do: it would have no right route set)."""
+    fresh.drain_on_update = drain
+    new = _perturbed(model)
+    long, late, at_submit = _update_beside_a_long_request(fresh, new.state_dict())
+    assert at_submit < len(long.token_ids)                       # the short one came while the long one ran
+    assert late.policy_versions == [VERSION + 1] * len(late.token_ids)
+    assert _gap([late], _recompute(new, [late], 0.9)) <= 1e-5
+    n_old = long.policy_versions.count(VERSION)
+    print(f"drain_on_update={drain}: the long request has {n_old} tokens at v{VERSION} and "
+          f"{len(long.token_ids) - n_old} at v{VERSION + 1} (the short one came after its {at_submit}th token); the "
+          f"short one has {len(late.token_ids)} at v{VERSION + 1}")
+    if drain:
+        assert n_old == len(long.token_ids)
+        assert _gap([long], _recompute(model, [long], 0.9)) <= 1e-5
+    else:
+        assert at_submit <= n_old < len(long.token_ids) and VERSION + 1 in long.policy_versions
 
 
 # ---- the prefix cache across weight updates: KV written by old weights is never reused -------------------------------
