@@ -549,12 +549,16 @@ class Actor:
 
     def warm_up(self) -> None:
         """Compile now what the first steps would (no-op unless compiled): a train forward and backward and a
-        no-grad recompute over right-padded batches of 2, 3 and 1 rows (torch._dynamo makes rows and length dynamic
-        at the second, and specializes one row). Weights, optimizer and global RNG stay as they were."""
+        no-grad recompute over right-padded batches of 2, 3, 3 and 1 rows (torch._dynamo makes rows and length dynamic
+        at the second, and specializes one row), the third a real step's micro-batch in small: its wanted positions span
+        LOGPROB_CHUNK chunks past KEPT_LOGITS, so the head runs checkpointed chunks that are views of a longer tensor
+        (a guard of their own: else the first step compiles the head again). Weights, optimizer and RNG stay."""
         if not self.compiled:
             return
         vocab, draw = self.model.config.get_text_config().vocab_size, torch.Generator().manual_seed(0)
-        for rows, length in ((2, 48), (3, 80), (1, 64)):
+        # the third's rows: 1.5x the wanted positions of a chunk or of KEPT_LOGITS (at a vocabulary of 8K or more)
+        wide = min(max(LOGPROB_CHUNK, KEPT_LOGITS // vocab), 4 * LOGPROB_CHUNK) // 2 + 28
+        for rows, length in ((2, 48), (3, 80), (3, wide), (1, 64)):
             segments = []
             for r, n in enumerate(range(length, length - 16 * rows, -16)):   # right-padded rows of unlike lengths
                 sampled = [t >= 12 for t in range(n)]
@@ -932,15 +936,9 @@ class Actor:
         silently ship a handful of a model's parameters), each in its own dtype (an fp32 router or norm cast to bf16
         changes the engine's model), minus the tied output embedding by its exact key (tied_output_key).
         Collective under FSDP2; every rank gets the full dict."""
-        skip = tied_output_key(self.model)
-        weights = {}
-        for name, value in self.model.state_dict().items():
-            if name == skip:
-                continue
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            weights[name] = value.detach().to(device, copy=True)
-        return weights
+        skip, full = tied_output_key(self.model), lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+        return {name: full(value).detach().to(device, copy=True) for name, value in self.model.state_dict().items()
+                if name != skip}
 
     # -- checkpoints --
 

@@ -2,6 +2,7 @@
 # one train_step is the GLOBAL token-mean step however the batch is split (micro-batches, FSDP2 ranks), the
 # on-policy corrected step is the plain step, the export is complete and exact, checkpoints resume bitwise and
 # half-written ones are refused, and MoE routes are replayed with the router still learning.
+import concurrent.futures
 import math
 import os
 import socket
@@ -574,16 +575,41 @@ def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
     assert all(w.dtype == torch.float32 for w in fast.export_weights().values())
 
 
-def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_step(qwen3_dir):
-    """--actor.compile (a GPU's default): warm_up compiles what the first steps would (train.py runs it while the
-    engine starts), so steps of new shapes compile nothing, and it leaves the weights, the gradients and the global
-    RNG as they were; the compiled step, its output projection fused (_untruncated_head), is the eager step."""
+def grpo_batch(prompts: int, samples: int, vocab: int, seed: int = 0, version: int = 0) -> invariants.TrainBatch:
+    """A GRPO step's batch: `samples` rows per prompt, each its prompt's ids and a reply of its own length, sampled
+    at weight `version`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for p in range(prompts):
+        prompt = torch.randint(0, vocab, (6 + 5 * p,), generator=g).tolist()
+        for s in range(samples):
+            reply = int(torch.randint(16, 40, (1,), generator=g))
+            ids = prompt + torch.randint(0, vocab, (reply,), generator=g).tolist()
+            trainable = [t >= len(prompt) for t in range(len(ids))]
+            rows.append(invariants.Segment(f"p{p}s{s}", f"g{p}", 0, ids, trainable, [0.0] * len(ids),
+                                           [version if tr else -1 for tr in trainable],
+                                           [SAMPLING if tr else invariants.UNSAMPLED for tr in trainable]))
+    return invariants.build_batch(rows, [(-1.0) ** i * 0.5 for i in range(len(rows))], pad_id=0)
+
+
+def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_step(qwen3_dir, monkeypatch):
+    """--actor.compile (a GPU's default): warm_up, in a thread of its own while the engine starts (as train.py runs
+    it), compiles what the first steps would, so steps of new shapes compile nothing: also an RL step as
+    train.train_on_rows takes it (groups of rows sharing a prompt, replies of unlike lengths, T 0.7, two minibatches:
+    the later one's recompute, a step on the first one's own forward, a step on the recomputed logprobs) with
+    micro-batches whose head spans several chunks past KEPT_LOGITS, as a real step's thousands of tokens do. It
+    leaves the weights, the gradients and the global RNG as they were; the compiled step, its output projection
+    fused (_untruncated_head), is the eager step."""
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     cfg = dict(precision="fp32", max_grad_norm=1e9)
-    step = lambda policy, batch: policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"),  # noqa: E731
-                                                   invariants.CorrectionConfig(), policy.version)
+    algo_cfg, correction = algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig()
+    step = lambda policy, batch: policy.train_step(batch, None, algo_cfg, correction, policy.version)  # noqa: E731
     vocab = models.load_model(qwen3_dir).config.vocab_size
+    # a real step's head at this tiny shape: a micro-batch (8 rows here) holds more wanted positions than a chunk
+    monkeypatch.setattr(actor, "LOGPROB_CHUNK", 160)
+    monkeypatch.setattr(actor, "KEPT_LOGITS", 160 * vocab)
     first, second = make_batch([12, 6, 9], 3, vocab), make_batch([7, 15, 4, 11], 3, vocab, seed=1)
+
     torch._dynamo.reset()
     cold = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=2)
     before = graphs()
@@ -591,9 +617,9 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     assert graphs() > before                     # the trap is armed: without the warm-up, the first step compiles
 
     torch._dynamo.reset()
-    warm = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=2)
+    warm = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=4)
     weights, rng = {k: v.clone() for k, v in warm.model.state_dict().items()}, torch.get_rng_state()
-    warm.warm_up()
+    concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warm-up").submit(warm.warm_up).result()
     assert all(torch.equal(weights[k], v) for k, v in warm.model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in warm.model.parameters())
     compiled = graphs()
@@ -601,6 +627,13 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     step(warm, first)
     warm_grads = grads(warm.model)
     step(warm, second)
+    rl = grpo_batch(prompts=4, samples=4, vocab=vocab, seed=2, version=warm.version)
+    early, later = list(range(8)), list(range(8, 16))      # train.minibatch_indices: whole groups, two minibatches
+    assert all(rl.loss_mask[rows].sum() > actor.LOGPROB_CHUNK for rows in (early, later))
+    version, prox = warm.version, warm.recompute_logprobs(invariants.select_rows(rl, later))
+    warm.train_step(invariants.select_rows(rl, early), None, algo_cfg, correction, version)
+    report = warm.train_step(invariants.select_rows(rl, later), prox, algo_cfg, correction, version)
+    assert report.metrics["actor/skipped"] == 0.0
     assert graphs() == compiled                  # steps of other rows and lengths than the warm-up's: no compile
 
     eager = actor.Actor(qwen3_dir, actor.ActorConfig(compile="false", **cfg), total_steps=2)
