@@ -428,9 +428,14 @@ def bench_r3_update(tiny: bool) -> dict:
                     heard.set()
             params = rollout.SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=(vocab - 1,))
             late_params = rollout.SamplingParams(temperature=1.0, max_tokens=16, seed=8, stop_token_ids=(vocab - 1,))
-            worker = threading.Thread(target=lambda: got.extend(engine.generate([prompt], params, on_token=listen)))
+            def run_long() -> None:
+                try:
+                    got.extend(engine.generate([prompt], params, on_token=listen))
+                finally:
+                    heard.set()           # also if it sampled its stop id first (then nothing spans the push)
+            worker = threading.Thread(target=run_long)
             worker.start()
-            heard.wait(120)
+            heard.wait(300)
             engine.pause()
             at_pause = count[0]
             late_worker = threading.Thread(target=lambda: late.extend(engine.generate([late_prompt], late_params)))
