@@ -622,6 +622,7 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warm-up").submit(warm.warm_up).result()
     assert all(torch.equal(weights[k], v) for k, v in warm.model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in warm.model.parameters())
+    assert not warm.optimizer.state and warm.version == 0
     compiled = graphs()
     old = warm.recompute_logprobs(first)
     step(warm, first)
