@@ -598,8 +598,8 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     train.train_on_rows takes it (groups of rows sharing a prompt, replies of unlike lengths, T 0.7, two minibatches:
     the later one's recompute, a step on the first one's own forward, a step on the recomputed logprobs) with
     micro-batches whose head spans several chunks past KEPT_LOGITS, as a real step's thousands of tokens do. It
-    leaves the weights, the gradients and the global RNG as they were; the compiled step, its output projection
-    fused (_untruncated_head), is the eager step."""
+    leaves the weights, the gradients, the optimizer and the global RNG as they were; the compiled step, its output
+    projection fused (_untruncated_head), is the eager step."""
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     cfg = dict(precision="fp32", max_grad_norm=1e9)
     algo_cfg, correction = algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig()
