@@ -333,7 +333,7 @@ def main(argv: list[str]) -> None:
 @contextlib.contextmanager
 def phase(what: str):
     """A start-up phase on one line: what it does as it starts, how long it took as it ends (no silence before the
-    first step; torch.compile, on by default on a GPU, runs inside the first step)."""
+    first step; an engine's own log lines may fall between the two)."""
     print(f"tracerl: {what} ...", end="", flush=True)
     t0 = time.time()
     yield
