@@ -13,6 +13,7 @@
 # Imported by every stage (engine, actor, algorithms, trainer).
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 # property"; ART issue #883 for why re-rendered sampled text must not stay trainable).
 # Images are part of the prefix: a VLM prompt is its ids plus the images that fill its pad runs, so a segment
 # extends only if its images are the first images of the new prompt (the same objects), and the trainer feeds
-# each row exactly the images its pads were sampled under.
+# each row exactly the images its pads were sampled under. An MoE segment also seals on a new version (invariant 3).
 
 
 @dataclass(eq=False)
@@ -53,16 +54,7 @@ class ImageInput:
 
 def image_pad_runs(token_ids: Sequence[int], pad_id: int) -> list[int]:
     """Lengths of the maximal runs of pad_id in token_ids, in order (one run per image)."""
-    runs: list[int] = []
-    previous = None
-    for t in token_ids:
-        if t == pad_id:
-            if previous == pad_id:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        previous = t
-    return runs
+    return [len(list(run)) for t, run in itertools.groupby(token_ids) if t == pad_id]
 
 
 def check_image_pads(token_ids: Sequence[int], images: Sequence[ImageInput], pad_id: int, where: str) -> None:
@@ -200,8 +192,7 @@ class TokenLedger:
     """Append-only token record of one rollout: a list of segments, the last one open (if any)."""
 
     def __init__(self, rollout_id: str, group_id: str = ""):
-        self.rollout_id = rollout_id
-        self.group_id = group_id
+        self.rollout_id, self.group_id = rollout_id, group_id
         self.segments: list[Segment] = []
 
     @property
@@ -210,18 +201,15 @@ class TokenLedger:
 
     @property
     def open_token_ids(self) -> list[int]:
-        seg = self._open
-        return list(seg.token_ids) if seg is not None else []
+        return list(seg.token_ids) if (seg := self._open) is not None else []
 
     @property
     def open_images(self) -> list[ImageInput]:
-        seg = self._open
-        return list(seg.images) if seg is not None else []
+        return list(seg.images) if (seg := self._open) is not None else []
 
     def _new_segment(self) -> Segment:
-        seg = Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], [])
-        self.segments.append(seg)
-        return seg
+        self.segments.append(Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], []))
+        return self.segments[-1]
 
     def _grow(self, seg: Segment, ids: list[int], trainable: bool, logprobs: list[float], versions: list[int],
               sampling: Sampling = UNSAMPLED):
@@ -272,7 +260,10 @@ class TokenLedger:
     def append_sampled(self, token_ids: Sequence[int], behavior_logprobs: Sequence[float],
                        policy_versions: Sequence[int], sampling: Sampling) -> None:
         """Append engine-sampled tokens with the logprob and weight version each was sampled with, and the
-        sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it."""
+        sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it. An MoE
+        segment (one holding routes) that sampled at other versions than the new tokens' first is sealed first
+        (reason "route_version"), and they open a segment whose context is all of it: a segment's routes are one
+        version's (invariant 3)."""
         where = f"append_sampled (rollout {self.rollout_id})"
         ids = _check_ids(token_ids, where)
         check_sampling(sampling, where)
@@ -289,7 +280,8 @@ class TokenLedger:
             if isinstance(lp, bool) or not isinstance(lp, Real) or not math.isfinite(lp):
                 raise ValueError(f"{where}: behavior logprob of sampled token {i} (id {ids[i]}) is {lp!r}; "
                                  f"it must be a finite float (engine processed logprob of the sampled id)")
-        last = max((v for v, tr in zip(seg.policy_versions, seg.trainable) if tr), default=-1)
+        held = {v for v, tr in zip(seg.policy_versions, seg.trainable) if tr}   # the versions the segment sampled at
+        last = max(held, default=-1)
         for i, v in enumerate(versions):
             if isinstance(v, bool) or not isinstance(v, Integral) or v < 0:
                 raise ValueError(f"{where}: policy version of sampled token {i} is {v!r}; it must be an int >= 0 "
@@ -299,14 +291,24 @@ class TokenLedger:
                                  f"has version {v} after version {last}; weights only move forward, so the engine "
                                  f"is stamping versions wrongly")
             last = v
+        if seg.routes is not None and held and versions and held != {versions[0]}:
+            # the new tokens were drawn under their own version's routes at the positions this segment routed (the
+            # engine prefilled them anew) and no one route per position replays both: they train in a new segment
+            self.seal("route_version")
+            log.info("rollout %s: segment %d sealed (reason route_version: routes of versions %s, new tokens of "
+                     "version %d); the new segment is all context", self.rollout_id, seg.segment_id, held, versions[0])
+            self.append_context(seg.token_ids)
+            self._open.images = list(seg.images)
+            seg = self._open
         self._grow(seg, ids, True, [float(x) for x in logprobs], [int(v) for v in versions], sampling)
 
     def absorb_routes(self, routes: np.ndarray, start: int = 0) -> None:
         """Store MoE routes [n, L, k] at absolute positions start..start+n of the open segment. Rows of -1 mean
         "not routed". First writer wins: a position that already has a route keeps it, because the tokens sampled
         after that position were conditioned on the route it got when it was first forwarded (a prefix cache,
-        vLLM's included, never recomputes it). The embedded engine keeps the same rule inside one request: a
-        re-prefill after a weight swap adds routes only for positions that had none."""
+        vLLM's included, never recomputes it at the same version; a new version seals first, in append_sampled).
+        The embedded engine keeps the rule inside one request: a re-prefill after a weight swap adds routes only
+        for positions that had none."""
         where = f"absorb_routes (rollout {self.rollout_id})"
         seg = self._open
         if seg is None:
@@ -460,8 +462,7 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
             raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {t}: trainer "
                              f"input id {int(batch.input_ids[b, t])} != {kind} id {row.token_ids[t]}; the trainer "
                              f"must consume the ledger's ids, never re-tokenized text")
-        expected_mask = torch.zeros(T, dtype=batch.loss_mask.dtype)
-        expected_mask[:n] = trainable.float()
+        expected_mask = F.pad(trainable.to(batch.loss_mask.dtype), (0, T - n))
         bad = (batch.loss_mask[b].cpu() != expected_mask).nonzero()
         if len(bad):
             t = int(bad[0])
@@ -574,12 +575,9 @@ class CorrectionConfig:
 
 def validate_correction(cfg: CorrectionConfig) -> None:
     """Refuse configurations that are unknown or that would not reduce to the plain loss when on-policy."""
-    if cfg.level not in LEVELS:
-        raise ValueError(f"correction level {cfg.level!r} unknown; use one of {LEVELS}")
-    if cfg.mode not in MODES:
-        raise ValueError(f"correction mode {cfg.mode!r} unknown; use one of {MODES}")
-    if cfg.seq_gate not in SEQ_GATES:
-        raise ValueError(f"seq_gate {cfg.seq_gate!r} unknown; use one of {SEQ_GATES}")
+    for name, known in (("correction level", LEVELS), ("correction mode", MODES), ("seq_gate", SEQ_GATES)):
+        if (value := getattr(cfg, name.split()[-1])) not in known:
+            raise ValueError(f"{name} {value!r} unknown; use one of {known}")
     if not (0.0 <= cfg.low <= 1.0 <= cfg.high):
         raise ValueError(f"IS band [low, high] = [{cfg.low}, {cfg.high}] must satisfy 0 <= low <= 1 <= high so "
                          f"that identical policies get weight exactly 1")
@@ -878,7 +876,9 @@ def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -
 # so the router keeps learning. Gathering from top-k-masked probs would read exact zeros for drifted experts
 # and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
 # the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
-# model's MoE router order (= decoder layer order when every layer is MoE).
+# model's MoE router order (= decoder layer order when every layer is MoE). A segment's routes are one policy
+# version's: a prefix cache keeps a route only within a version, so a turn drawn at a new version seals the segment
+# (TokenLedger.append_sampled, reason "route_version"; no one route per position would replay both turns).
 
 
 def _router_classes() -> tuple[type, type, type]:
@@ -973,8 +973,7 @@ def replay_routes(model: nn.Module, routes: Tensor) -> Iterator[ReplayStats]:
     if routes.shape[2] != len(routers):
         raise ValueError(f"replay_routes: routes have {routes.shape[2]} layers but the model has {len(routers)} "
                          f"MoE routers")
-    stats = ReplayStats()
-    saved = []
+    stats, saved = ReplayStats(), []
     try:
         for layer, router in enumerate(routers):
             k, num_experts = router.top_k, router.weight.shape[0]

@@ -14,7 +14,9 @@
 # open segment's token ids are not a prefix of the new prompt's ids, or its images are not the first images of
 # the new prompt (the same objects; a session processes each image URL once, so an unchanged image is the same
 # object). A whole re-encoding whose ids still begin with every recorded id extends; one that differs at any
-# recorded position seals.
+# recorded position seals. An MoE turn sampled at a new policy version seals too, after its prompt extended (the
+# ledger's route_version: its routes at the recorded positions are the new weights'), and `ChatTurn.extended` stays
+# the prompt's answer.
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
 # context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
 # A retried request (identical messages, tools, sampling and turn options to the last one) is answered from the

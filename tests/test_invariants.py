@@ -130,6 +130,41 @@ def test_routes_first_writer_wins_with_minus_one_sentinel():
         ledger.absorb_routes(np.full((1, 2, 2), 40000))  # would wrap in int16
 
 
+def test_a_routed_segment_seals_when_a_turn_comes_from_a_new_version_and_the_next_carries_its_context(caplog):
+    """An MoE's second turn at version 1 was drawn under version 1's routes where the segment holds version 0's:
+    the segment seals (route_version) and the turn trains in a new segment whose context is all of it, images too.
+    The same turn at version 0, or a dense segment (no routes) at version 1, extends."""
+    def ledger(second_version: int, routed: bool = True) -> TokenLedger:
+        image = invariants.ImageInput(torch.zeros(4, 8), (1, 2, 2), 1)
+        record = TokenLedger("r0")
+        record.extend_or_seal([1, 9, 3], [image])
+        record.append_sampled([4, 5], [-0.5, -0.25], [0, 0], SAMPLED)
+        if routed:
+            record.absorb_routes(np.zeros((4, 2, 2), dtype=np.int64))     # version 0's forward of positions 0..3
+        record.extend_or_seal([1, 9, 3, 4, 5, 6], [image])
+        with caplog.at_level(logging.INFO, logger="invariants"):
+            record.append_sampled([8], [-1.0], [second_version], SAMPLED)
+        if routed:
+            record.absorb_routes(np.ones((6, 2, 2), dtype=np.int64))      # the second call's forward of 0..5
+        return record
+    sealed, reopened = ledger(1).segments
+    assert (sealed.seal_reason, sealed.token_ids, sealed.trainable) == ("route_version", [1, 9, 3, 4, 5, 6],
+                                                                        [False] * 3 + [True] * 2 + [False])
+    assert "route_version" in caplog.text
+    assert reopened.token_ids == [1, 9, 3, 4, 5, 6, 8] and reopened.trainable == [False] * 6 + [True]
+    assert reopened.images == sealed.images and len(reopened.images) == 1
+    assert (sealed.routes[:4] == 0).all() and (sealed.routes[4:] == -1).all()   # each segment one forward's routes
+    assert (reopened.routes[:6] == 1).all() and (reopened.routes[6] == -1).all()
+    check_sampled_once([sealed, reopened], [generation([4, 5], [-0.5, -0.25], [0, 0]), generation([8], [-1.0], [1])])
+    for extended in (ledger(0), ledger(1, routed=False)):
+        (seg,) = extended.segments
+        assert seg.is_open and seg.trainable == [False] * 3 + [True] * 2 + [False] + [True]
+    assert ledger(0).segments[0].routes[:6, 0, 0].tolist() == [0] * 4 + [1] * 2     # first writer wins, as before
+    with pytest.raises(ValueError, match="version decreases"):                         # still refused, never sealed
+        record = ledger(1)
+        record.append_sampled([9], [-0.1], [0], SAMPLED)
+
+
 # ---- invariant 1, token identity: batches ----
 
 
@@ -139,7 +174,7 @@ def batch_rows():
     ledger.absorb_routes(np.zeros((2, 2, 2), dtype=np.int64))
     ledger.append_sampled([4, 5], [-0.5, -0.25], [3, 3], SAMPLED)
     ledger.extend_or_seal([1, 2, 3, 4, 5, 6])
-    ledger.append_sampled([8], [-1.0], [4], SAMPLED)
+    ledger.append_sampled([8], [-1.0], [3], SAMPLED)   # the version its routes are of (a new one would seal)
     short = TokenLedger("r1", "g0")  # no routes
     short.extend_or_seal([1, 9])
     short.append_sampled([10], [-2.0], [4], SAMPLED)
@@ -153,7 +188,7 @@ def test_build_batch_right_pads_and_token_identity_holds():
     assert batch.attention_mask.tolist() == [[1] * 7, [1, 1, 1, 0, 0, 0, 0]]
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 0, 0]]
     assert batch.behavior_logprobs.tolist() == [[0, 0, 0, -0.5, -0.25, 0, -1.0], [0, 0, -2.0, 0, 0, 0, 0]]
-    assert batch.policy_versions.tolist() == [[-1, -1, -1, 3, 3, -1, 4], [-1, -1, 4, -1, -1, -1, -1]]
+    assert batch.policy_versions.tolist() == [[-1, -1, -1, 3, 3, -1, 3], [-1, -1, 4, -1, -1, -1, -1]]
     assert batch.advantages.tolist() == [[0, 0, 0, 1.5, 1.5, 0, 1.5], [0, 0, -0.5, 0, 0, 0, 0]]
     assert batch.routes.shape == (2, 7, 2, 2) and batch.routes.dtype == torch.long
     assert (batch.routes[0, :2] == 0).all() and (batch.routes[0, 2:] == -1).all() and (batch.routes[1] == -1).all()
