@@ -159,8 +159,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, drain_on_update: bool | None = None,
                  reprefill_on_update: bool = True,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
-                 compile_model: bool | None = None):
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
         from vllm import AsyncEngineArgs
         from vllm.config import StructuredOutputsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -203,8 +202,7 @@ class VLLMEngine:
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
             enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # constraints.py's engine
-            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None,
-            **({} if enforce_eager else _graphs(model_path, self.is_moe, compile_model)))
+            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
         if transfer == "ipc":
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
             # pickle are this process and the engine it started
@@ -618,36 +616,6 @@ def _vllm_params(request: _Request):
         presence_penalty=p.presence_penalty,
         output_kind=RequestOutputKind.DELTA if request.listener else RequestOutputKind.FINAL_ONLY,
         detokenize=bool(p.stop), flat_logprobs=True)
-
-
-# A model under COMPILE_FROM parameters decodes launch-bound: full CUDA graphs of vLLM's eager model (its own
-# fused norm, activation and rotary kernels) take away the launches without torch.compile, which costs tens of
-# seconds of every cold start (26 s of a 135M model's on an H200, bench/vs_trl.py) for fusions such a model barely
-# needs. vLLM lowers FULL to decode-only graphs where the attention backend cannot capture mixed batches.
-COMPILE_FROM = 1_000_000_000
-
-
-def _graphs(model_path: str, is_moe: bool, compile_model: bool | None) -> dict:
-    """The engine arguments of vLLM's compilation: its default (torch.compile, piecewise and full CUDA graphs) for
-    a large or MoE model (R3's routes were measured under it), else full CUDA graphs without compile;
-    `compile_model` forces either."""
-    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
-    if compile_model is None:
-        compile_model = is_moe or _parameter_count(model_path) >= COMPILE_FROM
-    if compile_model:
-        return {}
-    return {"compilation_config": CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL)}
-
-
-def _parameter_count(model_path: str) -> int:
-    """The checkpoint's parameters, from its tensors' shapes (no weights read)."""
-    from safetensors import safe_open
-    files = sorted(name for name in os.listdir(model_path) if name.endswith(".safetensors"))
-    count = 0
-    for name in files:
-        with safe_open(os.path.join(model_path, name), "pt") as f:
-            count += sum(int(np.prod(f.get_slice(key).get_shape())) for key in f.keys())
-    return count
 
 
 def _checkpoint_keys(model_path: str) -> set[str]:

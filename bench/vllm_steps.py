@@ -25,8 +25,7 @@
 #
 #   python bench/vllm_steps.py --tiny [--steps 6] [--recipe math [--actor]]   (vLLM's CPU build, a tiny random Qwen3)
 #   python bench/vllm_steps.py --model DIR --prompts 32 --samples 8 --max-tokens 512 --steps 20
-#                              [--recipe math [--actor]] [--no-sleep] [--no-update] [--engine-compile auto|on|off]
-#                              [--out vllm-steps.json]
+#                              [--recipe math [--actor]] [--no-sleep] [--no-update] [--out vllm-steps.json]
 import argparse
 import gc
 import json
@@ -212,8 +211,6 @@ def main() -> None:
     parser.add_argument("--no-update", action="store_true", help="never push weights (isolates the update)")
     parser.add_argument("--engine-memory", type=float, default=0.3, help="train.py's --rollout.engine_memory")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--engine-compile", choices=["auto", "on", "off"], default="auto",
-                        help="vLLM's torch.compile on a GPU: auto is the engine's choice by model size")
     parser.add_argument("--out", default="vllm-steps.json")
     args = parser.parse_args()
     if args.tiny == bool(args.model):
@@ -241,8 +238,7 @@ def main() -> None:
     t0 = time.time()
     engine = VLLMEngine(path, version=0, seed=0, dtype="bfloat16" if on_gpu else "float32",
                         transfer="ipc" if on_gpu else "rpc", sleep_mode=on_gpu, max_model_len=max_length,
-                        gpu_memory_utilization=args.engine_memory, enforce_eager=not on_gpu,
-                        compile_model={"auto": None, "on": True, "off": False}[args.engine_compile])
+                        gpu_memory_utilization=args.engine_memory, enforce_eager=not on_gpu)
     router = Router([engine])
     start_s = time.time() - t0
 

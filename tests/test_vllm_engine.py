@@ -82,24 +82,6 @@ def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
             assert is_moe_config(json.load(f)) is moe
 
 
-def test_a_small_dense_model_runs_full_cuda_graphs_without_compile_and_a_large_or_moe_one_vllm_default(
-        monkeypatch):
-    """The engine's compilation by model size: a dense checkpoint under COMPILE_FROM parameters asks vLLM for full
-    CUDA graphs without torch.compile, one at or over it (or an MoE one, or compile_model=True) for vLLM's default
-    (no compilation argument); the count is the checkpoint's, read from its tensors' shapes."""
-    from vllm.config import CompilationMode, CUDAGraphMode
-    import vllm_engine
-    dense, moe = models.tiny_model_dir("qwen3", head_dim=HEAD_DIM), models.tiny_model_dir("qwen3_moe")
-    count = vllm_engine._parameter_count(dense)
-    assert count == sum(p.numel() for p in models.load_model(dense).parameters())   # tied weights counted once
-    small = vllm_engine._graphs(dense, False, None)["compilation_config"]
-    assert (small.mode, small.cudagraph_mode) == (CompilationMode.NONE, CUDAGraphMode.FULL)
-    assert vllm_engine._graphs(moe, True, None) == {} and vllm_engine._graphs(dense, False, True) == {}
-    assert "compilation_config" in vllm_engine._graphs(moe, True, False)
-    monkeypatch.setattr(vllm_engine, "COMPILE_FROM", count)       # the same checkpoint, now at the threshold
-    assert vllm_engine._graphs(dense, False, None) == {}
-
-
 def test_a_request_vllm_reported_no_routes_for_comes_back_without_routes_not_failing():
     """vLLM 0.26 reports no routed experts for a request it preempted (the keep policy's re-prefill does): the
     request still comes back whole, with routes None (the trainer counts those tokens as unreplayed), as it does
