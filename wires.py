@@ -44,8 +44,9 @@ class ChatTurn:
     """What a chat session's turn hands to the wire: the reply as the agent reads it, and the tokens behind it."""
     message: dict                  # the assistant message (structured tool calls parsed), canonical form
     generation: Generation         # ids, behavior logprobs, versions and routes, exactly as sampled
-    extended: bool                 # the ledger's answer: False when this request sealed the segment (or was the
-                                   # first turn), True when its prompt extended the record bitwise
+    extended: bool                 # the ledger's answer: False when this request's prompt sealed the segment (or
+                                   # was the first turn), True when it extended the record bitwise (an MoE turn at a
+                                   # new version then still seals: seal reason route_version)
     stop_sequence: str | None = None   # the agent's stop string that ended the reply (cut from it), or None
 
 
