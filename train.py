@@ -674,6 +674,11 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
     }
+    # why each segment but the last sealed (non_extension: the agent rewrote its context; route_version: an MoE
+    # turn at a new policy version), as each costs a re-forward of the context in training
+    seals = [row.seal_reason for r in rollouts for row in r.rows[:-1]]
+    for reason in sorted(set(seals)):
+        m[f"rollout/seals_{reason}_per_rollout"] = seals.count(reason) / n
     for reason, count in failures.items():
         m[f"rollout/failed_{reason}_total"] = float(count)
     return m

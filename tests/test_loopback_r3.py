@@ -16,6 +16,7 @@ import agents
 import data
 import invariants
 import models
+import train
 from actor import sequence_logprobs
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
@@ -142,5 +143,7 @@ def test_an_env_runner_trajectory_across_an_update_seals_the_same_way(moe):
     first, second = rollout.generations
     assert first.policy_versions == [0] * TURN and second.policy_versions == [1] * TURN
     assert [r.seal_reason for r in rollout.rows] == ["route_version", ""]
+    metrics = train.rollout_metrics([rollout], {})
+    assert metrics["rollout/seals_per_rollout"] == metrics["rollout/seals_route_version_per_rollout"] == 1.0
     invariants.check_sampled_once(rollout.rows, rollout.generations)
     assert _gap(old, rollout.rows[0]) <= 1e-5 and _gap(new, rollout.rows[1]) <= 1e-5
