@@ -258,12 +258,12 @@ class TokenLedger:
         self._grow(seg, ids, False, [0.0] * len(ids), [-1] * len(ids))
 
     def append_sampled(self, token_ids: Sequence[int], behavior_logprobs: Sequence[float],
-                       policy_versions: Sequence[int], sampling: Sampling) -> None:
+                       policy_versions: Sequence[int], sampling: Sampling, routed: bool = False) -> None:
         """Append engine-sampled tokens with the logprob and weight version each was sampled with, and the
         sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it. An MoE
-        segment (one holding routes) that sampled at other versions than the new tokens' first is sealed first
-        (reason "route_version"), and they open a segment whose context is all of it: a segment's routes are one
-        version's (invariant 3)."""
+        segment (one holding routes, or `routed`: the new tokens' call reported routes) that sampled at other
+        versions than the new tokens' first is sealed first (reason "route_version"), and they open a segment whose
+        context is all of it: a segment's routes are one version's (invariant 3)."""
         where = f"append_sampled (rollout {self.rollout_id})"
         ids = _check_ids(token_ids, where)
         check_sampling(sampling, where)
@@ -291,9 +291,10 @@ class TokenLedger:
                                  f"has version {v} after version {last}; weights only move forward, so the engine "
                                  f"is stamping versions wrongly")
             last = v
-        if seg.routes is not None and held and versions and held != {versions[0]}:
+        if (seg.routes is not None or routed) and held and versions and held != {versions[0]}:
             # the new tokens were drawn under their own version's routes at the positions this segment routed (the
-            # engine prefilled them anew) and no one route per position replays both: they train in a new segment
+            # engine prefilled them anew; routed: its earlier turns had none, which the new ones must not fill) and
+            # no one route per position replays both: they train in a new segment
             self.seal("route_version")
             log.info("rollout %s: segment %d sealed (reason route_version: routes of versions %s, new tokens of "
                      "version %d); the new segment is all context", self.rollout_id, seg.segment_id, held, versions[0])

@@ -247,7 +247,8 @@ class ChatSession:
         # commit: only now does the ledger change (a failed generate leaves the session as it was)
         with self.ledger_lock:
             extended = self.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
-            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
+                                       routed=gen.routes is not None)
             if gen.routes is not None:
                 self.ledger.absorb_routes(gen.routes)
             self.generations.append(gen)

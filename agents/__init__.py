@@ -280,7 +280,8 @@ class EnvRunner:
                 # a VLM puts image features on every pad id, so this row could never be forwarded again
                 self._fail(ep, "sampled_image_pad", f"the model sampled the image placeholder {data.IMAGE_PAD}")
                 continue
-            ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
+            ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
+                                     routed=gen.routes is not None)
             ep.generations.append(gen)
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)

@@ -165,6 +165,26 @@ def test_a_routed_segment_seals_when_a_turn_comes_from_a_new_version_and_the_nex
         record.append_sampled([9], [-0.1], [0], SAMPLED)
 
 
+def test_an_moe_turn_at_a_new_version_seals_a_segment_whose_earlier_turn_came_back_without_routes():
+    """vLLM at times reports routes for only some positions of a request, which then comes back with routes None:
+    the segment holds none. A later turn at a new version whose call reported routes (routed=True) still seals, so
+    its routes cannot fill the earlier turn's positions (which would replay them, uncounted, under the wrong
+    version's experts); the earlier turn's row keeps no routes and its tokens are counted as unreplayed."""
+    def ledger(routed: bool) -> TokenLedger:
+        record = TokenLedger("r0")
+        record.extend_or_seal([1, 9, 3])
+        record.append_sampled([4, 5], [-0.5, -0.25], [0, 0], SAMPLED)          # its call reported no routes
+        record.extend_or_seal([1, 9, 3, 4, 5, 6])
+        record.append_sampled([8], [-1.0], [1], SAMPLED, routed=routed)
+        record.absorb_routes(np.ones((6, 2, 2), dtype=np.int64))                 # version 1's forward of 0..5
+        return record
+    first, second = ledger(routed=True).segments
+    assert (first.seal_reason, first.routes) == ("route_version", None)
+    assert second.trainable == [False] * 6 + [True] and (second.routes[:6] == 1).all()
+    (unsealed,) = ledger(routed=False).segments          # the trap: without the flag version 1's routes land on
+    assert unsealed.trainable[3:5] == [True, True] and (unsealed.routes[3:5] == 1).all()   # version 0's tokens
+
+
 # ---- invariant 1, token identity: batches ----
 
 
