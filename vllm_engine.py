@@ -15,9 +15,10 @@
 #       by its max_tokens), then loads the weights and resumes. Every token of a request then has one version and
 #       vLLM's routes for all its positions: a request that spans an update has no right route set (its tokens
 #       after the update were drawn under the new weights' routes at every earlier position, those before under
-#       the old ones, and the trainer replays one route per position), and vLLM 0.26 reports none for it anyway
-#       (the re-prefill below preempts it, and vLLM drops a preempted request's routes: `routed_experts` None;
-#       `_Request` then returns routes None, which the trainer counts in actor/r3_unreplayed_tokens);
+#       the old ones, and the trainer replays one route per position; vLLM 0.26 reports for it the first routes
+#       computed at each position, or none: both seen on an H200, docs/gpu.md). A request whose routes vLLM
+#       reported for only some positions (seen even for one never preempted) comes back with routes None, which
+#       the trainer counts in actor/r3_unreplayed_tokens;
 #     keep (a dense model's default) - the update pauses vLLM with requests kept, drains vLLM's output pipeline and
 #       records, per request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a kept
 #       request is re-prefilled by the new weights (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as

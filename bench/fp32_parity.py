@@ -34,10 +34,10 @@
 #   while the engine is paused. Under each update policy: drain (an MoE engine's default: the update waits for the
 #   request in flight; the second one starts after it), keep_reprefill (drain_on_update=False: the kept request is
 #   re-prefilled by the new weights), keep_old_kv_cache (also reprefill_on_update=False). Reported per request:
-#   its versions, whether vLLM reported routes for every forwarded position (vLLM 0.26 reported none for a request
-#   the re-prefill kept: `routed_experts` None), which routes they are against transformers' under the old and the
-#   new weights, and the logprob gap of each version's tokens when the trainer replays the reported routes, a fresh
-#   forward's routes at that version, or none (live routes); also how long the update took (a drain waits).
+#   its versions, whether vLLM reported routes for every forwarded position (on an H200 vLLM 0.26 reported none,
+#   or some positions only, for some requests: docs/gpu.md), which routes they are against transformers' under the
+#   old and the new weights, and the logprob gap of each version's tokens when the trainer replays the reported
+#   routes, a fresh forward's routes at that version, or none (live routes); also how long the update took (a drain waits).
 #   Routed-expert capture needs CUDA: with --tiny on a CPU the part runs on the embedded engine instead (which keeps
 #   the same policies), to test the part's plumbing.
 # --tiny: a 2-layer Qwen3 (head_dim 32, the smallest vLLM's CPU attention takes) on vLLM's CPU build, 8 prompts x 32

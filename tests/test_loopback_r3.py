@@ -20,20 +20,10 @@ import train
 from actor import sequence_logprobs
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
+from test_rollout import _moe_pair, _perturbed
 
 TURN = 12                # sampled tokens a turn
 NEVER = (9999,)          # a stop id past the vocabulary: every turn samples TURN tokens
-
-
-def _moved(model, moe: bool):
-    """A copy of `model` one optimizer step might give: an MoE's routers moved (most positions change experts), a
-    dense model's every weight nudged."""
-    new = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in (r.weight for r in invariants.moe_routers(new)) if moe else new.parameters():
-            p.add_((2.0 if moe else 0.05) * torch.randn(p.shape, generator=generator))
-    return new
 
 
 def _two_turns(old, new, update: bool) -> tuple[list[invariants.Segment], list]:
@@ -76,8 +66,7 @@ def _gap(model, row: invariants.Segment, version: int | None = None) -> float:
 
 @pytest.fixture(scope="module")
 def moe():
-    old = models.tiny_model("qwen3_moe", seed=0)
-    return old, _moved(old, moe=True)
+    return _moe_pair()
 
 
 def test_an_update_between_turns_seals_and_each_segment_replays_its_turn_with_its_own_routes(moe):
@@ -116,7 +105,7 @@ def test_without_an_update_the_turns_stay_one_segment_and_its_routes_replay_both
 def test_a_dense_models_turns_across_an_update_stay_one_segment():
     """No routes, nothing to seal for: each turn's tokens replay at their own version's weights in one row."""
     old = models.tiny_model("qwen3", seed=0)
-    new = _moved(old, moe=False)
+    new = _perturbed(old)
     rows, (first, second) = _two_turns(old, new, update=True)
     assert first.routes is None and first.policy_versions + second.policy_versions == [0] * TURN + [1] * TURN
     (row,) = rows

@@ -468,6 +468,16 @@ def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step
     assert (gen.routes[before:] == new_routes[before:]).all()
 
 
+def _perturbed(model, scale=0.05, seed=1):
+    """A copy of `model` with every weight nudged (an optimizer step's size of change)."""
+    new = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return new
+
+
 def _moe_pair():
     """A tiny MoE and a copy whose every router moved (most positions change experts)."""
     old = models.tiny_model("qwen3_moe", seed=0)

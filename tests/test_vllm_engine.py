@@ -24,7 +24,7 @@ import models  # noqa: E402
 from actor import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from test_actor import rows_from  # noqa: E402
-from test_rollout import PARAMS, PROMPTS, _recompute  # noqa: E402
+from test_rollout import PARAMS, PROMPTS, _perturbed, _recompute  # noqa: E402
 from test_sampling import FIELD_PROMPTS, FIELDS, WEATHER, field_batches, gap, sharp_model_dir  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
@@ -64,15 +64,6 @@ def _gap(gens, recomputed) -> float:
     return max((torch.tensor(g.behavior_logprobs) - r).abs().max().item() for g, r in zip(gens, recomputed))
 
 
-def _perturbed(model, scale=0.05, seed=1):
-    new = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return new
-
-
 def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
     """R3 needs vLLM's routes (a GPU test: capturing them needs Triton); here, that the engine asks for them."""
     import json
@@ -83,9 +74,9 @@ def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
 
 
 def test_a_request_vllm_reported_no_routes_for_comes_back_without_routes_not_failing():
-    """vLLM 0.26 reports no routed experts for a request it preempted (the keep policy's re-prefill does): the
-    request still comes back whole, with routes None (the trainer counts those tokens as unreplayed), as it does
-    when vLLM reported routes for only some positions; routes for every forwarded position come back as they are."""
+    """vLLM 0.26 at times reports no routed experts for a request, or routes for only some of its positions (both
+    seen on an H200, docs/gpu.md): either way the request comes back whole, with routes None (the trainer counts
+    those tokens as unreplayed); routes for every forwarded position come back as they are."""
     import numpy as np
     from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
