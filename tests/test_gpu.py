@@ -138,11 +138,10 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
     """vLLM in fp32 serving a tiny Qwen3-MoE; a push that moves every router lands while a request runs. Draining
     (an MoE engine's default): the request in flight and one submitted during the push each have one version and
     vLLM's routes for every forwarded position, a fresh forward's at that version, and the trainer replaying them
-    meets vLLM's logprobs. vLLM 0.26 at times reports routes for only some positions of a request it never
-    preempted (on an H200, the drained 64-token request of bench/fp32_parity.py's r3_update): such a request comes
-    back with routes None, counted by the trainer in actor/r3_unreplayed_tokens, and is printed here; every request
-    with routes must replay them, and at least one must have them. With the drain forced off the kept request spans
-    both versions (armed); what vLLM reports for it (no routes, or which) is printed, and nothing fails."""
+    meets vLLM's logprobs. (Under vLLM 0.26's asynchronous scheduling a drained request at times came back with
+    routes for only some positions; an MoE engine schedules synchronously, and both must have them all.) With the
+    drain forced off the kept request spans both versions (armed); what vLLM reports for it (no routes, or which)
+    is printed, and nothing fails."""
     pytest.importorskip("vllm")
     from vllm_engine import VLLMEngine
     path = models.tiny_model_dir("qwen3_moe", head_dim=64)
@@ -163,17 +162,13 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
         engine.shutdown()
     for name, gen in (("in flight", long), ("submitted during the push", late)):
         (version,) = set(gen.policy_versions)
-        if gen.routes is None:
-            print(f"drained, request {name}: version {version}, {len(gen.token_ids)} tokens, vLLM reported routes "
-                  f"for only some positions: routes None (counted as unreplayed)")
-            continue
+        assert gen.routes is not None, f"drained, request {name}: vLLM reported routes for some positions only"
         assert len(gen.routes) == len(gen.prompt_ids) + len(gen.token_ids) - 1
         agree = (torch.from_numpy(gen.routes).long().sort(-1).values == _routes_of(weights[version], gen)).all(-1)
         gap = _replay_gap(weights[version], gen)
         print(f"drained, request {name}: version {version}, {len(gen.token_ids)} tokens, routes agree with "
               f"transformers' at {agree.float().mean().item():.4f} of (position, layer); replay gap max {gap:.2e}")
         assert agree.float().mean() >= 0.98 and gap <= 2e-3
-    assert long.routes is not None or late.routes is not None
     versions = sorted(set(kept.policy_versions))
     assert len(versions) == 2                                   # armed: kept across the push, it spans both
     n_old = kept.policy_versions.count(versions[0])

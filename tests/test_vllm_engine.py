@@ -103,6 +103,32 @@ def test_a_request_vllm_reported_no_routes_for_comes_back_without_routes_not_fai
         assert gen.policy_versions == [VERSION] * 4 and gen.finish_reason == "length"
 
 
+def test_the_model_class_is_inspected_in_this_process_not_in_a_fresh_one(path, tmp_path):
+    """vLLM inspects a model class it has not cached in a fresh Python process (a second import of vLLM and torch,
+    22.6 s of an H200 start) and caches what it found under VLLM_CACHE_ROOT/modelinfos; register_in_process makes
+    that inspection an import here. The trap first: with an empty cache and no registration, the inspection's
+    process runs and leaves its cache file. Then, registered, no file: no such process ran, and the model config
+    vLLM builds knows the same of the class."""
+    import subprocess
+    import sys
+    script = ("import dataclasses, json, sys, vllm_engine\n"
+              "from vllm.engine.arg_utils import EngineArgs\n"
+              "if sys.argv[1] == 'register': vllm_engine.register_in_process(['Qwen3ForCausalLM'])\n"
+              "config = EngineArgs(model=sys.argv[2], dtype='float32', max_model_len=512).create_model_config()\n"
+              "print(json.dumps([config.architecture, dataclasses.asdict(config._model_info)]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = {}
+    for mode in ("lazy", "register"):
+        cache = tmp_path / mode
+        done = subprocess.run([sys.executable, "-c", script, mode, path], capture_output=True, text=True, cwd=root,
+                              env={**os.environ, "VLLM_CACHE_ROOT": str(cache), "PYTHONPATH": root})
+        assert done.returncode == 0, done.stderr[-2000:]
+        found[mode] = (json.loads(done.stdout.strip().splitlines()[-1]), sorted(p.name for p in cache.rglob("*.json")))
+    assert found["lazy"][1] == ["vllm-model_executor-models-qwen3-Qwen3ForCausalLM.json"]     # the trap is armed
+    assert found["register"][1] == []
+    assert found["register"][0] == found["lazy"][0] and found["lazy"][0][0] == "Qwen3ForCausalLM"
+
+
 def test_image_pad_runs_collapse_to_the_one_pad_vllm_expands():
     """vLLM expands each image's single pad itself (a VLM needs a GPU build: torchvision); here, that collapsing
     undoes data.expand_image_pads, so vLLM sees one pad per image, in order, between the same text ids."""
