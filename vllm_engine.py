@@ -100,9 +100,9 @@ def register_in_process(architectures: list[str]) -> None:
     """Import the vLLM classes of these architectures here and register them whole (vLLM's public
     `ModelRegistry.register_model`). vLLM otherwise inspects a class it has not cached in VLLM_CACHE_ROOT/modelinfos
     in a fresh Python process, so that importing it cannot initialise CUDA in this one: a second import of vLLM and
-    torch, 22.6 s of a 111 s start on an H200 with empty caches (docs/gpu.md), against about 3 s to import the class
-    here. Harmless here: the engine core runs in a process of its own, spawned whenever this one holds CUDA (vLLM
-    checks), and there it resolves the class by its usual lazy entry."""
+    torch, 22.6 s of a 111 s start on an H200 with empty caches (docs/gpu.md), against 3.3 s on a 2-core CPU to
+    import the class here. Harmless here: the engine core runs in a process of its own, spawned whenever this one
+    holds CUDA (vLLM checks), and there it resolves the class by its usual lazy entry."""
     from vllm import ModelRegistry
     for arch in architectures:
         entry = ModelRegistry.models.get(arch)
