@@ -291,7 +291,7 @@ def main(argv: list[str]) -> None:
                 policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
         run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
     except BaseException:
-        if starting is not None:       # no engine process outlives a failed start
+        if starting is not None and starting.exception() is None:    # no engine process outlives a failed start
             starting.result().shutdown()
         raise
     # the actor compiles its layers (Actor.warm_up) while the engine starts, instead of inside the first steps:
