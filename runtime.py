@@ -100,13 +100,38 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
                          f"--correction.max_staleness {cfg.eta * minibatches}")
 
 
+# ---- a CPU process's heap: freed pages kept for the next step ------------------------------------------------
+
+# glibc's mallopt parameters (malloc.h). By default each allocation over the dynamic mmap threshold (a training
+# step's gradients, the [V, H] tied-embedding gradient, logits) is a fresh mmap and each free unmaps it, so every
+# step touches those pages anew: ~500K minor page faults a step and ~30% of a 135M model's CPU train step
+# (getrusage around Actor.train_step, 2 cores). With mmap off, one arena, and a trim threshold above a step's
+# churn, freed memory stays in the heap and the next step reuses it (peak RSS measured unchanged: 4.8 GB).
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+HEAP_KEPT_BYTES = 2**31 - 1       # the largest trim threshold mallopt takes (an int)
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc malloc keep freed memory for reuse in this process (call it before the first model loads).
+    False where the C library is not glibc (macOS, musl): its allocator is then left as it is."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except AttributeError:            # no mallopt in this process's C library
+        return False
+    return all(mallopt(param, value) == 1 for param, value in
+               ((M_MMAP_MAX, 0), (M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)))
+
+
 # ---- an engine in its own process -----------------------------------------------------------------------
 
 def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
     """The engine an EngineActor serves by default: the embedded engine on the GPU Ray gave the actor, else CPU."""
     torch.set_num_threads(threads)
-    model = models.load_model(model_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+    if device == "cpu":
+        keep_freed_memory()
+    model = models.load_model(model_path)
     return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
 
 
@@ -470,6 +495,8 @@ class TrainerRank:
 
     def __init__(self, threads: int):
         torch.set_num_threads(threads)
+        if not torch.cuda.is_available():
+            keep_freed_memory()
 
     def locate(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, a port free on this node): rank 0's IP and port are where every rank meets."""

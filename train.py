@@ -252,6 +252,8 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
+    if not torch.cuda.is_available():            # the trainer and an embedded engine reuse freed pages (runtime.py)
+        runtime.keep_freed_memory()
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]

@@ -7,6 +7,7 @@ import math
 import os
 import socket
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -891,3 +892,20 @@ def test_micro_batches_keep_a_prompts_rollouts_together(qwen3_dir):
     lengths = batch.attention_mask.sum(-1)
     longest = [max(lengths[b] for b in m) for m in micro]
     assert longest == sorted(longest, reverse=True), "longest first across the prompts"
+
+
+def test_auto_micro_batches_on_a_cpu_follow_the_ram_available_not_a_row_count(qwen3_dir):
+    """Auto on a CPU: no row cap, and a padded-token cap of MEMORY_SHARE of the RAM available at the model's
+    activation cost per token (a 16-row minibatch is one micro-batch, not two of 8); an explicit cap still splits."""
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+    text = policy.model.config.get_text_config()
+    per_token = text.num_hidden_layers * (16 * text.hidden_size + 8 * text.intermediate_size) * 4
+    expected = actor.MEMORY_SHARE * psutil.virtual_memory().available / per_token
+    rows, tokens = policy._micro_batch_limits()
+    low, high = actor.MICRO_BATCH_TOKENS_RANGE
+    assert rows == 0 and low <= tokens <= high
+    assert tokens == pytest.approx(min(max(expected, low), high), rel=0.05)     # the RAM moves a little meanwhile
+    batch = make_batch([12] * 16, 4, policy.model.config.vocab_size)
+    assert [m.tolist() for m in policy._micro_batches(batch)] == [list(range(16))]
+    capped = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_tokens=8 * 12), total_steps=1)
+    assert [len(m) for m in capped._micro_batches(batch)] == [8, 8]

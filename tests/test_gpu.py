@@ -1,12 +1,18 @@
 # GPU claims, checked on a CUDA machine (the CPU suite covers the same logic with gloo): the actor on a GPU
 # recomputes the CPU engine's behavior logprobs (text rows, and a VLM's rows with their images), an MoE on vLLM
 # keeps R3 across a weight update (the drain: one version and vLLM's routes for every position of each request),
-# and FSDP2 over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch.
+# FSDP2 over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch, and an actor that fails
+# to start stops the vLLM engine that train.py started beside it.
+import contextlib
 import copy
 import dataclasses
 import os
+import subprocess
+import sys
 import threading
+import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +31,7 @@ from test_vlm import check_fsdp_vlm_step, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TEMPERATURE = 0.7
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_actor_on_gpu_recomputes_the_cpu_engine_logprobs():
@@ -243,3 +250,30 @@ def test_fsdp2_over_nccl_ranks_with_and_without_images_take_the_one_gpu_step(tmp
     _, _, batch = mixed_batch(models.load_model(vl_dir), tok, models.load_image_processor(vl_dir),
                               tok.convert_tokens_to_ids(data.IMAGE_PAD))
     check_fsdp_vlm_step(vl_dir, batch, tmp_path, "nccl")
+
+
+def test_an_actor_that_fails_to_start_stops_the_vllm_engine_started_before_it(tmp_path):
+    """On one GPU train.py starts the vLLM engine in a thread, then builds the actor. When the actor then fails (a
+    resume folder that holds no checkpoint), the run exits with the actor's error, not the engine's, and no process
+    it started outlives it. Armed: the engine's process is seen running while the actor fails."""
+    pytest.importorskip("vllm")
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    run = subprocess.Popen([sys.executable, "train.py", "--recipe", "math", "--rollout.engine", "vllm",
+                            "--model", models.tiny_model_dir("qwen3", head_dim=64), "--train.resume", str(empty),
+                            "--run.out", str(tmp_path / "out")], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    started, names, deadline = {}, set(), time.time() + 600
+    while run.poll() is None and time.time() < deadline:    # every process the run starts, while it runs
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(run.pid).children(recursive=True):
+                started.setdefault(child.pid, child)
+                with contextlib.suppress(psutil.Error):
+                    names.add(child.name() + " " + " ".join(child.cmdline()))   # vLLM renames its engine core
+        time.sleep(0.2)
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode != 0 and "FileNotFoundError" in output and "not a complete actor checkpoint" in output
+    assert any("EngineCore" in name for name in names), (names, output[-3000:])   # an engine was running
+    time.sleep(2)
+    left = [p for p in started.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, (left, output[-3000:])

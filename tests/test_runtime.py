@@ -536,3 +536,34 @@ def test_trainer_ranks_on_two_ray_nodes_meet_at_rank_0s_node_and_train_as_one_pr
         group.shutdown()
     assert len(set(nodes)) == 2 and set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert [g["state"] for g in placement_group_table().values()] == ["REMOVED", "REMOVED"]
+
+
+FAULTS_PROBE = """
+import resource, sys, psutil, torch
+sys.path.insert(0, {root!r})
+import runtime
+kept = runtime.keep_freed_memory() if {keep} else None
+rss = psutil.Process().memory_info().rss
+torch.empty(16 << 20).fill_(1.0)                       # a first 64 MB tensor, freed: its pages are touched once
+held = psutil.Process().memory_info().rss - rss        # what the process keeps of it once it is freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):                                    # a step's gradients and logits: allocated, filled, freed
+    torch.empty(16 << 20).fill_(1.0)
+print(kept, held, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_cpu_process_reuses_freed_pages_instead_of_faulting_them_in_again():
+    """glibc's default maps each large allocation afresh and unmaps it on free, so each of 20 64-MB tensors faults
+    its 16K pages in again (the trap, armed first); after keep_freed_memory a freed tensor's pages stay in the
+    process and the next one reuses them. Measured: 327,700 faults against 16-98K (the kernel's NUMA balancing
+    also faults resident pages now and then, more so on a busy machine)."""
+    def probe(keep: bool) -> tuple[str, int, int]:
+        out = subprocess.run([sys.executable, "-c", FAULTS_PROBE.format(root=runtime.ROOT, keep=keep)],
+                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
+        return out[0], int(out[1]), int(out[2])
+    pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    _, held, faults = probe(False)
+    assert held < (16 << 20) and faults >= pages // 2      # the trap: unmapped on free, faulted in again
+    kept, held, reused = probe(True)
+    assert kept == "True" and held >= (60 << 20) and reused <= faults // 2
