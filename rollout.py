@@ -290,7 +290,7 @@ class EmbeddedEngine:
         """Load a full state dict from the actor and stamp `version` on every later token; under the drain
         policy only once the requests in flight have finished (new ones wait, then start at `version`).
         Every key must land (a refit that filters keys by name can silently ship a handful of a model's
-        parameters); only a tied `lm_head.weight` may be absent from the export (it is the embedding)."""
+        parameters); only a tied output embedding may be absent from the export (models.tied_output_key)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
         reopen = False
@@ -306,7 +306,7 @@ class EmbeddedEngine:
         try:
             with self._step_lock:
                 result = self.model.load_state_dict(state, strict=False)
-                missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and _tied(self.model))]
+                missing = [k for k in result.missing_keys if k != models.tied_output_key(self.model)]
                 if result.unexpected_keys or missing:
                     raise ValueError(f"weight update does not match the engine's model: unexpected keys "
                                      f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
@@ -849,8 +849,3 @@ def _eos_ids(model) -> frozenset[int]:
 def _pad_id(model) -> int:
     pad = model.config.get_text_config().pad_token_id
     return pad if pad is not None else min(_eos_ids(model))
-
-
-def _tied(model) -> bool:
-    return model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight

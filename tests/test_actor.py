@@ -353,7 +353,7 @@ def test_export_weights_is_every_entry_but_the_tied_lm_head(qwen3_dir):
 
 def test_export_weights_keeps_an_untied_lm_head(moe_dir):
     policy = actor.Actor(moe_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
-    assert actor.tied_output_key(policy.model) is None
+    assert models.tied_output_key(policy.model) is None
     assert set(policy.export_weights()) == set(policy.model.state_dict())
 
 
@@ -598,7 +598,8 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     it), compiles what the first steps would, so steps of new shapes compile nothing: also an RL step as
     train.train_on_rows takes it (groups of rows sharing a prompt, replies of unlike lengths, T 0.7, two minibatches:
     the later one's recompute, a step on the first one's own forward, a step on the recomputed logprobs) with
-    micro-batches whose head spans several chunks past KEPT_LOGITS, as a real step's thousands of tokens do. It
+    micro-batches whose head spans several chunks past KEPT_LOGITS, as a real step's thousands of tokens do, and a
+    micro-batch past the positions inductor compiles apart (actor.BIG_MICRO_BATCH; its trap armed too). It
     leaves the weights, the gradients, the optimizer and the global RNG as they were; the compiled step, its output
     projection fused (_untruncated_head), is the eager step."""
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
@@ -636,7 +637,19 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     warm.train_step(invariants.select_rows(rl, early), None, algo_cfg, correction, version)
     report = warm.train_step(invariants.select_rows(rl, later), prox, algo_cfg, correction, version)
     assert report.metrics["actor/skipped"] == 0.0
+    # 4170 positions, past 4096, and 4161 wanted ones: a last head chunk of one position, which dynamo specializes
+    big = make_batch([1400, 1390, 1380], 3, vocab, seed=3, version=warm.version)
+    step(warm, big)
     assert graphs() == compiled                  # steps of other rows and lengths than the warm-up's: no compile
+
+    # the big warm-up batch's trap: without it, a micro-batch past inductor's 4096 positions compiles again
+    torch._dynamo.reset()
+    monkeypatch.setattr(actor, "BIG_MICRO_BATCH", (0, 0))
+    small = actor.Actor(qwen3_dir, actor.ActorConfig(compile="true", **cfg), total_steps=2)
+    small.warm_up()
+    compiled = graphs()
+    step(small, make_batch([1400, 1390, 1380], 3, vocab, seed=3))
+    assert graphs() > compiled
 
     eager = actor.Actor(qwen3_dir, actor.ActorConfig(compile="false", **cfg), total_steps=2)
     assert (eager.recompute_logprobs(first) - old).abs().max() <= 1e-5
