@@ -305,8 +305,8 @@ class EmbeddedEngine:
                     self._idle.wait()
         try:
             with self._step_lock:
-                result = self.model.load_state_dict(state, strict=False)
-                missing = [k for k in result.missing_keys if k != models.tied_output_key(self.model)]
+                result, tied = self.model.load_state_dict(state, strict=False), models.tied_output_key(self.model)
+                missing = [k for k in result.missing_keys if k != tied]
                 if result.unexpected_keys or missing:
                     raise ValueError(f"weight update does not match the engine's model: unexpected keys "
                                      f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
