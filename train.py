@@ -252,8 +252,9 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
-    if not torch.cuda.is_available():            # the trainer and an embedded engine reuse freed pages (runtime.py)
-        runtime.keep_freed_memory()
+    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (runtime.py)
+        if runtime.prepare_cpu_process()["mkl_avx512_on_amd"]:
+            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: runtime.mkl_avx512_on_amd)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]
