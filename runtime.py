@@ -9,7 +9,8 @@
 # actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
 # more than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
 # version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
-# seconds and bytes; tokens/s per engine and retried/failed requests are the router's).
+# seconds and bytes; tokens/s per engine and retried/failed requests are the router's), and what a process that
+# trains or samples on a CPU sets up first (`prepare_cpu_process`: freed pages kept, MKL's AVX-512 kernels on AMD).
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with

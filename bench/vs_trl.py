@@ -115,7 +115,7 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE, **cold_caches(out, "tracerl")},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    startup, step_ends, step_cpu, phase = {}, [], [], None
+    startup, step_ends, step_cpu, phase, mkl_avx512 = {}, [], [], None, False
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "tracerl.log"), "w") as log:
         for line in proc.stdout:         # each line timed as it arrives: train.py flushes every one
@@ -124,6 +124,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
                 step_ends.append(time.time())
                 step_cpu.append(process_cpu_s(proc.pid))
                 print("  " + line.rstrip(), flush=True)
+            elif line.startswith("tracerl: fp32 products on MKL's AVX-512 kernels"):
+                mkl_avx512 = True
             elif found := re.match(r"tracerl: (.+?) \.\.\.(?: ([\d.]+) s)?$", line.strip()):
                 phase = found.group(1)                            # a start-up phase train.py prints
                 if found.group(2):
@@ -147,16 +149,16 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
             "reward": [s["rollout/reward"] for s in steps],
             "sampled_tokens": [s["rollout/sampled_tokens"] for s in steps],
             "wall_s": wall, "to_first_step_s": step_ends[0] - t0, "startup_s": loop_start - t0,
-            "exit_s": t0 + wall - step_ends[-1], "startup_phases": startup,
+            "exit_s": t0 + wall - step_ends[-1], "startup_phases": startup, "mkl_avx512_on_amd": mkl_avx512,
             "load_avg_1min": [load, os.getloadavg()[0]]}
 
 
 # ---- TRL side: this file's trl-driver mode, in TRL's own Python ------------------------------------------------------
 
 def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: str, trl_pythonpath: str,
-            trl_set: dict, out: str) -> dict:
+            trl_set: dict, mkl_avx512: bool, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
-    job = {"side": side, "cfg": cfg, "model": model, "prompts": prompts, "trl_set": trl_set,
+    job = {"side": side, "cfg": cfg, "model": model, "prompts": prompts, "trl_set": trl_set, "mkl_avx512": mkl_avx512,
            "output_dir": os.path.join(out, side), "result": os.path.join(out, f"{side}.driver.json")}
     job_path = os.path.join(out, f"{side}.job.json")
     with open(job_path, "w") as f:
@@ -186,7 +188,8 @@ def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: s
             "cpu_s_per_step": median_after_first(step_intervals(cpu[0], cpu)), "reward": d["reward"],
             "sampled_tokens": d["sampled_tokens"], "wall_s": wall,
             "to_first_step_s": ends[0] - t0, "startup_s": d["train_begin"] - t0, "exit_s": t0 + wall - ends[-1],
-            "versions": d["versions"], "grpo_config": d["grpo_config"], "load_avg_1min": [load, os.getloadavg()[0]]}
+            "versions": d["versions"], "grpo_config": d["grpo_config"], "mkl_avx512_on_amd": d["mkl_avx512_on_amd"],
+            "load_avg_1min": [load, os.getloadavg()[0]]}
 
 
 def trl_driver(job_path: str) -> None:
@@ -197,6 +200,7 @@ def trl_driver(job_path: str) -> None:
     cfg, side = job["cfg"], job["side"]
     import datasets
     import torch
+    mkl_avx512 = job["mkl_avx512"] and mkl_avx512_on_amd()     # before the first product, as train.py does it
     import transformers
     import trl
     from trl.extras import profiling
@@ -290,9 +294,24 @@ def trl_driver(job_path: str) -> None:
         versions["vllm"] = vllm.__version__
     with open(job["result"], "w") as f:
         json.dump({**clock, "phase_s": phase_s, "reward": rewards, "sampled_tokens": sampled, "versions": versions,
+                   "mkl_avx512_on_amd": mkl_avx512,
                    "grpo_config": {k: getattr(args, k) for k in sorted(settings) if k != "output_dir"}
                    | {"loss_type": args.loss_type, "epsilon": args.epsilon, "gradient_checkpointing":
                       args.gradient_checkpointing, "scale_rewards": args.scale_rewards}}, f, indent=1, default=str)
+
+
+def mkl_avx512_on_amd() -> bool:
+    """runtime.mkl_avx512_on_amd in TRL's process, which cannot import runtime.py (Ray is not installed there): the
+    function and its constants are taken from runtime.py's source and run as they are written there."""
+    import ast
+    with open(os.path.join(ROOT, "runtime.py")) as f:
+        tree = ast.parse(f.read())
+    names = {"INTEL_CPU_CACHE_LOAD", "INTEL_CPU_CACHE_TEST", "mkl_avx512_on_amd"}
+    picked = [node for node in tree.body if getattr(node, "name", None) in names
+              or isinstance(node, ast.Assign) and {getattr(t, "id", None) for t in node.targets} & names]
+    scope = {"os": os, "torch": __import__("torch")}
+    exec(compile(ast.Module(picked, type_ignores=[]), "runtime.py", "exec"), scope)
+    return scope["mkl_avx512_on_amd"]()
 
 
 # ---- the summary ------------------------------------------------------------------------------------------------
@@ -334,6 +353,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trl-pythonpath", default="", help="prepended to PYTHONPATH for the TRL side only")
     parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
                         help="a GRPOConfig field for the TRL side, e.g. gradient_checkpointing=false (repeatable)")
+    parser.add_argument("--trl-mkl-avx512", action="store_true",
+                        help="TRL's process also takes MKL's AVX-512 kernels on an AMD CPU with AVX-512, as tracerl's "
+                             "does (runtime.mkl_avx512_on_amd); by default TRL runs as its users run it")
     parser.add_argument("--tracerl-commit", default="", help="run tracerl as of this commit (git archive) instead "
                                                              "of the working tree")
     parser.add_argument("--sides", default="", help="comma list of tracerl, trl-transformers, trl-vllm "
@@ -374,7 +396,8 @@ def main(argv: list[str]) -> None:
             source, commit = tracerl_source(args.tracerl_commit, out)
             result = {**run_tracerl(cfg, model, source, out), "commit": commit}
         else:
-            result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set, out)
+            result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set,
+                             args.trl_mkl_avx512, out)
         result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         with open(os.path.join(out, f"{side}.json"), "w") as f:
             json.dump({"cfg": cfg, "result": result}, f, indent=1)
