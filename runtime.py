@@ -28,8 +28,10 @@
 # Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import platform
 import queue
 import threading
 import time
@@ -115,7 +117,6 @@ HEAP_KEPT_BYTES = 2**31 - 1       # the largest trim threshold mallopt takes (an
 def keep_freed_memory() -> bool:
     """Makes glibc malloc keep freed memory for reuse in this process (call it before the first model loads).
     False where the C library is not glibc (macOS, musl): its allocator is then left as it is."""
-    import ctypes
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except AttributeError:            # no mallopt in this process's C library
@@ -126,26 +127,19 @@ def keep_freed_memory() -> bool:
 
 # ---- a CPU process's matrix products: MKL's AVX-512 kernels on an AMD CPU that has AVX-512 ---------------------
 
-# torch's x86 wheels run fp32 products on MKL (statically linked into libtorch_cpu.so). MKL picks its kernels by
-# the CPU's vendor string before its features: on an AMD CPU it takes its AVX2 ("zen") kernels even where the CPU
-# has AVX-512 (Zen 4 and 5), and fp32 GEMM runs at half the rate the same kernels reach on an Intel CPU (2-core Zen 5:
-# 210 against 460 GFLOP/s at [1000, 576] x [576, 1536]). The answer to "is this an Intel CPU?" is computed once and
-# kept in a static int beside mkl_serv_intel_cpu_true (-1 until asked); MKL chooses its kernels at the first product
-# and keeps them. Writing 1 there before that first product makes MKL choose as on an Intel CPU with the same
-# features (AVX-512 F/BW/DQ/VL, which torch's own check reports as "AVX512"). The products stay fp32 throughout, with
-# the accuracy MKL's AVX-512 kernels have on Intel CPUs (RMS error against fp64 7.3e-6 against the AVX2 kernels'
-# 6.0e-6 at K 576), and every product of the process, the engine's and the trainer's alike, runs on the same kernels.
+# torch's x86 wheels run fp32 products on MKL (linked into libtorch_cpu.so), which picks its kernels by the CPU's
+# vendor before its features: on an AMD CPU its AVX2 ones even where the CPU has AVX-512 (Zen 4, 5), at half the fp32
+# GEMM rate (2-core Zen 5: 210 against 460 GFLOP/s at [1000, 576] x [576, 1536]). Its answer to "an Intel CPU?" is
+# kept in a static int beside mkl_serv_intel_cpu_true (-1 until asked), and the kernels are chosen at the first
+# product: 1 written there before it makes MKL choose as on an Intel CPU with the same features. Still fp32 (RMS error
+# against fp64 at K 576: 7.3e-6, the AVX2 kernels' 6.0e-6), for the engine and the trainer alike.
 INTEL_CPU_CACHE_LOAD = b"\x8b\x05"          # mov eax, [rip + disp32]: the function's first instruction reads its cache
 INTEL_CPU_CACHE_TEST = b"\x85\xc0\x78"      # test eax, eax; js: computed only while the cache is negative
 
 
 def mkl_avx512_on_amd() -> bool:
-    """Makes MKL take its AVX-512 kernels on an AMD CPU with AVX-512 (call it before the first matrix product of the
-    process). True if it did; False anywhere else (Intel, AVX2 only, no MKL, another OS or architecture), after MKL
-    has already chosen, or where mkl_serv_intel_cpu_true does not begin as the MKL it was written for does (the
-    products are then left as they are)."""
-    import ctypes
-    import platform
+    """Makes MKL take its AVX-512 kernels on an AMD CPU with AVX-512, before the process's first product. True if it
+    did; False elsewhere, once MKL has chosen, or where mkl_serv_intel_cpu_true is not the code it was written for."""
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not torch.backends.mkl.is_available() \
             or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
@@ -168,10 +162,10 @@ def mkl_avx512_on_amd() -> bool:
     return True
 
 
-def prepare_cpu_process() -> dict[str, bool]:
-    """What a process that trains or samples on the CPU sets up before its first model loads: freed memory kept in
-    the heap (keep_freed_memory), MKL's AVX-512 kernels on an AMD CPU (mkl_avx512_on_amd). Returns which took."""
-    return {"freed_memory_kept": keep_freed_memory(), "mkl_avx512_on_amd": mkl_avx512_on_amd()}
+def prepare_cpu_process() -> bool:
+    """Before a CPU process's first model loads: keep_freed_memory, then mkl_avx512_on_amd (whose answer it returns)."""
+    keep_freed_memory()
+    return mkl_avx512_on_amd()
 
 
 # ---- an engine in its own process -----------------------------------------------------------------------

@@ -253,7 +253,7 @@ def main(argv: list[str]) -> None:
     if run.threads:
         torch.set_num_threads(run.threads)
     if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (runtime.py)
-        if runtime.prepare_cpu_process()["mkl_avx512_on_amd"]:
+        if runtime.prepare_cpu_process():
             print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: runtime.mkl_avx512_on_amd)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)

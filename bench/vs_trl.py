@@ -309,7 +309,8 @@ def mkl_avx512_on_amd() -> bool:
     names = {"INTEL_CPU_CACHE_LOAD", "INTEL_CPU_CACHE_TEST", "mkl_avx512_on_amd"}
     picked = [node for node in tree.body if getattr(node, "name", None) in names
               or isinstance(node, ast.Assign) and {getattr(t, "id", None) for t in node.targets} & names]
-    scope = {"os": os, "torch": __import__("torch")}
+    import ctypes
+    scope = {"ctypes": ctypes, "os": os, "platform": platform, "torch": __import__("torch")}   # runtime's imports
     exec(compile(ast.Module(picked, type_ignores=[]), "runtime.py", "exec"), scope)
     return scope["mkl_avx512_on_amd"]()
 
