@@ -11,7 +11,10 @@
 # included); its colour is the quantity picked at the top (advantage, IS weight, behavior - trainer logprob,
 # policy version, loss share, trainable or context); hovering shows its whole record, a click pins it.
 # Never: recomputes anything the trainer computed (the page shows the trace's numbers as written), fetches
-# anything (no CDN, no fonts, no images from elsewhere), or writes outside the page it is asked for.
+# anything (no CDN, no fonts, no images from elsewhere), writes outside the page it is asked for, or lets a string
+# a model, a tool, an agent or a request wrote become markup: the embedded JSON holds no `<`, `>` or `&` (no text
+# can close its script block or put the parser in its escaped-script state), and the script sets every string as
+# text (createElement, textContent, attributes), never through innerHTML.
 from __future__ import annotations
 
 import html
@@ -177,12 +180,19 @@ def _finite(value):
     return value
 
 
+# what HTML reads inside a script block, as JSON's own escapes: `</script>` would end it, `<!--` then `<script`
+# would leave it open to the end of the document (a dead page). json.dumps' ASCII output already writes U+2028,
+# U+2029 and every other non-ASCII character as \u escapes.
+JSON_IN_HTML = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
 def render(page: dict) -> str:
-    """The page model -> one HTML document. The data sits in a JSON script element (`</` escaped so no token's
-    text can close it); the script draws curves and rows from it."""
-    data = json.dumps(_finite(page), allow_nan=False).replace("</", "<\\/")
-    return (PAGE.replace("%TITLE%", html.escape(page["title"])).replace("%SUBTITLE%", html.escape(page["subtitle"]))
-            .replace("%CSS%", CSS).replace("%JS%", JS).replace("%DATA%", data))
+    """The page model -> one HTML document. The data sits in a JSON script element holding none of `<`, `>`, `&`;
+    the script draws curves and rows from it. The placeholders are filled in one pass, so a title that reads
+    `%DATA%` stays that text."""
+    parts = {"TITLE": html.escape(page["title"]), "SUBTITLE": html.escape(page["subtitle"]), "CSS": CSS, "JS": JS,
+             "DATA": json.dumps(_finite(page), allow_nan=False).translate(JSON_IN_HTML)}
+    return re.sub(r"%(TITLE|SUBTITLE|CSS|JS|DATA)%", lambda m: parts[m.group(1)], PAGE)
 
 
 PAGE = """<!doctype html>
@@ -258,6 +268,9 @@ const D = JSON.parse(document.getElementById("data").textContent);
 const $ = id => document.getElementById(id);
 const num = v => (typeof v === "number" ? v : NaN);
 const short = v => Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-2) ? v.toExponential(1) : String(+v.toPrecision(3));
+// every string is set as text, never parsed: a model's, a tool's or an agent's text stays data on the page
+const elem = (tag, attrs = {}, ...kids) => { const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v); e.append(...kids); return e; };
 const fmt = (v, d = 4) => (v === null || v === undefined) ? "—" : (typeof v === "number" ?
   (Math.abs(v) > 0 && (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e5) ? v.toExponential(2) : v.toFixed(d)) : String(v));
 
@@ -266,7 +279,7 @@ function chart(key, title) {
   const pts = D.history.filter(h => typeof h[key] === "number").map(h => [h.step, h[key]]);
   const box = document.createElement("div"); box.className = "chart";
   const last = pts.length ? fmt(pts[pts.length - 1][1], 3) : "—";
-  box.innerHTML = `<div class="t" title="${key}">${title} <span class="ax">last ${last}</span></div>`;
+  box.append(elem("div", {class: "t", title: key}, `${title} `, elem("span", {class: "ax"}, `last ${last}`)));
   const W = 240, H = 90, L = 36, B = 14, ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg"); svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   if (pts.length) {
@@ -293,7 +306,7 @@ if (D.history.length) {
   D.curves.forEach(([k, t]) => chart(k, t));
   const shown = new Set(D.curves.map(c => c[0]));
   const keys = [...new Set(D.history.flatMap(h => Object.keys(h)))].filter(k => k !== "step" && !shown.has(k)).sort();
-  for (const k of keys) { const o = document.createElement("option"); o.value = o.textContent = k; $("more").appendChild(o); }
+  $("more").append(...keys.map(k => elem("option", {value: k}, k)));
   $("more").onchange = e => { if (e.target.value) { chart(e.target.value, e.target.value); shown.add(e.target.value);
     e.target.selectedOptions[0].remove(); e.target.value = ""; } };
 } else $("curves-section").style.display = "none";
@@ -328,10 +341,12 @@ function colour(row, t, q, scale) {
 function legend(q, scale) {
   const names = {advantage: "advantage", is_weight: "log IS weight", mismatch: "behavior − trainer",
                  loss_contribution: "loss share"};
-  if (q === "trainable") return `<span style="background:#bfe3c0">&nbsp;trained&nbsp;</span>
-    <span style="background:#f4c7c3">&nbsp;sampled, masked or gated&nbsp;</span> <span class="tok ctx">context</span>`;
-  if (q === "policy_version") return "one colour per policy version";
-  return `${names[q]}: ${fmt(-scale, 3)} <i style="background:linear-gradient(90deg,rgba(220,60,40,.93),#fff,rgba(38,120,220,.93))"></i> +${fmt(scale, 3)}`;
+  if (q === "trainable") return [elem("span", {style: "background:#bfe3c0"}, "\u00a0trained\u00a0"), " ",
+    elem("span", {style: "background:#f4c7c3"}, "\u00a0sampled, masked or gated\u00a0"), " ",
+    elem("span", {class: "tok ctx"}, "context")];
+  if (q === "policy_version") return ["one colour per policy version"];
+  return [`${names[q]}: ${fmt(-scale, 3)} `,
+    elem("i", {style: "background:linear-gradient(90deg,rgba(220,60,40,.93),#fff,rgba(38,120,220,.93))"}), ` +${fmt(scale, 3)}`];
 }
 
 // ---- a token's record
@@ -341,17 +356,16 @@ const FIELDS = [["token_ids", "id"], ["policy_version", "policy version"], ["tem
   ["advantage", "advantage"], ["loss_contribution", "loss contribution"], ["constraint", "grammar"]];
 const INTS = new Set(["token_ids", "policy_version", "top_k"]);
 let pinned = null;
-function showRecord(row, t, el) {
+function showRecord(row, t, tok) {
   const cells = [["position", t], ["text", JSON.stringify(row.text[t])]];
   if (row.roles[t]) cells.push(["turn", row.roles[t]]);
   if (row.blocks[t]) cells.push(["block", row.blocks[t]]);
   for (const [k, name] of FIELDS) if (row[k]) cells.push([name, fmt(row[k][t], INTS.has(k) ? 0 : 4)]);
   if (row.trainer_logprob && row.trainable[t]) cells.push(["behavior − trainer", fmt(row.behavior_logprob[t] - row.trainer_logprob[t], 6)]);
-  const esc = s => String(s).replace(/[&<>]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;"}[c]));
-  $("record").innerHTML = (pinned === el ? '<div class="pinned">pinned (click again to release)</div>' : "") +
-    `<div>step ${row.step ?? "—"} · rollout ${esc(row.rollout_id)} · segment ${row.segment_id}</div><table>` +
-    cells.map(([k, v]) => `<tr><td>${esc(k)}</td><td class="f-${esc(k).replace(/\W+/g, "_")}">${esc(v)}</td></tr>`).join("") +
-    "</table>";
+  $("record").replaceChildren(...(pinned === tok ? [elem("div", {class: "pinned"}, "pinned (click again to release)")] : []),
+    elem("div", {}, `step ${row.step ?? "—"} · rollout ${row.rollout_id} · segment ${row.segment_id}`),
+    elem("table", {}, ...cells.map(([k, v]) =>
+      elem("tr", {}, elem("td", {}, k), elem("td", {class: "f-" + k.replace(/\W+/g, "_")}, String(v))))));
 }
 
 // ---- rows: one card per traced row, every token an element
@@ -420,13 +434,13 @@ function card(row, index) {
 }
 const cards = rows.map(card);
 const steps = [...new Set(rows.map(r => r.step))];
-$("step").innerHTML = (steps.length > 1 ? '<option value="all">all</option>' : "") +
-  steps.map(s => `<option value="${s}">${s === null ? "session" : s}</option>`).join("");
+$("step").append(...(steps.length > 1 ? [elem("option", {value: "all"}, "all")] : []),
+  ...steps.map(s => elem("option", {value: String(s)}, s === null ? "session" : String(s))));
 if (steps.length > 1) $("step").value = String(steps[steps.length - 1]);
 
 function draw() {
   const q = $("colour").value, scale = scaleOf(q), step = $("step").value, show = $("show").value, sort = $("sort").value;
-  $("legend").innerHTML = legend(q, scale);
+  $("legend").replaceChildren(...legend(q, scale));
   let picked = rows.map((r, i) => i).filter(i => step === "all" || String(rows[i].step) === step || (rows[i].step === null));
   if (show === "sealed") picked = picked.filter(i => rows[i].sealed);
   if (show === "extremes") picked = picked.filter(i => rows[i].badges.some(b => b.endsWith("in group")));
