@@ -1,10 +1,16 @@
-# agents/graders.py — answer extraction and equivalence for verifiable rewards.
+# agents/graders.py — answer extraction and equivalence for verifiable rewards, and the one way a grader reads the
+# files an agent left behind.
 # Owns: pulling a final answer out of a model response, normalising it, deciding whether it equals a reference
-# label (exact numbers first, then small symbolic expressions), and the 1.0/0.0 grade built from those.
+# label (exact numbers first, then small symbolic expressions), and the 1.0/0.0 grade built from those;
+# `read_agent_file`, through which every read by the trainer of a file an agent left (its working directory, its
+# HOME) goes: a regular file, reached without following a symlink, of bounded size, or a clear refusal.
 # Never: evaluates text as Python (expressions go through a small whitelisted parser that builds sympy objects),
-# raises on a malformed response, or imports the rest of tracerl.
+# raises on a malformed response, follows a link or opens a FIFO or device an agent left, or imports the rest of
+# tracerl.
 # Invariant: grading is a pure function of (response, label): deterministic, bounded in time by size limits.
+import os
 import re
+import stat
 from fractions import Fraction
 
 import sympy
@@ -291,3 +297,105 @@ def is_equivalent(prediction: str | None, label: str) -> bool:
 def grade(response: str, label: str) -> float:
     """1.0 if the final answer extracted from `response` is equivalent to `label`, else 0.0."""
     return 1.0 if is_equivalent(extract_final_answer(response or ""), label) else 0.0
+
+
+# ---- reading what an agent left behind ----
+# Whatever an agent leaves is hostile: add.py as a symlink to /dev/zero (an unbounded read grows the trainer until
+# MemoryError) or to a host secret, a FIFO no one writes (open() blocks the trainer), a 100 MB sparse file, a
+# directory where a file belongs, a symlinked parent directory, a hard link to a host file. So a path is walked one
+# name at a time from the root, each directory opened relative to the last with O_NOFOLLOW (no link anywhere on the
+# way is followed, the root's own last name included: an unjailed agent has the trainer's uid and can swap its own
+# directory for a link), and only a regular file with one name and at most `max_bytes` bytes is read. Each name is
+# checked with lstat before it is opened, as opening a FIFO blocks and opening a device can act; what was opened is
+# checked again with fstat. No deadline is needed: the agent's whole process tree is dead before its grader runs,
+# nothing is opened that could block (O_NONBLOCK besides), and a regular file on the workspace's local filesystem
+# reads in bounded time.
+
+class AgentFileError(Exception):
+    """A file an agent left that read_agent_file refused; the message is '<path>: <why>'."""
+
+
+class AgentFileMissing(AgentFileError):
+    """The file, or a directory on its way, does not exist: an agent that deleted its answer, not a hostile file."""
+
+
+_KINDS = [(stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link (never followed)"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+_OPEN_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def read_agent_file(root: str, relative_path: str, max_bytes: int) -> bytes:
+    """The bytes of `relative_path` ('name' or 'folder/name') under the directory `root`, which an agent wrote
+    into. Refused (AgentFileError, naming the path and why) unless `root` and every folder on the way are real
+    directories and the last name a regular file with one name and at most `max_bytes` bytes; at most
+    max_bytes + 1 bytes are ever read. AgentFileMissing (an AgentFileError) when it does not exist; ValueError when
+    `relative_path` is not plain names (an empty, '.', '..' or absolute part): the grader's own mistake."""
+    names = relative_path.split("/")
+    if any(name in ("", ".", "..") for name in names):
+        raise ValueError(f"relative_path must be plain names joined by '/', got {relative_path!r}")
+    directory = _open_directory(root, None, root)
+    try:
+        for depth, name in enumerate(names[:-1]):
+            inner = _open_directory(name, directory, "/".join(names[:depth + 1]))
+            os.close(directory)
+            directory = inner
+        return _read_regular(names[-1], directory, relative_path, max_bytes)
+    finally:
+        os.close(directory)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
+
+
+def _lstat(name: str, dir_fd: int | None, shown: str) -> os.stat_result:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise AgentFileMissing(f"{shown}: does not exist") from None
+    except OSError as exc:                 # e.g. a directory the agent took its permissions from (EACCES)
+        raise AgentFileError(f"{shown}: {exc.strerror}") from None
+
+
+def _open(name: str, dir_fd: int | None, flags: int, shown: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise AgentFileError(f"{shown}: {exc.strerror}") from None
+
+
+def _open_directory(name: str, dir_fd: int | None, shown: str) -> int:
+    mode = _lstat(name, dir_fd, shown).st_mode
+    if not stat.S_ISDIR(mode):
+        raise AgentFileError(f"{shown}: not a directory but {_kind(mode)}")
+    return _open(name, dir_fd, _OPEN_DIRECTORY, shown)
+
+
+def _check_file(status: os.stat_result, shown: str, max_bytes: int) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        raise AgentFileError(f"{shown}: not a regular file but {_kind(status.st_mode)}")
+    if status.st_size > max_bytes:
+        raise AgentFileError(f"{shown}: larger than {max_bytes} bytes ({status.st_size})")
+    if status.st_nlink != 1:   # a second name may be a host file's: a jailed agent cannot link one (another mount,
+        # and protected_hardlinks refuses a file it could not read), but an unjailed one, with the trainer's uid, can
+        raise AgentFileError(f"{shown}: has {status.st_nlink} names (a hard link may be a host file's)")
+
+
+def _read_regular(name: str, dir_fd: int, shown: str, max_bytes: int) -> bytes:
+    _check_file(_lstat(name, dir_fd, shown), shown, max_bytes)
+    fd = _open(name, dir_fd, _OPEN_FILE, shown)
+    try:
+        _check_file(os.fstat(fd), shown, max_bytes)
+        data = bytearray()
+        while len(data) <= max_bytes:      # the size checked may not be the size read: stop one byte past the cap
+            chunk = os.read(fd, max_bytes + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > max_bytes:
+            raise AgentFileError(f"{shown}: larger than {max_bytes} bytes")
+        return bytes(data)
+    finally:
+        os.close(fd)

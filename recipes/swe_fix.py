@@ -6,7 +6,11 @@
 # rollout's session through OPENAI_BASE_URL), in the python sandbox's jail, so the bash commands the model writes
 # run jailed too. When the agent has exited, the hidden tests (all three examples) run on what it left of the module,
 # in the sandbox; the reward is the fraction they pass, the score whether all do. mini's step limit is the turn
-# budget (--rollout.max_turns).
+# budget (--rollout.max_turns). What the agent left (the module, mini's trajectory) is hostile, read only through
+# agents.graders.read_agent_file: a module it deleted or left undecodable passes nothing (reward 0); one it replaced
+# by a symlink, a FIFO, a device, a directory, a hard link or more than MODULE_BYTES, or a trajectory refused or not
+# of mini's shape, fails the grade: ProcessFailure("process_grade"), which the runner counts (the metric
+# rollout/failed_process_grade_total) and logs with the reason, and the rollout is dropped.
 # The whole recipe: the bugs, the tasks, mini's configuration, the defaults and the agent (agents/process.py).
 # Defaults: on a CPU, a tiny Qwen3 taught mini-swe-agent's tool-call format (read the module, run the tests, submit):
 # the episodes are multi-turn and every stage of the pipeline runs, but it fixes nothing (the reward is what the bug
@@ -24,7 +28,8 @@ from jinja2 import Template
 import data
 import models
 from agents import ChatAgentRunner, Result
-from agents.process import ProcessAgent
+from agents.graders import AgentFileError, AgentFileMissing, read_agent_file
+from agents.process import ProcessAgent, ProcessFailure
 from recipes.code_exec import PROBLEMS, run_hidden_tests
 
 # function name -> its body with the bug (the code_exec problems give the signature, the spec and the tests)
@@ -48,6 +53,8 @@ SYSTEM = "You are a helpful assistant that can interact with a computer."
 INSTANCE = ("Please solve this issue: {{task}}\n\nThe repository is in the current directory. Reply with one bash "
             f"tool call at a time. When the tests pass, submit with `{SUBMIT}` alone.\n")
 CPU_MODEL = "tiny-qwen3-swe"
+MODULE_BYTES = 1 << 20                  # the module the agent leaves: one small function (a larger one is refused)
+TRAJECTORY_BYTES = 16 << 20             # mini's trajectory: the messages of at most max_turns steps
 
 ON_GPU = models.gpu_defaults()
 DEFAULTS = {
@@ -120,20 +127,34 @@ class MiniSweAgent(ProcessAgent):
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True"}   # litellm's bundled cost map, not a download at start
 
     def grade(self, ctx, ws, run) -> Result:
+        # Both files are the agent's to tamper with (its bash commands write work/ and home/), so both are read
+        # through read_agent_file, before anything runs; a refusal is a failed grade (header).
         label = json.loads(ctx.label)
         name, tests = label["name"], [(tuple(a), e) for a, e in label["tests"]]
         try:
-            with open(os.path.join(ws.work, f"{name}.py")) as f:
-                source = f.read()
-        except (OSError, UnicodeDecodeError):   # deleted, or made binary: nothing passes
+            source = read_agent_file(ws.work, f"{name}.py", MODULE_BYTES).decode()
+        except (AgentFileMissing, UnicodeDecodeError):   # deleted, or made binary: nothing passes
             source = ""
-        passed, _ = run_hidden_tests(source, name, tests)
-        with open(os.path.join(ws.home, "trajectory.json")) as f:
-            info = json.load(f)["info"]
+        except AgentFileError as exc:
+            raise ProcessFailure("process_grade", f"the agent's module is refused: {exc}") from None
+        info = trajectory_info(ws.home)
+        passed, _ = run_hidden_tests(source, name, tests)   # the sandbox gets the bytes read here, nothing else
         fraction = passed / len(tests)
-        return Result(reward=fraction, score=float(passed == len(tests)),
-                      info={"tests_passed": fraction, "submitted": float(info["exit_status"] == "Submitted"),
-                            "agent_steps": float(info["model_stats"]["api_calls"])})
+        return Result(reward=fraction, score=float(passed == len(tests)), info={"tests_passed": fraction, **info})
+
+
+def trajectory_info(home: str) -> dict[str, float]:
+    """Whether mini-swe-agent submitted, and its model calls, from the trajectory it wrote into `home`. A trajectory
+    refused, or not of mini's shape, is ProcessFailure("process_grade")."""
+    try:
+        info = json.loads(read_agent_file(home, "trajectory.json", TRAJECTORY_BYTES))["info"]
+        return {"submitted": float(info["exit_status"] == "Submitted"),
+                "agent_steps": float(info["model_stats"]["api_calls"])}
+    except AgentFileError as exc:
+        raise ProcessFailure("process_grade", f"mini-swe-agent's trajectory is refused: {exc}") from None
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError) as exc:   # any JSON the agent wrote
+        raise ProcessFailure("process_grade", f"trajectory.json is not mini-swe-agent's trajectory: "
+                                              f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 class AgentRunner(ChatAgentRunner):

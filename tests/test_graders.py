@@ -1,9 +1,19 @@
-# Tests for agents/graders.py: extraction, normalisation and equivalence on tables of positive and negative cases.
+# Tests for agents/graders.py: extraction, normalisation and equivalence on tables of positive and negative cases;
+# read_agent_file, and swe_fix's grader reading through it, on real hostile files an agent can leave behind.
+import json
+import os
+import re
+import resource
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from agents import graders
+from agents.process import ProcessFailure, Workspace
+from recipes import swe_fix
+from recipes.code_exec import PROBLEMS
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -90,3 +100,200 @@ def test_grade_on_realistic_smollm2_responses():
     assert graders.grade("Sam has 14 apples, and 4 apples are left.\n\nThe final answer is 14 + 4 = 18.", "10") == 0.0
     assert graders.grade("Sam has 7 - 2 = 5 apples left. The answer is \\boxed{5}", "5") == 1.0
     assert graders.grade("so 7 + 7 = 14 apples.\n\nThe answer is \\boxed{}.", "14") == 0.0  # the phrase holds no number
+
+
+# ---- what an agent left behind: read_agent_file, and swe_fix's grader reading through it --------------------------
+# Each read runs in a worker thread joined with a deadline (a read that blocks is reported as a hang, and its FIFOs
+# are then opened for writing so the thread ends), under an address-space ceiling (an unbounded read ends in
+# MemoryError here instead of taking the machine's memory) while a sampler watches this process's RSS.
+
+CEILING_MB = 256          # address space a call may add; beyond it an unbounded read gets MemoryError
+HANG_S = 10.0             # a grade with its sandbox run takes about a second; a blocked read never ends
+REFUSAL_S = 2.0           # a refusal reads nothing and runs nothing
+RSS_GROWTH_MB = 4         # ... so it adds next to nothing to this (the trainer's) process
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _statm(field: int) -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[field]) * PAGE
+
+
+def _unblock_fifos(top: str) -> None:
+    """Open every FIFO under `top` for writing and close it: a reader blocked in open() gets EOF and goes on."""
+    for folder, _, files in os.walk(top):
+        for name in files:
+            try:
+                os.close(os.open(os.path.join(folder, name), os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:      # not a FIFO, or no reader waiting on it
+                pass
+
+
+def bounded(call, top: str):
+    """(what `call` returned or raised, seconds it took, how far this process's RSS rose above its start)."""
+    outcome = {}
+
+    def work():
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:
+            outcome["value"] = exc
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    start, peak, began = _statm(1), 0, time.monotonic()
+    resource.setrlimit(resource.RLIMIT_AS, (_statm(0) + (CEILING_MB << 20), hard))
+    worker = threading.Thread(target=work, daemon=True)
+    try:
+        worker.start()
+        while worker.is_alive() and time.monotonic() - began < HANG_S:
+            peak = max(peak, _statm(1))
+            worker.join(0.002)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    if worker.is_alive():
+        _unblock_fifos(top)
+        worker.join(HANG_S)
+        pytest.fail(f"hang: the read was still blocked after {HANG_S:g} s (ended by writing to its FIFOs)")
+    return outcome["value"], time.monotonic() - began, max(peak - start, 0)
+
+
+ADD = next(problem for problem in PROBLEMS if problem[0] == "add")
+FIXED = "def add(a, b):\n    return a + b\n"
+SECRET = "HOST_SECRET = 'a file outside the workspace'\n"
+TRAJECTORY = json.dumps({"info": {"exit_status": "Submitted", "model_stats": {"api_calls": 3}}})
+
+
+@pytest.fixture
+def rollout(tmp_path, monkeypatch):
+    """A rollout's directories as mini-swe-agent left them after fixing add.py and submitting; a host directory
+    beside them holding a secret; and the code every hidden-test run in the sandbox was given."""
+    ctx = SimpleNamespace(label=swe_fix.task(*ADD).label)
+    ws = Workspace(str(tmp_path / "work"), str(tmp_path / "home"))
+    os.mkdir(ws.work)
+    os.mkdir(ws.home)
+    swe_fix.MiniSweAgent().prepare(ctx, ws)
+    (tmp_path / "work" / "add.py").write_text(FIXED)
+    (tmp_path / "home" / "trajectory.json").write_text(TRAJECTORY)
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "add.py").write_text(SECRET + FIXED)
+    sent = []
+    real = swe_fix.run_hidden_tests
+
+    def spy(code, name, tests):
+        sent.append(code[:4096])
+        return real(code, name, tests)
+
+    monkeypatch.setattr(swe_fix, "run_hidden_tests", spy)
+    return SimpleNamespace(ctx=ctx, ws=ws, top=str(tmp_path), host=str(host), sent=sent)
+
+
+def grade(rollout):
+    return bounded(lambda: swe_fix.MiniSweAgent().grade(rollout.ctx, rollout.ws, None), rollout.top)
+
+
+def test_swe_fix_grades_a_well_formed_fix_and_a_deleted_module(rollout):
+    result, _, _ = grade(rollout)
+    assert (result.reward, result.score) == (1.0, 1.0), result
+    assert result.info == {"tests_passed": 1.0, "submitted": 1.0, "agent_steps": 3.0}
+    assert rollout.sent == [FIXED]
+    os.remove(os.path.join(rollout.ws.work, "add.py"))        # deleted: an answer that passes nothing
+    result, _, _ = grade(rollout)
+    assert (result.reward, result.score, result.info["tests_passed"]) == (0.0, 0.0, 0.0), result
+
+
+def _replace(path: str, make) -> None:
+    os.remove(path)
+    make(path)
+
+
+def _sparse(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(FIXED)
+    os.truncate(path, 100 << 20)
+
+
+def _work_as_link(rollout) -> None:
+    os.rename(rollout.ws.work, os.path.join(rollout.top, "moved"))
+    os.symlink(rollout.host, rollout.ws.work)
+
+
+HOSTILE = {   # what the agent leaves -> (how, the words of the refusal)
+    "module_symlink_to_dev_zero": (lambda r: _replace(f"{r.ws.work}/add.py", lambda p: os.symlink("/dev/zero", p)),
+                                   "symbolic link"),
+    "module_symlink_to_etc_passwd": (lambda r: _replace(f"{r.ws.work}/add.py",
+                                                        lambda p: os.symlink("/etc/passwd", p)), "symbolic link"),
+    "module_fifo_without_writer": (lambda r: _replace(f"{r.ws.work}/add.py", os.mkfifo), "FIFO"),
+    "trajectory_fifo_without_writer": (lambda r: _replace(f"{r.ws.home}/trajectory.json", os.mkfifo), "FIFO"),
+    "module_sparse_100mb": (lambda r: _sparse(f"{r.ws.work}/add.py"), "larger than"),
+    "module_directory": (lambda r: _replace(f"{r.ws.work}/add.py", os.mkdir), "directory"),
+    "work_symlinked_to_a_host_directory": (_work_as_link, "symbolic link"),   # an unjailed agent has our uid
+    "module_hard_link_to_a_host_file": (lambda r: _replace(f"{r.ws.work}/add.py",
+                                                           lambda p: os.link(f"{r.host}/add.py", p)), "hard link"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_swe_fix_grader_refuses_what_the_agent_left_quickly_and_reads_nothing_else(rollout, case):
+    make, words = HOSTILE[case]
+    make(rollout)
+    outcome, seconds, growth = grade(rollout)
+    assert not any("root:" in code or "HOST_SECRET" in code for code in rollout.sent), rollout.sent
+    assert isinstance(outcome, ProcessFailure) and outcome.reason == "process_grade", repr(outcome)
+    assert words in str(outcome), str(outcome)
+    assert seconds < REFUSAL_S and growth < RSS_GROWTH_MB << 20, (seconds, growth)
+
+
+@pytest.mark.parametrize("trajectory", [
+    "not json", "[" * 100_000 + "]" * 100_000, '{"info": []}', '{"info": {"exit_status": 1}}',
+    '{"info": {"exit_status": "Submitted", "model_stats": {"api_calls": "x"}}}',
+], ids=["text", "deep", "info_a_list", "no_model_stats", "steps_text"])
+def test_swe_fix_grader_refuses_a_trajectory_that_is_not_minis(rollout, trajectory):
+    with open(os.path.join(rollout.ws.home, "trajectory.json"), "w") as f:
+        f.write(trajectory)
+    outcome, _, _ = grade(rollout)
+    assert isinstance(outcome, ProcessFailure) and outcome.reason == "process_grade", repr(outcome)
+    assert "trajectory.json" in str(outcome)
+
+
+def test_read_agent_file_reads_regular_files_up_to_the_cap(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f.txt").write_bytes(b"x" * 100)
+    assert graders.read_agent_file(str(tmp_path), "sub/f.txt", 100) == b"x" * 100
+    with pytest.raises(graders.AgentFileError, match=r"sub/f.txt: .*larger than 99 bytes"):
+        graders.read_agent_file(str(tmp_path), "sub/f.txt", 99)
+    # a file whose size says 0 but holds more (a /proc file): the read itself stops one byte past the cap
+    assert graders.read_agent_file(f"/proc/{os.getpid()}", "comm", 64).strip()
+    with pytest.raises(graders.AgentFileError, match=r"status: larger than 10 bytes$"):
+        graders.read_agent_file(f"/proc/{os.getpid()}", "status", 10)
+
+
+@pytest.mark.parametrize("base, path, words", [
+    ("root", "sub/f.txt", "sub: .*symbolic link"),          # a symlinked parent directory
+    ("root", "plain/f.txt", "plain: .*regular file"),       # a file where a directory belongs
+    ("linked_root", "plain", "symbolic link"),              # the root itself replaced by a symlink
+])
+def test_read_agent_file_refuses_a_symlinked_or_non_directory_parent(tmp_path, base, path, words):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "f.txt").write_text("outside")
+    (outside / "plain").write_text("outside")
+    (root / "sub").symlink_to(outside)
+    (root / "plain").write_text("a file")
+    (tmp_path / "linked_root").symlink_to(outside)
+    outcome, _, _ = bounded(lambda: graders.read_agent_file(str(tmp_path / base), path, 1 << 20), str(tmp_path))
+    assert isinstance(outcome, graders.AgentFileError), repr(outcome)
+    assert not isinstance(outcome, graders.AgentFileMissing) and re.search(words, str(outcome)), str(outcome)
+
+
+def test_read_agent_file_reports_a_missing_file_apart_from_refusals(tmp_path):
+    for path in ["gone.py", "gone/f.py"]:
+        with pytest.raises(graders.AgentFileMissing, match="does not exist"):
+            graders.read_agent_file(str(tmp_path), path, 100)
+
+
+@pytest.mark.parametrize("path", ["../f", "/etc/passwd", "a/../../f", "a//f", "./f", ""])
+def test_read_agent_file_takes_only_plain_names_under_the_root(tmp_path, path):
+    with pytest.raises(ValueError, match="relative_path"):
+        graders.read_agent_file(str(tmp_path), path, 100)
