@@ -35,8 +35,12 @@
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
 # key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
 # same canonical messages and go through the same ChatSession.turn, so token accounting does not depend on
-# the wire. Bad input is refused with a 4xx in the wire's own format before anything reaches the session,
-# so nothing is recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
+# the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and closing (DELETE
+# /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per server, or the
+# operator's); a session's key is refused there, so an agent holding one cannot sample the policy outside its
+# rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
+# Bad input is refused with a 4xx in the wire's own format before anything reaches the session, so nothing is
+# recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
 # Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
 # against the context before it is rendered, an image's pixels from its header before it is decoded (per image and
 # per request); sessions opened over HTTP expire when idle and are capped. Cheap clients are bounded too: a
@@ -50,9 +54,10 @@
 # Streaming sends each token's text as it is sampled; a client that disconnects
 # mid-turn does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
-# --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions`, so an
-# agent author can check token capture before training (`GET /s/<id>/view`: the session's tokens as viewer.py's
-# page). Never: computes rewards or trains.
+# --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions` (with the admin
+# key it prints at start, or the operator's from TRACERL_LOOPBACK_ADMIN_KEY), so an agent author can check token
+# capture before training (`GET /s/<id>/view`: the session's tokens as viewer.py's page). Never: computes rewards or
+# trains.
 from __future__ import annotations
 
 import argparse
@@ -64,6 +69,7 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import threading
@@ -385,13 +391,27 @@ class SessionInfo:
     session_id: str
     api_key: str                   # send as `Authorization: Bearer <key>` (OpenAI) or `x-api-key` (Anthropic)
     base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
-    session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it to close
+    session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it (admin key) to close
     trace_url: str                 # http://HOST:PORT/s/<id>/trace — the session's segments, token by token
     view_url: str                  # http://HOST:PORT/s/<id>/view — the same, as a page (viewer.py)
 
 
 MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
 BODY_ABANDONED = web.RequestKey("body_abandoned", bool)   # set when the rest of a body will never be read
+ADMIN_KEY_ENV = "TRACERL_LOOPBACK_ADMIN_KEY"   # the standalone server's admin key, when the operator sets one
+ADMIN_KEY_RULE = "an admin key must be at least 16 printable ASCII characters without spaces (a header carries it)"
+
+
+def admin_key_is_valid(key: str) -> bool:
+    return len(key) >= 16 and key.isascii() and key.isprintable() and len(key.split()) == 1
+
+
+def _presented_key(request: web.BaseRequest) -> str:
+    """The key a request presents, as 'Authorization: Bearer <key>' (RFC 7235: the scheme is case-insensitive) or
+    'x-api-key: <key>'; "" for none, and for one that is not ASCII text (no key of ours)."""
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    key = credentials.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    return key if key.isascii() else ""
 
 
 def _wire_of(request: web.BaseRequest) -> str:
@@ -458,8 +478,14 @@ class LoopbackServer:
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
                  host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None,
                  body_timeout_s: float = 60.0, session_ttl_s: float = 3600.0, max_open_sessions: int = 1024,
-                 idle_timeout_s: float = 30.0, max_connections: int = 512, max_session_requests: int = 8):
+                 idle_timeout_s: float = 30.0, max_connections: int = 512, max_session_requests: int = 8,
+                 admin_key: str | None = None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        # Opening and closing sessions over HTTP needs this key: the operator's, or one made here for this server alone
+        # (its owner reads it from .admin_key). It is no session's key, and no agent is handed it.
+        if admin_key is not None and not admin_key_is_valid(admin_key):
+            raise ValueError(ADMIN_KEY_RULE)
+        self.admin_key = admin_key or f"sk-loopback-admin-{secrets.token_urlsafe(32)}"
         self.image_processor = image_processor     # a VLM's (models.load_image_processor); None = text only
         self.model_name, self.host, self.port = model_name, host, port
         self.max_length = max_length               # context of a session that does not ask for less
@@ -475,7 +501,6 @@ class LoopbackServer:
         self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
         self.max_session_requests = max_session_requests
         self._sessions: dict[str, tuple[ChatSession, str, _Lane]] = {}   # id -> (session, api key, its HTTP turns)
-        
         self._http_sessions: set[str] = set()      # the ids opened over HTTP
         self._registry_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
@@ -625,17 +650,28 @@ class LoopbackServer:
             entry = self._sessions.get(session_id)
         if entry is None:
             raise wires.WireError(404, f"no session {session_id!r} on this server (closed, expired, or never "
-                                       "created); create one with POST /sessions or LoopbackServer.create_session",
-                                  "not_found_error")
-        # RFC 7235: the scheme is case-insensitive. A key that is not ASCII text is no key of ours.
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        key = credentials.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-        if not key.isascii() or not hmac.compare_digest(key.encode(), entry[1].encode()):
+                                       "created); create one with POST /sessions (the admin key) or "
+                                       "LoopbackServer.create_session", "not_found_error")
+        if not hmac.compare_digest(_presented_key(request).encode(), entry[1].encode()):
             raise wires.WireError(401, f"wrong or missing API key for session {session_id!r}; send this session's "
                                        "key as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                   "authentication_error")
         entry[0].last_used = time.monotonic()      # any authorized request keeps a session alive
         return entry[0], entry[2]
+
+    def _authorize_admin(self, request: web.Request) -> None:
+        """Opening and closing sessions: the admin key only. Checked before anything else is read, so a client
+        without it learns nothing (not even which sessions exist)."""
+        key = _presented_key(request)
+        how = ("send this server's admin key as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (python "
+               f"loopback.py prints it at start, or takes it from {ADMIN_KEY_ENV})")
+        if not key:
+            raise wires.WireError(401, f"opening or closing a session needs the admin key; {how}",
+                                  "authentication_error")
+        if not hmac.compare_digest(key.encode(), self.admin_key.encode()):
+            raise wires.WireError(403, f"this key cannot open or close sessions, which needs the admin key (a "
+                                       f"session's key reaches only its own session's routes); {how}",
+                                  "permission_error")
 
     async def _body(self, request: web.Request, optional: bool = False) -> dict:
         try:
@@ -802,8 +838,9 @@ class LoopbackServer:
         return web.Response(text=viewer.render(viewer.session_page(trace)), content_type="text/html")
 
     async def _open(self, request: web.Request) -> web.Response:
-        """POST /sessions (loopback needs no auth): an optional {temperature, max_tokens, max_length} body
-        sets the session's defaults; the reply carries its id, key and URLs."""
+        """POST /sessions (the admin key): an optional {temperature, max_tokens, max_length} body sets the session's
+        defaults; the reply carries its id, key and URLs."""
+        self._authorize_admin(request)
         body = await self._body(request, optional=True)
         wires.refuse_unknown_keys(body, {"temperature", "max_tokens", "max_length"})
         max_length = wires.number_field(body, "max_length", integer=True)
@@ -815,11 +852,12 @@ class LoopbackServer:
         return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 
     async def _close(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        """DELETE /s/<id> (the admin key: a session's own key can no more close a session than open one)."""
+        self._authorize_admin(request)
         try:
             self.close_session(request.match_info["sid"])
-        except KeyError:                  # closed by a concurrent DELETE since it was authorized
-            raise wires.WireError(404, f"session {request.match_info['sid']!r} is already closed",
+        except KeyError:                  # never opened, expired, or closed already
+            raise wires.WireError(404, f"no open session {request.match_info['sid']!r} on this server",
                                   "not_found_error") from None
         return web.json_response({"session_id": request.match_info["sid"], "closed": True})
 
@@ -829,23 +867,32 @@ class LoopbackServer:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Serve a model on token-exact OpenAI and Anthropic wires. Open a session with "
-                    "`POST /sessions`, point an SDK at its base_url with its api_key, read what the trainer "
-                    "would see at its trace_url (as a page at <session_url>/view), close it with `DELETE /s/<id>`.")
+                    "`POST /sessions` and the admin key, point an SDK at its base_url with its api_key, read what the "
+                    "trainer would see at its trace_url (as a page at <session_url>/view), close it with "
+                    "`DELETE /s/<id>` and the admin key.")
     parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
     parser.add_argument("--template", choices=["chatml", "model"], default="model",
                         help="chat template: the model's own (default) or tracerl's ChatML")
     parser.add_argument("--max-length", type=int, default=4096, help="most tokens a session's context may hold")
+    parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
+                        help=f"the key that opens and closes sessions (default: ${ADMIN_KEY_ENV}, else a new one, "
+                             f"printed at start); prefer the variable: a command line is visible to other users")
     args = parser.parse_args()
+    if args.admin_key is not None and not admin_key_is_valid(args.admin_key):
+        parser.error(ADMIN_KEY_RULE)          # before the model loads
     path = models.resolve_model(args.model)
     tokenizer = models.load_tokenizer(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = EmbeddedEngine(models.load_model(path).to(device), tokenizer=tokenizer)   # sessions share its batch
     template = data.CHATML_TEMPLATE if args.template == "chatml" else None
     server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length,
-                            models.load_image_processor(path))
+                            models.load_image_processor(path), admin_key=args.admin_key)
     port = server.start()
+    # printed once, and only a key made here: an operator's own stays out of the log
+    print(f"admin key (POST /sessions, DELETE /s/<id>; never give it to an agent): "
+          f"{'the one given' if args.admin_key else server.admin_key}", flush=True)
     print(f"tracerl loopback serving {args.model} at http://{args.host}:{port}", flush=True)
     try:
         threading.Event().wait()

@@ -4,9 +4,11 @@
 # 5-tuple returns, as an Env), `Result` (what a step returns), `Rollout` (what an episode
 # hands the trainer), `EnvRunner` (drives Env episodes through the engine and the token ledger), the
 # ChatAgent form (`ChatAgent`, `ChatContext`, `ChatAgentRunner`: the agent talks to a stock OpenAI or
-# Anthropic SDK at a per-rollout loopback session), `load_agent_runner` (a recipe names one module that
-# exports `AgentRunner`; reward is ordinary code) and `info_numbers` (the real numbers of an env's info: the ones
-# logged). Adapters for other libraries' environments (verifiers, reasoning-gym, skyrl-gym) are agents/envs.py.
+# Anthropic SDK at a per-rollout loopback session, which closes when the rollout ends however it ends; the agent
+# gets that session's URL and key, never the server's admin key, which opens sessions), `load_agent_runner` (a
+# recipe names one module that exports `AgentRunner`; reward is ordinary code) and `info_numbers` (the real numbers
+# of an env's info: the ones logged). Adapters for other libraries' environments (verifiers, reasoning-gym,
+# skyrl-gym) are agents/envs.py.
 #
 # Keeps invariant 1: the runner never re-tokenizes an action. Sampled ids go from the engine straight
 # into the rollout's `TokenLedger`; the action text handed to `step()` is a decoding for the env's eyes
@@ -383,7 +385,8 @@ class ChatAgentRunner:
     """Runs a group of ChatAgents concurrently, each against its own loopback session; concurrent requests
     of all sessions share batched engine calls. Subclass with `agent_cls = MyAgent` and export it as
     `AgentRunner`. An agent that raises, returns no Result, or outlives `step_timeout_s * max_turns`
-    loses only its own rollout."""
+    loses only its own rollout. Each rollout's session is closed when it ends, however it ends (the run cancelled
+    included), so no agent code samples the policy past its rollout."""
 
     agent_cls: type[ChatAgent] = ChatAgent
     template: str | None = None        # None = the model's own chat template
@@ -426,23 +429,10 @@ class ChatAgentRunner:
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
-        failure = ""
         try:
-            ctx = self._context(info, task, sampling)
-        except ValueError as exc:           # image parts and task images that do not pair up
-            failure, detail = "task_error", f"{type(exc).__name__}: {exc}"
-        if not failure:
-            try:
-                result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
-                if not isinstance(result, Result):
-                    raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
-                logged = info_numbers(result.info)
-            except asyncio.TimeoutError:
-                failure, detail = "agent_timeout", f"exceeded {self.timeout_s:.0f} s"
-            except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure, counted under
-                # its `reason` where it names one (agents.process.ProcessFailure), else as agent_error
-                failure, detail = getattr(exc, "reason", "agent_error"), f"{type(exc).__name__}: {exc}"
-        session = self.server.close_session(info.session_id)
+            failure, detail, result = await self._agent(info, task, sampling)
+        finally:     # returned, raised, timed out, or the run cancelled: the session goes with its rollout
+            session = self.server.close_session(info.session_id)
         if not failure and session.image_pad_turns:   # a pad no image fills: the row could never be forwarded
             failure, detail = "sampled_image_pad", f"{data.IMAGE_PAD} sampled in {session.image_pad_turns} turns"
         if failure:
@@ -453,7 +443,25 @@ class ChatAgentRunner:
         score = result.score if result.score is not None else float(result.reward)
         return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
                        session.turns, bool(result.truncated), session.max_tokens_turns,
-                       logged, session.generations)
+                       result.info, session.generations)
+
+    async def _agent(self, info, task, sampling: SamplingParams) -> tuple[str, str, Result | None]:
+        """One agent run against its session: ("", "", its Result with the info reduced to its numbers), or (the
+        reason its failure is counted under, what happened, None)."""
+        try:
+            ctx = self._context(info, task, sampling)
+        except ValueError as exc:           # image parts and task images that do not pair up
+            return "task_error", f"{type(exc).__name__}: {exc}", None
+        try:
+            result = await asyncio.wait_for(self.agent_cls().run(ctx), timeout=self.timeout_s)
+            if not isinstance(result, Result):
+                raise TypeError(f"ChatAgent.run must return agents.Result, got {type(result).__name__}")
+            return "", "", replace(result, info=info_numbers(result.info))
+        except asyncio.TimeoutError:
+            return "agent_timeout", f"exceeded {self.timeout_s:.0f} s", None
+        except Exception as exc:  # agent code is arbitrary: any error is this rollout's failure, counted under its
+            # `reason` where it names one (agents.process.ProcessFailure), else as agent_error
+            return getattr(exc, "reason", "agent_error"), f"{type(exc).__name__}: {exc}", None
 
 
 # ---- loading a recipe, and a recipe's agent ----------------------------------------------------------

@@ -4,16 +4,21 @@
 # failing or hanging env (its constructor included) loses only its own rollout; an info's numpy and torch numbers
 # are logged; recipes load from a file path; the math recipe grades; `agents` is also the OpenAI Agents SDK's
 # package (its names and submodules beside ours, verifiers' ToolEnv importing it, clashes refused), and the SDK's
-# Runner drives a function tool through a loopback session.
+# Runner drives a function tool through a loopback session. Containment: a ChatAgent's session is closed however its
+# rollout ends (returned, raised, timed out, the run cancelled), and an agent, in process or a ProcessAgent's program,
+# holds its session's URL and key only: its POST /sessions is refused, and the admin key is nowhere in what it gets.
 import asyncio
 import dataclasses
 import gc
+import json
 import logging
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
+import aiohttp
 import numpy as np
 import pytest
 import torch
@@ -395,6 +400,7 @@ def test_a_malformed_result_loses_only_its_own_rollout(engine, tokenizer):
 from openai import AsyncOpenAI  # noqa: E402
 
 from agents import ChatAgent, ChatAgentRunner  # noqa: E402
+from agents.process import ProcessAgent  # noqa: E402
 
 SDK_REPLIES: dict[str, list[int]] = {}     # api key -> token ids the SDK was handed, in turn order
 SDK_CLIPPED: dict[tuple, int] = {}         # those ids -> replies cut at max_tokens (finish_reason "length")
@@ -532,6 +538,117 @@ def test_sdk_clients_an_agent_never_closed_are_closed_on_their_own_event_loop(en
         assert closes_failed(runs=3) == 0
         monkeypatch.setattr(agents, "gc", SimpleNamespace(collect=lambda: 0))   # armed: the runner does not collect
         assert closes_failed(runs=3) > 0
+
+
+# ---- containment: a rollout reaches only its own session, and its session closes however it ends ----
+
+PROBED: list = []          # (the ChatContext an agent got, the status its POST /sessions with its own key got)
+
+
+class SessionProbingAgent(ChatAgent):
+    """Does what a hostile agent holding its session's key would try (open a session of its own to sample the policy
+    outside its rollout), makes one turn, then ends as its task says: returns, raises, or hangs past its deadline."""
+
+    async def run(self, ctx):
+        root = ctx.session_url.rsplit("/s/", 1)[0]
+        async with aiohttp.ClientSession() as http:
+            async with http.post(root + "/sessions", headers={"Authorization": f"Bearer {ctx.api_key}"}) as reply:
+                PROBED.append((ctx, reply.status))
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        if ctx.prompt.endswith("raise."):
+            raise RuntimeError("the agent's own bug")
+        if ctx.prompt.endswith("hang."):
+            await asyncio.sleep(60)
+        return Result(reward=1.0)
+
+
+def probing_runner(agent_cls, engine, tokenizer):
+    return type("Runner", (ChatAgentRunner,), {"agent_cls": agent_cls, "template": data.CHATML_TEMPLATE})(
+        engine, tokenizer, max_turns=1, step_timeout_s=4.0)
+
+
+def test_every_session_a_rollout_opened_is_closed_however_the_rollout_ends(engine, tokenizer):
+    runner = probing_runner(SessionProbingAgent, engine, tokenizer)
+    PROBED.clear()
+    try:
+        rollouts = runner.run(make_tasks("ok", "raise", "hang", "fine"), ["g"] * 4, SamplingParams(max_tokens=3))
+        assert [r.task_id for r in rollouts] == ["ok", "fine"]
+        assert runner.failures == {"agent_error": 1, "agent_timeout": 1}
+        assert [status for _, status in PROBED] == [403] * 4, "an agent opened a session with its own key"
+        assert runner.server._sessions == {}, f"{len(runner.server._sessions)} sessions open after the rollouts"
+    finally:
+        runner.server.stop()
+
+
+def test_a_cancelled_run_closes_the_sessions_of_the_rollouts_it_cut_short(engine, tokenizer):
+    runner = probing_runner(SessionProbingAgent, engine, tokenizer)
+    PROBED.clear()
+
+    async def cancelled_while_every_agent_hangs() -> None:
+        run = asyncio.ensure_future(runner._run_all(make_tasks("a hang", "b hang"), ["g", "g"],
+                                                    SamplingParams(max_tokens=3)))
+        while len(PROBED) < 2:
+            await asyncio.sleep(0.05)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    try:
+        asyncio.run(cancelled_while_every_agent_hangs())
+        left = [ctx.session_url.rsplit("/", 1)[1] for ctx, _ in PROBED]
+        assert not set(left) & set(runner.server._sessions), "a cancelled rollout's session is still open"
+    finally:
+        runner.server.stop()
+
+
+PROBING_PROGRAM = """
+import json, os, urllib.error, urllib.request
+root = os.environ["OPENAI_BASE_URL"].rsplit("/s/", 1)[0]
+request = urllib.request.Request(root + "/sessions", data=b"", method="POST",
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+try:
+    status = urllib.request.urlopen(request).status
+except urllib.error.HTTPError as error:
+    status = error.code
+print(json.dumps(dict(os.environ)))
+print(json.dumps({"reward": 1.0, "info": {"open_session_status": status}}))
+"""
+
+
+class ProbingProgram(ProcessAgent):
+    """A program as its own process: it tries to open a session with the key its environment holds, and prints that
+    environment (kept by `grade`)."""
+    outputs: list[str] = []
+
+    def command(self, ctx, ws):
+        return [sys.executable, "-c", PROBING_PROGRAM]
+
+    def grade(self, ctx, ws, run):
+        ProbingProgram.outputs.append(run.stdout)
+        return super().grade(ctx, ws, run)
+
+
+def test_an_agent_gets_its_sessions_url_and_key_only_never_the_admin_key(engine, tokenizer):
+    """The admin key (which opens and closes sessions) stays with the runner: it is in no field of the ChatContext an
+    in-process agent gets, nor in the environment a ProcessAgent's program starts with."""
+    chat, program = (probing_runner(cls, engine, tokenizer) for cls in (SessionProbingAgent, ProbingProgram))
+    PROBED.clear()
+    ProbingProgram.outputs.clear()
+    try:
+        assert len(chat.run(make_tasks("ok"), ["g"], SamplingParams(max_tokens=3))) == 1
+        (rollout,) = program.run(make_tasks("ok"), ["g"], SamplingParams(max_tokens=3))
+        assert rollout.info == {"open_session_status": 403.0} and PROBED[0][1] == 403
+        ((ctx, _),), (output,) = PROBED, ProbingProgram.outputs
+        environment = json.loads(output.splitlines()[0])
+        assert environment["OPENAI_BASE_URL"].startswith(f"http://127.0.0.1:{program.server.port}/s/")
+        for runner in (chat, program):
+            admin = runner.server.admin_key
+            assert admin and admin not in repr(ctx) and admin not in repr(dataclasses.asdict(ctx))
+            assert admin not in output and not any(admin in value for value in environment.values())
+        assert chat.server._sessions == {} and program.server._sessions == {}
+    finally:
+        chat.server.stop()
+        program.server.stop()
 
 
 def test_text_an_env_marks_plain_reaches_the_model_as_characters_and_its_glue_as_control_tokens(engine, tokenizer):

@@ -2,8 +2,9 @@
 # EmbeddedEngine on a tiny Qwen3 (taught one tool call so tool use reaches the wire): both wires decode
 # to the same token-exact ChatSession turns, streamed replies equal non-streamed ones, the trace shows
 # exactly the returned token ids, bad input is a 4xx in the wire's own format and records nothing, a retry
-# is answered from the record, a client that hangs up mid-stream leaves one committed turn, and the
-# standalone `python loopback.py --model ...` serves sessions opened with POST /sessions.
+# is answered from the record, a client that hangs up mid-stream leaves one committed turn, a session's key reaches
+# its own session only and never opens or closes one (the admin key does), and the standalone `python loopback.py
+# --model ...` serves sessions opened with POST /sessions and the admin key it prints (or the operator's).
 import asyncio
 import base64
 import dataclasses
@@ -305,6 +306,37 @@ def test_wrong_key_unknown_and_closed_sessions_are_refused_in_each_wires_format(
         anthropic_client(info).messages.create(model="policy", max_tokens=4, messages=ask)
 
 
+def test_only_the_admin_key_opens_or_closes_a_session_and_a_sessions_key_reaches_only_its_own(server):
+    """A program holding its session's key (an agent) can neither open sessions of its own (sampling the policy outside
+    its rollout) nor close one; against another session every route refuses it. The admin key is no session's key."""
+    mine, theirs = server.create_session(sampling=SamplingParams(max_tokens=2)), server.create_session()
+    address, open_before = f"http://{server.host}:{server.port}", len(server._sessions)
+    for headers in [{"Authorization": f"Bearer {mine.api_key}"}, {"x-api-key": mine.api_key}, {}]:
+        status, refusal = raw_post(address + "/sessions", b"", headers)
+        assert status == (403 if headers else 401), f"a session's key (or none) got {status}: {refusal}"
+        assert refusal["error"]["type"] == ("permission_error" if headers else "authentication_error")
+        assert "admin key" in refusal["error"]["message"]
+        for target in (mine, theirs):
+            status, refusal = raw_post(target.session_url, b"", headers, "DELETE")
+            assert status in (401, 403) and "admin key" in refusal["error"]["message"]
+    assert len(server._sessions) == open_before
+    ask = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    key = {"Authorization": f"Bearer {mine.api_key}"}
+    for route, method, body in [("/v1/chat/completions", "POST", ask), ("/v1/messages", "POST", ask),
+                                ("/v1/models", "GET", None), ("/trace", "GET", None), ("/view", "GET", None)]:
+        assert raw_post(theirs.session_url + route, body, key, method)[0] == 401, route
+        assert raw_post(theirs.session_url + route, body, {"x-api-key": mine.api_key}, method)[0] == 401, route
+    assert raw_post(mine.base_url + "/chat/completions", ask, key)[0] == 200          # its own session serves it
+    admin = {"Authorization": f"Bearer {server.admin_key}"}
+    assert raw_post(mine.base_url + "/chat/completions", ask, admin)[0] == 401         # the admin key is no session's
+    status, opened = raw_post(address + "/sessions", b"", admin)
+    assert status == 200 and server.admin_key not in json.dumps(opened)
+    for info in (SessionInfo(**opened), theirs, mine):
+        assert raw_post(info.session_url, b"", {"x-api-key": server.admin_key}, "DELETE") == \
+            (200, {"session_id": info.session_id, "closed": True})
+    assert len(server._sessions) == open_before - 2
+
+
 def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server):
     info = server.create_session(sampling=SamplingParams(max_tokens=4, seed=0), max_length=48)
     client, claude = openai_client(info), anthropic_client(info)
@@ -422,22 +454,30 @@ def test_a_client_that_disconnects_mid_stream_leaves_one_committed_turn(server, 
     assert trainable_ids(record) == reply.model_extra["token_ids"] + follow.model_extra["token_ids"]
 
 
-def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
+@pytest.mark.parametrize("given", [False, True], ids=["printed admin key", "operator's admin key"])
+def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace(given):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    operators = "sk-operator-" + "7" * 24
+    env = {k: v for k, v in os.environ.items() if k != "TRACERL_LOOPBACK_ADMIN_KEY"} | \
+        ({"TRACERL_LOOPBACK_ADMIN_KEY": operators} if given else {})
     process = subprocess.Popen([sys.executable, "loopback.py", "--model", "tiny-qwen3", "--port", "0"], cwd=root,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         output, serving = [], None
         while serving is None:                                  # model loading first, then the address line
             output.append(process.stdout.readline())
             assert output[-1], f"the server exited before serving: {''.join(output)}"
             serving = re.search(r"tracerl loopback serving tiny-qwen3 at (http://\S+)", output[-1])
-        address = serving.group(1)
+        address, printed = serving.group(1), re.search(r"^admin key .*: (.+)$", "".join(output), re.M).group(1)
+        if given:                           # an operator's key stays out of the log
+            assert printed == "the one given" and operators not in "".join(output)
+        admin = {"Authorization": f"Bearer {operators if given else printed}"}
+        assert raw_post(address + "/sessions", b"", {})[0] == 401
         for bad, message in [({"temperature": -1}, "temperature"), ({"max_length": 10**9}, "max_length"),
                              ({"seed": 1}, "unsupported parameter")]:
-            status, refusal = raw_post(address + "/sessions", json.dumps(bad).encode(), {})
+            status, refusal = raw_post(address + "/sessions", json.dumps(bad).encode(), admin)
             assert status == 400 and message in refusal["error"]["message"]
-        status, opened = raw_post(address + "/sessions", json.dumps({"max_tokens": 8}).encode(), {})
+        status, opened = raw_post(address + "/sessions", json.dumps({"max_tokens": 8}).encode(), admin)
         assert status == 200 and set(opened) == {"session_id", "api_key", "base_url", "session_url", "trace_url",
                                                        "view_url"}
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
@@ -450,9 +490,9 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace():
         info = SessionInfo(**opened)
         record = trace(info)
         assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
-        key = {"Authorization": f"Bearer {info.api_key}"}
-        assert raw_post(info.session_url, b"", {"Authorization": "Bearer nope"}, "DELETE")[0] == 401
-        assert raw_post(info.session_url, b"", key, "DELETE") == (200, {"session_id": info.session_id, "closed": True})
+        assert raw_post(info.session_url, b"", {"Authorization": f"Bearer {info.api_key}"}, "DELETE")[0] == 403
+        assert raw_post(info.session_url, b"", admin, "DELETE") == (200, {"session_id": info.session_id,
+                                                                          "closed": True})
         with pytest.raises(urllib.error.HTTPError, match="404"):
             trace(info)
     finally:
@@ -553,7 +593,7 @@ def test_values_the_sampler_cannot_honour_are_refused_at_the_boundary_on_both_wi
         assert status == 400 and body["type"] == "error" and field in body["error"]["message"]
     if field == "temperature":                 # and as a session's default
         status, body = raw_post(f"http://{server.host}:{server.port}/sessions",
-                                json.dumps({field: value}).encode(), {})
+                                json.dumps({field: value}).encode(), {"x-api-key": server.admin_key})
         assert status == 400 and field in body["error"]["message"]
     assert trace(info)["segments"] == []
 
@@ -575,10 +615,10 @@ def test_auth_scheme_is_case_insensitive_and_sessions_opened_over_http_expire_an
                               template=data.CHATML_TEMPLATE, session_ttl_s=0.5, max_open_sessions=2)
     loopback.start()
     try:
-        address = f"http://{loopback.host}:{loopback.port}"
-        opened = [raw_post(address + "/sessions", b"", {}) for _ in range(2)]
+        address, admin = f"http://{loopback.host}:{loopback.port}", {"Authorization": f"Bearer {loopback.admin_key}"}
+        opened = [raw_post(address + "/sessions", b"", admin) for _ in range(2)]
         assert [status for status, _ in opened] == [200, 200]
-        status, refusal = raw_post(address + "/sessions", b"", {})
+        status, refusal = raw_post(address + "/sessions", b"", admin)
         assert status == 429 and "limit" in refusal["error"]["message"]
         info = SessionInfo(**opened[0][1])
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
@@ -588,7 +628,7 @@ def test_auth_scheme_is_case_insensitive_and_sessions_opened_over_http_expire_an
         time.sleep(0.7)
         status, refusal = raw_post(info.base_url + "/chat/completions", body, {"Authorization": f"Bearer {info.api_key}"})
         assert status == 404 and "expired" in refusal["error"]["message"]
-        assert raw_post(address + "/sessions", b"", {})[0] == 200        # the idle ones made room
+        assert raw_post(address + "/sessions", b"", admin)[0] == 200        # the idle ones made room
         assert raw_post(kept.base_url + "/chat/completions", body, {"Authorization": f"Bearer {kept.api_key}"})[0] == 200
     finally:
         loopback.stop()
