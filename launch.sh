@@ -16,6 +16,7 @@
 # The test suite also installs requirements-test.txt (selenium, wandb; pinned) and, from apt where they are missing,
 # Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless) and Slurm's
 # daemons with munge (tests/test_slurm.py starts a Slurm cluster on this machine and submits slurm.sbatch to it).
+# Ray's token authentication is on for `train` and `cluster` (ray_auth); only `test` turns it off, for the test run.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${TRACERL_VENV:-.venv}
@@ -65,6 +66,19 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
   fi
 }
 
+# Ray's token authentication, for every command that may start or join a Ray cluster: a Ray head without it runs
+# code from anyone who reaches its port (a local head listens on the node's address too). The token is the
+# operator's where one is set (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), else one made here for this
+# run and kept in the environment only (Ray would write a new one to ~/.ray/auth_token, readable as the umask allows).
+# Everything started from here inherits it: train.py and its Ray, `ray start` on each node (srun --export=ALL).
+ray_auth() {
+  export RAY_AUTH_MODE=token
+  if [ -z "${RAY_AUTH_TOKEN:-}" ] && [ -z "${RAY_AUTH_TOKEN_PATH:-}" ] && [ ! -s "$HOME/.ray/auth_token" ]; then
+    RAY_AUTH_TOKEN=$("$PY" -c "import secrets; print(secrets.token_hex(32))")
+    export RAY_AUTH_TOKEN
+  fi
+}
+
 free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"; }
 
 # The Ray head on this node and, inside a Slurm job (whose batch script runs on the job's first node), a worker on
@@ -88,7 +102,7 @@ cluster() {
     --dashboard-port="$(free_port)" --ray-client-server-port="$(free_port)" &
   pids+=($!)
   for node in "${workers[@]}"; do
-    srun --nodes=1 --ntasks=1 -w "$node" "${ray[@]}" --address="$head:$port" &
+    srun --export=ALL --nodes=1 --ntasks=1 -w "$node" "${ray[@]}" --address="$head:$port" &
     pids+=($!)
   done
   local nodes=$((1 + ${#workers[@]}))
@@ -106,14 +120,15 @@ cluster() {
   return "$rc"
 }
 
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   setup) setup ;;
-  train) setup; exec "$PY" train.py "$@" ;;
-  test)  setup test; TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
-  cluster) setup; cluster "$@" ;;
+  train) setup; ray_auth; exec "$PY" train.py "$@" ;;
+  # the tests' Ray clusters are their own, on this machine; `launch.sh cluster` run by a test turns auth back on
+  test)  setup test; RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
+  cluster) setup; ray_auth; cluster "$@" ;;
   *) echo "usage: ./launch.sh {train [flags] | test [pytest flags] | setup | cluster [flags]}" >&2; exit 2 ;;
 esac

@@ -2,6 +2,8 @@
 # `./launch.sh test` installs from apt): munged, slurmctld and two slurmd on localhost, so the job has a first node
 # (the batch script, the Ray head) and a second one (a Ray worker, started by srun). `sbatch --nodes 2 slurm.sbatch`
 # runs a two-step tiny run through ./launch.sh cluster and train.py in ray mode, with one engine actor on each node.
+# While it runs, a client without the cluster's Ray token (none sent, or a wrong one) is refused by its head: the
+# test's own environment turns Ray's auth off (conftest.py), and launch.sh cluster turns it back on for the job.
 # Everything the test starts is stopped, and its files removed, whether the job succeeds or not.
 #
 # Slurm here: no cgroups (proctrack/linuxproc, task/none), no accounting daemon (the job's state and exit code come
@@ -9,10 +11,12 @@
 # copy of slurm.conf with its own port, spool folder and log (a single host runs two only that way), so the
 # configuration hash check is off.
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -24,6 +28,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES = 2
 PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"      # the daemons live in sbin
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+# A client of the cluster's GCS (the head's port, where ray.init and every node connect first): one call, answered or
+# refused at once (ray.init(address=...) retries a refusal for 20 s before it gives up).
+RAY_PROBE = """
+import sys
+import ray.exceptions
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_keys(b"", None, timeout=10)
+except ray.exceptions.AuthenticationError:
+    print("refused")
+else:
+    print("admitted")
+"""
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE")
 
@@ -164,9 +181,21 @@ def slurm():
         shutil.rmtree(home, ignore_errors=True)
 
 
+def probe_ray(address: str, env: dict, home: str) -> str:
+    """What the cluster's head tells a client that has no token (sends none) or a wrong one."""
+    outcomes = []
+    for auth in ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 64}):
+        probe_env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")} | auth | {"HOME": home}
+        done = subprocess.run([sys.executable, "-c", RAY_PROBE, address], env=probe_env, capture_output=True,
+                              text=True, timeout=60)
+        outcomes.append(done.stdout.strip() or f"no answer: {done.stderr[-800:]}")
+    return " and ".join(sorted(set(outcomes)))
+
+
 def test_sbatch_slurm_sbatch_trains_through_launch_sh_cluster_on_two_nodes(slurm, tmp_path):
     """The job completes with exit code 0, its Ray cluster has both nodes, and the run wrote both steps' metrics
-    with both engines live (each engine takes a node's every CPU, so one of them ran on the srun-started worker)."""
+    with both engines live (each engine takes a node's every CPU, so one of them ran on the srun-started worker).
+    While it trains, its Ray head refuses a client without the cluster's token."""
     recipe, out, log = tmp_path / "parity.py", str(tmp_path / "run"), str(tmp_path / "job.out")
     recipe.write_text(PARITY_RECIPE)
     env = {**slurm, "RAY_START_ARGS": "--num-cpus 2 --object-store-memory 100000000"}
@@ -177,13 +206,17 @@ def test_sbatch_slurm_sbatch_trains_through_launch_sh_cluster_on_two_nodes(slurm
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 480
+    deadline, stranger = time.monotonic() + 480, None
     while (state := job_state(env, job)).get("JobState") not in ENDED:
         assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')}\n{tail(log)}"
+        head = re.search(r"launch\.sh: Ray cluster at (\S+:\d+)", open(log).read() if os.path.exists(log) else "")
+        if head and stranger is None:      # the cluster is up and train.py is starting on it
+            stranger = probe_ray(head.group(1), env, str(tmp_path))
         time.sleep(1)
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), tail(log, 80)
     text = open(log).read()
     assert f"({NODES} nodes)" in text and "launch.sh: Ray cluster at" in text, tail(log, 80)
+    assert stranger == "refused", f"a client without the cluster's Ray token was {stranger}"
     records = metrics_of(out)
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["perf/engines_live"] == 2
