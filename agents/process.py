@@ -21,12 +21,17 @@
 #     process dies with it, the kernel then killing every process in the namespace;
 #   - the reward comes from the program's last stdout line, a JSON object {"reward": r, "score": s, "info": {...}}
 #     (the default `grade`; score and info optional), or from the recipe's `grade` over what is left in `work/`.
-#   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py, bubblewrap): a tmpfs root with the
-#     system libraries, the Python prefix and the recipe's `jail_binds` read-only, its two directories writable, a
-#     uid of its own, its own user, mount, PID, IPC, UTS and cgroup namespaces, the sandbox's seccomp filter and a
-#     cgroup capping the whole tree (JAIL_MEMORY_MB, JAIL_PROCESSES); but the host's network, which the session's
-#     URL is on. Where a protection is missing and not accepted (sandbox.refusal), a jailed rollout is refused,
-#     never run unjailed.
+#   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py, bubblewrap): a read-only tmpfs
+#     root with the system libraries, the Python prefix and the recipe's `jail_binds` ({path in the jail: host path},
+#     so a venv is seen at a path of the recipe's choosing, never the checkout's) read-only, its two directories
+#     writable (handed to the jail's uid), a host uid of its own (never root's), its own user, mount, PID, IPC, UTS,
+#     cgroup and network namespaces, the sandbox's seccomp filter and a cgroup capping the whole tree
+#     (JAIL_MEMORY_MB, JAIL_PROCESSES). Its network holds only its own loopback, where the jail's pid 1
+#     (agents/jail_init.py) listens on the session's port and relays each connection through a Unix socket bound in
+#     from the host to this process's SessionRelay, which forwards it to the session's server: the program reaches
+#     its session's server and nothing else (no other listener on the host, no outside address), and the server's
+#     keys keep it to its own session. Where a protection is missing and not accepted (sandbox.refusal), a jailed
+#     rollout is refused, never run unjailed.
 # Keeps invariant 1 by construction: the program's tokens are its session's (loopback.py); nothing here sees ids.
 # Never: passes the caller's environment through, leaves a process or a directory behind, or lets a failing program
 # fail more than its own rollout (a ProcessFailure names the reason ChatAgentRunner counts it under).
@@ -42,7 +47,8 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from urllib.parse import urlsplit
 
 if __name__ == "__main__":       # the launcher: -I -S put neither the repository nor site-packages on its path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,17 +108,10 @@ def _exec_program(spec: dict, report_fd: int) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         os.chdir(spec["cwd"])
-        jail = spec["jail"]
-        if jail is not None:                            # become bwrap, which runs the program in its jail
+        if spec["jail"] is not None:                    # become bwrap, which runs the program in its jail
             import resource
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            seccomp = os.open(jail["seccomp_path"], os.O_RDONLY) if jail["seccomp_path"] else None
-            args = sandbox.bwrap_command(spec["argv"], jail["uid"], spec["cwd"], spec["env"], jail["disk_mb"],
-                                         binds=tuple(jail["binds"]), writable=tuple(jail["writable"]),
-                                         share_net=True, seccomp_fd=seccomp)
-            if seccomp is not None:
-                os.set_inheritable(seccomp, True)
-            os.execve(jail["bwrap"], ["bwrap", *args], {})
+            sandbox.exec_jail(sandbox.JailSpec(**spec["jail"]), spec["argv"], spec["cwd"], spec["env"])
         os.execvpe(spec["argv"][0], spec["argv"], spec["env"])   # the report pipe closes on exec (O_CLOEXEC)
     except BaseException as exc:
         os.write(report_fd, f"spawn {type(exc).__name__}: {exc}\n".encode())
@@ -180,7 +179,7 @@ def _launch(spec_path: str) -> None:
     try:
         _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
         if spec["jail"] is not None:
-            sandbox.enter_call(spec["jail"]["procs_files"])     # its cgroup and a fresh session keyring
+            sandbox.enter_call(spec["procs_files"])             # its cgroup and a fresh session keyring
         report.update(_start_and_wait(spec))
     except _Stop:
         report["stopped"] = True
@@ -207,7 +206,7 @@ from agents import ChatAgent, ChatContext, Result  # noqa: E402  (after the laun
 class ProcessFailure(Exception):
     """A process rollout that failed. `reason` is the counter ChatAgentRunner adds it to: process_spawn (it could
     not start), process_exit (non-zero status or a signal), process_timeout (killed at its deadline),
-    process_reward (no reward in its output)."""
+    process_reward (no reward in its output), process_grade (a grader refused what the program left)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
@@ -276,7 +275,7 @@ class ProcessAgent(ChatAgent):
     timeout_s: float = 60.0                  # the program's wall-clock deadline, its whole tree's
     output_bytes: int = 1 << 20              # the tail of stdout, and of stderr, that is kept
     jail: bool = False                       # run inside the python sandbox's jail (header)
-    jail_binds: tuple[str, ...] = ()         # paths the jailed program reads (an interpreter, a venv), read-only
+    jail_binds: dict[str, str] = {}          # {path in the jail: host path} the jailed program reads (a venv)
 
     def command(self, ctx: ChatContext, ws: Workspace) -> list[str]:
         raise NotImplementedError("a ProcessAgent must implement command(ctx, ws) -> argv (a list of strings)")
@@ -314,37 +313,47 @@ class ProcessAgent(ChatAgent):
             raise TypeError(f"{type(self).__name__}.environment must return str -> str, got {env!r}")
         return env
 
-    def _spec(self, ctx: ChatContext, ws: Workspace, top: str) -> tuple[dict, sandbox.TreeCgroup | None]:
-        argv = self.command(ctx, ws)
-        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-            raise TypeError(f"{type(self).__name__}.command must return a non-empty list of strings, got {argv!r}")
-        jail, cgroup = None, None
+    def _spec(self, ctx: ChatContext, ws: Workspace, top: str) -> tuple[dict, sandbox.TreeCgroup | None,
+                                                                          SessionRelay | None]:
+        jail, cgroup, relay = None, None, None
         if self.jail:
             found = sandbox.isolation()
             refused = sandbox.refusal(found)
             if refused:
                 raise ProcessFailure("process_spawn", f"the recipe asks for the jail: {refused}")
-            seccomp_path = ""
-            if "syscall_filter" not in found.missing:
-                seccomp_path = os.path.join(top, "seccomp.bpf")
-                with open(seccomp_path, "wb") as f:
-                    f.write(sandbox.seccomp_filter())
-            jail = {"uid": 100_000 + secrets.randbelow(900_000), "disk_mb": 64, "bwrap": sandbox.bwrap_path(),
-                    "binds": [os.path.realpath(p) for p in self.jail_binds], "writable": [ws.work, ws.home],
-                    "seccomp_path": seccomp_path, "procs_files": []}
+            # the jail's only route out: its session's server, through a relay at the same port on its own loopback
+            server = urlsplit(ctx.session_url)
+            relay = SessionRelay(os.path.join(top, "session.sock"), server.hostname, server.port)
+            local = f"http://127.0.0.1:{server.port}"
+            ctx = replace(ctx, base_url=ctx.base_url.replace(f"{server.scheme}://{server.netloc}", local, 1),
+                          session_url=ctx.session_url.replace(f"{server.scheme}://{server.netloc}", local, 1))
+            uid = 100_000 + secrets.randbelow(900_000)
+            jail = sandbox.JailSpec(uid, os.geteuid() == 0, sandbox.bwrap_path(), 64, JAIL_PROCESSES + 1,
+                                    sandbox.write_seccomp_filter(top) if "syscall_filter" not in found.missing else "",
+                                    {inside: os.path.realpath(host) for inside, host in self.jail_binds.items()},
+                                    [ws.work, ws.home], {"socket": relay.path, "port": server.port})
             if "tree_limits" not in found.missing:
                 cgroup = sandbox.TreeCgroup.create(sandbox.SandboxLimits(memory_mb=JAIL_MEMORY_MB),
                                                    processes=JAIL_PROCESSES)
-                jail["procs_files"] = cgroup.procs_files
+        argv = self.command(ctx, ws)
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+            raise TypeError(f"{type(self).__name__}.command must return a non-empty list of strings, got {argv!r}")
         return {"argv": argv, "env": self._environment(ctx, ws), "cwd": ws.work,
-                "namespaces": jail is None and _pid_namespace(), "jail": jail, "grace_s": GRACE_S,
-                "report": os.path.join(top, "report.json")}, cgroup
+                "namespaces": jail is None and _pid_namespace(), "jail": None if jail is None else asdict(jail),
+                "procs_files": cgroup.procs_files if cgroup else [], "grace_s": GRACE_S,
+                "report": os.path.join(top, "report.json")}, cgroup, relay
 
     async def _run_program(self, ctx: ChatContext, ws: Workspace, top: str) -> ProcessRun:
-        spec, cgroup = self._spec(ctx, ws, top)
+        spec, cgroup, relay = self._spec(ctx, ws, top)
         try:
+            if relay is not None:
+                await relay.start()
+                if spec["jail"]["drop_uid"]:              # the jail's own uid writes its two directories
+                    _give(spec["jail"]["uid"], [ws.work, ws.home, relay.path])
             return await self._launch(spec, top)
         finally:                                  # a jailed tree's every process, wherever it went
+            if relay is not None:
+                await relay.close()
             if cgroup is not None:
                 cgroup.kill()
                 cgroup.remove()
@@ -391,6 +400,58 @@ class ProcessAgent(ChatAgent):
             how = f"was killed by {sandbox.signal_name(-code)}" if code < 0 else f"exited with status {code}"
             raise ProcessFailure("process_exit", f"{spec['argv'][0]!r} {how}: {_last_line(err.text())}")
         return ProcessRun(out.text(), err.text(), code, seconds, out.dropped + err.dropped)
+
+
+class SessionRelay:
+    """The host's end of a jailed program's only route out: a Unix socket, bound into the jail, where
+    agents/jail_init.py forwards every connection the program makes to 127.0.0.1:<the session's port>; each is
+    forwarded on to the session's server. So the jail reaches that server and nothing else on the host or beyond,
+    and the server's keys keep it to its own session (opening one takes an admin key the program never holds)."""
+
+    def __init__(self, path: str, host: str, port: int):
+        self.path, self.host, self.port = path, host, port
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._forward, self.path)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, upstream}
+        await asyncio.gather(_pipe(reader, upstream), _pipe(upstream_reader, writer))
+        self._writers -= {writer, upstream}
+
+    async def close(self) -> None:
+        """Stop accepting and end every connection still open (the program is gone)."""
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:                               # either end went away
+        pass
+    finally:
+        writer.close()
+
+
+def _give(uid: int, paths: list[str]) -> None:
+    """Hand `paths` (and everything below them) to the jail's uid, so the program writes where the recipe put it."""
+    for path in paths:
+        os.lchown(path, uid, uid)
+        for folder, dirs, files in os.walk(path):
+            for name in dirs + files:
+                os.lchown(os.path.join(folder, name), uid, uid)
 
 
 class _Tail:

