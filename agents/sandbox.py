@@ -211,34 +211,30 @@ def isolation() -> Isolation:
     if bwrap_path() is None:
         missing["namespaces"] = "bubblewrap is not installed"
     else:
-        done = _run("print('ok')", SandboxLimits(wall_s=20.0), Isolation({**missing}, own_uid))
-        if not (done.ok and done.stdout.strip() == "ok"):
-            problem = (done.stderr.strip().splitlines() or [done.error])[0]
+        done = _probe(Isolation({**missing}, own_uid))
+        if not done.ok:
+            problem = (done.stderr.strip().splitlines() or [done.error])[-1]
             missing["namespaces"] = (f"bubblewrap cannot build the jail here ({problem})" + (
                 "; as root it runs as a uid of its own, which needs unprivileged user namespaces" if own_uid else ""))
     if "namespaces" in missing:
-        own_uid = _own_uid_possible()
+        missing.setdefault("syscall_filter", "bubblewrap loads it, and bubblewrap cannot run here")
+        # root unjailed: a uid of its own where this launcher can make the Python reachable to it (a mount namespace)
+        own_uid = os.geteuid() == 0 and _probe(Isolation({**missing}, True)).ok
         uid = "a uid of its own" if own_uid else "the caller's uid, so it can read the caller's files and " \
                                                  "environment (/proc/<pid>/environ)"
         missing["namespaces"] += f"; unjailed, the code runs as {uid}, sees the network and the host's files"
-        missing.setdefault("syscall_filter", "bubblewrap loads it, and bubblewrap cannot run here")
     found = Isolation(missing, own_uid)
     if not missing:
         _VERIFIED = found
     return found
 
 
-def _own_uid_possible() -> bool:
-    """Whether root can run unjailed code as a uid of its own: any uid can run this Python (every directory above
-    it searchable by all, the binary executable by all)."""
-    if os.geteuid() != 0:
-        return False
-    program = os.path.realpath(sys.executable)
-    folders, path = [], os.path.dirname(program)
-    while path != os.path.dirname(path):
-        folders.append(path)
-        path = os.path.dirname(path)
-    return os.stat(program).st_mode & 0o005 == 0o005 and all(os.stat(f).st_mode & 0o001 for f in folders)
+def _probe(found: Isolation) -> SandboxResult:
+    """One call of `print('ok')` under `found`; ok only where it printed ok."""
+    done = _run("print('ok')", SandboxLimits(wall_s=20.0), found)
+    if done.ok and done.stdout.strip() != "ok":
+        done.error = f"the probe printed {done.stdout[:100]!r}"
+    return done
 
 
 # ---- the cgroup of one call ---------------------------------------------------------------------------------------
@@ -602,6 +598,8 @@ def _exec_unjailed(spec: dict) -> None:
     signal.signal(signal.SIGTERM, lambda *_: (kill_tree(), os._exit(137)))   # the caller's deadline
     with open("main.py", "w") as f, open(spec["code_path"]) as code:
         f.write(code.read())
+    if spec["own_uid"]:                                 # the code's own uid reaches this Python (mount namespace)
+        _reachable_as_others([os.path.realpath(sys.base_prefix)])
     code_pid = os.fork()
     if code_pid == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -656,7 +654,8 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
             f.write(code)
         jail = None
         if namespaces:                                   # the jail's pid 1 counts in its uid's process cap
-            jail = JailSpec(uid, own_uid, bwrap_path(), limits.disk_mb, limits.processes + 1,
+            # root always becomes a uid of its own for the jail, whatever `found` says: never host uid 0 inside
+            jail = JailSpec(uid, os.geteuid() == 0, bwrap_path(), limits.disk_mb, limits.processes + 1,
                             write_seccomp_filter(workdir) if "syscall_filter" not in found.missing else "")
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:

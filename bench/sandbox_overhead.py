@@ -1,11 +1,13 @@
-# bench/sandbox_overhead.py — what one sandbox call costs: today's jail (bubblewrap, a cgroup per call, seccomp)
-# against the hand-written namespace jail it replaced (agents/sandbox.py at --baseline-rev, which set rlimits only),
-# the same code, calls run one after another, the two sides in alternating rounds so that both see the same load.
+# bench/sandbox_overhead.py — what one sandbox call costs: today's jail (bubblewrap as a host uid of its own, its
+# own pid 1, a cgroup per call with the tree's CPU read every 50 ms, seccomp) against agents/sandbox.py at
+# --baseline-rev (by default e144c4a: bubblewrap as root where the Python install is private, no CPU cap for the
+# tree), the same code, calls run one after another, the two sides in alternating rounds so that both see the same
+# load. An earlier baseline (4396417, the rlimit-only jail before bubblewrap) is one flag away.
 #
 # Reported per program: median seconds per call and calls per second on each side, and their ratio; also what
 # today's jail costs without its cgroup (the jail an ordinary user gets). Writes a JSON summary (--out).
 #
-#   python bench/sandbox_overhead.py [--calls 20] [--rounds 3] [--baseline-rev 4396417] [--out docs/sandbox-overhead.json]
+#   python bench/sandbox_overhead.py [--calls 20] [--rounds 3] [--baseline-rev e144c4a] [--out docs/sandbox-overhead.json]
 import argparse
 import importlib.util
 import json
@@ -52,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline-rev", default="4396417")
+    parser.add_argument("--baseline-rev", default="e144c4a")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "sandbox-overhead.json"))
     args = parser.parse_args()
     found = sandbox.isolation()

@@ -276,7 +276,16 @@ reply = openai.OpenAI(max_retries=0).chat.completions.create(model=os.environ["T
                                                              messages=[{"role": "user", "content": "hi"}])
 open("note.txt", "w").write("written in the jail")
 open(os.path.join(os.environ["HOME"], "cache.txt"), "w").write("home is writable")
-print(json.dumps({"reward": float(os.path.exists(sys.argv[1])), "info": {"uid": os.getuid(), "pid": os.getpid()}}))
+sysctls = 0                                   # files under /proc/sys it can open for writing (none is written)
+for folder, _, names in os.walk("/proc/sys"):
+    for name in names:
+        try:
+            os.close(os.open(os.path.join(folder, name), os.O_WRONLY))
+            sysctls += 1
+        except OSError:
+            pass
+print(json.dumps({"reward": float(os.path.exists(sys.argv[1])),
+                  "info": {"uid": os.getuid(), "pid": os.getpid(), "writable_sysctls": sysctls}}))
 """
 
 
@@ -300,9 +309,12 @@ def test_a_jailed_program_reaches_its_session_but_not_the_repository(policy):
     assert rollout.reward == 0.0                                       # the repository is not there
     assert rollout.info["uid"] >= 100_000 and rollout.info["pid"] == 3  # its own uid; its own PID namespace
     #                                                        (pid 1: the jail's init; 2: its session relay)
+    assert rollout.info["writable_sysctls"] == 0                      # not host root, and /proc/sys read-only
     check_sampled_once(rollout.rows, rollout.generations)
     unjailed, _ = run_agents(policy, type("Unjailed", (JailedAgent,), {"jail": False}), ["unjailed"])
     assert unjailed[0].reward == 1.0                                   # armed: unjailed, the same check sees it
+    if os.geteuid() == 0:                                              # and, as root, writes kernel.core_pattern
+        assert unjailed[0].info["writable_sysctls"] > 0
 
 
 def host_listeners() -> list[tuple[str, int]]:

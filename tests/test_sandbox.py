@@ -370,7 +370,7 @@ def test_only_unix_and_ip_sockets_can_be_made():
 # ---- the caller's environment, and what outlives a call without namespaces ---------------------------------------
 
 CALLER = ("import json, sys\nsys.path.insert(0, {root!r})\nfrom agents import sandbox\n"
-          "found = sandbox.Isolation({missing!r})\nprint(json.dumps(sandbox._run(sys.argv[1], sandbox.SandboxLimits(), "
+          "found = sandbox.Isolation({missing!r}, {own_uid!r})\nprint(json.dumps(sandbox._run(sys.argv[1], sandbox.SandboxLimits(), "
           "found).stdout))")
 READ_ANCESTORS = ("import os\npid = os.getppid()\nwhile pid > 1:\n    try:\n"
                   "        print(open(f'/proc/{pid}/environ').read().replace('\\0', ' '))\n    except OSError as e:\n"
@@ -382,11 +382,12 @@ READ_ANCESTORS = ("import os\npid = os.getppid()\nwhile pid > 1:\n    try:\n"
 def test_no_ancestor_environment_is_readable(missing):
     if not missing and sandbox.refusal():
         pytest.skip(f"the jail is incomplete here: {sandbox.refusal()}")
-    if missing and not sandbox._own_uid_possible():     # then the missing protection's text says it is readable
+    if missing and not UNJAILED_HERE().own_uid:         # then the missing protection's text says it is readable
         assert "can read the caller's files and environment" in str(UNJAILED_HERE())
         return
     secret = f"sk-tracerl-{secrets.token_hex(8)}"
-    caller = subprocess.run([sys.executable, "-c", CALLER.format(root=ROOT, missing=missing), READ_ANCESTORS],
+    caller_code = CALLER.format(root=ROOT, missing=missing, own_uid=bool(missing))
+    caller = subprocess.run([sys.executable, "-c", caller_code, READ_ANCESTORS],
                             env={**os.environ, "OPENAI_API_KEY": secret}, capture_output=True, text=True, timeout=60)
     assert caller.returncode == 0, caller.stderr
     assert secret not in caller.stdout
