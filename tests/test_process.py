@@ -200,10 +200,14 @@ class HidingAgent(Recorded):
         return ["/opt/venv/bin/python" if self.jail else PYTHON, "-c", body, marker]
 
 
-@pytest.mark.parametrize("jail", [True, False], ids=["jailed", "unjailed"])
-def test_a_tree_that_hides_and_ignores_sigterm_dies_at_the_deadline(policy, jail):
+@pytest.mark.parametrize("jail, pid_namespace", [(True, False), (False, True), (False, False)],
+                         ids=["jailed", "pid-namespace", "subreaper"])
+def test_a_tree_that_hides_and_ignores_sigterm_dies_at_the_deadline(policy, monkeypatch, jail, pid_namespace):
     if jail and sandbox.refusal():
         pytest.skip(f"the jail is incomplete here: {sandbox.refusal()}")
+    if pid_namespace and not process._pid_namespace():
+        pytest.skip("a PID namespace of the launcher's own needs root")
+    monkeypatch.setattr(process, "_pid_namespace", lambda: pid_namespace)
     marker = f"tracerl-marker-{uuid.uuid4().hex}"
     rollouts, failures = run_agents(policy, type("Hiding", (HidingAgent,), {"jail": jail}), [marker])
     assert rollouts == [] and failures == {"process_timeout": 1}
