@@ -2,8 +2,9 @@
 # tool call (tool_choice required / a named function), and a response format with tools offered under tool_choice
 # auto (its JSON or tool calls), as masks over the next token.
 # Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
-#   refusal of schemas that are invalid, unsupported or too large, and the one function of (spec, tokenizer, ids)
-#   that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks` for the recompute.
+#   refusal of schemas that are invalid, unsupported, too large or too costly per token, and the one function of
+#   (spec, tokenizer, ids) that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks`
+#   for the recompute.
 # Never: samples, touches logits or the ledger, or reads the network (a remote $ref is refused).
 # Invariants: 3 (forward consistency) - the engine masks with `matcher` and the trainer with `replay_masks`, both
 #   walking the same grammar over the same ids, so the recomputed distribution is the one each token was drawn from;
@@ -24,6 +25,14 @@
 #     (It counts every added token as special, so a JSON string spells "<think>" out; the tool-call suffix takes
 #     the tokenizer's own "<tool_call>" / "</tool_call>" ids as well, see _literal_lark.)
 #   Per-token mask time is sub-millisecond on average for both (llguidance's: `python constraints.py`).
+# Per-token bound (the engine computes every row's mask on its decoding thread, so one session's grammar must not
+#   slow the others' tokens): llguidance's fuel bounds a mask step's lexer and parser work (its LLParserLimits
+#   defaults, which vLLM's guidance backend keeps: 200,000 lexer fuel, 50,000 Earley items), but not the text a
+#   grammar forces ahead of a row, which it tokenizes again at every step: ^a{100000}$ cost 29 ms a token, where a
+#   whole batch step took 2. MAX_FORCED_BYTES (1,024 bytes, at most 0.23 ms a token) caps that text: a schema that
+#   forces more from its start is refused at compile time, saying so (a 400); a row that meets such a run later,
+#   after a choice no compile-time walk can follow, stops at that step before its mask is computed, and the replay
+#   refuses the same position.
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
 from __future__ import annotations
@@ -51,6 +60,11 @@ MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema
 MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
 MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
 MAX_SCHEMA_BREADTH = 256     # optional properties + 2 per anyOf/oneOf/allOf branch, whole schema (or all the tools)
+# Fuel bounds a step's lexer and parser work, but not the text a grammar forces ahead of a row (where one byte at a
+# time is allowed): llguidance tokenizes all of it again at every mask step, to allow the one token it starts with,
+# about 0.22 us a byte on SmolLM2's tokenizer. ^a{100000}$ (44 characters of schema) forces 100,002 bytes: 29 ms a
+# token; ordinary grammars force a few dozen bytes (a property's name, "{", ", "), which cost nothing measurable.
+MAX_FORCED_BYTES = 1024      # forced text ahead of a row at any step: at most 0.23 ms of tokenizing a token
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
 TOOL_CALL_OPENING = "<tool_call>\n"  # data.py's ChatML template opens every tool call with it
 TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
@@ -128,6 +142,7 @@ def tool_call_spec(tools: list[dict], name: str | None = None) -> str:
     if size > MAX_SCHEMA_CHARS:
         raise ValueError(f"the tools' parameters come to {size} characters of JSON schema, more than "
                          f"{MAX_SCHEMA_CHARS}; send fewer or smaller tools, or name the one to call")
+    _check_grammar(schema, "the tool call", TOOL_CALL_SUFFIX)   # a forced run may span name, arguments and suffix
     return _spec("tool_call", schema, TOOL_CALL_SUFFIX)
 
 
@@ -244,8 +259,10 @@ def _strict(schema: dict) -> dict:
     return out
 
 
-def _check_grammar(schema: dict, where: str) -> None:
-    """llguidance's verdict on the schema, without a tokenizer (what it cannot enforce is refused, not ignored)."""
+def _check_grammar(schema: dict, where: str, suffix: str = "") -> None:
+    """llguidance's verdict on the schema, without a model's tokenizer (what it cannot enforce is refused, not
+    ignored), then the text it forces from its start, the suffix after it included (a run met later is bounded by
+    Matcher). A tokenizer's own tokens for the suffix (see _literal_lark) only ever shorten that text."""
     body = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     error = llguidance.LLMatcher.validate_grammar(body)
     if error:
@@ -255,6 +272,37 @@ def _check_grammar(schema: dict, where: str) -> None:
                          f"$ref/$defs, minimum/maximum (exclusive too), multipleOf, minLength/maxLength, pattern and "
                          f"format; refused, as not enforceable: not, if/then/else, uniqueItems, contains, "
                          f"dependentRequired/dependentSchemas")
+    text = json.dumps(dict(schema, **{"x-guidance": JSON_LAYOUT}))   # the body as lark_grammar writes it
+    walk = f"start: body {json.dumps(suffix) if suffix else ''}\nbody: %json {text}"
+    _check_forced(llguidance.LLMatcher(_bytes_tokenizer(), walk, log_level=0), f"{where}, from its start,")
+
+
+def _check_forced(ll: llguidance.LLMatcher, where: str) -> None:
+    """Refuse a grammar state that forces more than MAX_FORCED_BYTES of text ahead, before a mask is computed
+    from it (which would tokenize it all; this only finds it). The count follows from the grammar and the ids, so
+    the engine and the replay stop at the same step. Finding the text is llguidance's own walk, bounded by its
+    lexer fuel; the rows of one spec share their template's lexer, so a walk that spends the fuel on an over-long
+    run spends it for that spec's later rows too (they fail on the lexer's error; other specs are untouched)."""
+    forced = len(ll.compute_ff_bytes().split(b"\xff")[0])   # the text: a forced stop id is a marker byte and its id
+    if forced > MAX_FORCED_BYTES:
+        raise ValueError(f"{where} forces {forced} bytes of text in a row, more than {MAX_FORCED_BYTES}: the grammar "
+                         f"engine tokenizes all of it again before every token, which would slow every token of the "
+                         f"batch; shorten the constant text, or the repetition (a pattern's {{n}}, minItems) that "
+                         f"spells it out")
+
+
+class _Bytes:
+    """One token per byte, and an end token: lets llguidance walk a grammar's text before a model is known."""
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"<end>"]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _bytes_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
 # ---- grammars: a spec and a tokenizer -> an llguidance matcher (built once, copied per row) ----
@@ -310,6 +358,7 @@ def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
     if max(stop) >= vocab_size:
         raise ValueError(f"stop ids {stop} are outside the vocabulary of {vocab_size} ids")
     template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+    _check_forced(template, "the constraint, from its start,")   # a spec built elsewhere, without the check
     template.compute_bitmask()   # warms the lexer caches the per-row copies share
     if template.is_error():
         raise ValueError(f"the constraint does not build a grammar: {_first_line(template)}")
@@ -339,7 +388,8 @@ class Matcher:
         if self._ll.is_error():
             raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: "
                              f"{_first_line(self._ll)}")
-        return np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)
+        _check_forced(self._ll, f"the grammar after {self.n_accepted} tokens")   # a run past a choice: no compile
+        return np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)          # time walk sees every branch
 
     def allowed(self) -> torch.Tensor:
         return _unpack(self._packed()[None], self.vocab_size)[0]
@@ -416,7 +466,9 @@ if __name__ == "__main__":
              "an array of a union of 8 objects": json_schema_spec(items, strict=False),
              "deepest nesting, maxLength 64 each": json_schema_spec(deep),
              "pattern ^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$":
-             json_schema_spec({"type": "string", "pattern": "^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$"})}
+             json_schema_spec({"type": "string", "pattern": "^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$"}),
+             f"pattern ^a{{{MAX_FORCED_BYTES - 2}}}$ (forcing MAX_FORCED_BYTES)":
+             json_schema_spec({"type": "string", "pattern": f"^a{{{MAX_FORCED_BYTES - 2}}}$"})}
     for name, spec in cases.items():
         bound = bind(spec, stop)
         start = time.perf_counter()
@@ -439,3 +491,8 @@ if __name__ == "__main__":
         print(f"{name}: compile {compiled:.3f} s; mask + accept per token over {len(ids)} tokens mean "
               f"{sum(ms) / len(ms):.3f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.3f}, max {ms[-1]:.3f}; "
               f"replay {1e3 * replayed:.3f} ms/token")
+    start = time.perf_counter()
+    try:
+        json_schema_spec({"type": "string", "pattern": "^a{100000}$"})
+    except ValueError as error:   # 29 ms a token before the bound
+        print(f"pattern ^a{{100000}}$: refused in {time.perf_counter() - start:.3f} s: {str(error)[:100]}...")

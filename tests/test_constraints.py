@@ -1,16 +1,19 @@
 # Tests for constraints.py: grammar-constrained random walks over real tokenizers (the tiny BPE one and SmolLM2's)
 # always end in JSON valid for the schema, the trainer's replay gives the walk's masks exactly, a row that leaves its
 # grammar is refused by position, forced tool calls parse as calls of a listed tool, a response format with tools
-# offered yields its JSON or tool calls (one, or several when parallel), specs are canonical, and hostile schemas
-# are refused quickly with messages that say what is accepted.
+# offered yields its JSON or tool calls (one, or several when parallel), specs are canonical, hostile schemas
+# are refused quickly with messages that say what is accepted, and no grammar makes a mask step tokenize more than
+# MAX_FORCED_BYTES of forced text (refused at compile time when the run is at its start, the row stopped later).
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import jsonschema
 import llguidance
+import numpy as np
 import pytest
 import torch
 
@@ -440,3 +443,155 @@ def test_schema_text_cannot_escape_its_place_in_the_grammar(tiny):
     schema = {"type": "object", "properties": {name: {"const": "} <[2]> \"\n"}}, "required": [name]}
     ids, _, _ = walk(constraints.json_schema_spec(schema), tiny, seed=0)
     assert json.loads(tiny.decode(ids[:-1])) == {name: "} <[2]> \"\n"}
+
+
+# ---- the per-token bound: the text a grammar forces ahead, which llguidance tokenizes again at every mask ----
+
+ATTACK = {"type": "string", "pattern": "^a{100000}$"}   # the issue's: 27 ms of server CPU per token, 2 ms without
+
+
+def over_the_bound() -> str:
+    """A refusal's text past its place: the run's length, and the bound it is over."""
+    return rf"forces (\d+) bytes of text in a row, more than {constraints.MAX_FORCED_BYTES}: the grammar engine"
+
+
+def _unchecked(schema: dict) -> str:
+    """The spec json_schema_spec made before the bound: its checks skipped (another process's, or an old one)."""
+    return constraints._spec("json_schema", schema, "")
+
+
+def forced_runs(bound: str, tokenizer, ids: list[int]) -> list[int]:
+    """The forced run (bytes) before each of `ids`: the text llguidance tokenizes again to make that step's mask."""
+    m, runs = constraints.matcher(bound, tokenizer, len(tokenizer) + PAD), []
+    for token_id in ids:
+        runs.append(len(m._ll.compute_ff_bytes().split(b"\xff")[0]))   # the text, not a forced stop id's marker
+        m.accept(token_id)
+    return runs
+
+
+def test_the_attack_forces_a_hundred_times_the_bound_at_every_mask_step(smollm2):
+    # the trap is armed: built as before the bound, each mask of the attack allows one forced token, which
+    # llguidance finds by tokenizing the whole run ahead again: ~100,000 bytes a step (27 ms), 0.2 ms at the bound
+    bound = constraints.bind(_unchecked(ATTACK), [smollm2.eos_token_id])
+    ll = llguidance.LLMatcher(constraints._ll_tokenizer(smollm2, len(smollm2)),
+                              constraints.lark_grammar(bound, smollm2), log_level=0)
+    for _ in range(6):
+        assert len(ll.compute_ff_bytes()) > 95 * constraints.MAX_FORCED_BYTES
+        allowed = constraints._unpack(np.frombuffer(ll.compute_bitmask(), np.uint8)[None], len(smollm2))[0]
+        assert allowed.sum() == 1
+        assert ll.consume_token(int(allowed.nonzero()[0, 0]))
+
+
+def test_the_attack_is_refused_at_compile_time_and_where_a_row_would_start(smollm2):
+    with pytest.raises(ValueError, match=r"the JSON schema, from its start, " + over_the_bound()) as refused:
+        constraints.json_schema_spec(ATTACK)
+    assert re.search(over_the_bound(), str(refused.value)).group(1) == "100002"   # '"', 100,000 a, '"'
+    # a spec that skipped the check (built elsewhere) is refused where the engine builds a row's matcher
+    with pytest.raises(ValueError, match="the constraint, from its start, " + over_the_bound()):
+        constraints.matcher(constraints.bind(_unchecked(ATTACK), [smollm2.eos_token_id]), smollm2, len(smollm2))
+
+
+def test_the_bound_is_exact_and_the_same_at_compile_time_and_where_a_row_starts(smollm2, monkeypatch):
+    # at the bound the walk is one forced run of exactly MAX_FORCED_BYTES (SmolLM2 spells the tool-call suffix
+    # out), which both checks accept; one byte more, both refuse
+    n = constraints.MAX_FORCED_BYTES
+    head, tail = '{"name": "t", "arguments": {"k": "', '"}}' + constraints.TOOL_CALL_SUFFIX
+    at_the_bound = {
+        "schema": lambda extra: constraints.json_schema_spec({"type": "string", "pattern": f"^a{{{n - 2 + extra}}}$"}),
+        "tool call": lambda extra: TOOL_CALL([_strict_tool("t", {"type": "object", "required": ["k"], "properties": {
+            "k": {"type": "string", "pattern": f"^a{{{n - len(head) - len(tail) + extra}}}$"}}})])}
+    for name, spec in at_the_bound.items():
+        ids, _, bound = walk(spec(0), smollm2, seed=0)
+        assert forced_runs(bound, smollm2, ids)[0] == n, name
+        with pytest.raises(ValueError, match=f"from its start, forces {n + 1} bytes of text in a row, more than {n}"):
+            spec(1)
+        with monkeypatch.context() as patched:   # built where the bound was a byte looser (elsewhere, or earlier)
+            patched.setattr(constraints, "MAX_FORCED_BYTES", n + 1)
+            over = constraints.bind(spec(1), [smollm2.eos_token_id])
+        with pytest.raises(ValueError, match=f"the constraint, from its start, forces {n + 1} bytes"):
+            constraints.matcher(over, smollm2, len(smollm2))
+
+
+def _strict_tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "strict": True, "parameters": parameters}}
+
+
+REQUIRED_ATTACK = {"type": "object", "properties": {"k": ATTACK}, "required": ["k"]}
+FORCED_FROM_THE_START = {   # a cheap attacker's variants: name: (spec function, its arguments, who is named)
+    "nested quantifiers (a{1000}){100}": (SCHEMA, lambda: ({"type": "string", "pattern": "^(a{1000}){100}$"},),
+                                          "the JSON schema"),
+    "the attack in a required property": (SCHEMA, lambda: (REQUIRED_ATTACK,), "the JSON schema"),
+    "a 60,000-character constant": (SCHEMA, lambda: ({"const": "a" * 60_000},), "the JSON schema"),
+    "1,000 items of a 1,000-character constant": (SCHEMA, lambda: ({"type": "array", "items": {"const": "a" * 1000},
+                                                                    "minItems": 1000},), "the JSON schema"),
+    "the attack as a tool's argument": (TOOL_CALL, lambda: ([_strict_tool("t", REQUIRED_ATTACK)],),
+                                        r"tools\[0\]\.function\.parameters"),
+    "a 5,000-character tool name": (TOOL_CALL, lambda: ([_one_tool("t" * 5000)],), "the tool call"),
+}
+
+
+@pytest.mark.parametrize("name", list(FORCED_FROM_THE_START))
+def test_variants_forcing_a_long_run_from_the_start_are_refused_at_compile_time(name):
+    spec_function, arguments, where = FORCED_FROM_THE_START[name]
+    with pytest.raises(ValueError, match=where + ", from its start, " + over_the_bound()):
+        spec_function(*arguments())
+
+
+AFTER_A_CHOICE = {   # variants whose run starts after the model chose something: no compile-time walk sees them
+    "after one of two branches": {"anyOf": [{"const": "b" + "a" * 5000}, {"const": "c" + "a" * 5000}]},
+    "after a free integer": {"type": "object", "properties": {"n": {"type": "integer"}, "k": ATTACK},
+                             "required": ["n", "k"]},
+}
+
+
+@pytest.mark.parametrize("name", list(AFTER_A_CHOICE))
+def test_a_long_run_after_a_choice_stops_the_row_where_it_starts_and_the_replay_agrees(tiny, name):
+    # the row stops at the first step whose forced run is over the bound, before that step's mask (which would
+    # tokenize the run); deterministic, so the trainer's replay refuses the same position
+    bound = constraints.bind(constraints.json_schema_spec(AFTER_A_CHOICE[name]), [tiny.eos_token_id])
+    vocab, ids = len(tiny) + PAD, []
+    m = constraints.matcher(bound, tiny, vocab)
+    with pytest.raises(ValueError, match=r"the grammar after (\d+) tokens " + over_the_bound()) as stopped:
+        for _ in range(100):
+            ids.append(int(m.allowed().nonzero()[0, 0]))   # the lowest allowed id
+            m.accept(ids[-1])
+    assert 0 < len(ids) < 100 and re.search(r"after (\d+) tokens", str(stopped.value)).group(1) == str(len(ids))
+    # the trainer replays with a grammar of its own (its process's): the rows of one spec share their template's
+    # lexer, and finding this run spent its fuel (llguidance's bound on that walk), so later rows of it fail too
+    constraints._template.cache_clear()
+    with pytest.raises(ValueError, match=rf"the grammar after {len(ids)} tokens " + over_the_bound()):
+        constraints.replay_masks(bound, tiny, ids + [0], vocab)
+
+
+def test_large_alternations_long_enums_and_deep_nesting_stay_far_under_the_bound(smollm2):
+    # accepted within the schema bounds, and cheap: no forced run near the bound (the lexer's own work per step is
+    # llguidance's fuel-bounded); a size past the schema bounds is refused before any grammar is built
+    def alternation(n): return {"type": "string", "pattern": "^(" + "|".join(f"w{i:05d}x" for i in range(n)) + ")$"}
+    def enum(n): return {"enum": [f"value number {i}" for i in range(n)]}
+    def deep(levels):   # each level is two containers deep: "properties" and the property's schema
+        schema = {"type": "integer"}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+    for past_the_bounds, refusal in ((alternation(10_000), "characters of JSON, more than 65536"),
+                                     (enum(20_000), "more than 16384 JSON values"),
+                                     (deep(constraints.MAX_SCHEMA_DEPTH // 2), "nested deeper than 32 levels")):
+        with pytest.raises(ValueError, match=refusal):
+            constraints.json_schema_spec(past_the_bounds)
+    for schema in (alternation(3000), enum(3000), deep(constraints.MAX_SCHEMA_DEPTH // 2 - 1)):
+        spec = constraints.json_schema_spec(schema)
+        for seed in range(2):
+            ids, _, bound = walk(spec, smollm2, seed)
+            jsonschema.validate(json.loads(smollm2.decode(ids[:-1])), schema)
+            assert max(forced_runs(bound, smollm2, ids)) <= constraints.MAX_FORCED_BYTES // 4
+
+
+def test_ordinary_grammars_force_a_few_dozen_bytes_at_most(tiny):
+    specs = {**SPECS, "tool call": lambda: TOOL_CALL(TOOLS), "json or calls": lambda: constraints.with_tool_calls(
+        constraints.json_schema_spec(WEATHER), CALLABLE, True)}
+    longest = {}
+    for name, spec in specs.items():
+        for seed in range(3):
+            ids, _, bound = walk(spec(), tiny, seed)
+            longest[name] = max(longest.get(name, 0), *forced_runs(bound, tiny, ids))
+    assert max(longest.values()) <= constraints.MAX_FORCED_BYTES // 16, longest
