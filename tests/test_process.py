@@ -321,26 +321,30 @@ def test_a_jailed_program_reaches_its_session_but_not_the_repository(policy):
         assert unjailed[0].info["writable_sysctls"] > 0
 
 
+def _proc_net_address(hex_address: str) -> str:
+    """/proc/net/tcp{,6}'s address: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
 def host_listeners() -> list[tuple[str, int]]:
     """Every TCP port listening on this host (its network namespace), from /proc/net/tcp and tcp6, as addresses to
-    try: its own address where it listens on one, else loopback and this host's other addresses."""
-    others = sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
-                    - {"127.0.0.1"})
+    try: its own address where it listens on one, else loopback (both families) and this host's other addresses."""
+    others = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)} - {"127.0.0.1", "::1"}
     found = set()
-    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 local, state = line.split()[1], line.split()[3]
                 if state != "0A":                             # LISTEN
                     continue
                 address, port = local.split(":")
-                port = int(port, 16)
-                if address == "0" * size:                     # any address
-                    found |= {(host, port) for host in ["127.0.0.1", *others]}
-                elif size == 8:
-                    found.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), port))
+                host = _proc_net_address(address)
+                if host in ("0.0.0.0", "::"):                 # any address
+                    found |= {(name, int(port, 16)) for name in ["127.0.0.1", "::1", *others]}
                 else:
-                    found.add(("::1" if address.endswith("1" + "0" * 6) else "127.0.0.1", port))
+                    found.add((host, int(port, 16)))
     return sorted(found)
 
 
