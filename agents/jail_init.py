@@ -70,7 +70,9 @@ def relay(listener: socket.socket, target: str) -> None:
 
 
 def main(spec: dict) -> None:
-    resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"], spec["processes"]))
+    # the program's processes and this one's own tasks (itself, and the relay's thread where there is one)
+    cap = spec["processes"] + 1 + (spec["relay"] is not None)
+    resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
     if spec["relay"] is not None:
         # bound before the program starts, so its first request never races the listener
         listener = socket.create_server(("127.0.0.1", spec["relay"]["port"]), backlog=64)

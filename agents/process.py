@@ -38,7 +38,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import secrets
@@ -60,22 +59,11 @@ GRACE_S = 2.0                    # between SIGTERM and SIGKILL for a tree stoppe
 JAIL_PROCESSES = 512             # a jailed program's whole tree (its cgroup): room for a harness, not a fork bomb
 JAIL_MEMORY_MB = 4096            # a jailed program's whole tree (its cgroup): a harness, litellm and its tools
 _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 36, 1
-_CLONE_NEWNS, _CLONE_NEWPID = 0x00020000, 0x20000000
-_MS_REC, _MS_PRIVATE = 16384, 1 << 18
+_CLONE_NEWPID = 0x20000000
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 # ---- the launcher (its own process: python -I -S agents/process.py SPEC) ------------------------------------------
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, f"{what}: {os.strerror(number)}")
-
 
 def _pid_namespace() -> bool:
     """Whether an unjailed program gets a PID namespace of its own here (unshare needs root)."""
@@ -106,7 +94,7 @@ def _exec_program(spec: dict, report_fd: int) -> None:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)          # an ignored signal would stay ignored across exec
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+        sandbox.check_call(sandbox.libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         os.chdir(spec["cwd"])
         if spec["jail"] is not None:                    # become bwrap, which runs the program in its jail
             import resource
@@ -123,11 +111,10 @@ def _namespace_init(spec: dict, report_fd: int) -> None:
     with a /proc of the namespace, then the program as its child; it reaps orphans until the program ends, reports
     the program's wait status and exits, and the kernel kills whatever else is left in the namespace."""
     try:
-        libc = _libc()
-        _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")     # dies with the launcher
-        _check(libc.unshare(_CLONE_NEWNS), "unshare")
-        _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount /")  # nothing here reaches the host
-        _check(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")        # this namespace's processes
+        libc, check_call = sandbox.libc(), sandbox.check_call
+        check_call(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")   # dies with the launcher
+        sandbox.private_mount_namespace()                                             # nothing here reaches the host
+        check_call(libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount /proc")    # this namespace's processes
         program = os.fork()
         if program == 0:
             _exec_program(spec, report_fd)
@@ -143,10 +130,10 @@ def _namespace_init(spec: dict, report_fd: int) -> None:
 
 def _start_and_wait(spec: dict) -> dict:
     """Fork the program (or the namespace's init) and wait for it, reaping orphans meanwhile."""
-    libc = _libc()
-    _check(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
+    libc, check_call = sandbox.libc(), sandbox.check_call
+    check_call(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl")
     if spec["namespaces"]:
-        _check(libc.unshare(_CLONE_NEWPID), "unshare")         # the next child is the namespace's pid 1
+        check_call(libc.unshare(_CLONE_NEWPID), "unshare")         # the next child is the namespace's pid 1
     read_end, write_end = os.pipe()
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)     # a stop must not reach the child before its exec
     first = os.fork()
@@ -177,7 +164,7 @@ def _launch(spec_path: str) -> None:
         signal.signal(sig, _on_stop)
     report = {"wait_status": None, "spawn_error": "", "stopped": False}
     try:
-        _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
+        sandbox.check_call(sandbox.libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl")
         if spec["jail"] is not None:
             sandbox.enter_call(spec["procs_files"])             # its cgroup and a fresh session keyring
         report.update(_start_and_wait(spec))
@@ -324,11 +311,11 @@ class ProcessAgent(ChatAgent):
             # the jail's only route out: its session's server, through a relay at the same port on its own loopback
             server = urlsplit(ctx.session_url)
             relay = SessionRelay(os.path.join(top, "session.sock"), server.hostname, server.port)
-            local = f"http://127.0.0.1:{server.port}"
-            ctx = replace(ctx, base_url=ctx.base_url.replace(f"{server.scheme}://{server.netloc}", local, 1),
-                          session_url=ctx.session_url.replace(f"{server.scheme}://{server.netloc}", local, 1))
+            origin, local = f"{server.scheme}://{server.netloc}", f"http://127.0.0.1:{server.port}"
+            ctx = replace(ctx, base_url=ctx.base_url.replace(origin, local, 1),
+                          session_url=ctx.session_url.replace(origin, local, 1))
             uid = 100_000 + secrets.randbelow(900_000)
-            jail = sandbox.JailSpec(uid, os.geteuid() == 0, sandbox.bwrap_path(), 64, JAIL_PROCESSES + 1,
+            jail = sandbox.JailSpec(uid, os.geteuid() == 0, sandbox.bwrap_path(), 64, JAIL_PROCESSES,
                                     sandbox.write_seccomp_filter(top) if "syscall_filter" not in found.missing else "",
                                     {inside: os.path.realpath(host) for inside, host in self.jail_binds.items()},
                                     [ws.work, ws.home], {"socket": relay.path, "port": server.port})

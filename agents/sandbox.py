@@ -30,8 +30,9 @@
 # (TRACERL_SANDBOX_ACCEPT="tree_limits,..."; train.py's --run.sandbox_accept sets it for the whole run). A failed
 # isolation probe is never cached: the next call probes again.
 # Without namespaces (accepted), the code runs in a fresh temporary directory with a scrubbed environment under a
-# subreaper launcher that kills whatever it left; as root it drops to a uid of its own first where any uid can run
-# this Python (else it runs as the caller, and the missing protection's text says what that exposes).
+# subreaper launcher that kills whatever it left; as root it drops to a uid of its own first, once a mount namespace
+# of its own has made this Python reachable to it (where none can be made, it runs as the caller, and the missing
+# protection's text says what that exposes).
 # Never: filters code by its text, raises on bad code (every failure is a SandboxResult with `error` set), lets the
 # code's output exceed the cap in total, runs jailed code as host root, or leaves a process, a cgroup or its
 # temporary directory behind.
@@ -376,6 +377,24 @@ _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 
 
+def libc() -> ctypes.CDLL:
+    """The C library, for the kernel calls the launchers make (they run with the standard library alone)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def check_call(result: int, what: str) -> None:
+    """Raise OSError, naming `what`, for a C call that returned non-zero."""
+    if result != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"{what}: {os.strerror(number)}")
+
+
+def private_mount_namespace() -> None:
+    """This process's own mount namespace, whose mounts never reach the host (root only)."""
+    check_call(libc().unshare(_CLONE_NEWNS), "unshare")
+    check_call(libc().mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+
+
 @dataclass
 class JailSpec:
     """What one jail gets, made by the caller and read by a launcher (run_python's, or agents/process.py's)."""
@@ -383,7 +402,7 @@ class JailSpec:
     drop_uid: bool                       # the caller is root: become `uid` before bwrap (never host uid 0 inside)
     bwrap: str                           # the bubblewrap binary
     disk_mb: int                         # the size of the jail's /tmp, its only writable space of its own
-    processes: int                       # RLIMIT_NPROC of the jail's uid in its user namespace (jail_init.py)
+    processes: int                       # the program's processes and threads (jail_init.py adds its own)
     seccomp_path: str = ""               # the compiled filter; "" = none (accepted as missing)
     binds: dict[str, str] = field(default_factory=dict)   # {path in the jail: host path}, read-only
     writable: list[str] = field(default_factory=list)     # host directories bound read-write at the same path
@@ -454,26 +473,20 @@ def _reachable_as_others(paths: list[str]) -> None:
             covers.setdefault(top, []).append(path)
     if not covers:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            number = ctypes.get_errno()
-            raise OSError(number, f"{what}: {os.strerror(number)}")
-    check(libc.unshare(_CLONE_NEWNS), "unshare")
-    check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    private_mount_namespace()
     # opened in the new namespace (a bind's source must be one of its mounts), before any cover hides them
     covers = {top: [(path, os.open(path, os.O_PATH)) for path in entries] for top, entries in covers.items()}
     for top, entries in covers.items():
-        check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755"), f"cover {top}")
+        check_call(libc().mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755"),
+                   f"cover {top}")
         for path, fd in entries:
             if os.path.isdir(f"/proc/self/fd/{fd}"):
                 os.makedirs(path, exist_ok=True)
             else:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
-            check(libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None),
-                  f"bind {path}")
+            check_call(libc().mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None),
+                       f"bind {path}")
             os.close(fd)
 
 
@@ -521,7 +534,7 @@ def enter_call(procs_files: list[str]) -> None:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
     if _KEYCTL is not None:
-        ctypes.CDLL(None, use_errno=True).syscall(_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None)
+        libc().syscall(_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 def _set_limits(limits: dict) -> None:
@@ -593,8 +606,7 @@ def kill_tree() -> None:
 def _exec_unjailed(spec: dict) -> None:
     """No namespaces (accepted): a subreaper runs the code as its child in the call's directory, with the code's
     own uid when root, then kills whatever it left and exits the way the code did."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(36, 1, 0, 0, 0)                          # PR_SET_CHILD_SUBREAPER
+    libc().prctl(36, 1, 0, 0, 0)                        # PR_SET_CHILD_SUBREAPER
     signal.signal(signal.SIGTERM, lambda *_: (kill_tree(), os._exit(137)))   # the caller's deadline
     with open("main.py", "w") as f, open(spec["code_path"]) as code:
         f.write(code.read())
@@ -653,9 +665,8 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         with open(code_path, "w") as f:
             f.write(code)
         jail = None
-        if namespaces:                                   # the jail's pid 1 counts in its uid's process cap
-            # root always becomes a uid of its own for the jail, whatever `found` says: never host uid 0 inside
-            jail = JailSpec(uid, os.geteuid() == 0, bwrap_path(), limits.disk_mb, limits.processes + 1,
+        if namespaces:     # root always becomes a uid of its own for the jail, whatever `found` says: never uid 0
+            jail = JailSpec(uid, os.geteuid() == 0, bwrap_path(), limits.disk_mb, limits.processes,
                             write_seccomp_filter(workdir) if "syscall_filter" not in found.missing else "")
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
