@@ -1,7 +1,7 @@
 # viewer.py — see a run: one self-contained HTML page of its metric curves and every token of its traced rows.
 #
 # Owns: reading what a run left (OUT/metrics.jsonl, OUT/traces/step_N.jsonl, OUT/config.json) or what a loopback
-# session holds (loopback.session_trace) into one page model of plain JSON rows, finding the rows worth reading
+# session holds (session.session_trace) into one page model of plain JSON rows, finding the rows worth reading
 # (best and worst reward of a traced group, largest behavior - trainer mismatch, sealed rollouts), labelling what
 # the chat template wrote (turns, tool calls, tool results, a VLM's image pads), and rendering it all as one HTML
 # file: inline CSS, inline JS, inline SVG, the data as JSON inside it. It opens from disk with no network.
@@ -78,7 +78,7 @@ def trace_row(record: dict) -> dict:
 
 
 def session_rows(trace: dict) -> list[dict]:
-    """A loopback session's trace (loopback.session_trace) as page rows, one per segment: what the trainer will
+    """A loopback session's trace (session.session_trace) as page rows, one per segment: what the trainer will
     see before anything is trained (no trainer logprob, IS weight, advantage or loss yet)."""
     samplings = trace["samplings"]
     rows = []

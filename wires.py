@@ -3,7 +3,7 @@
 # Owns: answering every request field as wire_params.py's tables decide (honoured, a documented no-op, or refused
 # with what would be accepted instead), decoding an OpenAI chat.completions or Anthropic messages request into
 # canonical messages, tools, sampling parameters and turn options (`WireRequest`), refusing what cannot be honoured
-# (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a loopback.ChatSession
+# (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a session.ChatSession
 # returns) as each wire's reply, whole or as server-sent events whose text goes out token by token as it is sampled
 # (`LiveText`, `OpenAIStream`, `AnthropicStream`).
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,

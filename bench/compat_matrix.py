@@ -86,7 +86,7 @@ PARITY_TOL = 1e-4               # |behavior - recompute| at most this (the fp32 
 # ---- the episodes: one task per library, and what the model is taught to answer ------------------------------
 
 def call(name: str, arguments: dict) -> str:
-    """A Hermes tool call as the model writes it (what loopback.parse_hermes_tool_calls reads)."""
+    """A Hermes tool call as the model writes it (what session.parse_hermes_tool_calls reads)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
@@ -688,7 +688,7 @@ def forced_text(tokenizer, generation: Generation) -> str:
 class Episode:
     answer: str                 # the library's final answer as text ("" when it raised)
     error: str                  # what it raised ("" when it finished)
-    session: object             # the closed loopback.ChatSession: its ledger and the engine's generations
+    session: object             # the closed session.ChatSession: its ledger and the engine's generations
     exchanges: list[Exchange]   # every request the library sent, with the server's answer
 
 

@@ -459,7 +459,7 @@ class OneTurnChatAgent(ChatAgent):
 
 def test_a_vlm_that_samples_its_image_placeholder_loses_only_that_rollout(tokenizer):
     # no image fills a sampled <|image_pad|>, so its row could never be forwarded again: both runners drop it
-    from test_loopback import teach
+    from test_session import teach
     pad, im_end = (tokenizer.convert_tokens_to_ids(t) for t in (data.IMAGE_PAD, "<|im_end|>"))
     tasks = make_tasks("pad", "fine")
     vlm = models.tiny_model("qwen2_5_vl", seed=0).train()

@@ -34,7 +34,7 @@ import models
 from actor import sequence_logprobs
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
 from rollout import EmbeddedEngine, SamplingParams
-from test_loopback import CountingEngine, teach
+from test_session import CountingEngine, teach
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
 OPENAI_TOOLS = [{"type": "function",

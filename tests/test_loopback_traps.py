@@ -14,7 +14,7 @@ import invariants
 import models
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
-from test_loopback import byte_tokens, teach
+from test_session import byte_tokens, teach
 from test_loopback_http import (ANTHROPIC_TOOLS, ASK, OPENAI_TOOLS, SYSTEM, TOOL_CALL, anthropic_client,
                                 openai_client, trace, trainable_ids)
 

@@ -23,9 +23,10 @@ import data
 import invariants
 import models
 import wires
-from loopback import CALL_OPENING, ChatSession, LoopbackServer
+from loopback import LoopbackServer
+from session import CALL_OPENING, ChatSession
 from rollout import SamplingParams
-from test_loopback import CountingEngine, teach
+from test_session import CountingEngine, teach
 from test_loopback_http import anthropic_client, openai_client, trace, trainable_ids
 from wire_params import ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED
 

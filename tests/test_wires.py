@@ -12,7 +12,7 @@ import torch
 
 import models
 from invariants import processed_logprobs
-from loopback import parse_hermes_tool_calls
+from session import parse_hermes_tool_calls
 from rollout import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, find_stop
 from rollout import Generation
 from wires import (AnthropicStream, ChatTurn, LiveText, WireError, WireRequest, anthropic_reply, decode_anthropic,

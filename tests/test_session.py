@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import data
 import invariants
 import models
-from loopback import ChatSession, parse_hermes_tool_calls
+from session import ChatSession, parse_hermes_tool_calls
 from rollout import EmbeddedEngine, SamplingParams
 
 GREEDY = SamplingParams(top_k=1, max_tokens=48)
