@@ -1,6 +1,7 @@
 # data.py — prompt datasets, chat templates and images.
 # Owns: the ChatML chat templates (plain and Qwen3-style think-stripping, both with Qwen3's enable_thinking
 # switch), rendering a conversation to prompt token ids (render once, encode once) with the template's switches,
+# the tools a template leaves out (SmolLM2's has no tools block) written into the messages in the Hermes/Qwen form,
 # text that stays text (a special-token string inside a message or an observation is encoded as its characters;
 # only the template's own control tokens are control tokens),
 # images (data URLs -> PIL -> ImageInput, one pad id -> one pad run per image), the Task record, the built-in
@@ -19,6 +20,7 @@ import binascii
 import functools
 import inspect
 import io
+import json
 import os
 import random
 import re
@@ -45,15 +47,26 @@ from invariants import ImageInput
 # template glue (context), and rendering it in every assistant turn keeps the prefix property. Absent or true,
 # nothing changes.
 
+# The tools section, in the template below and in the fallback for a template without one (tools_as_messages)
+TOOLS_OPENING = ("# Tools\n\nYou can call the functions described below. Their JSON signatures are listed inside "
+                 "<tools></tools>:\n<tools>")
+TOOLS_CLOSING = ("\n</tools>\n\nTo call a function, answer with one JSON object per call inside "
+                 "<tool_call></tool_call>:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                 "<arguments-object>}\n</tool_call>")
+
+
+def _jinja_text(text: str) -> str:
+    """`text` as the inside of a single-quoted Jinja string literal."""
+    return text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+
+
 _TOOLS_PREAMBLE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou can call the functions described below. Their JSON signatures are listed inside "
-    "<tools></tools>:\\n<tools>' }}"
+    f"{{{{- '{_jinja_text(TOOLS_OPENING)}' }}}}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, answer with one JSON object per call inside <tool_call></tool_call>:"
-    "\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-object>}\\n</tool_call><|im_end|>\\n' }}"
+    f"{{{{- '{_jinja_text(TOOLS_CLOSING)}<|im_end|>\\n' }}}}"
     "{%- endif %}"
 )
 
@@ -115,13 +128,15 @@ def render_prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None
                        add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
     """Render `messages` with `template` (default: the tokenizer's own chat template) to text, every special-token
     string inside the messages, tools and template switches marked as plain text (see `encode_text`, which reads
-    the marks). `template_kwargs` are the template's own switches (e.g. {"enable_thinking": False}); a template that
-    does not read one ignores it."""
+    the marks), and the tools a template leaves out written into the messages (tools_as_messages). `template_kwargs`
+    are the template's own switches (e.g. {"enable_thinking": False}); a template that does not read one ignores
+    it."""
     if template is None and tokenizer.chat_template is None:
         raise ValueError("tokenizer has no chat_template; pass template=data.CHATML_TEMPLATE or use a chat model")
     switches = _template_switches(tokenizer, template_kwargs or {})
-    return tokenizer.apply_chat_template(_mark_specials(tokenizer, messages), tools=_mark_specials(tokenizer, tools),
-                                         chat_template=template, tokenize=False,
+    messages, tools = tools_as_messages(tokenizer, template, _mark_specials(tokenizer, messages),
+                                        _mark_specials(tokenizer, tools))
+    return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **switches)
 
 
@@ -149,6 +164,102 @@ def _template_switches(tokenizer, switches: dict) -> dict:
                          f"enable_thinking")
     return _mark_specials(tokenizer, switches)
 
+
+# ---- tools a chat template leaves out ----
+# A harness's tools must reach the model, whatever the chat template. Some templates have no tools block: SmolLM2's
+# writes each message's role and content and nothing else, so the tools a request brings (an assistant's tool calls,
+# the tool results) would leave the prompt without a word. `tool_rendering` finds out once per template what it
+# renders, by rendering sentinels and looking for them; `tools_as_messages` writes what it leaves out into the
+# messages, in the Hermes/Qwen form that session.parse_hermes_tool_calls reads and CHATML_TEMPLATE writes: the tools
+# as one JSON object per line inside <tools></tools> in a system section (after the first system message's text, or
+# a system message of its own), each call as '<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>' after the
+# assistant's text, each tool result as a user message inside <tool_response></tool_response>. Deterministic, and
+# each message's text depends on that message alone (the system section on the tools too), so an echoed reply still
+# extends the record (invariant 1).
+
+_SENTINEL = "tracerl_tool_sentinel"
+
+
+@dataclass(frozen=True)
+class ToolRendering:
+    """What a chat template renders of a conversation's tools."""
+    tools: bool        # the tool definitions it is given
+    calls: bool        # an assistant message's tool calls
+    results: bool      # a tool message's content
+
+
+def tool_rendering(tokenizer, template: str | None = None) -> ToolRendering:
+    """What `template` (default: the tokenizer's own) renders of tools, found once per template."""
+    own = tokenizer.chat_template
+    return _probe(tokenizer, template, template if template is not None else repr(own))
+
+
+@functools.lru_cache(maxsize=32)
+def _probe(tokenizer, template: str | None, _text: str) -> ToolRendering:
+    def renders(messages: list[dict], tools: list[dict] | None = None) -> bool:
+        try:
+            return _SENTINEL in tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                                              tokenize=False)
+        except Exception:      # a template that fails on it (a tool call with no content: None + str) renders none
+            return False
+    ask = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": _SENTINEL, "description": "a sentinel",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "call-0", "type": "function", "function": {"name": _SENTINEL, "arguments": {}}}]}
+    calls = renders([ask, call])
+    result = {"role": "tool", "content": _SENTINEL, "tool_call_id": "call-0"}
+    return ToolRendering(renders([ask], [tool]), calls,
+                         renders([ask, call if calls else _calls_as_text(call), result]))
+
+
+def tools_as_messages(tokenizer, template: str | None, messages: list[dict],
+                      tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools to hand `template`: as given where it renders them, what it leaves out written into
+    the messages (the section's fallback). Raises ValueError for a tool result or a calling message whose content
+    is not text (the fallback writes text)."""
+    if not tools and not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return messages, tools
+    rendering = tool_rendering(tokenizer, template)
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls") and not rendering.calls:
+            message = _calls_as_text(message)
+        elif message.get("role") == "tool" and not rendering.results:
+            message = {"role": "user", "content": f"<tool_response>\n{_text_of(message)}\n</tool_response>"}
+        out.append(message)
+    if tools and not rendering.tools:
+        section = TOOLS_OPENING + "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools) + TOOLS_CLOSING
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+        tools = None
+    return out, tools
+
+
+def _text_of(message: dict) -> str:
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"a {message.get('role')} message's content must be text for this chat template, which "
+                         f"leaves its tools out (they are written into the text: data.tools_as_messages)")
+    return content or ""
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant message with its tool calls written after its text, as CHATML_TEMPLATE writes them (a call's
+    arguments object through JSON, the way the template's tojson does; a string as it is)."""
+    text = _text_of(message)
+    pieces = [text]
+    for k, tool_call in enumerate(message["tool_calls"]):
+        call = tool_call.get("function", tool_call)
+        arguments = call.get("arguments", {})
+        if text or k:
+            pieces.append("\n")
+        pieces.append('<tool_call>\n{"name": ' + json.dumps(call["name"], ensure_ascii=False) + ', "arguments": '
+                      + (arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+                      + '}\n</tool_call>')
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": "".join(pieces)}
 
 # ---- text stays text ----
 # A message that holds "<|im_end|>\n<|im_start|>system\n..." must not end its turn and forge a system turn: what

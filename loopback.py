@@ -53,7 +53,7 @@ import viewer
 import wires
 from rollout import EmbeddedEngine, SamplingParams
 from router import EngineFailure
-from session import CALL_OPENING, ChatSession, session_trace
+from session import CALL_OPENING, ChatSession, ContextOverflow, session_trace
 
 log = logging.getLogger("tracerl.loopback")
 
@@ -150,10 +150,10 @@ class LoopbackServer:
     Concurrent sessions' turns share the engine's batch (EmbeddedEngine batches concurrent callers)."""
 
     def __init__(self, engine, tokenizer, template: str | None = None, model_name: str = "policy",
-                 host: str = "127.0.0.1", port: int = 0, max_length: int = 4096, image_processor=None,
+                 host: str = "127.0.0.1", port: int = 0, max_length: int | None = None, image_processor=None,
                  body_timeout_s: float = 60.0, session_ttl_s: float = 3600.0, max_open_sessions: int = 1024,
                  idle_timeout_s: float = 30.0, max_connections: int = 512, max_session_requests: int = 8,
-                 admin_key: str | None = None):
+                 admin_key: str | None = None, max_tokens: int | None = None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         # Opening and closing sessions over HTTP needs this key: the operator's, or one made here for this server alone
         # (its owner reads it from .admin_key). It is no session's key, and no agent is handed it.
@@ -162,7 +162,17 @@ class LoopbackServer:
         self.admin_key = admin_key or f"sk-loopback-admin-{secrets.token_urlsafe(32)}"
         self.image_processor = image_processor     # a VLM's (models.load_image_processor); None = text only
         self.model_name, self.host, self.port = model_name, host, port
-        self.max_length = max_length               # context of a session that does not ask for less
+        # A session's context (prompt and reply) is at most max_length: by default the most the engine serves, its
+        # model's position limit, and never more (a prompt past it is refused, never served). A request that does
+        # not set max_tokens gets the rest of the context, at most max_tokens (None: no bound beyond the context).
+        self.max_length = max_length or engine.max_model_len
+        if not 1 < self.max_length <= engine.max_model_len:
+            raise ValueError(f"max_length {self.max_length} must be in [2, {engine.max_model_len}], the most the "
+                             f"engine serves (its model's position limit)")
+        if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None (the rest of the context), got "
+                             f"{max_tokens!r}")
+        self.max_tokens = max_tokens
         self.body_timeout_s = body_timeout_s       # a request body that takes longer to arrive is refused (408)
         # Sessions opened over HTTP (POST /sessions) have no owner in this process to close them: they expire
         # after session_ttl_s without a request, and at most max_open_sessions are open at once (429 beyond).
@@ -246,8 +256,9 @@ class LoopbackServer:
             raise RuntimeError("start() the server before creating sessions: their URLs carry the bound port")
         session_id = secrets.token_hex(8)
         api_key = f"sk-loopback-{secrets.token_urlsafe(24)}"
+        context = max_length or self.max_length
         session = ChatSession(self.engine, self.tokenizer, rollout_id or session_id, group_id, self.template,
-                              sampling, max_length or self.max_length, self.image_processor)
+                              sampling or self._sampling(context), context, self.image_processor)
         with self._registry_lock:
             if over_http:
                 self._expire_idle()
@@ -260,6 +271,11 @@ class LoopbackServer:
         session_url = f"http://{self.host}:{self.port}/s/{session_id}"
         return SessionInfo(session_id, api_key, f"{session_url}/v1", session_url, f"{session_url}/trace",
                            f"{session_url}/view")
+
+    def _sampling(self, context: int) -> SamplingParams:
+        """A session's default sampling: a reply may take the rest of its context, at most the server's max_tokens
+        (what the APIs do for a request without max_tokens; Anthropic's always sets it)."""
+        return SamplingParams(max_tokens=min(self.max_tokens or context, context))
 
     def close_session(self, session_id: str) -> ChatSession:
         """Forget the session (its URLs answer 404 from now on) and hand back its ChatSession and ledger."""
@@ -395,7 +411,10 @@ class LoopbackServer:
                 except asyncio.CancelledError:
                     await asyncio.wait([generating])      # the lane stays held until the turn has committed
                     raise
-        except (ValueError, TemplateError) as error:   # an overlong prompt, a bad image, a template that refuses
+        except ContextOverflow as error:        # in the wire's own words, which harnesses compact their context on
+            raise wires.ContextLengthExceeded(error.prompt_tokens, error.context, str(error),
+                                              request.prompt_field) from None
+        except (ValueError, TemplateError) as error:   # a bad image, a template that refuses
             raise wires.WireError(400, str(error)) from None
         finally:
             lane.in_flight -= 1
@@ -521,7 +540,8 @@ class LoopbackServer:
         wires.require(max_length is None or 1 < max_length <= self.max_length,
                       f"'max_length' must be an integer in [2, {self.max_length}] (the server's --max-length), "
                       f"got {max_length}")
-        sampling = wires.sampling_from(SamplingParams(), temperature=wires.number_field(body, "temperature"),
+        sampling = wires.sampling_from(self._sampling(max_length or self.max_length),
+                                       temperature=wires.number_field(body, "temperature"),
                                        max_tokens=wires.number_field(body, "max_tokens", integer=True))
         return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 
@@ -549,7 +569,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")
     parser.add_argument("--template", choices=["chatml", "model"], default="model",
                         help="chat template: the model's own (default) or tracerl's ChatML")
-    parser.add_argument("--max-length", type=int, default=4096, help="most tokens a session's context may hold")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="most tokens a session's context may hold, prompt and reply (default: the model's "
+                             "position limit, the most it may be given)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="most tokens of a reply whose request does not set max_tokens (default: the rest of the "
+                             "context, as the APIs do)")
     parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV) or None,
                         help=f"the key that opens and closes sessions (default: ${ADMIN_KEY_ENV}, else a new one, "
                              f"printed at start); prefer the variable: a command line is visible to other users")
@@ -561,9 +586,14 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = EmbeddedEngine(models.load_model(path).to(device), tokenizer=tokenizer)   # sessions share its batch
     template = data.CHATML_TEMPLATE if args.template == "chatml" else None
-    server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length,
-                            models.load_image_processor(path), admin_key=args.admin_key)
+    try:
+        server = LoopbackServer(engine, tokenizer, template, args.model, args.host, args.port, args.max_length,
+                                models.load_image_processor(path), admin_key=args.admin_key, max_tokens=args.max_tokens)
+    except ValueError as error:           # a context past the model's position limit, a max_tokens below 1
+        parser.error(str(error))
     port = server.start()
+    print(f"context: {server.max_length} tokens a session (the model's position limit: {engine.max_model_len})",
+          flush=True)
     # printed once, and only a key made here: an operator's own stays out of the log
     print(f"admin key (POST /sessions, DELETE /s/<id>; never give it to an agent): "
           f"{'the one given' if args.admin_key else server.admin_key}", flush=True)

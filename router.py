@@ -92,7 +92,7 @@ class _Call:
 
 class Router:
     """Same interface as an engine (`generate`, `check`, `check_images`, `update_weights`, `pause`, `resume`,
-    `sampler_state`, `load_sampler_state`, `version`), over several. `generate` also takes `session_ids`.
+    `sampler_state`, `load_sampler_state`, `version`, `max_model_len`), over several. `generate` also takes `session_ids`.
     `timeout_s`: how long a streamed request may go without sampling a token (its first one included) before it
     counts as hung; a request not streamed, whose tokens the router cannot see, counts as hung when it has no
     answer for `timeout_s` and its engine then fails a probe. Time paused for a weight update does not count.
@@ -116,6 +116,11 @@ class Router:
     @property
     def version(self) -> int:
         return min(self.engines[e].version for e in self._live())
+
+    @property
+    def max_model_len(self) -> int:
+        """The most positions (prompt + reply) every engine serves."""
+        return min(engine.max_model_len for engine in self.engines)
 
     def stats(self) -> list[EngineStats]:
         """A snapshot of every engine's counters, in engine order."""

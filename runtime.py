@@ -271,12 +271,12 @@ class EngineActor:
         self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
 
     @ray.method(concurrency_group="control")
-    def placement(self) -> tuple[str | None, str | None]:
+    def placement(self) -> tuple[str | None, str | None, int]:
         """(the GPU this actor holds, or None; the checkpoint of its engine if that takes CUDA IPC updates (a vLLM
-        engine on the GPU), else None)."""
+        engine on the GPU), else None; the most positions its engine serves, prompt and reply)."""
         gpu = _gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
         takes_ipc = isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
-        return gpu, self.engine.model_path if takes_ipc else None
+        return gpu, self.engine.model_path if takes_ipc else None, self.engine.max_model_len
 
     @ray.method(concurrency_group="control")
     def open_weight_channel(self, address: str, port: int, backend: str, timeout_s: float) -> None:
@@ -344,7 +344,7 @@ class EngineProxy:
     def __init__(self, index: int, handle, version: int):
         self.index, self.handle = index, handle
         self.version = version         # kept here, so reading it costs no round trip
-        self.gpu_uuid, self.model_path = ray.get(handle.placement.remote())
+        self.gpu_uuid, self.model_path, self.max_model_len = ray.get(handle.placement.remote())
         self.takes_ipc = self.model_path is not None
         self.channel: WeightChannel | None = None       # opened at the first update that is not CUDA IPC
         self.dead = False

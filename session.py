@@ -136,14 +136,30 @@ def header_size(url) -> tuple[int, int]:
         return 0, 0
 
 
+# ---- the context: a prompt over it is refused, never cut ----------------------------------------
+
+class ContextOverflow(ValueError):
+    """A prompt that leaves no room for a reply in the session's context. The server answers it in each wire's own
+    words (wires.ContextLengthExceeded), which a harness recognises and compacts its conversation on."""
+
+    def __init__(self, prompt_tokens: int, context: int, message: str):
+        super().__init__(message)
+        self.prompt_tokens, self.context = prompt_tokens, context   # the prompt (or a lower bound on it), the context
+
+
 class ChatSession:
-    """One rollout's conversation with the engine, token-exact across turns."""
+    """One rollout's conversation with the engine, token-exact across turns. `max_length`: the context, prompt and
+    reply (default: the most the engine serves, its model's position limit); `sampling`: the defaults a request
+    overrides (default: a reply may take the rest of the context)."""
 
     def __init__(self, engine, tokenizer, rollout_id: str, group_id: str = "", template: str | None = None,
-                 sampling: SamplingParams | None = None, max_length: int = 4096, image_processor=None):
+                 sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
-        self.sampling = sampling or SamplingParams()
-        self.max_length = max_length
+        self.max_length = max_length or engine.max_model_len
+        if not 1 < self.max_length <= engine.max_model_len:
+            raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "
+                             f"the most the engine serves (its model's position limit)")
+        self.sampling = sampling or SamplingParams(max_tokens=self.max_length)
         self.image_processor = image_processor  # None: a text-only model, and image parts are refused
         # Each picture is processed once per session, so one that comes back in the history is the same
         # ImageInput object: that is how the ledger tells an unchanged image from a changed one.
@@ -193,8 +209,9 @@ class ChatSession:
         prompt_ids, images, prompt_text = self._prompt(messages, tools, options.template_kwargs, opening)
         room = self.max_length - len(prompt_ids)
         if room < 1:
-            raise ValueError(f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context "
-                             f"of {self.max_length}; shorten the conversation")
+            raise ContextOverflow(len(prompt_ids), self.max_length,
+                                  f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context of "
+                                  f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
@@ -249,11 +266,12 @@ class ChatSession:
         """Refuse a request whose text cannot fit the context before rendering or encoding any of it: no token
         spans more characters than the longest vocabulary entry, so more characters than max_length times that
         can only be more than max_length tokens. (A 20 MB message would otherwise be encoded in full first.)"""
-        chars = _text_chars(messages) + _text_chars(tools)
-        limit = self.max_length * data.longest_token_chars(self.tokenizer)
+        chars, widest = _text_chars(messages) + _text_chars(tools), data.longest_token_chars(self.tokenizer)
+        limit = self.max_length * widest
         if chars > limit:
-            raise ValueError(f"the request holds {chars} characters of text, more than a context of "
-                             f"{self.max_length} tokens can hold (at most {limit}); shorten the conversation")
+            raise ContextOverflow(-(-chars // widest), self.max_length,
+                                  f"the request holds {chars} characters of text, more than a context of "
+                                  f"{self.max_length} tokens can hold (at most {limit}); shorten the conversation")
 
     def _render(self, messages, tools, generation_prompt: bool, template_kwargs: dict | None) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt,

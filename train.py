@@ -79,7 +79,7 @@ class RolloutConfig:
     top_k: int = -1             # most likely tokens kept (-1 = off)
     max_tokens: int = 64        # new tokens per turn
     max_turns: int = 1
-    max_length: int = 1024      # prompt + all turns, in tokens
+    max_length: int = 0         # prompt + all turns, in tokens; 0 = the model's position limit (never more)
     step_timeout_s: float = 60.0  # an env reset/step slower than this fails its rollout
     engine: str = "auto"        # embedded | vllm | auto (vLLM where it is installed and a GPU is present)
     engine_memory: float = 0.3  # vLLM on a GPU: the share of GPU memory for its weights and KV cache (the actor
@@ -189,15 +189,16 @@ def validate_config(cfg: dict) -> None:
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
     positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,
                 "rollout.samples_per_prompt": ro.samples_per_prompt, "rollout.max_turns": ro.max_turns,
-                "rollout.max_length": ro.max_length, "train.minibatches": tr.minibatches,
-                "rollout.step_timeout_s": ro.step_timeout_s}
+                "train.minibatches": tr.minibatches, "rollout.step_timeout_s": ro.step_timeout_s}
     for name, value in positive.items():
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+    if ro.max_length < 0:
+        raise ValueError(f"rollout.max_length must be > 0, or 0 for the model's position limit; got {ro.max_length}")
     if ro.prompts_per_step % tr.minibatches:
         raise ValueError(f"train.minibatches ({tr.minibatches}) must divide rollout.prompts_per_step "
                          f"({ro.prompts_per_step}): minibatches hold whole prompt groups")
-    if ro.max_tokens >= ro.max_length:
+    if ro.max_length and ro.max_tokens >= ro.max_length:
         raise ValueError(f"rollout.max_tokens ({ro.max_tokens}) must be below rollout.max_length ({ro.max_length})")
     ev = cfg["eval"]
     validate_sampling(SamplingParams(ev.temperature, 1.0, ev.top_k, ro.max_tokens))
@@ -214,6 +215,21 @@ def validate_config(cfg: dict) -> None:
     if unknown:
         raise ValueError(f"run.sandbox_accept: unknown protections {sorted(unknown)}; known: "
                          f"{', '.join(sandbox.PROTECTIONS)}")
+
+
+def resolve_context(ro: RolloutConfig, model_path: str) -> RolloutConfig:
+    """The rollout config with its context known, once the model is: max_length 0 is the model's position limit, and
+    more than the limit is refused (the engine would serve, and the actor train, positions the model was never built
+    for). Raises SystemExit naming both numbers."""
+    limit = models.position_limit(transformers.AutoConfig.from_pretrained(model_path))
+    if ro.max_length > limit:
+        raise SystemExit(f"error: rollout.max_length ({ro.max_length}) is above the model's position limit ({limit} "
+                         f"positions, prompt and reply); set at most {limit}, or 0 for the limit")
+    ro = dataclasses.replace(ro, max_length=ro.max_length or limit)
+    if ro.max_tokens >= ro.max_length:
+        raise SystemExit(f"error: rollout.max_tokens ({ro.max_tokens}) must be below rollout.max_length "
+                         f"({ro.max_length}, the model's position limit)")
+    return ro
 
 
 def runs_model_code(recipe) -> bool:
@@ -257,12 +273,6 @@ def main(argv: list[str]) -> None:
             print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: runtime.mkl_avx512_on_amd)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
-    recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]
-    out = run.out or os.path.join(ROOT, "runs", f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(os.path.join(out, "traces"), exist_ok=True)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
-
     recipe = load_recipe(run.recipe)
     if run.sandbox_accept:                       # for this process and every runner and engine it starts
         os.environ[sandbox.ACCEPT_ENV] = run.sandbox_accept
@@ -270,6 +280,12 @@ def main(argv: list[str]) -> None:
     with phase(f"model {run.model} (converted or taught on first use, then cached)"):
         model_path = models.resolve_model(run.model)
         tokenizer = models.load_tokenizer(model_path)
+    cfg["rollout"] = ro = resolve_context(ro, model_path)    # the model's position limit known: the run's context
+    recipe_name = os.path.splitext(os.path.basename(run.recipe))[0]
+    out = run.out or os.path.join(ROOT, "runs", f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.join(out, "traces"), exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({name: dataclasses.asdict(c) for name, c in cfg.items()}, f, indent=2)
     rt_cfg, ray_rt, sleeper, rollout_engine = cfg["runtime"], None, None, None
     # a vLLM engine beside a one-rank actor on a GPU starts first, in a thread: its process spends a minute on
     # imports, compile and CUDA graphs, in which this one builds the actor. It starts at version 0; the first push()
@@ -669,6 +685,7 @@ def eval_main(argv: list[str]) -> None:
         torch.set_num_threads(run.threads)
     recipe = load_recipe(run.recipe)
     model_path = models.resolve_model(run.model)
+    ro = resolve_context(ro, model_path)
     tokenizer = models.load_tokenizer(model_path)
     model = models.load_model(model_path)
     if state is not None:

@@ -64,6 +64,7 @@ import torch
 import transformers
 
 import invariants
+import models
 from rollout import (Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling,
                      validate_sampling)
 
@@ -175,7 +176,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, drain_on_update: bool | None = None,
                  reprefill_on_update: bool = True,
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
         from vllm import AsyncEngineArgs
         from vllm.config import StructuredOutputsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -192,6 +193,8 @@ class VLLMEngine:
         self.drain_on_update = self.is_moe if drain_on_update is None else drain_on_update
         self.is_vision = "vision_config" in config
         self.vocab_size = text_config["vocab_size"]
+        # prompt + reply (None: the model's position limit); vLLM refuses a longer prompt, stops a reply there
+        self.max_model_len = max_model_len or models.position_limit(transformers.AutoConfig.from_pretrained(model_path))
         # the ids a request without stop ids ends on, as the embedded engine reads them (a grammar is bound to them)
         eos = None
         if os.path.exists(os.path.join(model_path, "generation_config.json")):
@@ -214,7 +217,7 @@ class VLLMEngine:
         self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
         register_in_process(config.get("architectures") or [])
         args = AsyncEngineArgs(
-            model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
             enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,

@@ -39,7 +39,9 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
                            "function>}]"),
     "logit_bias": (HONOURED, "{token id: bias in [-100, 100]} added to the logits; recorded per token"),
     "logprobs": (HONOURED, "each sampled token's behavior logprob, the one the trainer recomputes"),
-    "max_completion_tokens": (HONOURED, "the most tokens sampled (within the session's context)"),
+    "max_completion_tokens": (HONOURED, "the most tokens sampled, at most the rest of the session's context; unset: "
+                                        "the rest of the context (as the API), bounded by the run's "
+                                        "rollout.max_tokens (the standalone server's --max-tokens, default none)"),
     "max_tokens": (HONOURED, "as max_completion_tokens"),
     "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
     "modalities": (HONOURED, "['text'] only; audio output is refused"),
@@ -82,7 +84,7 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     **_EXTRAS,
 }
 ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
-    "max_tokens": (HONOURED, "the most tokens sampled (required, within the session's context)"),
+    "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context"),
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
                            "tool_use, tool_result, thinking and redacted_thinking blocks; a final assistant turn "
                            "(prefill) is refused"),

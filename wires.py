@@ -53,17 +53,38 @@ class ChatTurn:
 # ---- refusals, and the request body --------------------------------------------------------------
 
 class WireError(Exception):
-    """A refused request: its HTTP status, the error type, and a message saying what was wrong."""
+    """A refused request: its HTTP status, the error type, a message saying what was wrong and, on OpenAI-shaped
+    wires, the machine-readable code and the request field at fault (`param`)."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.code, self.param = status, kind, code, param
 
     def body(self, wire: str) -> dict:
         """The error in the wire's own format (what the SDKs parse into their exception classes)."""
         if wire == "anthropic":
             return {"type": "error", "error": {"type": self.kind, "message": str(self)}}
-        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ContextLengthExceeded(WireError):
+    """A prompt over the session's context (session.ContextOverflow), in the words each wire's harnesses compact on:
+    OpenAI's code context_length_exceeded (Codex), Anthropic's "prompt is too long: N tokens > M maximum" (Claude
+    Code). `param`: the request field that holds the prompt (messages; the Responses API's input). M is the longest
+    prompt the context serves: a reply needs one position at least."""
+
+    def __init__(self, prompt_tokens: int, context: int, detail: str, param: str = "messages"):
+        super().__init__(400, f"This model's maximum context length is {context} tokens. However, your {param} "
+                              f"resulted in {prompt_tokens} tokens: {detail}", code="context_length_exceeded",
+                         param=param)
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+    def body(self, wire: str) -> dict:
+        if wire == "anthropic":
+            too_long = f"prompt is too long: {self.prompt_tokens} tokens > {self.context - 1} maximum"
+            return {"type": "error", "error": {"type": self.kind, "message": too_long}}
+        return super().body(wire)
 
 
 
@@ -148,6 +169,7 @@ class WireRequest:
     include_usage: bool = False    # OpenAI stream_options.include_usage: a last chunk with the usage
     no_ops: tuple[str, ...] = ()   # the no-op fields the request held
     omit_thinking: bool = False    # Anthropic thinking.display 'omitted': thoughts go back empty (signature kept)
+    prompt_field: str = "messages"     # the field holding the prompt, named when the prompt overflows the context
 
 
 def _arguments_from_json(text: str):

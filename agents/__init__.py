@@ -210,14 +210,19 @@ class EnvRunner:
     """Runs a group of Env episodes in lockstep: every turn, all live episodes sample together in one
     batched engine call. Subclass with `env_cls = MyEnv` and export it as `AgentRunner`. A VLM's runner gets
     the model's `image_processor` (models.load_image_processor); without one, an episode that shows an image
-    fails (a text model would drop it silently)."""
+    fails (a text model would drop it silently). `max_length`: an episode's context, prompt and every turn (default:
+    the most the engine serves, its model's position limit)."""
 
     env_cls: type[Env] = Env
 
-    def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
+    def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
                  step_timeout_s: float = 60.0, image_processor=None):
         self.engine, self.tokenizer = engine, tokenizer
-        self.max_turns, self.max_length, self.step_timeout_s = max_turns, max_length, step_timeout_s
+        self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
+        self.max_length = max_length or engine.max_model_len
+        if not 1 < self.max_length <= engine.max_model_len:
+            raise ValueError(f"max_length {self.max_length} must be in [2, {engine.max_model_len}], the most the "
+                             f"engine serves (its model's position limit)")
         self.image_processor = image_processor
         self.image_pad_id = tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) if image_processor is not None else None
         self.failures: dict[str, int] = {}     # reason -> count, over the runner's life
@@ -391,15 +396,17 @@ class ChatAgentRunner:
     agent_cls: type[ChatAgent] = ChatAgent
     template: str | None = None        # None = the model's own chat template
 
-    def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int = 1024,
+    def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
                  step_timeout_s: float = 60.0, image_processor=None):
         import loopback
-        self.max_length, self.max_turns, self.timeout_s = max_length, max_turns, step_timeout_s * max_turns
+        self.max_turns, self.timeout_s = max_turns, step_timeout_s * max_turns
         self.failures: dict[str, int] = {}
         # the sessions turn the images an agent sends into ImageInputs with the model's image processor; their
-        # turns share the engine's batch (the engine admits concurrent callers between decode steps)
-        self.server = loopback.LoopbackServer(engine, tokenizer, template=self.template,
+        # turns share the engine's batch (the engine admits concurrent callers between decode steps). Each session's
+        # context is max_length (default: the most the engine serves, its model's position limit)
+        self.server = loopback.LoopbackServer(engine, tokenizer, template=self.template, max_length=max_length,
                                               image_processor=image_processor)
+        self.max_length = self.server.max_length
         self.server.start()
 
     def run(self, tasks: list, group_ids: list[str], sampling: SamplingParams) -> list[Rollout]:
