@@ -177,7 +177,7 @@ def _template_switches(tokenizer, switches: dict) -> dict:
 # each message's text depends on that message alone (the system section on the tools too), so an echoed reply still
 # extends the record (invariant 1).
 
-_SENTINEL = "tracerl_tool_sentinel"
+_SENTINEL = "tracerl_sentinel"     # + what each probe looks for: _tool, _call, _result
 
 
 @dataclass(frozen=True)
@@ -196,21 +196,21 @@ def tool_rendering(tokenizer, template: str | None = None) -> ToolRendering:
 
 @functools.lru_cache(maxsize=32)
 def _probe(tokenizer, template: str | None, _text: str) -> ToolRendering:
-    def renders(messages: list[dict], tools: list[dict] | None = None) -> bool:
+    def renders(needle: str, messages: list[dict], tools: list[dict] | None = None) -> bool:
         try:
-            return _SENTINEL in tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
-                                                              tokenize=False)
+            return needle in tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                                           tokenize=False)
         except Exception:      # a template that fails on it (a tool call with no content: None + str) renders none
             return False
     ask = {"role": "user", "content": "hi"}
-    tool = {"type": "function", "function": {"name": _SENTINEL, "description": "a sentinel",
+    tool = {"type": "function", "function": {"name": f"{_SENTINEL}_tool", "description": "a sentinel",
                                              "parameters": {"type": "object", "properties": {}}}}
-    call = {"role": "assistant", "content": None,
-            "tool_calls": [{"id": "call-0", "type": "function", "function": {"name": _SENTINEL, "arguments": {}}}]}
-    calls = renders([ask, call])
-    result = {"role": "tool", "content": _SENTINEL, "tool_call_id": "call-0"}
-    return ToolRendering(renders([ask], [tool]), calls,
-                         renders([ask, call if calls else _calls_as_text(call), result]))
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-0", "type": "function", "function": {"name": f"{_SENTINEL}_call", "arguments": {}}}]}
+    calls = renders(f"{_SENTINEL}_call", [ask, call])
+    result = {"role": "tool", "content": f"{_SENTINEL}_result", "tool_call_id": "call-0"}
+    return ToolRendering(renders(f"{_SENTINEL}_tool", [ask], [tool]), calls,
+                         renders(f"{_SENTINEL}_result", [ask, call if calls else _calls_as_text(call), result]))
 
 
 def tools_as_messages(tokenizer, template: str | None, messages: list[dict],

@@ -1,5 +1,6 @@
 # Tests for data.py: the ChatML templates (prefix property, think stripping, tool-call re-serialization),
-# rendering prompts to ids, and the arithmetic dataset.
+# rendering prompts to ids, the tools a template leaves out written into the messages, and the arithmetic dataset.
+import copy
 import json
 import re
 
@@ -200,3 +201,71 @@ def test_an_env_marks_the_text_inside_its_glue_with_plain():
     assert data.encode_text(tok, glue.format("x")) == tok.encode(glue.format("x"), add_special_tokens=False)
     with pytest.raises(ValueError, match="lone surrogate"):
         data.render_prompt_ids(tok, [{"role": "user", "content": "a\ud800b"}], template=data.CHATML_TEMPLATE)
+
+
+# ---- tools a chat template leaves out (SmolLM2's has no tools block) ----
+
+TOOL_TALK = [
+    {"role": "user", "content": "What is 2 plus 6?"},
+    {"role": "assistant", "content": "Let me add.",
+     "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 6}}}]},
+    {"role": "tool", "content": "8", "tool_call_id": "c0"},
+    {"role": "assistant", "content": "It is 8."},
+    {"role": "user", "content": "And 3 plus 4?"},
+]
+SECTION = data.TOOLS_OPENING + "\n" + json.dumps(TOOLS[0]) + data.TOOLS_CLOSING
+CALL_TEXT = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 6}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return models.load_tokenizer(models.resolve_model("smollm2"))
+
+
+def test_smollm2s_own_template_drops_tools_and_calls_so_they_are_written_into_the_messages(smollm2):
+    assert data.tool_rendering(smollm2) == data.ToolRendering(tools=False, calls=False, results=True)
+    # armed: handed the tools, the template alone leaves every one out (and fails on a call without text)
+    own = smollm2.apply_chat_template(TOOL_TALK[:1], tools=TOOLS, tokenize=False)
+    assert "Add two integers." not in own and "<tools>" not in own
+    text = data.render_prompt_text(smollm2, TOOL_TALK, TOOLS)
+    assert text.startswith(f"<|im_start|>system\n{SECTION}<|im_end|>\n<|im_start|>user\nWhat is 2 plus 6?<|im_end|>")
+    assert f"<|im_start|>assistant\n{CALL_TEXT}<|im_end|>\n<|im_start|>tool\n8<|im_end|>" in text
+    # the form a template with a tools block writes (and the session's parser reads), word for word
+    chatml = data.render_prompt_text(models.bpe_tokenizer(), TOOL_TALK, TOOLS, data.CHATML_TEMPLATE)
+    assert SECTION in chatml and CALL_TEXT in chatml
+    # a system message keeps its text, the section after it
+    system = [{"role": "system", "content": "You are terse."}, TOOL_TALK[0]]
+    assert data.render_prompt_text(smollm2, system, TOOLS).startswith(
+        f"<|im_start|>system\nYou are terse.\n\n{SECTION}<|im_end|>\n")
+
+
+def test_the_written_tools_keep_the_prefix_property_so_an_echo_extends(smollm2):
+    def rendered(messages, generation_prompt=False):
+        return data.render_prompt_text(smollm2, messages, TOOLS, add_generation_prompt=generation_prompt)
+    misses = data._probe.cache_info().misses
+    for k in range(1, len(TOOL_TALK)):
+        assert rendered(TOOL_TALK[:k + 1]).startswith(rendered(TOOL_TALK[:k])), k
+        if TOOL_TALK[k]["role"] == "assistant":      # the reply as sampled follows the generation prompt
+            assert rendered(TOOL_TALK[:k + 1]).startswith(rendered(TOOL_TALK[:k], True)), k
+    assert rendered(TOOL_TALK) == rendered(copy.deepcopy(TOOL_TALK))
+    assert data._probe.cache_info().misses == misses      # the template was probed once, before this loop
+
+
+def test_a_template_that_renders_tools_is_handed_them_as_they_are():
+    tok = models.bpe_tokenizer()
+    assert data.tool_rendering(tok, data.CHATML_TEMPLATE) == data.ToolRendering(tools=True, calls=True, results=True)
+    assert data.tools_as_messages(tok, data.CHATML_TEMPLATE, TOOL_TALK, TOOLS) == (TOOL_TALK, TOOLS)
+    assert data.render_prompt_text(tok, TOOL_TALK, TOOLS, data.CHATML_TEMPLATE) == \
+        render(TOOL_TALK, add_generation_prompt=True)
+
+
+def test_tool_results_a_template_drops_become_user_turns_and_what_cannot_be_text_is_refused():
+    tok = models.bpe_tokenizer()
+    no_tool_role = ("{%- for m in messages %}{%- if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                    "<|im_end|>\n{%- endif %}{%- endfor %}")
+    assert data.tool_rendering(tok, no_tool_role) == data.ToolRendering(tools=False, calls=False, results=False)
+    text = data.render_prompt_text(tok, TOOL_TALK, None, no_tool_role, add_generation_prompt=False)
+    assert "<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>" in text and CALL_TEXT in text
+    image_result = [*TOOL_TALK[:2], {"role": "tool", "content": [{"type": "image"}], "tool_call_id": "c0"}]
+    with pytest.raises(ValueError, match="must be text for this chat template"):
+        data.render_prompt_text(tok, image_result, None, no_tool_role)

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import data
 import models
@@ -95,6 +96,27 @@ def test_left_padded_and_unpadded_logits_agree():
     torch.testing.assert_close(padded[1, pad:], alone_short, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", models.TINY_KINDS)
+def test_the_tiny_models_hold_a_harness_context_read_from_their_text_config(kind):
+    config = models.tiny_model(kind).config
+    assert models.position_limit(config) == config.get_text_config().max_position_embeddings == 65536
+    with torch.no_grad():           # the last position still computes (RoPE: any position; a VLM's 3-D ones too)
+        ids = torch.tensor([[5, 6]])
+        positions = torch.tensor([[65534, 65535]])
+        positions = positions.expand(3, 1, 2) if kind == "qwen2_5_vl" else positions
+        assert torch.isfinite(models.tiny_model(kind)(input_ids=ids, position_ids=positions).logits).all()
+
+
+def test_a_tiny_model_folder_is_keyed_on_its_positions(tmp_path, monkeypatch):
+    """A folder (and every taught folder, keyed on its path) written at another position limit is never reused."""
+    monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
+    folder = models.tiny_model_dir("qwen3")
+    monkeypatch.setattr(models, "TINY_POSITIONS", 4096)
+    older = models.tiny_model_dir("qwen3")
+    assert older != folder
+    assert [models.position_limit(AutoConfig.from_pretrained(f)) for f in (folder, older)] == [65536, 4096]
+
+
 # ---- cache folders, resolve, load ----
 
 def test_tiny_model_dir_is_written_once_and_loads_identical_model(tmp_path, monkeypatch):
@@ -159,3 +181,4 @@ def test_smollm2_converts_offline_and_answers_with_a_number():
     print("SmolLM2 greedy answer:", repr(answer))
     assert answer and any(ch.isdigit() for ch in answer)
     assert sum(word.isalpha() for word in answer.split()) >= 2  # words, not byte soup
+    assert models.position_limit(AutoConfig.from_pretrained(folder)) == 8192 == model.config.max_position_embeddings

@@ -5,6 +5,7 @@
 import copy
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import data
 import invariants
 import models
-from session import ChatSession, parse_hermes_tool_calls
+from session import ChatSession, ContextOverflow, parse_hermes_tool_calls
 from rollout import EmbeddedEngine, SamplingParams
 
 GREEDY = SamplingParams(top_k=1, max_tokens=48)
@@ -185,6 +186,68 @@ def test_failed_generation_commits_nothing_and_overlong_prompts_are_refused(tok)
         session.turn([{"role": "user", "content": "a very long message " * 20}])
     assert session.ledger.open_token_ids == before and len(session.ledger.segments) == 1
 
+
+
+def test_a_prompt_past_the_context_is_a_context_overflow_naming_its_tokens_and_commits_nothing(tok):
+    engine = CountingEngine(models.tiny_model("qwen3", seed=1))
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, max_length=64)
+    long = [{"role": "user", "content": "a very long message " * 20}]
+    with pytest.raises(ContextOverflow, match="no room for a reply") as caught:
+        session.turn(long)
+    tokens = len(data.render_prompt_ids(tok, long, template=data.CHATML_TEMPLATE))
+    assert (caught.value.prompt_tokens, caught.value.context) == (tokens, 64) and tokens > 64
+    # the character bound, before anything is rendered: a lower bound on the tokens, still past the context
+    huge = [{"role": "user", "content": "x" * (64 * data.longest_token_chars(tok) + 1)}]
+    with pytest.raises(ContextOverflow, match="characters") as caught:
+        session.turn(huge)
+    assert caught.value.prompt_tokens > caught.value.context == 64
+    assert engine.calls == 0 and session.ledger.segments == [] and session.turns == 0
+    # a prompt of exactly the context leaves no room; one token less gets a one-token reply, whatever max_tokens says
+    ask = [{"role": "user", "content": "hi"}]
+    n = len(data.render_prompt_ids(tok, ask, template=data.CHATML_TEMPLATE))
+    with pytest.raises(ContextOverflow):
+        ChatSession(engine, tok, "at", template=data.CHATML_TEMPLATE, max_length=n).turn(ask)
+    under = ChatSession(engine, tok, "under", template=data.CHATML_TEMPLATE, max_length=n + 1,
+                        sampling=SamplingParams(max_tokens=50, stop_token_ids=(9999,)))
+    assert len(under.turn(ask).generation.token_ids) == 1
+
+
+def test_a_session_is_as_long_as_its_engine_serves_and_a_reply_takes_the_rest_of_it(tok):
+    engine = EmbeddedEngine(models.tiny_model("qwen3", seed=1))
+    whole = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE)
+    assert whole.max_length == engine.max_model_len == 65536 and whole.sampling.max_tokens == 65536
+    with pytest.raises(ValueError, match="65536"):
+        ChatSession(engine, tok, "r", max_length=65537)
+    ask = [{"role": "user", "content": "hi"}]
+    n = len(data.render_prompt_ids(tok, ask, template=data.CHATML_TEMPLATE))
+    short = ChatSession(engine, tok, "s", template=data.CHATML_TEMPLATE, max_length=n + 80)
+    never_stops = replace(short.sampling, stop_token_ids=(9999,), seed=0)      # the session's max_tokens unchanged
+    generation = short.turn(ask, sampling=never_stops).generation
+    assert len(generation.token_ids) == 80 and generation.finish_reason == "length"     # not 64, the old default
+
+
+def test_tools_reach_a_template_without_a_tools_block_and_an_echoed_call_extends(tok):
+    """SmolLM2's own template writes role and content only: the tools go into a system section and the call into
+    the assistant's text (data.tools_as_messages), so the model sees them and the echo of a call is an extension."""
+    template = models.load_tokenizer(models.resolve_model("smollm2")).chat_template
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run a command.",
+                                               "parameters": {"type": "object"}}}]
+    student = models.tiny_model("qwen3", seed=0).train()
+    engine = EmbeddedEngine(copy.deepcopy(student).eval())
+    session = ChatSession(engine, tok, "r", template=template, sampling=GREEDY)
+    ask = [{"role": "user", "content": "List files."}]
+    prompt = session._prompt(ask, tools)[0]
+    assert "Run a command." in tok.decode(prompt) and "<tools>" in tok.decode(prompt)
+    reply = tok.encode('<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>') + \
+        [tok.convert_tokens_to_ids("<|im_end|>")]
+    teach(student, [(prompt, reply)])
+    engine.update_weights(student.state_dict(), version=1)
+    first = session.turn(ask, tools)
+    assert first.generation.token_ids == reply
+    assert first.message["tool_calls"][0]["function"] == {"name": "bash", "arguments": {"cmd": "ls"}}
+    result = {"role": "tool", "content": "a.txt", "tool_call_id": first.message["tool_calls"][0]["id"]}
+    second = session.turn(ask + [first.message, result], tools)
+    assert second.extended and len(session.ledger.segments) == 1
 
 def test_unparseable_tool_calls_stay_text():
     message = parse_hermes_tool_calls('x <tool_call>{"name": "f", "arguments": {</tool_call>', "c")
