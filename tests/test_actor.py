@@ -5,6 +5,7 @@
 import concurrent.futures
 import math
 import os
+import resource
 import socket
 
 import psutil
@@ -922,3 +923,46 @@ def test_auto_micro_batches_on_a_cpu_follow_the_ram_available_not_a_row_count(qw
     assert [m.tolist() for m in policy._micro_batches(batch)] == [list(range(16))]
     capped = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_tokens=8 * 12), total_steps=1)
     assert [len(m) for m in capped._micro_batches(batch)] == [8, 8]
+
+
+# ---- long rows: a coding harness's context trains within memory ----
+
+LONG_ROWS, LONG_PROMPT = [49_152, 20_000, 18_000], 16_000   # one row alone, then two of unlike length padded together
+
+
+def _long_rows_worker(_rank: int, model_dir: str, out_file: str) -> None:
+    """One train step over LONG_ROWS in a process of its own, so its peak RSS is the step's: the growth over the RSS
+    before it, and row 2's logprobs in the padded micro-batch beside the same row alone."""
+    torch.set_num_threads(1)
+    policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32", micro_batch_tokens=65536, max_grad_norm=1e9),
+                         total_steps=1)
+    batch = make_batch(LONG_ROWS, LONG_PROMPT, policy.model.config.vocab_size)
+    micro = [m.tolist() for m in policy._micro_batches(batch)]
+    before = psutil.Process().memory_info().rss
+    report = policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
+    alone = select_rows(batch, [2])
+    with torch.no_grad():
+        expected = actor.sequence_logprobs(models.load_model(model_dir), alone.input_ids, alone.attention_mask,
+                                           TEMPERATURE, positions=alone.loss_mask > 0)
+    width = alone.input_ids.shape[1]
+    torch.save({"micro": micro, "growth": peak - before, "metrics": report.metrics,
+                "diff": float((report.prox_logprobs[2, :width] - expected[0]).abs().max())}, out_file)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's memory; tests/test_gpu.py trains on the GPU")
+def test_a_harness_long_row_trains_within_memory_on_the_cpu(qwen3_dir, tmp_path):
+    """49,152 tokens (a coding harness's context) train in one micro-batch, and two long rows of unlike length in
+    another, in memory linear in the tokens: the output projection runs in chunks (LOGPROB_CHUNK) and attention gets
+    no [B, 1, T, T] mask (right padding under causal attention needs none; the pair's would be 3.2 GB in fp32)."""
+    mp.spawn(_long_rows_worker, args=(qwen3_dir, str(tmp_path / "long.pt")), nprocs=1, join=True)
+    result = torch.load(tmp_path / "long.pt", weights_only=False)
+    assert result["micro"] == [[0], [1, 2]]                 # the token cap: the longest alone, the pair together
+    text = models.load_model(qwen3_dir).config
+    per_token = text.num_hidden_layers * (16 * text.hidden_size + 8 * text.intermediate_size) * 4   # fp32 activations
+    assert result["growth"] < 2 * per_token * LONG_ROWS[0], result["growth"] / 2**30   # ~0.8 GiB measured
+    metrics = result["metrics"]
+    trainable = sum(n - LONG_PROMPT for n in LONG_ROWS)
+    assert metrics["actor/kept_tokens"] == trainable and metrics["actor/version"] == 1
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    assert result["diff"] < 1e-5                            # padded beside a longer row = the row alone

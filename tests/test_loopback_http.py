@@ -381,6 +381,58 @@ def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server
 SESSIONS = 64
 
 
+
+def test_a_prompt_past_the_context_is_refused_in_each_wires_own_words_streamed_or_not(server):
+    """What a harness compacts its conversation on: OpenAI's code context_length_exceeded (Codex), Anthropic's
+    "prompt is too long: N tokens > M maximum" (Claude Code); a streamed request gets the same plain 400."""
+    info = server.create_session(sampling=SamplingParams(max_tokens=4, seed=0), max_length=48)
+    client, claude = openai_client(info), anthropic_client(info)
+    tok = server.tokenizer
+    long = [{"role": "user", "content": "a long message " * 20}]
+    tokens = len(data.render_prompt_ids(tok, long, template=data.CHATML_TEMPLATE))
+    huge = [{"role": "user", "content": "x" * (48 * data.longest_token_chars(tok) + 1)}]   # the character bound
+    for ask, counted in ((long, f"{tokens} tokens"), (huge, "tokens")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model="policy", messages=ask, stream=stream)
+            error = caught.value
+            assert (error.code, error.param, error.type) == ("context_length_exceeded", "messages",
+                                                             "invalid_request_error")
+            assert "maximum context length is 48 tokens" in error.message and counted in error.message
+            with pytest.raises(anthropic.BadRequestError) as caught:
+                claude.messages.create(model="policy", max_tokens=4, messages=ask, stream=stream)
+            assert caught.value.body["error"]["type"] == "invalid_request_error"
+            message = caught.value.body["error"]["message"]
+            too_long = re.fullmatch(r"prompt is too long: (\d+) tokens > 47 maximum", message)
+            assert too_long and int(too_long.group(1)) > 47 and (ask is huge or int(too_long.group(1)) == tokens)
+    assert trace(info)["segments"] == []                                   # nothing recorded
+    assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}]).choices
+
+
+def test_a_request_without_max_tokens_gets_the_rest_of_the_context_at_most_the_servers_bound():
+    tok = models.bpe_tokenizer()
+    engine = EmbeddedEngine(models.tiny_model("qwen3", seed=0), tokenizer=tok)
+    with pytest.raises(ValueError, match="65536"):
+        LoopbackServer(engine, tok, max_length=65537)        # past the model's position limit: never served
+    ask = [{"role": "user", "content": "hi"}]
+    room = 80
+    context = len(data.render_prompt_ids(tok, ask, template=data.CHATML_TEMPLATE)) + room
+    never_stops = {"logit_bias": {str(tok.convert_tokens_to_ids("<|im_end|>")): -100}}
+    for bound, expected in ((None, room), (7, 7)):           # the APIs' default (not 64), then the server's bound
+        loopback = LoopbackServer(engine, tok, template=data.CHATML_TEMPLATE, max_tokens=bound)
+        assert loopback.max_length == engine.max_model_len == 65536
+        loopback.start()
+        try:
+            admin = {"Authorization": f"Bearer {loopback.admin_key}"}
+            status, opened = raw_post(f"http://{loopback.host}:{loopback.port}/sessions",
+                                      json.dumps({"max_length": context}).encode(), admin)
+            for info in (loopback.create_session(max_length=context), SessionInfo(**opened)):
+                reply = openai_client(info).chat.completions.create(model="policy", messages=ask, seed=0,
+                                                                    **never_stops)
+                assert reply.usage.completion_tokens == expected and reply.choices[0].finish_reason == "length"
+        finally:
+            loopback.stop()
+
 def test_sixty_four_concurrent_sessions_have_no_cross_talk(server):
     infos = [server.create_session(sampling=SamplingParams(max_tokens=6, seed=k)) for k in range(SESSIONS)]
 
@@ -469,6 +521,8 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace(given):
             assert output[-1], f"the server exited before serving: {''.join(output)}"
             serving = re.search(r"tracerl loopback serving tiny-qwen3 at (http://\S+)", output[-1])
         address, printed = serving.group(1), re.search(r"^admin key .*: (.+)$", "".join(output), re.M).group(1)
+        # the context defaults to the model's position limit, not a fixed 4,096
+        assert "context: 65536 tokens a session (the model's position limit: 65536)" in "".join(output)
         if given:                           # an operator's key stays out of the log
             assert printed == "the one given" and operators not in "".join(output)
         admin = {"Authorization": f"Bearer {operators if given else printed}"}

@@ -181,6 +181,7 @@ def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
     (["--recipe", "nope"], "unknown recipe"),
     (["--steps", "many"], "invalid"),
     (["--run.sandbox_accept", "namespace"], "unknown protections ['namespace']"),
+    (["--rollout.max_length", "-1"], "rollout.max_length must be > 0, or 0 for the model's position limit"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
     out = str(tmp_path / "never")
@@ -188,6 +189,25 @@ def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
     assert done.returncode != 0 and reason in done.stderr, done.stderr[-2000:]
     assert not os.path.exists(out)
 
+
+
+def test_a_context_past_the_models_position_limit_is_refused_naming_both_before_the_run_starts(tmp_path):
+    out = str(tmp_path / "never")
+    done = run_cli(*TINY_RUN, "--rollout.max_length", "70000", "--steps", "1", "--out", out)
+    assert done.returncode != 0 and "rollout.max_length (70000)" in done.stderr, done.stderr[-2000:]
+    assert "position limit (65536 positions" in done.stderr and not os.path.exists(out)
+
+
+def test_the_run_context_defaults_to_the_models_position_limit():
+    tiny, smollm2 = models.resolve_model("tiny-qwen3"), models.resolve_model("smollm2")
+    assert train.RolloutConfig().max_length == 0                       # the model's, whichever it is
+    assert train.resolve_context(train.RolloutConfig(), tiny).max_length == 65536
+    assert train.resolve_context(train.RolloutConfig(), smollm2).max_length == 8192
+    assert train.resolve_context(train.RolloutConfig(max_length=256), tiny).max_length == 256
+    with pytest.raises(SystemExit, match=r"rollout.max_length \(8193\) is above the model's position limit \(8192"):
+        train.resolve_context(train.RolloutConfig(max_length=8193), smollm2)
+    with pytest.raises(SystemExit, match="rollout.max_tokens"):
+        train.resolve_context(train.RolloutConfig(max_tokens=70000), tiny)
 
 def test_help_lists_every_flag_with_its_default():
     done = run_cli("--help", timeout=60)
