@@ -21,6 +21,10 @@
 # (they share the engine's batch), and past max_session_requests waiting or generating it gets a 429 with a
 # Retry-After. A request whose client hangs up while it waits is dropped, never generated; no header value (a key)
 # is ever logged or quoted in an error page.
+# A session's context (prompt and reply) is at most the model's position limit (the default, read from the
+# engine's max_model_len); a prompt past it is refused in the wire's own words, the ones harnesses compact their
+# conversation on (wires.ContextLengthExceeded: OpenAI's code context_length_exceeded, Anthropic's "prompt is too
+# long"), streamed or not; a request without max_tokens gets the rest of the context, at most the server's max_tokens.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
 # Streaming sends each token's text as it is sampled; a client that disconnects
 # mid-turn does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed

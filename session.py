@@ -32,6 +32,9 @@
 # grammar) with tools offered under 'auto' shapes the final message only, as on OpenAI: the sampling carries
 # constraints.with_tool_calls, its JSON or tool calls, the '<tool_call>' opening sampled by the model (trainable);
 # a forced call outranks the format (the tools' grammar replaces it).
+# The context: a prompt that leaves no room for a reply in max_length (at most the engine's max_model_len, the
+# model's position limit, and so by default) raises ContextOverflow, before anything is generated or recorded; a reply
+# takes at most the rest of the context, and a session's default sampling lets it take all of it.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
 # Images reach a VLM processed once per session, their pads expanded, and recorded with the row. Never: speaks
 # HTTP, computes rewards or trains.

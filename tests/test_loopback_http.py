@@ -426,6 +426,7 @@ def test_a_request_without_max_tokens_gets_the_rest_of_the_context_at_most_the_s
             admin = {"Authorization": f"Bearer {loopback.admin_key}"}
             status, opened = raw_post(f"http://{loopback.host}:{loopback.port}/sessions",
                                       json.dumps({"max_length": context}).encode(), admin)
+            assert status == 200
             for info in (loopback.create_session(max_length=context), SessionInfo(**opened)):
                 reply = openai_client(info).chat.completions.create(model="policy", messages=ask, seed=0,
                                                                     **never_stops)

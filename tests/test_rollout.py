@@ -164,6 +164,18 @@ def test_bad_requests_are_refused_with_clear_errors(tiny):
         engine.generate([[1], [2]], [SamplingParams()])
 
 
+
+def test_no_sequence_passes_the_models_position_limit():
+    """As vLLM with its max_model_len: a prompt at the limit is refused, a reply stops there (finish 'length')."""
+    model = models.tiny_model("qwen3", seed=0)
+    model.config.max_position_embeddings = 24
+    engine = EmbeddedEngine(model)
+    assert engine.max_model_len == 24 == models.position_limit(model.config)
+    with pytest.raises(ValueError, match="24 tokens, at or over the model's position limit of 24"):
+        engine.generate([list(range(1, 25))], SamplingParams(max_tokens=1))
+    gen = engine.generate([list(range(1, 21))], SamplingParams(max_tokens=50, stop_token_ids=(9999,), seed=0))[0]
+    assert len(gen.token_ids) == 4 and gen.finish_reason == "length"
+
 def test_update_weights_requires_every_key_and_a_forward_version(tiny):
     engine = EmbeddedEngine(copy.deepcopy(tiny), version=3)
     state = {k: v.clone() for k, v in tiny.state_dict().items()}

@@ -183,6 +183,11 @@ def test_a_session_beats_load_and_a_request_without_one_goes_by_load(two_engines
     assert served_by(two_engines, [6, 7]) == [1]             # without a session the unloaded engine serves
 
 
+def test_the_router_serves_the_context_every_engine_serves(two_engines):
+    two_engines[1].max_model_len = 100
+    assert [e.max_model_len for e in two_engines] == [65536, 100] and Router(two_engines).max_model_len == 100
+
+
 def test_sticky_assignments_are_bounded_least_recently_used_first(two_engines):
     router = Router(two_engines, max_sessions=2)
     router.generate([[1], [2]], SHORT, session_ids=["a", "b"])

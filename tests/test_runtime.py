@@ -131,6 +131,7 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
     rt = runtime.start(cfg, runtime.embedded_engine, lambda i: (path, 0, 1), version=0)
     try:
         router = Router(rt.proxies)
+        assert router.max_model_len == rt.proxies[0].max_model_len == 65536      # the engine actor's, read once
         rt.push_weights(router, {k: v for k, v in old.state_dict().items()}, 0)
         prompt, T = [11, 12, 13, 14], 0.9
         result, heard = [], []
