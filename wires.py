@@ -74,7 +74,7 @@ class ContextLengthExceeded(WireError):
     Code). `param`: the request field that holds the prompt (messages; the Responses API's input). M is the longest
     prompt the context serves: a reply needs one position at least."""
 
-    def __init__(self, prompt_tokens: int, context: int, detail: str, param: str = "messages"):
+    def __init__(self, prompt_tokens: int, context: int, detail: str, param: str):
         super().__init__(400, f"This model's maximum context length is {context} tokens. However, your {param} "
                               f"resulted in {prompt_tokens} tokens: {detail}", code="context_length_exceeded",
                          param=param)
