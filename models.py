@@ -163,7 +163,7 @@ def _tiny_config(kind: str, head_dim: int = 16):
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=None)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, **ids)
+                num_key_value_heads=2, max_position_embeddings=65536, **ids)
     if kind == "qwen3":
         return Qwen3Config(head_dim=head_dim, tie_word_embeddings=True, **text)
     if kind == "qwen3_moe":
