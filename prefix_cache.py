@@ -42,8 +42,8 @@ class Entry:
 
 
 class PrefixCache:
-    """Finished rows' KV under a byte budget (0: keep nothing), least recently used first out. Used by the engine's
-    decoding thread only, under its step lock (so a weight load never races a lookup)."""
+    """Finished rows' KV under a byte budget (0: keep nothing), least recently used first out. Used only under the
+    engine's step lock (its decoding thread's lookups and keeps, a weight load's drop), so they never race."""
 
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:

@@ -559,9 +559,11 @@ class EmbeddedEngine:
 
     def _keep_prefixes(self, batch: _Batch) -> None:
         """Give the prefix cache each finished row's KV: the positions its attention marks, which are its prompt and
-        sampled ids but the last (sampled, never fed), with an MoE row's routes at those positions."""
+        sampled ids but the last (sampled, never fed), with an MoE row's routes at those positions. A row that
+        spans a weight update is left out: its KV is the new weights' (re-prefilled) but its first routes are the
+        old ones' (first writer wins), so a later prompt would take KV and routes of two policies."""
         for b, row in enumerate(batch.rows):
-            if not row.finish_reason or row.error:
+            if not row.finish_reason or row.error or row.versions[0] != batch.version:
                 continue
             forwarded = (row.prompt_ids + row.token_ids)[:-1]
             columns = batch.attention[b].nonzero().squeeze(-1)

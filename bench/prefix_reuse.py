@@ -8,8 +8,9 @@
 # the smallest vLLM's CPU attention runs), two engines side by side: the prefix cache on, and off (EmbeddedEngine
 # prefix_cache_bytes=0; vLLM enable_prefix_caching=False), each running the episode, turn by turn in alternation so
 # that a busy moment of a shared machine slows both. Reported per turn and mode: prompt tokens, those taken from the
-# cache, those computed, the turn's wall time (prefill and decode) and the CPU seconds of the processes doing its
-# work; then the totals, and off / on. A warm-up request (sharing no id with the episode) runs first on each engine.
+# cache, those computed, the time to the first token (the prefill and one step), the turn's wall time (prefill and
+# decode) and the CPU seconds of the processes doing its work; then the totals, and off / on. A warm-up request
+# (sharing no id with the episode) runs first on each engine.
 #
 #   python bench/prefix_reuse.py [--engines embedded vllm] [--first 30000] [--turns 10]
 #                                [--out docs/prefix-reuse-cpu.json]
@@ -62,12 +63,18 @@ class Timed:
 
     def turn(self, number: int, prompt: list[int], params: SamplingParams) -> tuple[dict, list[int]]:
         """One turn: its counts and times, and the reply's ids."""
+        first: list[float] = []
+
+        def heard(index: int, token_id: int) -> None:
+            if not first:
+                first.append(time.perf_counter())
         cpu, t0 = self.cpu_s(), time.perf_counter()
-        gen = self.engine.generate([prompt], params)[0]
+        gen = self.engine.generate([prompt], params, heard)[0]
         wall, cpu = time.perf_counter() - t0, self.cpu_s() - cpu
         return ({"turn": number, "prompt_tokens": len(prompt), "cached_prompt_tokens": gen.cached_prompt_tokens,
                  "computed_prompt_tokens": len(prompt) - gen.cached_prompt_tokens, "reply_tokens": len(gen.token_ids),
-                 "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}, gen.token_ids)
+                 "first_token_s": round(first[0] - t0, 3), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)},
+                gen.token_ids)
 
 
 def episodes(kind: str, path: str, args, vocab: int) -> dict[str, list[dict]]:
@@ -101,7 +108,8 @@ def episodes(kind: str, path: str, args, vocab: int) -> dict[str, list[dict]]:
 
 def totals(turns: list[dict]) -> dict:
     return {key: round(sum(t[key] for t in turns), 3)
-            for key in ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "wall_s", "cpu_s")}
+            for key in ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "first_token_s", "wall_s",
+                        "cpu_s")}
 
 
 def main() -> None:
@@ -120,11 +128,12 @@ def main() -> None:
         turns = episodes(kind, path, args, vocab)
         results[kind] = {mode: {"turns": turns[mode], "total": totals(turns[mode])} for mode in ("on", "off")}
         on, off = results[kind]["on"]["total"], results[kind]["off"]["total"]
-        later = {mode: {key: sum(t[key] for t in turns[mode][1:]) for key in ("wall_s", "cpu_s")} for mode in turns}
+        timed = ("first_token_s", "wall_s", "cpu_s")
+        later = {mode: {key: sum(t[key] for t in turns[mode][1:]) for key in timed} for mode in turns}
         results[kind]["off_over_on"] = {
             "computed_prompt_tokens": round(off["computed_prompt_tokens"] / max(on["computed_prompt_tokens"], 1), 2),
-            **{key: round(off[key] / on[key], 2) for key in ("wall_s", "cpu_s")},
-            **{f"{key}_after_turn_1": round(later["off"][key] / later["on"][key], 2) for key in ("wall_s", "cpu_s")}}
+            **{key: round(off[key] / on[key], 2) for key in timed},
+            **{f"{key}_after_turn_1": round(later["off"][key] / later["on"][key], 2) for key in timed}}
         print(f"{kind}: {json.dumps(results[kind]['off_over_on'])}", file=sys.stderr, flush=True)
     tree = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     summary = {"command": "python bench/prefix_reuse.py " + " ".join(sys.argv[1:]), "tree": tree.stdout.strip(),

@@ -580,6 +580,8 @@ def test_an_moe_request_kept_across_an_update_has_no_route_set_that_replays_all_
         return (behavior[:n1] - lp[:n1]).abs().max().item(), (behavior[n1:] - lp[n1:]).abs().max().item()
     assert gaps(old, long.routes)[0] <= 1e-5 and gaps(new, long.routes)[1] > 1e-3   # recorded: after the update off
     assert gaps(new, new_routes)[1] <= 1e-5 and gaps(old, new_routes)[0] > 1e-3     # recomputed: before it off
+    # so the prefix cache keeps the short request's row (one version), and not the long one's KV and routes
+    assert len(engine.prefix_cache) == 1 and engine.prefix_cache.lookup(long.prompt_ids, 1) == (None, 0)
 
 
 def test_a_draining_update_refuses_to_run_on_the_decoding_thread():
