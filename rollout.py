@@ -17,7 +17,9 @@
 #     position, and the trainer replays one route per position). Keep, a dense model's default: a weight swap in
 #     the middle of a request discards the KV cache and re-prefills (a cache filled by the old weights would
 #     condition new tokens on the old policy's keys and values, so their logprobs would belong to neither
-#     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill;
+#     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill; a prompt
+#     that starts with a finished row's ids takes that row's KV from the prefix cache (prefix_cache.py) only while
+#     the weights that computed it are loaded: every weight load empties the cache;
 #   invariant 3 (forward consistency) - that logprob is of the distribution the token was actually drawn from
 #     (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
 #     top-k, top-p, fp32, in vLLM's order), and the token records the sampling that defines it (a grammar bound
@@ -44,12 +46,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import invariants
 import models
+from prefix_cache import Entry, PrefixCache, stacked_prefixes
 
 
 # CausalLM classes whose logits are exactly lm_head(decoder(...)) (no scaling, soft-capping or bias): the engine
 # may apply their output projection itself (EmbeddedEngine._logits)
 PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 VOCAB_SLICE = 2048
+# the finished rows' KV an engine keeps for later prompts that start with their ids (prefix_cache.py): 2 GiB holds a
+# 30K-token agent episode of a 1.5B model in fp32 (Qwen2.5-1.5B: 57 KB a position), or a few hundred GRPO rows
+PREFIX_CACHE_BYTES = 2 * 2**30
 
 
 # ---- records that cross the engine boundary --------------------------------------------------------
@@ -86,6 +92,8 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the k best (id, logprob), best first
     sampling: invariants.Sampling = invariants.UNSAMPLED  # the processing that drew every token (recorded_sampling):
                                                           # the trainer recomputes their logprobs with exactly it
+    cached_prompt_tokens: int = 0      # of prompt_ids, the first ones whose KV the engine took from its prefix cache
+                                       # (an earlier request's) instead of computing it: 0 .. len(prompt_ids) - 1
 
 
 def validate_sampling(params: SamplingParams, vocab_size: int | None = None) -> None:
@@ -212,6 +220,7 @@ class _Row:
     routes: list[np.ndarray] = field(default_factory=list)   # one [n_positions, L, k] block per forward
     finish_reason: str = ""
     stop_string: str | None = None
+    cached_prompt_tokens: int = 0      # prompt positions its first prefill took from the prefix cache
     error: Exception | None = None     # what failed this row (and only this row)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -236,10 +245,11 @@ class EmbeddedEngine:
     prefilling or sampling one row fails that row only. `update_weights`, `pause` and `resume` may be called
     from any thread; they take effect between decode steps. The tokenizer is needed only for stop strings and
     grammar constraints. `drain_on_update` (None: True for an MoE model) makes a weight update wait for the
-    requests in flight to finish rather than re-prefill them (the header's invariant 2)."""
+    requests in flight to finish rather than re-prefill them (the header's invariant 2). `prefix_cache_bytes`
+    bounds the finished rows' KV kept for later prompts that extend them (0: none; a vision model keeps none)."""
 
     def __init__(self, model: torch.nn.Module, version: int = 0, seed: int = 0, tokenizer=None,
-                 drain_on_update: bool | None = None):
+                 drain_on_update: bool | None = None, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.version = version
@@ -250,6 +260,8 @@ class EmbeddedEngine:
         self.is_vision = models.is_vision_model(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
         self.max_model_len = models.position_limit(model.config)   # prompt + reply, as vLLM's max_model_len
+        # a VLM's positions (M-RoPE) and image features come from the whole prompt at once (models.vision_inputs)
+        self.prefix_cache = PrefixCache(0 if self.is_vision else prefix_cache_bytes)
         self.device = next(model.parameters()).device     # inputs, caches and sampling all live on the model's
         if model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(GROUPED_SDPA)   # the same outputs, bitwise, without copying KV heads
@@ -307,6 +319,8 @@ class EmbeddedEngine:
                     self._idle.wait()
         try:
             with self._step_lock:
+                # before the load, which may change weights and then fail: the KV kept is the old policy's
+                self.prefix_cache.drop()
                 result, tied = self.model.load_state_dict(state, strict=False), models.tied_output_key(self.model)
                 missing = [k for k in result.missing_keys if k != tied]
                 if result.unexpected_keys or missing:
@@ -544,14 +558,35 @@ class EmbeddedEngine:
         """The batch of the rows still decoding (only their cache rows kept), and the finished or failed rows."""
         left = [row for row in batch.rows if row.finish_reason or row.error]
         if left:
+            # a listener may have loaded new weights during the pass: then this KV is the old policy's, and stays out
+            if batch.version == self.version and self.prefix_cache.budget_bytes and _mergeable(batch.cache):
+                self._keep_prefixes(batch)
             batch = _select(batch, [b for b, row in enumerate(batch.rows) if not (row.finish_reason or row.error)])
         return batch, left
 
+    def _keep_prefixes(self, batch: _Batch) -> None:
+        """Give the prefix cache each finished row's KV: the positions its attention marks, which are its prompt and
+        sampled ids but the last (sampled, never fed), with an MoE row's routes at those positions. A row that
+        spans a weight update is left out: its KV is the new weights' (re-prefilled) but its first routes are the
+        old ones' (first writer wins), so a later prompt would take KV and routes of two policies."""
+        for b, row in enumerate(batch.rows):
+            if not row.finish_reason or row.error or row.versions[0] != batch.version:
+                continue
+            forwarded = (row.prompt_ids + row.token_ids)[:-1]
+            columns = batch.attention[b].nonzero().squeeze(-1)
+            keys = [layer.keys[b].index_select(1, columns) for layer in batch.cache.layers]
+            values = [layer.values[b].index_select(1, columns) for layer in batch.cache.layers]
+            routes = np.concatenate(row.routes)[:len(forwarded)] if row.routes else None
+            self.prefix_cache.keep(forwarded, keys, values, routes, batch.version)
+
     def _prefill(self, rows: list[_Row]) -> _Batch:
         """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
-        re-prefill after a weight swap), into a fresh cache. Rows whose text is the same (the samples of a
-        group, arriving together) are forwarded once and share that forward's cache rows and logits: a row's
-        result depends on its own ids alone, so a copy is what its own forward would give."""
+        re-prefill after a weight swap), into a fresh cache. A row whose ids begin with a finished row's (an
+        agent's last turn) takes the KV of that common prefix from the prefix cache and forwards only the rest:
+        the cache starts with each row's reused positions, left-padded to the longest, and the forwarded ids
+        follow, left-padded too (a padded position is masked out wherever it sits). Rows whose text is the same
+        (the samples of a group, arriving together) are forwarded once and share that forward's cache rows and
+        logits: a row's result depends on its own ids alone, so a copy is what its own forward would give."""
         seqs = [r.prompt_ids + r.token_ids for r in rows]
         if not self.is_vision and len(rows) > 1 and not any(r.routes for r in rows):
             first: dict[tuple[int, ...], int] = {}
@@ -559,32 +594,52 @@ class EmbeddedEngine:
             if len(first) < len(rows):
                 distinct = [rows[seqs.index(list(key))] for key in first]
                 shared = self._prefill(distinct)
-                for r, k in zip(rows, of):          # each copy records the routes its own forward would
-                    if r is not distinct[k] and shared.rows[k].routes:
-                        r.routes.append(shared.rows[k].routes[-1])
+                for r, k in zip(rows, of):          # each copy records the routes its own forward would, and reuse
+                    if r is not distinct[k]:
+                        r.routes, r.cached_prompt_tokens = list(distinct[k].routes), distinct[k].cached_prompt_tokens
                 return _select_rows(shared, of, rows)
-        width = max(len(s) for s in seqs)
+        reused = [self._reusable(s) for s in seqs]          # (entry, positions taken) per row
+        past = max(k for _, k in reused)
+        width = max(len(s) - k for s, (_, k) in zip(seqs, reused))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, width - len(s):] = torch.tensor(s)
-            mask[b, width - len(s):] = 1
+        mask = torch.zeros((len(seqs), past + width), dtype=torch.long)
+        for b, (s, (_, k)) in enumerate(zip(seqs, reused)):
+            ids[b, width - len(s) + k:] = torch.tensor(s[k:])
+            mask[b, past - k:past] = 1
+            mask[b, past + width - len(s) + k:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         if self.is_vision:
             extra, next_positions = models.vision_inputs(self.model, ids, mask, [r.images for r in rows])
         else:
-            extra, next_positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, mask.sum(-1)
+            extra, next_positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]}, mask.sum(-1)
         cache = DynamicCache()
         cache.layer_class_to_replicate = _GrowingLayer
+        for keys, values in stacked_prefixes(reused, past):   # none when no row reuses a position
+            cache.layers.append(_GrowingLayer())
+            cache.layers[-1].update(keys, values)
         logits, routes = self._forward(ids, mask, cache, extra)
-        if routes is not None:
-            # first writer wins (as in the ledger, and as a prefix cache does): a re-prefill after a weight swap
-            # adds routes only for positions never forwarded before; those already recorded are the routes the
-            # tokens sampled so far were conditioned on
-            for b, (r, s) in enumerate(zip(rows, seqs)):
+        for b, (r, s, (entry, k)) in enumerate(zip(rows, seqs, reused)):
+            if not r.token_ids:                     # a first prefill: what the request's prompt reused
+                r.cached_prompt_tokens = k
+            if routes is not None:
+                # first writer wins (as in the ledger, and as a prefix cache does): a re-prefill after a weight swap
+                # adds routes only for positions never forwarded before; those already recorded are the routes the
+                # tokens sampled so far were conditioned on; reused positions keep the routes that computed them
                 routed = sum(len(block) for block in r.routes)
+                if k > routed:
+                    r.routes.append(entry.routes[routed:k])
+                    routed = k
                 r.routes.append(routes[b, width - len(s) + routed:])
         return _Batch(list(rows), cache, mask, next_positions, logits, self.version)
+
+    def _reusable(self, ids: list[int]) -> tuple[Entry | None, int]:
+        """The prefix cache's entry sharing the most first ids with `ids` at the loaded weights, and how many of its
+        positions to take: all it shares but `ids`' last, whose logits the row samples from next."""
+        if not self.prefix_cache.budget_bytes:
+            return None, 0
+        entry, shared = self.prefix_cache.lookup(ids, self.version)
+        taken = min(shared, len(ids) - 1)
+        return (entry, taken) if taken > 0 else (None, 0)
 
     def _step(self, batch: _Batch) -> None:
         """Feed each row's newest token at its own next position. For a VLM the three M-RoPE axes of a text
@@ -662,7 +717,8 @@ class EmbeddedEngine:
             # positions 0 .. len(prompt)+len(tokens)-2 were forwarded; the last sampled token never is
             routes = np.concatenate(row.routes, axis=0)[: len(row.prompt_ids) + len(row.token_ids) - 1]
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
-                          row.stop_string, row.top if row.params.top_logprobs else None, row.sampling)
+                          row.stop_string, row.top if row.params.top_logprobs else None, row.sampling,
+                          row.cached_prompt_tokens)
 
 
 def _hand_back(rows: list[_Row]) -> None:

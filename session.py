@@ -3,7 +3,8 @@
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the rollout's TokenLedger (returning a `wires.ChatTurn`); the
 # Hermes/Qwen `<tool_call>` parser that gives the reply its structure; the image bounds read from headers; the
-# session's trace (what the trainer will see, token by token). loopback.py serves these sessions over HTTP.
+# session's trace (what the trainer will see, token by token, and what each turn's prefill computed and took from
+# the engine's prefix cache: the cost of a long episode). loopback.py serves these sessions over HTTP.
 #
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids
@@ -353,7 +354,9 @@ def _text_chars(value) -> int:
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
     """The session's ledger as JSON: what the trainer will see, token by token. Each token's sampling is an index
-    into `samplings` (what was enforced: greedy, a bias or ban, penalties, a grammar; the first entry is context's)."""
+    into `samplings` (what was enforced: greedy, a bias or ban, penalties, a grammar; the first entry is context's).
+    `prefill`: per committed turn, its prompt's tokens, how many the engine took from its prefix cache (the turns
+    before computed them) and how many it computed."""
     samplings: dict[invariants.Sampling, int] = {invariants.UNSAMPLED: 0}
     with session.ledger_lock:
         segments = [{"segment_id": s.segment_id, "token_ids": s.token_ids,
@@ -364,5 +367,7 @@ def session_trace(session: ChatSession, tokenizer) -> dict:
                      "common_prefix_len": s.common_prefix_len,
                      "images": [{"grid_thw": image.grid_thw, "n_tokens": image.n_tokens} for image in s.images]}
                     for s in session.ledger.segments]
+        prefill = [{"prompt_tokens": len(g.prompt_ids), "cached_prompt_tokens": g.cached_prompt_tokens,
+                    "computed_prompt_tokens": len(g.prompt_ids) - g.cached_prompt_tokens} for g in session.generations]
     return {"rollout_id": session.ledger.rollout_id, "group_id": session.ledger.group_id, "segments": segments,
-            "samplings": [wires.sampling_json(x) for x in samplings]}
+            "samplings": [wires.sampling_json(x) for x in samplings], "prefill": prefill}

@@ -714,6 +714,11 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
     }
+    # what the engines' prefill cost: prompt tokens computed per rollout, and the share of all prompt tokens taken
+    # from a prefix cache (each turn of an episode extends the last: without the cache, turn t computes t turns)
+    prompts = [(len(g.prompt_ids), g.cached_prompt_tokens) for r in rollouts for g in r.generations]
+    m["rollout/prefill_tokens"] = sum(total - cached for total, cached in prompts) / n
+    m["rollout/prefill_cached_frac"] = sum(cached for _, cached in prompts) / max(sum(t for t, _ in prompts), 1)
     # why each segment but the last sealed (non_extension: the agent rewrote its context; route_version: an MoE
     # turn at a new policy version), as each costs a re-forward of the context in training
     seals = [row.seal_reason for r in rollouts for row in r.rows[:-1]]

@@ -27,7 +27,8 @@
 #       keys and values, so their logprobs would belong to neither version (`reprefill_on_update=False` keeps
 #       that behaviour, for measuring it);
 #     and a request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
-#     version a request starts at, so it holds even for blocks the reset could not drop);
+#     version a request starts at, so it holds even for blocks the reset could not drop); what it did take is its
+#     Generation's cached_prompt_tokens (vLLM's num_cached_tokens), as the embedded engine counts its own reuse;
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
 #     invariants.adjust_logits and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by
@@ -171,11 +172,12 @@ class VLLMEngine:
     """The rollout engine of a GPU run. `generate` may be called from any number of threads; each call's requests
     join vLLM's running batch at once (vLLM batches continuously) and stream their tokens through `on_token`.
     A request fails alone: its error is raised in its own caller only. `drain_on_update` (None: True for an MoE
-    model) makes a weight update wait for the requests in flight rather than keep them (the header's invariant 2)."""
+    model) makes a weight update wait for the requests in flight rather than keep them (the header's invariant 2).
+    `prefix_caching=False` computes every prompt whole (bench/prefix_reuse.py measures what vLLM's cache saves)."""
 
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, drain_on_update: bool | None = None,
-                 reprefill_on_update: bool = True,
+                 reprefill_on_update: bool = True, prefix_caching: bool = True,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
         from vllm import AsyncEngineArgs
         from vllm.config import StructuredOutputsConfig
@@ -220,7 +222,8 @@ class VLLMEngine:
             model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
-            enable_prefix_caching=True, worker_extension_cls="vllm_engine.WorkerExtension", disable_log_stats=True,
+            enable_prefix_caching=prefix_caching, worker_extension_cls="vllm_engine.WorkerExtension",
+            disable_log_stats=True,
             # an MoE model schedules synchronously (R3): under vLLM's asynchronous scheduling (0.26's default) the
             # routes of a request it never preempted came back for some positions only, or none; synchronous, every
             # request of bench/fp32_parity.py's r3_update had routes for every position (docs/gpu.md)
@@ -605,7 +608,8 @@ class _Request:
         if self.routes is not None and len(self.routes) >= forwarded:
             routes = self.routes[:forwarded]    # else vLLM reported routes for some positions only: as none
         return Generation(self.prompt_ids, self.token_ids, self.logprobs, self.versions(), routes,
-                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None, self.sampling)
+                          self.finish_reason, self.stop_string, self.top if p.top_logprobs else None, self.sampling,
+                          self.cached_tokens)
 
 
 def _collapse_pad_runs(token_ids: list[int], pad_id: int) -> list[int]:

@@ -22,7 +22,10 @@
 # (rollout.validate_sampling), images and parts in the wrong shape; a field in neither table (it might change what
 # is sampled, and a guess would train on a distribution nobody recorded).
 # Keeps invariant 1 at the edge: both wires decode to the same canonical request, so token accounting does
-# not depend on the wire; nothing here encodes text into ids. Never: holds state, generates, or records.
+# not depend on the wire; nothing here encodes text into ids. A reply's usage names the prompt tokens the engine
+# took from its prefix cache (Generation.cached_prompt_tokens) as each wire does: OpenAI's cached_tokens, within
+# prompt_tokens; Anthropic's cache_read_input_tokens, apart from input_tokens. Never: holds state, generates, or
+# records.
 from __future__ import annotations
 
 import base64
@@ -716,9 +719,17 @@ def _token_extras(turn: ChatTurn, request: WireRequest) -> dict:
 
 
 def _openai_usage(turn: ChatTurn) -> dict:
+    """OpenAI counts cached prompt tokens inside prompt_tokens, and names them apart in prompt_tokens_details."""
     gen = turn.generation
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
-            "total_tokens": len(gen.prompt_ids) + len(gen.token_ids)}
+            "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
+            "prompt_tokens_details": {"cached_tokens": gen.cached_prompt_tokens}}
+
+
+def _anthropic_usage(gen: Generation) -> dict:
+    """Anthropic counts cached prompt tokens apart from input_tokens (a harness sums the two for the context)."""
+    return {"input_tokens": len(gen.prompt_ids) - gen.cached_prompt_tokens,
+            "cache_read_input_tokens": gen.cached_prompt_tokens, "output_tokens": len(gen.token_ids)}
 
 
 def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> dict:
@@ -750,8 +761,7 @@ def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: 
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(turn.message, request.omit_thinking),
             "stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
-            "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(gen.token_ids)},
-            **_token_extras(turn, request)}
+            "usage": _anthropic_usage(gen), **_token_extras(turn, request)}
 
 
 # Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
@@ -911,7 +921,9 @@ class AnthropicStream:
                                                     "delta": json_delta}),
                            ("content_block_stop", {"type": "content_block_stop", "index": index})]
         gen = turn.generation
-        return events + [("message_delta", {"type": "message_delta", "usage": {"output_tokens": len(gen.token_ids)},
+        # the whole usage again: message_start's was counted before the engine knew its prefix-cache reuse, and the
+        # SDK's accumulated message takes message_delta's counts
+        return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(gen),
                                             "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
                                                       "stop_sequence": turn.stop_sequence},
                                             **_token_extras(turn, self.request)}),

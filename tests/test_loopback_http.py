@@ -96,6 +96,8 @@ def test_openai_multi_turn_echo_extends_and_returned_ids_are_the_trace(server):
                                                extra_body={"return_token_ids": True})
         extra = reply.model_extra
         assert reply.usage.completion_tokens == len(extra["token_ids"]) > 0
+        if sampled:     # the prompt extends the last turn's: all of it but the last sampled id came from the cache
+            assert reply.usage.prompt_tokens_details.cached_tokens == len(sampled[-1][0]) + len(sampled[-1][1]) - 1
         assert reply.choices[0].finish_reason in ("stop", "length")
         logprobs = [c.logprob for c in reply.choices[0].logprobs.content]
         sampled.append((extra["prompt_token_ids"], extra["token_ids"], logprobs))
@@ -104,6 +106,9 @@ def test_openai_multi_turn_echo_extends_and_returned_ids_are_the_trace(server):
     assert len(record["segments"]) == 1 and record["segments"][0]["seal_reason"] == ""   # every echo extended
     segment = record["segments"][0]
     assert trainable_ids(record) == [t for _, ids, _ in sampled for t in ids]
+    assert [turn["prompt_tokens"] for turn in record["prefill"]] == [len(prompt) for prompt, _, _ in sampled]
+    assert [turn["cached_prompt_tokens"] for turn in record["prefill"]][1:] == \
+        [len(prompt) + len(ids) - 1 for prompt, ids, _ in sampled[:-1]]
     prompt, ids, logprobs = sampled[-1]
     assert segment["token_ids"][:len(prompt) + len(ids)] == prompt + ids
     assert segment["behavior_logprobs"][len(prompt):len(prompt) + len(ids)] == logprobs
@@ -131,6 +136,13 @@ def test_streamed_replies_equal_non_streamed_ones_on_both_wires(server):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == reply.content[0].text and final.stop_reason == reply.stop_reason
+    # the same prompt again: Anthropic counts what came from the engine's prefix cache apart from input_tokens, on
+    # the streamed message too (message_delta's usage); OpenAI counts it within prompt_tokens
+    prompt = len(plain.model_extra["prompt_token_ids"])
+    for usage in (reply.usage, final.usage):
+        assert (usage.input_tokens, usage.cache_read_input_tokens) == (1, prompt - 1)
+    again = openai_client(infos[0]).chat.completions.create(model="policy", messages=messages, seed=1)
+    assert (again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens) == (prompt, prompt - 1)
     assert all(trace(i)["segments"][0]["token_ids"] == trace(infos[0])["segments"][0]["token_ids"] for i in infos)
 
 

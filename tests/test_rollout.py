@@ -2,6 +2,7 @@
 # token carries the version that sampled it across a weight swap (invariant 2), and the control plane
 # (update_weights, pause, resume) keeps requests.
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -120,7 +121,9 @@ def test_a_stop_string_ends_sampling_at_the_token_that_completes_it(tiny):
     # the same draws up to the token that wrote the stop string's last character; that token is kept
     assert stopped.token_ids == free.token_ids[:ended] and ended < len(free.token_ids)
     assert stopped.finish_reason == "stop" and stopped.stop_string == stop and free.stop_string is None
-    assert stopped.behavior_logprobs == free.behavior_logprobs[:ended]
+    # the second request took the first one's KV of [5, 6] from the prefix cache: the same distributions, to fp32
+    assert stopped.cached_prompt_tokens == 2
+    assert max(abs(a - b) for a, b in zip(stopped.behavior_logprobs, free.behavior_logprobs)) <= 1e-5
     with pytest.raises(ValueError, match="tokenizer"):          # stop strings need text: refused, not ignored
         EmbeddedEngine(tiny).generate([[5, 6, 7]], SamplingParams(stop=("x",)))
     with pytest.raises(ValueError, match="non-empty"):
@@ -261,15 +264,15 @@ def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
 
 
 class PrefillSizes(EmbeddedEngine):
-    """The real engine, recording how many rows each prefill forwards."""
+    """The real engine, recording the ids [rows, width] each prefill forwards."""
 
-    def __init__(self, model):
-        super().__init__(model)
-        self.sizes: list[int] = []
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self.shapes: list[tuple[int, int]] = []
 
     def _forward(self, ids, mask, cache, extra):
         if ids.shape[1] > 1:
-            self.sizes.append(ids.shape[0])
+            self.shapes.append(tuple(ids.shape))
         return super()._forward(ids, mask, cache, extra)
 
 
@@ -282,7 +285,7 @@ def test_the_samples_of_a_group_share_one_prefill_and_each_keeps_its_own_draws(k
     params = [SamplingParams(temperature=0.7, max_tokens=8, seed=s) for s in (1, 2, 3, 4)]
     engine = PrefillSizes(model)
     gens = engine.generate(prompts, params)
-    assert engine.sizes == [2]
+    assert [rows for rows, _ in engine.shapes] == [2]
     assert len({tuple(g.token_ids) for g in gens[:3]}) == 3                  # three samples, three draws
     for g, p, prompt in zip(gens, params, prompts):
         alone = EmbeddedEngine(model).generate([prompt], [p])[0]
@@ -589,6 +592,8 @@ def test_an_moe_request_kept_across_an_update_has_no_route_set_that_replays_all_
         return (behavior[:n1] - lp[:n1]).abs().max().item(), (behavior[n1:] - lp[n1:]).abs().max().item()
     assert gaps(old, long.routes)[0] <= 1e-5 and gaps(new, long.routes)[1] > 1e-3   # recorded: after the update off
     assert gaps(new, new_routes)[1] <= 1e-5 and gaps(old, new_routes)[0] > 1e-3     # recomputed: before it off
+    # so the prefix cache keeps the short request's row (one version), and not the long one's KV and routes
+    assert len(engine.prefix_cache) == 1 and engine.prefix_cache.lookup(long.prompt_ids, 1) == (None, 0)
 
 
 def test_a_draining_update_refuses_to_run_on_the_decoding_thread():
@@ -795,3 +800,96 @@ def test_the_engines_output_projection_in_vocabulary_slices_gives_the_models_log
             logits = engine._forward(step[:, None], mask, ours, extra)[0]
             assert torch.equal(logits, stock(input_ids=step[:, None], attention_mask=mask, past_key_values=theirs,
                                              **extra).logits[:, -1])
+
+
+# ---- prefix reuse: an agent's next turn prefills only what it adds ---------------------------------------
+
+REUSE_PARAMS = SamplingParams(temperature=0.8, max_tokens=12, seed=7, stop_token_ids=(9999,))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_a_turn_that_extends_the_last_prefills_only_its_new_ids_and_samples_what_a_full_prefill_does(kind):
+    """Three turns of an agent episode (each prompt: the last one, its reply, then a tool result), each after the
+    first batched with a stranger, a prompt that shares only the episode's first ten ids and a second sample of the
+    turn, all leaving at different steps: each row takes from the prefix cache exactly the positions it shares with
+    a finished row, the prefill forwards only the rest (the second sample shares its forward), and every row samples
+    the tokens and logprobs (and an MoE row the routes) an engine without the cache samples, which are the trainer's
+    recompute (fp32)."""
+    model = models.tiny_model(kind, seed=0)
+    engine, plain = PrefillSizes(model), EmbeddedEngine(model, prefix_cache_bytes=0)
+    moe = kind == "qwen3_moe"
+    prompt, last = PROMPTS[2] * 4, None
+    for turn in range(3):
+        batch = [prompt] + ([[200 + turn, 201, 202], prompt[:10] + [300 + turn, 301], prompt] if turn else [])
+        params = [REUSE_PARAMS, dataclasses.replace(REUSE_PARAMS, max_tokens=5),
+                  dataclasses.replace(REUSE_PARAMS, max_tokens=20), dataclasses.replace(REUSE_PARAMS, seed=8)]
+        gens, full = engine.generate(batch, params[:len(batch)]), plain.generate(batch, params[:len(batch)])
+        episode = len(last.prompt_ids) + len(last.token_ids) - 1 if turn else 0
+        reused = [episode, 0, 10, episode][:len(batch)]
+        assert [g.cached_prompt_tokens for g in gens] == reused
+        assert engine.shapes[-1] == (min(len(batch), 3), max(len(p) - k for p, k in zip(batch, reused)))
+        for g, f in zip(gens, full):
+            assert g.token_ids == f.token_ids and g.cached_prompt_tokens <= len(g.prompt_ids) - 1
+            assert max(abs(a - b) for a, b in zip(g.behavior_logprobs, f.behavior_logprobs)) <= 1e-5
+            assert not moe or (g.routes == f.routes).all()
+        assert _max_gap(gens, _recompute(model, gens, 0.8, routes=moe)) <= 1e-5
+        last, prompt = gens[0], prompt + gens[0].token_ids + [400 + turn, 401, 402]   # the reply, a tool result
+    # the episode's turns hold one entry (each turn's replaced the last's), beside the others of turns 1 and 2
+    assert len(engine.prefix_cache) == 1 + 2 * 3
+    assert [g.cached_prompt_tokens for g in full] == [0, 0, 0, 0]
+
+
+def test_kv_of_old_weights_is_never_reused_after_an_update_and_would_be_caught_if_it_were(tiny):
+    """Invariant 2: a weight load empties the prefix cache, and an entry of an older version is refused even where
+    one survives, so the turn after an update computes its whole prompt with the new weights (the trainer's
+    recompute under them, to fp32). Armed: an engine made to hand out the old entries as current reuses their KV,
+    and its logprobs then miss the new weights' by far more than the tolerance."""
+    new = _perturbed(tiny)
+
+    def next_turn_after_an_update(engine: EmbeddedEngine):
+        first = engine.generate([PROMPTS[2] * 4], REUSE_PARAMS)[0]
+        assert len(engine.prefix_cache) == 1
+        engine.update_weights(new.state_dict(), version=1)
+        gen = engine.generate([first.prompt_ids + first.token_ids + [7, 8]], REUSE_PARAMS)[0]
+        assert gen.policy_versions == [1] * len(gen.token_ids)
+        return gen, (torch.tensor(gen.behavior_logprobs) - _recompute(new, [gen], 0.8)[0]).abs().max().item()
+
+    gen, gap = next_turn_after_an_update(EmbeddedEngine(copy.deepcopy(tiny)))
+    assert gen.cached_prompt_tokens == 0 and gap <= 1e-5
+    kept = EmbeddedEngine(copy.deepcopy(tiny))
+    kept.prefix_cache.drop = lambda: None                      # the entries survive the load ...
+    gen, gap = next_turn_after_an_update(kept)
+    assert gen.cached_prompt_tokens == 0 and gap <= 1e-5       # ... and their version still refuses them
+    stale = EmbeddedEngine(copy.deepcopy(tiny))
+    stale.prefix_cache.drop = lambda: None
+    lookup = stale.prefix_cache.lookup
+    stale.prefix_cache.lookup = lambda ids, version: lookup(ids, 0)   # the old entries handed out as current
+    gen, gap = next_turn_after_an_update(stale)
+    assert gen.cached_prompt_tokens > 0 and gap > 1e-3
+
+
+def test_a_row_that_finishes_in_a_pass_whose_listener_loaded_new_weights_is_not_kept(tiny):
+    """A listener on the decoding thread may load weights in the middle of a pass (drain_on_update=False): a row
+    that finishes in that pass holds KV of the old weights, so it stays out of the prefix cache; the same row
+    finishing without an update is kept (armed)."""
+    engine = EmbeddedEngine(copy.deepcopy(tiny), drain_on_update=False)
+    params = SamplingParams(max_tokens=4, seed=1, stop_token_ids=(9999,))
+    engine.generate([PROMPTS[0]], params)
+    assert len(engine.prefix_cache) == 1
+    new, heard = _perturbed(tiny), []
+
+    def listener(index, token_id):
+        heard.append(token_id)
+        if len(heard) == params.max_tokens:
+            engine.update_weights(new.state_dict(), version=1)
+    gen = engine.generate([PROMPTS[1]], params, on_token=listener)[0]
+    assert gen.policy_versions == [0] * 4 and engine.version == 1
+    assert len(engine.prefix_cache) == 0
+
+
+def test_a_vision_model_computes_every_prompt_whole():
+    """A VLM's positions (M-RoPE) come from its whole prompt: its engine keeps no prefix, even for text."""
+    engine = EmbeddedEngine(models.tiny_model("qwen2_5_vl", seed=0))
+    first = engine.generate([PROMPTS[2]], REUSE_PARAMS)[0]
+    again = engine.generate([first.prompt_ids + first.token_ids], REUSE_PARAMS)[0]
+    assert (first.cached_prompt_tokens, again.cached_prompt_tokens, len(engine.prefix_cache)) == (0, 0, 0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import data
 import invariants
 import models
-from session import ChatSession, ContextOverflow, parse_hermes_tool_calls
+from session import ChatSession, ContextOverflow, parse_hermes_tool_calls, session_trace
 from rollout import EmbeddedEngine, SamplingParams
 
 GREEDY = SamplingParams(top_k=1, max_tokens=48)
@@ -145,6 +145,34 @@ def test_edited_history_seals_and_an_identical_append_extends(tok):
     edited = first + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
     assert not session.turn(edited).extended
     assert len(session.ledger.rows()) == 2 and session.ledger.rows()[0].seal_reason == "non_extension"
+
+
+def test_the_trace_counts_each_turns_prefill_computed_and_taken_from_the_engines_prefix_cache(tok):
+    """A turn that extends the last computes only what it adds; one whose history was edited (the ledger seals) still
+    takes the positions it shares with an earlier turn; after a weight update nothing is taken (invariant 2)."""
+    model = models.tiny_model("qwen3", seed=1)
+    engine = EmbeddedEngine(model)
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE,
+                          sampling=SamplingParams(max_tokens=6, seed=0))
+    first = [{"role": "system", "content": "You can run bash."}, {"role": "user", "content": "hi"}]
+    one = session.turn(first)
+    two = session.turn(first + [one.message, {"role": "user", "content": "more"}])
+    edited = session.turn(first + [{"role": "assistant", "content": "something else"},
+                                   {"role": "user", "content": "more"}])
+    engine.update_weights(model.state_dict(), version=1)
+    after = session.turn(first + [{"role": "assistant", "content": "something else"},
+                                  {"role": "user", "content": "and more"}])
+    assert [two.extended, edited.extended] == [True, False]
+    seen = (two.generation.prompt_ids + two.generation.token_ids)[:-1]          # what the engine kept of turn two
+    shared = next(i for i, (a, b) in enumerate(zip(seen, edited.generation.prompt_ids)) if a != b)
+    prefill = session_trace(session, tok)["prefill"]
+    assert [turn["prompt_tokens"] for turn in prefill] == [len(t.generation.prompt_ids)
+                                                          for t in (one, two, edited, after)]
+    assert [turn["cached_prompt_tokens"] for turn in prefill] == [
+        0, len(one.generation.prompt_ids) + len(one.generation.token_ids) - 1, shared, 0]
+    assert all(turn["computed_prompt_tokens"] == turn["prompt_tokens"] - turn["cached_prompt_tokens"]
+               for turn in prefill)
+    assert 0 < shared < len(edited.generation.prompt_ids) - 1
 
 
 class CountingEngine(EmbeddedEngine):

@@ -221,6 +221,37 @@ def test_help_lists_every_flag_with_its_default():
     assert f"one of {', '.join(algo.ESTIMATORS)}" in " ".join(done.stdout.split())
 
 
+def test_the_run_counts_the_prefill_computed_and_taken_from_the_engines_prefix_cache():
+    """rollout/prefill_tokens is the prompt tokens the engine computed per rollout, rollout/prefill_cached_frac the
+    share of all prompt tokens it took from its prefix cache instead: a multi-turn episode's later turns take every
+    position of the turn before; an engine without the cache computes them all."""
+    import agents
+
+    class Chat(agents.Env):
+        def step(self, action_text: str) -> agents.Result:
+            return agents.Result(0.0, "<|im_end|>\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n",
+                                 terminated=False)
+    task = data.Task("t0", [{"role": "user", "content": "Tell me about the sea."}], "")
+    params = rollout.SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,))
+    model = models.tiny_model("qwen3", seed=0)
+    for budget in (rollout.PREFIX_CACHE_BYTES, 0):
+        engine = rollout.EmbeddedEngine(model, prefix_cache_bytes=budget)
+        runner = type("ChatRunner", (agents.EnvRunner,), {"env_cls": Chat})(engine, models.bpe_tokenizer(),
+                                                                            max_turns=3)
+        rollouts = runner.run([task, task], ["g0", "g0"], params)
+        gens = [g for r in rollouts for g in r.generations]
+        metrics = train.rollout_metrics(rollouts, {})
+        prompt_tokens = sum(len(g.prompt_ids) for g in gens)
+        cached = sum(g.cached_prompt_tokens for g in gens)
+        assert len(gens) == 6 and metrics["rollout/prefill_tokens"] == (prompt_tokens - cached) / 2
+        assert metrics["rollout/prefill_cached_frac"] == cached / prompt_tokens
+        if budget:     # each later turn took all of its turn before but the last sampled id
+            assert [g.cached_prompt_tokens for g in rollouts[0].generations[1:]] == [
+                len(g.prompt_ids) + len(g.token_ids) - 1 for g in rollouts[0].generations[:-1]]
+        else:
+            assert cached == 0
+
+
 def test_minibatches_hold_whole_groups():
     groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
     parts = train.minibatch_indices(groups, 2)

@@ -368,6 +368,7 @@ def test_a_draining_update_lets_the_request_in_flight_finish_at_its_version_and_
 # ---- the prefix cache across weight updates: KV written by old weights is never reused -------------------------------
 
 LONG = [3 + (7 * i) % 600 for i in range(200)]     # one full KV block on the CPU build (128 tokens; 16 on a GPU)
+BLOCK = 16 if torch.cuda.is_available() else 128
 
 
 def _cached(engine) -> int:
@@ -378,14 +379,26 @@ def test_a_prompt_after_an_update_is_computed_by_the_new_weights_not_taken_from_
     params = SamplingParams(temperature=0.9, max_tokens=8, seed=3)
     fresh.generate([LONG], params)
     before = _cached(fresh)
-    fresh.generate([LONG], params)
-    assert _cached(fresh) - before >= 128          # at the same weights, a repeated prompt comes from the cache
+    again = fresh.generate([LONG], params)[0]
+    assert _cached(fresh) - before == again.cached_prompt_tokens >= 128   # at the same weights, from the cache
     new = _perturbed(model)
     fresh.update_weights(new.state_dict(), VERSION + 1)
     before = _cached(fresh)
     gen = fresh.generate([LONG], params)[0]
-    assert _cached(fresh) == before                 # after the update, none of it does
+    assert _cached(fresh) == before and gen.cached_prompt_tokens == 0    # after the update, none of it does
     assert (torch.tensor(gen.behavior_logprobs) - _recompute(new, [gen], 0.9)[0]).abs().max() <= 1e-5
+
+
+def test_an_agents_next_turn_reports_the_prompt_tokens_vllm_took_from_its_cache(fresh, model):
+    """Generation.cached_prompt_tokens is vLLM's num_cached_tokens: an agent's next turn (the last prompt, its reply,
+    a tool result) takes every full KV block of the last turn's prompt and reply, and samples the trainer's
+    logprobs (fp32)."""
+    params = SamplingParams(temperature=0.9, max_tokens=40, seed=3, stop_token_ids=(689,))
+    first = fresh.generate([LONG + LONG[:100]], params)[0]
+    assert first.cached_prompt_tokens == 0
+    turn = fresh.generate([first.prompt_ids + first.token_ids + [7, 8, 9]], params)[0]
+    assert turn.cached_prompt_tokens == BLOCK * ((len(first.prompt_ids) + len(first.token_ids) - 1) // BLOCK) > 0
+    assert (torch.tensor(turn.behavior_logprobs) - _recompute(model, [turn], 0.9)[0]).abs().max() <= 1e-5
 
 
 def test_kv_a_kept_request_wrote_with_old_weights_is_never_reused_by_a_later_request(fresh, model):
