@@ -1,4 +1,4 @@
-# loopback.py — the OpenAI / Anthropic wire server over token-exact chat sessions (session.py).
+# loopback.py — the OpenAI (chat completions, responses) / Anthropic wire server over token-exact chat sessions.
 #
 # Owns: `LoopbackServer` and its HTTP plumbing: routes, keys, bounds on cheap clients, streaming; the standalone
 # server (`python loopback.py --model ...`). What a turn records, and when it seals, is session.py's.
@@ -6,10 +6,10 @@
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
 # key: OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not) all decode (wires.py,
 # wire_responses.py) to the same canonical messages and go through the same ChatSession.turn, so token accounting
-# does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and closing (DELETE
-# /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per server, or the
-# operator's); a session's key is refused there, so an agent holding one cannot sample the policy outside its
-# rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
+# does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and
+# closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per
+# server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the policy
+# outside its rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
 # Bad input is refused with a 4xx in the wire's own format before anything reaches the session, so nothing is
 # recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
 # Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
@@ -148,7 +148,8 @@ class _Connection(web_protocol.RequestHandler):
 
 
 class LoopbackServer:
-    """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
+    """OpenAI (chat completions and responses) and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a
+    background thread.
     engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates.
     Concurrent sessions' turns share the engine's batch (EmbeddedEngine batches concurrent callers)."""
 
@@ -556,10 +557,10 @@ class LoopbackServer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Serve a model on token-exact OpenAI and Anthropic wires. Open a session with "
-                    "`POST /sessions` and the admin key, point an SDK at its base_url with its api_key, read what the "
-                    "trainer would see at its trace_url (as a page at <session_url>/view), close it with "
-                    "`DELETE /s/<id>` and the admin key.")
+        description="Serve a model on token-exact OpenAI (chat completions, responses) and Anthropic wires. Open a "
+                    "session with `POST /sessions` and the admin key, point an SDK at its base_url with its api_key, "
+                    "read what the trainer would see at its trace_url (as a page at <session_url>/view), close it "
+                    "with `DELETE /s/<id>` and the admin key.")
     parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")

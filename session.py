@@ -179,7 +179,8 @@ class ChatSession:
              options: wires.TurnOptions | None = None) -> wires.ChatTurn:
         """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id, call_prefix)`
         is called as each token is sampled (a streaming server's hook; call_prefix begins the ids of this reply's tool
-        calls); a retry answered from the record never calls it. `options`: the tool choice and the chat template's switches (default: auto, none)."""
+        calls); a retry answered from the record never calls it. `options`: the tool choice and the chat template's
+        switches (default: auto, none)."""
         params, options = sampling or self.sampling, options or wires.TurnOptions()
         with self.lock:
             self.last_used = time.monotonic()

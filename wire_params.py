@@ -2,10 +2,10 @@
 #
 # Owns: one table per wire, field -> (disposition, reason), covering every field of the stock SDKs' create params
 # (openai.types.chat.completion_create_params, openai.types.responses.response_create_params,
-# anthropic.types.message_create_params; tests/test_wire_params.py
-# enumerates their TypedDicts, so a field a new SDK adds is decided here before it is served) and the vLLM-style
-# extras agents send in extra_body (and Codex's own client_metadata). docs/wire-params.md is these tables (the same
-# test keeps it so). wires.py and wire_responses.py apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
+# anthropic.types.message_create_params; tests/test_wire_params.py enumerates their TypedDicts, so a field a new SDK
+# adds is decided here before it is served) and the vLLM-style extras agents send in extra_body (and Codex's own
+# client_metadata). docs/wire-params.md is these tables (the same test keeps it so). wires.py and wire_responses.py
+# apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
 # nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a
 # request held.
 # honoured: decoded into the sampling (the engine records it per token, so the trainer recomputes the distribution

@@ -151,7 +151,8 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str]]:
 
 
 TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'name': <a tool's name>} (for allowed_tools, "
-               "send only the allowed tools in 'tools'; hosted, MCP, custom, shell and apply_patch tools are not served)")
+               "send only the allowed tools in 'tools'; hosted, MCP, custom, shell and apply_patch tools are not "
+               "served)")
 
 
 def _tool_choice(choice) -> tuple[str, str | None]:
@@ -288,7 +289,8 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
 def decode_responses(body: dict, base: SamplingParams, store: ResponseStore) -> ResponsesRequest:
     """A Responses create request -> the canonical request; anything it cannot honour is a WireError."""
     no_ops = check_fields(body, RESPONSES_FIELDS)
-    require(body.get("background") in (None, False), f"'background': true is refused: {RESPONSES_FIELDS['background'][1]}")
+    require(body.get("background") in (None, False),
+            f"'background': true is refused: {RESPONSES_FIELDS['background'][1]}")
     require(body.get("truncation") in (None, "disabled"),
             f"truncation must be 'disabled': {RESPONSES_FIELDS['truncation'][1]}, got {body.get('truncation')!r:.20}")
     include = body.get("include") or []

@@ -19,13 +19,13 @@ import pytest
 import constraints
 import data
 import models
-import wire_responses
 import wires
 from loopback import LoopbackServer
 from rollout import Generation, SamplingParams, find_stop
 from session import CALL_OPENING, ChatSession, parse_hermes_tool_calls
 from test_loopback_http import trace, trainable_ids
 from test_session import CountingEngine, teach
+from wire_params import NO_OP, RESPONSES_FIELDS
 from wire_responses import ResponsesStream, ResponseStore, decode_responses, layout, responses_reply
 from wires import ChatTurn, LiveText, WireError, decode_openai
 
@@ -166,8 +166,7 @@ def assembled(events: list) -> list[dict]:
             texts[index] += event["delta"]
         elif name == "response.output_item.done":
             item = event["item"]
-            final = {"message": lambda: item["content"][0]["text"], "reasoning": lambda: item["content"][0]["text"],
-                     "function_call": lambda: item["arguments"]}[item["type"]]()
+            final = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
             assert texts[index] == final, (texts[index], final)
             items[index] = item
             done.add(index)
@@ -521,3 +520,23 @@ def test_the_agents_sdk_runs_a_tool_episode_on_its_responses_model(tutor, stream
     assert result.final_output == "The answer is 5."
     assert any(item.type == "tool_call_output_item" and item.output == "5" for item in result.new_items)
     assert segments(info) == [""] and tutor.server._sessions[info.session_id][0].turns == 2
+
+
+RESPONSES_NO_OPS = dict(access_programs={"cyber": "standard"}, image={"context_compression": "auto"}, max_tool_calls=3,
+                        metadata={"run": "x"}, prompt_cache_key="k", prompt_cache_options={"mode": "implicit"},
+                        prompt_cache_retention="24h", safety_identifier="s", service_tier="auto",
+                        stream_options={"include_obfuscation": False}, user="u1",
+                        extra_body={"client_metadata": {"x-codex-window-id": "w"}})
+
+
+def test_no_op_fields_change_nothing_and_the_reply_lists_them(tutor):
+    names = set(RESPONSES_NO_OPS) - {"extra_body"} | {"client_metadata", "model"}
+    assert {k for k, (d, _) in RESPONSES_FIELDS.items() if d == NO_OP} == names          # every no-op is exercised
+    sessions = [tutor.server.create_session(sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=9))
+                for _ in range(2)]
+    for info, extra in zip(sessions, ({}, RESPONSES_NO_OPS)):
+        extra = {**extra, "extra_body": {**extra.get("extra_body", {}), "return_token_ids": True}}
+        reply = client(info).responses.create(model="policy", input="Say hi.", **extra)
+    assert reply.model_extra["no_op_params"] == sorted(names)
+    assert trace(sessions[0])["segments"][0]["token_ids"] == trace(sessions[1])["segments"][0]["token_ids"]
+    assert trace(sessions[0])["samplings"] == trace(sessions[1])["samplings"]
