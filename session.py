@@ -2,8 +2,9 @@
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the rollout's TokenLedger (returning a `wires.ChatTurn`); the
-# Hermes/Qwen `<tool_call>` parser that gives the reply its structure; the image bounds read from headers; the
-# session's trace (what the trainer will see, token by token). loopback.py serves these sessions over HTTP.
+# Hermes/Qwen `<tool_call>` parser that gives the reply its structure (a call's id is the turn's prefix and its
+# block's ordinal, so a streaming wire can name a call before its block is whole); the image bounds read from
+# headers; the session's trace (what the trainer will see, token by token). loopback.py serves these sessions over HTTP.
 #
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids

@@ -75,8 +75,12 @@ class ResponseStore:
     def remember(self, response_id: str, request: ResponsesRequest, turn: ChatTurn, output: list[dict]) -> None:
         if not request.store:
             return
-        self._responses[response_id] = StoredResponse([*request.history, turn.message],
-                                                      {item["id"]: item for item in output})
+        history = request.history
+        if self._responses:          # an echo of the last stored conversation shares its messages (and images)
+            last = next(reversed(self._responses.values())).messages
+            if history[:len(last)] == last:
+                history = last + history[len(last):]
+        self._responses[response_id] = StoredResponse([*history, turn.message], {item["id"]: item for item in output})
         while len(self._responses) > MAX_STORED_RESPONSES:
             self._responses.popitem(last=False)
 

@@ -5,7 +5,8 @@
 # canonical messages, tools, sampling parameters and turn options (`WireRequest`), refusing what cannot be honoured
 # (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a session.ChatSession
 # returns) as each wire's reply, whole or as server-sent events whose text goes out token by token as it is sampled
-# (`LiveText`, `OpenAIStream`, `AnthropicStream`).
+# (`LiveText`; `LiveStream`, what loopback's streaming drives: `OpenAIStream`, `AnthropicStream`, and
+# wire_responses.py's `ResponsesStream`). The helpers here are shared with wire_responses.py, the third wire.
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant

@@ -1,13 +1,17 @@
 # The OpenAI Responses wire (wire_responses.py). Without a server: a Responses conversation decodes to the canonical
 # request the chat wire decodes the same conversation to; Codex's real first request (its shape, trimmed) decodes;
-# the output items a stream builds are the finished reply's over thousands of random replies (thoughts, calls whose
-# arguments stream token by token, broken calls, stop strings), armed by a stream that treats the reply so far as
-# finished. Over real HTTP with the real openai SDK against a LoopbackServer on a tiny Qwen3 taught its replies:
-# plain, instructions, streamed (text deltas concatenate to the final text, call-argument deltas to the arguments),
-# tool calls whose echo with function_call_output extends the record (one segment), structured output validated by
-# jsonschema, reasoning items echoed with encrypted_content (extends; without it the documented behaviour, and an
-# altered one seals), previous_response_id, errors in the OpenAI format; the OpenAI Agents SDK on its default
-# OpenAIResponsesModel running a tool episode.
+# refusals say what is accepted; a session keeps its last stored responses; the output items a stream builds are the
+# finished reply's over thousands of random replies (thoughts, calls whose arguments stream token by token, broken
+# calls, stop strings), armed by a stream that treats the reply so far as finished; the items of any reply echo back
+# to the parser's message (armed: other encrypted_content or arguments decode to another). Over real HTTP with the
+# real openai SDK against a LoopbackServer on a tiny Qwen3 taught each reply from the prompt the server built for it:
+# plain, instructions, usage, streamed (text deltas concatenate to the final text, call-argument deltas to the
+# arguments), tool calls whose echo with function_call_output extends the record (one segment; armed: edited
+# arguments seal), structured output validated by jsonschema, reasoning items echoed with encrypted_content (extends;
+# without it the documented seal; an altered one seals), previous_response_id and item_reference, logprobs, dropped
+# and namespaced tools, no-ops, errors in the OpenAI format that record nothing, a failure mid-stream as
+# response.failed; the OpenAI Agents SDK on its default OpenAIResponsesModel running a tool episode, whole and
+# streamed.
 import copy
 import json
 import random
@@ -19,9 +23,11 @@ import pytest
 import constraints
 import data
 import models
+import wire_responses
 import wires
 from loopback import LoopbackServer
 from rollout import Generation, SamplingParams, find_stop
+from router import EngineFailure
 from session import CALL_OPENING, ChatSession, parse_hermes_tool_calls
 from test_loopback_http import trace, trainable_ids
 from test_session import CountingEngine, teach
@@ -127,6 +133,21 @@ def test_refusals_say_what_is_accepted(body, message):
     with pytest.raises(WireError, match=None) as refused:
         decode_responses(body, BASE, ResponseStore())
     assert refused.value.status == 400 and message in str(refused.value), str(refused.value)
+
+
+def test_a_session_keeps_its_last_stored_responses_and_nothing_when_store_is_false():
+    store, turn = ResponseStore(), ChatTurn({"role": "assistant", "content": "Yo."}, Generation([1], [2], [0.0], [0],
+                                                                                                None, "stop"), False)
+    request = decode_responses({"input": "hi"}, BASE, store)
+    for k in range(wire_responses.MAX_STORED_RESPONSES + 1):
+        store.remember(f"resp_{k}", request, turn, [{"id": f"msg_{k}", "type": "message"}])
+    assert store.conversation(f"resp_{k}") == [{"role": "user", "content": "hi"}, turn.message]
+    assert store.item(f"msg_{k}") == {"id": f"msg_{k}", "type": "message"} and store.item("msg_0") is None
+    with pytest.raises(WireError, match="is no response this session stored"):
+        store.conversation("resp_0")                                    # the oldest is forgotten
+    store.remember("resp_x", decode_responses({"input": "hi", "store": False}, BASE, store), turn, [])
+    with pytest.raises(WireError):
+        store.conversation("resp_x")
 
 
 # ---- layout: a stream builds the finished reply's items ---------------------------------------------------
@@ -540,3 +561,57 @@ def test_no_op_fields_change_nothing_and_the_reply_lists_them(tutor):
     assert reply.model_extra["no_op_params"] == sorted(names)
     assert trace(sessions[0])["segments"][0]["token_ids"] == trace(sessions[1])["segments"][0]["token_ids"]
     assert trace(sessions[0])["samplings"] == trace(sessions[1])["samplings"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_behavior_logprobs_of_the_sampled_tokens(tutor, stream):
+    info = tutor.server.create_session(sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=3))
+    ask = dict(model="policy", input="Tell me a story.", include=["message.output_text.logprobs"], top_logprobs=2)
+    if stream:
+        events = list(client(info).responses.create(**ask, stream=True))
+        kinds = [event.type for event in events]
+        assert "response.output_text.delta" in kinds
+        message_done = kinds.index("response.output_item.done")
+        assert message_done > max(i for i, kind in enumerate(kinds) if kind.endswith(".delta"))  # held to the end
+        reply = events[-1].response                                # completed, or incomplete (max_output_tokens)
+    else:
+        reply = client(info).responses.create(**ask)
+    part = next(item for item in reply.output if item.type == "message").content[0]
+    record = trace(info)["segments"][0]
+    assert [p.logprob for p in part.logprobs] == [lp for lp, m in zip(record["behavior_logprobs"],
+                                                                       record["trainable"]) if m]
+    assert all(len(p.top_logprobs) <= 2 for p in part.logprobs) and any(p.top_logprobs for p in part.logprobs)
+
+
+def test_reasoning_effort_is_the_templates_thinking_switch():
+    def switches(reasoning):
+        return decode_responses({"input": "hi", "reasoning": reasoning}, BASE,
+                                ResponseStore()).request.options.template_kwargs
+    assert switches({"effort": "none"}) == {"enable_thinking": False, "reasoning_effort": "none"}
+    assert switches({"effort": "high", "summary": "auto"}) == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert switches({"summary": "detailed"}) == {}                        # a summary alone switches nothing
+
+
+class DyingEngine(CountingEngine):
+    """The real engine, whose turn fails after its tokens reached the client (an engine lost mid-turn)."""
+
+    def generate(self, prompts, params, on_token=None, images=None):
+        super().generate(prompts, params, on_token, images=images)
+        raise EngineFailure("the engine serving this turn died")
+
+
+def test_a_failure_after_the_first_event_is_a_response_failed_event_and_records_nothing():
+    tok = models.bpe_tokenizer()
+    loopback = LoopbackServer(DyingEngine(models.tiny_model("qwen3", seed=3), tokenizer=tok), tok,
+                              template=data.CHATML_TEMPLATE)
+    loopback.start()
+    try:
+        info = loopback.create_session(sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+        events = list(client(info).responses.create(model="policy", input="Say hi.", stream=True))
+        assert events[0].type == "response.created" and events[-1].type == "response.failed"
+        assert events[-1].response.status == "failed" and "retry it" in events[-1].response.error.message
+        assert trace(info)["segments"] == []
+        with pytest.raises(openai.InternalServerError):                  # not streamed: a plain 503
+            client(info).responses.create(model="policy", input="Say hi.")
+    finally:
+        loopback.stop()
