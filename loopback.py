@@ -1,15 +1,15 @@
-# loopback.py — the OpenAI / Anthropic wire server over token-exact chat sessions (session.py).
+# loopback.py — the OpenAI (chat completions, responses) / Anthropic wire server over token-exact chat sessions.
 #
 # Owns: `LoopbackServer` and its HTTP plumbing: routes, keys, bounds on cheap clients, streaming; the standalone
 # server (`python loopback.py --model ...`). What a turn records, and when it seals, is session.py's.
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
-# key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
-# same canonical messages and go through the same ChatSession.turn, so token accounting does not depend on
-# the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and closing (DELETE
-# /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per server, or the
-# operator's); a session's key is refused there, so an agent holding one cannot sample the policy outside its
-# rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
+# key: OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not) all decode (wires.py,
+# wire_responses.py) to the same canonical messages and go through the same ChatSession.turn, so token accounting
+# does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and
+# closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per
+# server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the policy
+# outside its rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
 # Bad input is refused with a 4xx in the wire's own format before anything reaches the session, so nothing is
 # recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
 # Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
@@ -54,6 +54,7 @@ from jinja2 import TemplateError
 import data
 import models
 import viewer
+import wire_responses
 import wires
 from rollout import EmbeddedEngine, SamplingParams
 from router import EngineFailure
@@ -93,7 +94,8 @@ def _presented_key(request: web.BaseRequest) -> str:
 
 
 def _wire_of(request: web.BaseRequest) -> str:
-    """Which wire's error format a request gets: Anthropic's on its messages route, OpenAI's everywhere else."""
+    """Which wire's error format a request gets: Anthropic's on its messages route, OpenAI's everywhere else (the
+    Responses API's errors before a stream are OpenAI's error JSON too)."""
     return "anthropic" if request.path.endswith("/v1/messages") else "openai"
 
 
@@ -108,9 +110,10 @@ ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 
 @dataclass
 class _Lane:
-    """Where a session's HTTP turns wait for the one before them."""
+    """Where a session's HTTP turns wait for the one before them, and the Responses they stored."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # waiting here holds no worker thread
     in_flight: int = 0             # HTTP turns waiting or generating (capped: max_session_requests)
+    responses: wire_responses.ResponseStore = field(default_factory=wire_responses.ResponseStore)
 
 
 class _Connection(web_protocol.RequestHandler):
@@ -149,7 +152,8 @@ class _Connection(web_protocol.RequestHandler):
 
 
 class LoopbackServer:
-    """OpenAI and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a background thread.
+    """OpenAI (chat completions and responses) and Anthropic HTTP wires over ChatSessions, on an aiohttp loop in a
+    background thread.
     engine.generate runs in a thread pool, so the loop keeps serving other sessions while one generates.
     Concurrent sessions' turns share the engine's batch (EmbeddedEngine batches concurrent callers)."""
 
@@ -215,6 +219,7 @@ class LoopbackServer:
         for method, path, handler in [("GET", "/s/{sid}/v1/models", self._models),
                                       ("POST", "/s/{sid}/v1/chat/completions", self._chat),
                                       ("POST", "/s/{sid}/v1/messages", self._messages),
+                                      ("POST", "/s/{sid}/v1/responses", self._responses),
                                       ("GET", "/s/{sid}/trace", self._trace),
                                       ("GET", "/s/{sid}/view", self._view),
                                       ("POST", "/sessions", self._open),
@@ -425,15 +430,15 @@ class LoopbackServer:
 
     async def _stream(self, request: web.Request, session: ChatSession, lane: _Lane,
                       wire_request: wires.WireRequest,
-                      stream: wires.OpenAIStream | wires.AnthropicStream) -> web.StreamResponse:
+                      stream: wires.LiveStream) -> web.StreamResponse:
         """Serve one turn as server-sent events, text sent as its tokens are sampled. Nothing is sent before
         the first token, so a request refused by the session is still a plain 4xx. A client that hangs up
         does not stop the turn: it is committed, and a retry gets it from the record."""
         loop = asyncio.get_running_loop()
         sampled: asyncio.Queue = asyncio.Queue()
 
-        def on_token(prompt_ids: list[int], token_id: int) -> None:     # runs on the engine's thread
-            loop.call_soon_threadsafe(sampled.put_nowait, (prompt_ids, token_id))
+        def on_token(prompt_ids: list[int], token_id: int, call_prefix: str) -> None:   # on the engine's thread
+            loop.call_soon_threadsafe(sampled.put_nowait, (prompt_ids, token_id, call_prefix))
 
         job = asyncio.ensure_future(self._turn(session, lane, wire_request, on_token))
         job.add_done_callback(lambda done: done.cancelled() or done.exception())   # retrieved even if we hang up
@@ -450,11 +455,10 @@ class LoopbackServer:
                 if not arrival.done():
                     arrival.cancel()
                     continue
-                prompt_ids, token_id = arrival.result()
+                prompt_ids, token_id, call_prefix = arrival.result()
                 if response is None:
                     response = await self._open_stream(request, stream.start(prompt_ids))
-                if piece := live.push(token_id):
-                    await self._send(response, stream.text(piece))
+                await self._send(response, stream.push(live, token_id, call_prefix))
             try:
                 turn = job.result()
             except Exception as error:
@@ -467,7 +471,7 @@ class LoopbackServer:
                 elif not isinstance(error, wires.WireError):
                     log.error("loopback: a streamed turn failed after its first token", exc_info=error)
                     error = wires.WireError(500, f"internal error: {type(error).__name__}", "api_error")
-                await self._send(response, [("error", error.body(stream.wire))])
+                await self._send(response, stream.failure(error))
                 return response
             if response is None:          # a retry answered from the record: no token was sampled live
                 response = await self._open_stream(request, stream.start(turn.generation.prompt_ids))
@@ -522,6 +526,19 @@ class LoopbackServer:
         turn = await self._turn(session, lane, wire_request)
         return web.json_response(wires.anthropic_reply(turn, wire_request, self.model_name, reply_id))
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        session, lane = self._authorize(request)
+        decoded = wire_responses.decode_responses(await self._body(request), session.sampling, lane.responses)
+        reply_id = f"resp_{secrets.token_hex(12)}"
+        if decoded.request.stream:
+            stream = wire_responses.ResponsesStream(decoded, self.tokenizer, self.model_name, reply_id,
+                                                    lane.responses)
+            return await self._stream(request, session, lane, decoded.request, stream)
+        turn = await self._turn(session, lane, decoded.request)
+        reply = wire_responses.responses_reply(turn, decoded, self.tokenizer, self.model_name, reply_id)
+        lane.responses.remember(reply_id, decoded, turn, reply["output"])
+        return web.json_response(reply)
+
     async def _trace(self, request: web.Request) -> web.Response:
         session = self._authorize(request)[0]
         trace = await asyncio.get_running_loop().run_in_executor(self._reads, session_trace, session, self.tokenizer)
@@ -564,10 +581,10 @@ class LoopbackServer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Serve a model on token-exact OpenAI and Anthropic wires. Open a session with "
-                    "`POST /sessions` and the admin key, point an SDK at its base_url with its api_key, read what the "
-                    "trainer would see at its trace_url (as a page at <session_url>/view), close it with "
-                    "`DELETE /s/<id>` and the admin key.")
+        description="Serve a model on token-exact OpenAI (chat completions, responses) and Anthropic wires. Open a "
+                    "session with `POST /sessions` and the admin key, point an SDK at its base_url with its api_key, "
+                    "read what the trainer would see at its trace_url (as a page at <session_url>/view), close it "
+                    "with `DELETE /s/<id>` and the admin key.")
     parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")

@@ -2,9 +2,10 @@
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the rollout's TokenLedger (returning a `wires.ChatTurn`); the
-# Hermes/Qwen `<tool_call>` parser that gives the reply its structure; the image bounds read from headers; the
-# session's trace (what the trainer will see, token by token, and what each turn's prefill computed and took from
-# the engine's prefix cache: the cost of a long episode). loopback.py serves these sessions over HTTP.
+# Hermes/Qwen `<tool_call>` parser that gives the reply its structure (a call's id is the turn's prefix and its
+# block's ordinal, so a streaming wire can name a call before its block is whole); the image bounds read from
+# headers; the session's trace (what the trainer will see, token by token, and what each turn's prefill computed and
+# took from the engine's prefix cache: the cost of a long episode). loopback.py serves these sessions over HTTP.
 #
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids
@@ -49,7 +50,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from PIL import Image
@@ -81,26 +82,34 @@ def _call_arguments(call: dict) -> dict | None:
     return arguments if isinstance(arguments, dict) else None
 
 
-def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
-    """Hermes/Qwen style: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` becomes an
-    OpenAI-shaped tool call. A block that is not valid JSON with a string name and object arguments stays in
-    the content as text: the model's error is shown to the agent, never repaired. The token record is not
-    touched."""
-    calls, kept = [], []
-    last = 0
-    for match in TOOL_CALL.finditer(text):
+def tool_call_blocks(text: str) -> Iterator[tuple[int, re.Match, dict | None]]:
+    """Each `<tool_call>...</tool_call>` block of a reply in order: its ordinal, its match, and its call {"name",
+    "arguments"}, or None when it is not one (not valid JSON with a string name and object arguments)."""
+    for ordinal, match in enumerate(TOOL_CALL.finditer(text)):
         try:
             call = json.loads(match.group(1))
             wires.check_json(call, "a tool call")     # a reply is answered as JSON: it must re-serialize
         except (ValueError, RecursionError, wires.WireError):
+            yield ordinal, match, None
             continue
         arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
-        if arguments is None:
+        yield ordinal, match, None if arguments is None else {"name": call["name"], "arguments": arguments}
+
+
+def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
+    """Hermes/Qwen style: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` becomes an
+    OpenAI-shaped tool call, its id the prefix and the block's ordinal (a streaming wire names a call by it before
+    the block is whole). A block that is not valid JSON with a string name and object arguments stays in
+    the content as text: the model's error is shown to the agent, never repaired. The token record is not
+    touched."""
+    calls, kept = [], []
+    last = 0
+    for ordinal, match, call in tool_call_blocks(text):
+        if call is None:
             continue
         kept.append(text[last:match.start()])
         last = match.end()
-        calls.append({"id": f"{call_prefix}-{len(calls)}", "type": "function",
-                      "function": {"name": call["name"], "arguments": arguments}})
+        calls.append({"id": f"{call_prefix}-{ordinal}", "type": "function", "function": call})
     if not calls:       # the reply is returned byte for byte, so an echo of it extends the record
         return {"role": "assistant", "content": text}
     kept.append(text[last:])
@@ -187,11 +196,12 @@ class ChatSession:
         self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
-             on_token: Callable[[list[int], int], None] | None = None,
+             on_token: Callable[[list[int], int, str], None] | None = None,
              options: wires.TurnOptions | None = None) -> wires.ChatTurn:
-        """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id)` is
-        called as each token is sampled (a streaming server's hook); a retry answered from the record never
-        calls it. `options`: the tool choice and the chat template's switches (default: auto, none)."""
+        """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id, call_prefix)`
+        is called as each token is sampled (a streaming server's hook; call_prefix begins the ids of this reply's tool
+        calls); a retry answered from the record never calls it. `options`: the tool choice and the chat template's
+        switches (default: auto, none)."""
         params, options = sampling or self.sampling, options or wires.TurnOptions()
         with self.lock:
             self.last_used = time.monotonic()
@@ -216,7 +226,8 @@ class ChatSession:
             raise ContextOverflow(len(prompt_ids), self.max_length,
                                   f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context of "
                                   f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
-        relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id))
+        call_prefix = f"call-{self.ledger.rollout_id}-{self.turns}"
+        relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id, call_prefix))
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
         engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room))
@@ -224,7 +235,7 @@ class ChatSession:
                                    **sticky)[0]
         text = opening + reply_text(self.tokenizer, gen, params.stop)
         message = {"role": "assistant", "content": text} if options.tool_choice == "none" else \
-            parse_hermes_tool_calls(text, f"call-{self.ledger.rollout_id}-{self.turns}")
+            parse_hermes_tool_calls(text, call_prefix)
         # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"), after the opening the
         # session forced. A reply cut at the agent's stop string opens with the text the agent got: the record keeps
         # the ids that wrote the stop string (the model did write them) and the template's closing follows them as
@@ -248,7 +259,7 @@ class ChatSession:
         self._expected = [*messages, message]
         self._expected_prompt_text = prompt_text
         self._echo_text = echo_text
-        return wires.ChatTurn(message, gen, extended, stop_sequence)
+        return wires.ChatTurn(message, gen, extended, stop_sequence, text, call_prefix)
 
     def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'

@@ -1,17 +1,18 @@
-# wire_params.py — what every request field of the two wires does: honoured, a documented no-op, or refused.
+# wire_params.py — what every request field of the three wires does: honoured, a documented no-op, or refused.
 #
 # Owns: one table per wire, field -> (disposition, reason), covering every field of the stock SDKs' create params
-# (openai.types.chat.completion_create_params, anthropic.types.message_create_params; tests/test_wire_params.py
-# enumerates their TypedDicts, so a field a new SDK adds is decided here before it is served) and the vLLM-style
-# extras agents send in extra_body. docs/wire-params.md is these tables (the same test keeps it so). wires.py applies
-# them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
+# (openai.types.chat.completion_create_params, openai.types.responses.response_create_params,
+# anthropic.types.message_create_params; tests/test_wire_params.py enumerates their TypedDicts, so a field a new SDK
+# adds is decided here before it is served) and the vLLM-style extras agents send in extra_body (and Codex's own
+# client_metadata). docs/wire-params.md is these tables (the same test keeps it so). wires.py and wire_responses.py
+# apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
 # nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a
 # request held.
 # honoured: decoded into the sampling (the engine records it per token, so the trainer recomputes the distribution
 #   each token was drawn from: invariant 3) or into the turn options (the prompt the ledger records, the parse);
 #   values it cannot honour are refused with what it takes. no-op: accepted; it cannot change what is sampled or
 #   trained. refused: any value but null, with the reason and what to send instead.
-# Never: decodes a request (wires.py does).
+# Never: decodes a request (wires.py and wire_responses.py do).
 from rollout import MAX_TOP_LOGPROBS
 
 HONOURED, NO_OP, REFUSED = "honoured", "no-op", "refused"
@@ -115,5 +116,74 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     # the Messages API's sampling fields: the 2.x SDK sends them through extra_body
     "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
     "top_p": (HONOURED, "nucleus sampling; recorded per token"),
+    **_EXTRAS,
+}
+RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
+    "input": (HONOURED, "a string (one user message) or items: user, system, developer and assistant messages (text, "
+                        "output_text and refusal parts; images as input_image URLs), function_call and "
+                        "function_call_output, reasoning (its encrypted_content carries the thought as sampled) and "
+                        "item_reference (an output item of a response this session stored); consecutive assistant "
+                        "output items are one assistant turn; other items (hosted tools', custom tools') are refused"),
+    "instructions": (HONOURED, "a system message before the input (not carried over by previous_response_id)"),
+    "model": (NO_OP, "a session serves one policy, whatever it is called"),
+    "access_programs": (NO_OP, "an OpenAI access program; one policy serves every request alike"),
+    "background": (HONOURED, "false only: a response is generated while its request waits; true is refused (no "
+                             "background queue runs here: send the request and wait, or stream it)"),
+    "background_options": (REFUSED, "options of background execution, which is not served: leave them out"),
+    "context_management": (REFUSED, "server-side compaction would rewrite the context the ledger records; compact the "
+                                    "history in the agent and send it (the session seals there)"),
+    "conversation": (REFUSED, "no Conversations API here: send the conversation's items in 'input', or chain "
+                              "responses with previous_response_id"),
+    "image": (NO_OP, "image context compression: images reach the model as its processor makes them"),
+    "include": (HONOURED, "message.output_text.logprobs: each sampled token's behavior logprob, on the reply's first "
+                          "output_text part; reasoning.encrypted_content: returned whether asked or not (the thought "
+                          "as sampled, so an echo extends the record); the other values name items no request here "
+                          "produces (no-ops)"),
+    "max_output_tokens": (HONOURED, "the most tokens sampled (within the session's context); a reply cut there is "
+                                    "status 'incomplete' (reason max_output_tokens)"),
+    "max_tool_calls": (NO_OP, "a cap on built-in tool calls, and no built-in tool runs here"),
+    "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
+    "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),
+    "parallel_tool_calls": (HONOURED, "false: sampling ends at the first '</tool_call>', so the reply holds at most "
+                                      "one call"),
+    "previous_response_id": (HONOURED, "one of the last 16 responses this session stored (store not false): its "
+                                       "input (instructions left out) and reply come before this request's input, "
+                                       "so the conversation extends the record; an id it does not hold is refused"),
+    "prompt": (REFUSED, "stored prompt templates live on OpenAI's platform: send 'instructions' and 'input'"),
+    "prompt_cache_key": (NO_OP, _CACHE),
+    "prompt_cache_options": (NO_OP, _CACHE),
+    "prompt_cache_retention": (NO_OP, _CACHE),
+    "reasoning": (HONOURED, f"effort: {_THINK}, 'none' sets it false, any other effort true, and the template also "
+                            f"gets reasoning_effort; summary, generate_summary, context and mode are no-ops (no "
+                            f"summarizer runs: a reasoning item carries the whole thought as reasoning_text)"),
+    "safety_identifier": (NO_OP, "an abuse-monitoring id"),
+    "service_tier": (NO_OP, "one engine pool serves every request alike"),
+    "store": (HONOURED, "true (the default) keeps the response for previous_response_id and item_reference (the "
+                        "session's last 16); false keeps nothing; the session records every turn for training either "
+                        "way"),
+    "stream": (HONOURED, "server-sent events: text, thoughts and call arguments sent as their tokens are sampled"),
+    "stream_options": (NO_OP, "include_obfuscation: no obfuscation field is sent"),
+    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
+    "text": (HONOURED, "format text (unconstrained), json_object or json_schema (strict or not): the reply's tokens "
+                       "are masked by the grammar (llguidance), recorded per token, as the chat wire's "
+                       "response_format; verbosity is a no-op (a hint with no counterpart in a chat template)"),
+    "tool_choice": (HONOURED, "auto; none (as the chat wire's); required and {'type': 'function', 'name'}: the server "
+                              "writes '<tool_call>\\n' as context and the call is masked to the tools' schemas; "
+                              "allowed_tools and choices of hosted, MCP, custom, shell or apply_patch tools are "
+                              "refused"),
+    "tools": (HONOURED, "function tools, rendered by the chat template; namespace tools' functions under their own "
+                        "names (a call names its namespace back; a name two tools share is refused); web_search, "
+                        "file_search and tool_search are dropped (left out of the prompt, listed in the response's "
+                        "'dropped_tools': retrieval runs on OpenAI's servers, and the model answers without it); "
+                        "code_interpreter, image_generation, mcp, computer, local_shell, shell, apply_patch, custom "
+                        "and programmatic tools are refused: the agent expects them run or called in a form this "
+                        "server's model does not write (declare a function tool)"),
+    "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS} (returned with "
+                               f"include message.output_text.logprobs)"),
+    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
+    "truncation": (HONOURED, "'disabled' (the default): an overlong prompt is a 400; 'auto' is refused (dropping the "
+                             "start of the conversation would rewrite the record: shorten it in the agent)"),
+    "user": (NO_OP, "an end-user id for abuse monitoring"),
+    "client_metadata": (NO_OP, "Codex's request metadata (installation, window and turn ids)"),
     **_EXTRAS,
 }

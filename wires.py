@@ -5,7 +5,8 @@
 # canonical messages, tools, sampling parameters and turn options (`WireRequest`), refusing what cannot be honoured
 # (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a session.ChatSession
 # returns) as each wire's reply, whole or as server-sent events whose text goes out token by token as it is sampled
-# (`LiveText`, `OpenAIStream`, `AnthropicStream`).
+# (`LiveText`; `LiveStream`, what loopback's streaming drives: `OpenAIStream`, `AnthropicStream`, and
+# wire_responses.py's `ResponsesStream`). The helpers here are shared with wire_responses.py, the third wire.
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
@@ -51,6 +52,8 @@ class ChatTurn:
                                    # was the first turn), True when it extended the record bitwise (an MoE turn at a
                                    # new version then still seals: seal reason route_version)
     stop_sequence: str | None = None   # the agent's stop string that ended the reply (cut from it), or None
+    text: str = ""                 # the reply as the agent reads it, before its tool calls were parsed out
+    call_prefix: str = ""          # its calls' ids are this prefix and each <tool_call> block's ordinal
 
 
 # ---- refusals, and the request body --------------------------------------------------------------
@@ -648,24 +651,29 @@ def _signature(opening: str) -> str:
     return _SIGNATURE + base64.b64encode(opening.encode()).decode()
 
 
+def signed_opening(sealed) -> str | None:
+    """The opening one of our signatures carries (a whole thought as sampled), or None for any other value."""
+    if not (isinstance(sealed, str) and sealed.startswith(_SIGNATURE)):
+        return None
+    try:
+        opening = base64.b64decode(sealed[len(_SIGNATURE):], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    split = split_thinking(opening)
+    return opening if split is not None and split[2] == "" else None
+
+
 def _thought_text(block: dict, where: str) -> str:
     """An echoed thinking or redacted_thinking block -> the text the reply opened with."""
-    sealed = block.get("signature" if block["type"] == "thinking" else "data")
-    opening = None
-    if isinstance(sealed, str) and sealed.startswith(_SIGNATURE):
-        try:
-            opening = base64.b64decode(sealed[len(_SIGNATURE):], validate=True).decode()
-        except (binascii.Error, UnicodeDecodeError):
-            opening = None
-    split = split_thinking(opening) if opening is not None else None
-    ours = split is not None and split[2] == ""
+    opening = signed_opening(block.get("signature" if block["type"] == "thinking" else "data"))
     if block["type"] == "redacted_thinking":
-        require(ours, f"{where}: this redacted_thinking block's data was not written by this server (another model's "
-                      f"encrypted thought, which this model cannot read); leave the block out")
+        require(opening is not None, f"{where}: this redacted_thinking block's data was not written by this server "
+                                     f"(another model's encrypted thought, which this model cannot read); leave the "
+                                     f"block out")
         return opening
     thought = block.get("thinking")
     require(isinstance(thought, str), f"{where} (thinking) needs a string 'thinking' and its 'signature'")
-    if ours and thought in ("", split[1]):     # "" is a thought the reply omitted (display 'omitted')
+    if opening is not None and thought in ("", split_thinking(opening)[1]):   # "": omitted (display 'omitted')
         return opening
     return f"{THINK_OPEN}{thought}{THINK_CLOSE}"
 
@@ -793,13 +801,20 @@ class LiveText:
     def __init__(self, tokenizer, stops: tuple[str, ...], opening: str = ""):
         self.decoded, self.stops, self.opening, self.sent = IncrementalText(tokenizer), stops, opening, ""
 
+    def settled(self) -> str:
+        """The reply so far that no stop string can cut: its opening and the text before the stop that ended it, or
+        before what may begin one (so it only grows)."""
+        text = self.decoded.text
+        hit = find_stop(text, self.stops) if self.stops else None
+        if hit:
+            return self.opening + text[:hit[0]]
+        return self.opening + text[:len(text) - _partial_suffix(text, self.stops)]
+
     def push(self, token_id: int) -> str:
         """Add a sampled id; returns the newly sendable text ('' when it must wait)."""
         self.decoded.push(token_id)
-        text = self.decoded.text
-        hit = find_stop(text, self.stops) if self.stops else None
-        safe = self.opening + (text[:hit[0]] if hit else text)
-        safe = safe[:len(safe) - _partial_suffix(safe, (*self.stops, "<tool_call>"))]
+        safe = self.settled()
+        safe = safe[:len(safe) - _partial_suffix(safe, ("<tool_call>",))]
         call = safe.find("<tool_call>")
         safe = (safe[:call] if call >= 0 else safe).rstrip()
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
@@ -812,7 +827,19 @@ class LiveText:
         return (content or "")[len(self.sent):]
 
 
-class OpenAIStream:
+class LiveStream:
+    """What loopback's streaming drives: each sampled id goes through the turn's LiveText (what text can be sent),
+    the stream turns what it may send into events; a failure after the first event is one event of the wire's."""
+
+    def push(self, live: LiveText, token_id: int, call_prefix: str) -> list:
+        piece = live.push(token_id)
+        return self.text(piece) if piece else []
+
+    def failure(self, error: WireError) -> list:
+        return [("error", error.body(self.wire))]
+
+
+class OpenAIStream(LiveStream):
     """chat.completion.chunk events: the role, content deltas as tokens arrive, then the rest of the content,
     one delta per tool call, and the finish chunk (token ids / logprobs when asked; the usage, or with
     stream_options.include_usage a last chunk with the usage and no choices)."""
@@ -847,7 +874,7 @@ class OpenAIStream:
                                      **_token_extras(turn, self.request))]
 
 
-class AnthropicStream:
+class AnthropicStream(LiveStream):
     """message_start; a thinking block (thinking_delta, then signature_delta) when the reply opens with a thought,
     and a text block, their deltas sent as tokens arrive; a tool_use block per call (input_json_delta);
     message_delta with the stop reason; message_stop. The blocks are those of the non-streamed reply."""

@@ -1,11 +1,11 @@
 # Every request field of the stock SDKs is answered deliberately (wire_params.py): the tables decide each field the
-# installed openai and anthropic SDKs define; over real HTTP with those SDKs, each honoured field reaches the
-# recorded sampling of every token it drew (and the trainer's recompute at that record matches the behavior
-# logprobs, while a recompute without the field does not); tokens the server forces are context; a forced-call
-# conversation echoed by the SDK extends without sealing; tool_choice none produces no call, parallel false one;
-# a grammar-constrained reply parses and validates; a response format with tools offered under auto lets the model
-# call a tool and then answer in the format; thinking blocks round-trip; every refusal is a 400 naming what
-# is accepted, records nothing, and the server keeps serving.
+# installed openai (chat completions and responses) and anthropic SDKs define; over real HTTP with those SDKs, each
+# honoured field reaches the recorded sampling of every token it drew (and the trainer's recompute at that record
+# matches the behavior logprobs, while a recompute without the field does not); tokens the server forces are
+# context; a forced-call conversation echoed by the SDK extends without sealing; tool_choice none produces no call,
+# parallel false one; a grammar-constrained reply parses and validates; a response format with tools offered under
+# auto lets the model call a tool and then answer in the format; thinking blocks round-trip; every refusal is a 400
+# naming what is accepted, records nothing, and the server keeps serving.
 import copy
 import json
 import math
@@ -15,7 +15,6 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-import torch
 
 import actor
 import constraints
@@ -28,7 +27,7 @@ from session import CALL_OPENING, ChatSession
 from rollout import SamplingParams
 from test_session import CountingEngine, teach
 from test_loopback_http import anthropic_client, openai_client, trace, trainable_ids
-from wire_params import ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED
+from wire_params import ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED, RESPONSES_FIELDS
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command.",
@@ -74,6 +73,11 @@ def openai_params():
     return [p.CompletionCreateParamsStreaming, p.CompletionCreateParamsNonStreaming]
 
 
+def responses_params():
+    from openai.types.responses import response_create_params as p
+    return [p.ResponseCreateParamsStreaming, p.ResponseCreateParamsNonStreaming]
+
+
 def anthropic_params():
     from anthropic.types import message_create_params as p
     return [p.MessageCreateParamsStreaming, p.MessageCreateParamsNonStreaming]
@@ -84,13 +88,12 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "retur
 
 def test_every_field_of_the_sdks_create_params_has_a_disposition():
     for typed_dicts, table, extras in [(openai_params(), OPENAI_FIELDS, EXTRAS),
+                                       (responses_params(), RESPONSES_FIELDS, EXTRAS | {"client_metadata"}),
                                        (anthropic_params(), ANTHROPIC_FIELDS, EXTRAS | {"temperature", "top_p"})]:
         assert undecided(typed_dicts, table) == set()
         assert set(table) - sdk_fields(*typed_dicts) == extras      # no row for a field nobody sends
         assert {d for d, _ in table.values()} <= {HONOURED, NO_OP, REFUSED} and all(r for _, r in table.values())
     # armed: a field a new SDK adds is caught before it is served
-    from typing_extensions import TypedDict
-
     class NewerParams(openai_params()[0], total=False):
         decoding_strategy: str
     assert undecided([NewerParams], OPENAI_FIELDS) == {"decoding_strategy"}
@@ -98,7 +101,8 @@ def test_every_field_of_the_sdks_create_params_has_a_disposition():
 
 def disposition_tables() -> str:
     out = []
-    for title, table in [("OpenAI chat.completions", OPENAI_FIELDS), ("Anthropic messages", ANTHROPIC_FIELDS)]:
+    for title, table in [("OpenAI chat.completions", OPENAI_FIELDS), ("OpenAI responses", RESPONSES_FIELDS),
+                         ("Anthropic messages", ANTHROPIC_FIELDS)]:
         out += [f"## {title}", "", "| field | disposition | what it does |", "|---|---|---|"]
         out += [f"| `{name}` | {disposition} | {reason} |" for name, (disposition, reason) in table.items()]
         out.append("")
@@ -425,7 +429,8 @@ def test_a_json_schema_with_tools_offered_lets_the_model_call_a_tool_then_answer
                                            extra_body={"return_token_ids": True})
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.content is None
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("bash", {"cmd": "ls"})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("bash", {"cmd": "ls"})]
     messages += [message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": RESULTS[0]}]
     final = client.chat.completions.create(model="policy", messages=messages, tools=OPENAI_TOOLS, **VERDICT_FORMAT)
