@@ -4,7 +4,7 @@
 # server (`python loopback.py --model ...`). What a turn records, and when it seals, is session.py's.
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
-# key: OpenAI chat completions and Anthropic messages (streaming or not) both decode (wires.py) to the
+# key: OpenAI chat completions and Anthropic messages (streaming or not; count_tokens too) both decode (wires.py) to the
 # same canonical messages and go through the same ChatSession.turn, so token accounting does not depend on
 # the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and closing (DELETE
 # /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per server, or the
@@ -89,8 +89,9 @@ def _presented_key(request: web.BaseRequest) -> str:
 
 
 def _wire_of(request: web.BaseRequest) -> str:
-    """Which wire's error format a request gets: Anthropic's on its messages route, OpenAI's everywhere else."""
-    return "anthropic" if request.path.endswith("/v1/messages") else "openai"
+    """Which wire's error format a request gets: Anthropic's on its messages routes (count_tokens too), OpenAI's
+    everywhere else."""
+    return "anthropic" if "/v1/messages" in request.path else "openai"
 
 
 def _error_response(wire: str, error: wires.WireError, headers=None) -> web.Response:
@@ -201,6 +202,7 @@ class LoopbackServer:
         for method, path, handler in [("GET", "/s/{sid}/v1/models", self._models),
                                       ("POST", "/s/{sid}/v1/chat/completions", self._chat),
                                       ("POST", "/s/{sid}/v1/messages", self._messages),
+                                      ("POST", "/s/{sid}/v1/messages/count_tokens", self._count_tokens),
                                       ("GET", "/s/{sid}/trace", self._trace),
                                       ("GET", "/s/{sid}/view", self._view),
                                       ("POST", "/sessions", self._open),
@@ -498,6 +500,19 @@ class LoopbackServer:
             return await self._stream(request, session, lane, wire_request, stream)
         turn = await self._turn(session, lane, wire_request)
         return web.json_response(wires.anthropic_reply(turn, wire_request, self.model_name, reply_id))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """POST /s/<id>/v1/messages/count_tokens: {"input_tokens": n}, the prompt a turn with this request would get
+        (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
+        nothing is generated or recorded. It waits for a turn the session is generating (it reads the record)."""
+        session = self._authorize(request)[0]
+        wire_request = wires.decode_anthropic_count(await self._body(request), session.sampling)
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._executor, session.prompt_ids, wire_request.messages, wire_request.tools, wire_request.options)
+        except (ValueError, TemplateError) as error:   # an overlong prompt, a bad image, a template that refuses
+            raise wires.WireError(400, str(error)) from None
+        return web.json_response({"input_tokens": len(ids)})
 
     async def _trace(self, request: web.Request) -> web.Response:
         session = self._authorize(request)[0]
