@@ -382,6 +382,12 @@ class LoopbackServer:
         """One turn of the session, after the ones before it. Over max_session_requests waiting or generating, a 429.
         A client that hangs up while its turn waits cancels it (nothing generated); one that hangs up while it
         generates does not: the turn commits, a retry gets it from the record, and the next waits until it has."""
+        return await self._in_lane(lane, session.turn, request.messages, request.tools, request.sampling, on_token,
+                                   request.options)
+
+    async def _in_lane(self, lane: _Lane, work, *args):
+        """`work(*args)` on a worker thread after the session's requests before it (turns, token counts: both read
+        the record), waiting in the lane without holding a thread; counted against max_session_requests."""
         if lane.in_flight >= self.max_session_requests:
             raise wires.WireError(429, f"this session already has {lane.in_flight} requests waiting or generating, "
                                        f"this server's limit (its turns run one at a time); retry when one is "
@@ -389,9 +395,7 @@ class LoopbackServer:
         lane.in_flight += 1
         try:
             async with lane.lock:
-                generating = asyncio.get_running_loop().run_in_executor(
-                    self._executor, session.turn, request.messages, request.tools, request.sampling, on_token,
-                    request.options)
+                generating = asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
                 try:
                     return await asyncio.shield(generating)
                 except asyncio.CancelledError:
@@ -504,14 +508,11 @@ class LoopbackServer:
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """POST /s/<id>/v1/messages/count_tokens: {"input_tokens": n}, the prompt a turn with this request would get
         (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
-        nothing is generated or recorded. It waits for a turn the session is generating (it reads the record)."""
-        session = self._authorize(request)[0]
+        nothing is generated or recorded. It waits in the session's lane, as a turn does (it reads the record)."""
+        session, lane = self._authorize(request)
         wire_request = wires.decode_anthropic_count(await self._body(request), session.sampling)
-        try:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._executor, session.prompt_ids, wire_request.messages, wire_request.tools, wire_request.options)
-        except (ValueError, TemplateError) as error:   # an overlong prompt, a bad image, a template that refuses
-            raise wires.WireError(400, str(error)) from None
+        ids = await self._in_lane(lane, session.prompt_ids, wire_request.messages, wire_request.tools,
+                                  wire_request.options)
         return web.json_response({"input_tokens": len(ids)})
 
     async def _trace(self, request: web.Request) -> web.Response:

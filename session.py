@@ -435,7 +435,7 @@ class ChatSession:
         # commit: only now does the session change (a failed generate leaves it as it was)
         with self.ledger_lock:
             if line is None:
-                line = Line(len(self.lines), opening(messages), bool(tools),
+                line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
                             LineLedger(self.rollout_id, self.group_id, MAIN))
                 self.lines.append(line)
                 self._label_lines()
