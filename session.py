@@ -273,7 +273,8 @@ class Line:
     max_tokens_turns: int = 0        # its replies that hit max_tokens before a stop token
     image_pad_turns: int = 0         # its replies in which a VLM sampled its image placeholder: no image fills that
                                      # pad, so the row cannot be trained on
-    served: int = 0                  # the session's turn count when it last committed (most recent first in routing)
+    order: list[int] = field(default_factory=list)   # each of its turns' place among the session's turns (routing
+                                                     # tries the most recently served line first)
 
     @property
     def turns(self) -> int:
@@ -343,6 +344,11 @@ class ChatSession:
         return ([row for line in lines for row in line.ledger.rows()],
                 [gen for line in lines for gen in line.generations])
 
+    def served_in_order(self) -> list[Generation]:
+        """Every line's generations in the order the session served them (one per answered request)."""
+        return [gen for _, gen in sorted((k, gen) for line in self.lines for k, gen in zip(line.order,
+                                                                                           line.generations))]
+
     def _label_lines(self) -> None:
         main = self.main_line
         for line in self.lines:
@@ -386,7 +392,7 @@ class ChatSession:
         messages stand in for their echo (the echo rule and the routing order: header)."""
         schemas = {tool["function"]["name"]: tool["function"].get("parameters")
                    for tool in [*(tools or []), *options.deferred_tools]}
-        recent = sorted(self.lines, key=lambda line: line.served, reverse=True)
+        recent = sorted(self.lines, key=lambda line: line.order[-1], reverse=True)
         for line in recent:
             expected = line.expected
             if expected is not None and len(messages) >= len(expected) and \
@@ -447,7 +453,7 @@ class ChatSession:
             line.generations.append(gen)
         line.max_tokens_turns += gen.finish_reason == "length"
         line.image_pad_turns += sampled_pad
-        line.served = served + 1
+        line.order.append(served)
         line.expected = [*messages, message]
         line.expected_prompt_text = prompt_text
         line.echo_text = echo_text
