@@ -4,12 +4,13 @@
 # server (`python loopback.py --model ...`). What a turn records, and when it seals, is session.py's.
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
-# key: OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not) all decode (wires.py,
-# wire_responses.py) to the same canonical messages and go through the same ChatSession.turn, so token accounting
-# does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST /sessions) and
-# closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key (made per
-# server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the policy
-# outside its rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key only).
+# key: OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not; count_tokens too) all
+# decode (wires.py, wire_responses.py) to the same canonical messages and go through the same ChatSession.turn, so
+# token accounting does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST
+# /sessions) and closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key
+# (made per server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the
+# policy outside its rollout. The admin key never reaches an agent (a ChatContext carries its session's URL and key
+# only).
 # Bad input is refused with a 4xx in the wire's own format before anything reaches the session, so nothing is
 # recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
 # Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
@@ -94,9 +95,9 @@ def _presented_key(request: web.BaseRequest) -> str:
 
 
 def _wire_of(request: web.BaseRequest) -> str:
-    """Which wire's error format a request gets: Anthropic's on its messages route, OpenAI's everywhere else (the
-    Responses API's errors before a stream are OpenAI's error JSON too)."""
-    return "anthropic" if request.path.endswith("/v1/messages") else "openai"
+    """Which wire's error format a request gets: Anthropic's on its messages routes (count_tokens too), OpenAI's
+    everywhere else (the Responses API's errors before a stream are OpenAI's error JSON too)."""
+    return "anthropic" if "/v1/messages" in request.path else "openai"
 
 
 def _error_response(wire: str, error: wires.WireError, headers=None) -> web.Response:
@@ -220,6 +221,7 @@ class LoopbackServer:
                                       ("POST", "/s/{sid}/v1/chat/completions", self._chat),
                                       ("POST", "/s/{sid}/v1/messages", self._messages),
                                       ("POST", "/s/{sid}/v1/responses", self._responses),
+                                      ("POST", "/s/{sid}/v1/messages/count_tokens", self._count_tokens),
                                       ("GET", "/s/{sid}/trace", self._trace),
                                       ("GET", "/s/{sid}/view", self._view),
                                       ("POST", "/sessions", self._open),
@@ -405,6 +407,13 @@ class LoopbackServer:
         """One turn of the session, after the ones before it. Over max_session_requests waiting or generating, a 429.
         A client that hangs up while its turn waits cancels it (nothing generated); one that hangs up while it
         generates does not: the turn commits, a retry gets it from the record, and the next waits until it has."""
+        return await self._in_lane(lane, request, session.turn, request.messages, request.tools, request.sampling,
+                                   on_token, request.options)
+
+    async def _in_lane(self, lane: _Lane, request: wires.WireRequest, work, *args):
+        """`work(*args)` on a worker thread after the session's requests before it (turns, token counts: both read
+        the record), waiting in the lane without holding a thread; counted against max_session_requests. A prompt
+        over the context is refused naming the request's prompt field."""
         if lane.in_flight >= self.max_session_requests:
             raise wires.WireError(429, f"this session already has {lane.in_flight} requests waiting or generating, "
                                        f"this server's limit (its turns run one at a time); retry when one is "
@@ -412,9 +421,7 @@ class LoopbackServer:
         lane.in_flight += 1
         try:
             async with lane.lock:
-                generating = asyncio.get_running_loop().run_in_executor(
-                    self._executor, session.turn, request.messages, request.tools, request.sampling, on_token,
-                    request.options)
+                generating = asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
                 try:
                     return await asyncio.shield(generating)
                 except asyncio.CancelledError:
@@ -538,6 +545,16 @@ class LoopbackServer:
         reply = wire_responses.responses_reply(turn, decoded, self.tokenizer, self.model_name, reply_id)
         lane.responses.remember(reply_id, decoded, turn, reply["output"])
         return web.json_response(reply)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """POST /s/<id>/v1/messages/count_tokens: {"input_tokens": n}, the prompt a turn with this request would get
+        (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
+        nothing is generated or recorded. It waits in the session's lane, as a turn does (it reads the record)."""
+        session, lane = self._authorize(request)
+        wire_request = wires.decode_anthropic_count(await self._body(request), session.sampling)
+        ids = await self._in_lane(lane, wire_request, session.prompt_ids, wire_request.messages, wire_request.tools,
+                                  wire_request.options)
+        return web.json_response({"input_tokens": len(ids)})
 
     async def _trace(self, request: web.Request) -> web.Response:
         session = self._authorize(request)[0]

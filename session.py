@@ -1,17 +1,18 @@
 # session.py — one rollout's token-exact chat session: messages in, the sampled reply out, the ledger kept.
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
-# ids, generates, and commits the turn to the rollout's TokenLedger (returning a `wires.ChatTurn`); the
-# Hermes/Qwen `<tool_call>` parser that gives the reply its structure (a call's id is the turn's prefix and its
-# block's ordinal, so a streaming wire can name a call before its block is whole); the image bounds read from
-# headers; the session's trace (what the trainer will see, token by token, and what each turn's prefill computed and
-# took from the engine's prefix cache: the cost of a long episode). loopback.py serves these sessions over HTTP.
+# ids, generates, and commits the turn to the token record of the line it belongs to (returning a `wires.ChatTurn`);
+# its lines (`Line`, `LineLedger`, `LineSegment`: below); the echo rule; the Hermes/Qwen `<tool_call>` parser that gives
+# the reply its structure (a call's id is the turn's prefix and its block's ordinal, so a streaming wire can name a call
+# before its block is whole); the image bounds read from headers; the session's trace (what the trainer will see, token
+# by token, and what each turn's prefill computed and took from the engine's prefix cache: the cost of a long episode).
+# loopback.py serves these sessions over HTTP.
 #
 # Keeps invariant 1 (token identity) for agents that only speak text. An agent echoes the assistant's
 # reply back as *text*; rendering that text again and re-encoding it would not give back the sampled ids
 # (BPE splits are many-to-one, tool JSON is re-serialized, templates strip <think>). So a new request
-# that only appends messages (the three checks of `_delta_text`) is served as: the ledger's exact tokens + the
-# encoded *delta* text, which always extends the open segment. Anything else (edited history, a template that
+# that only appends messages to a line (the three checks of `_delta_text`) is served as: the line's exact tokens +
+# the encoded *delta* text, which always extends its open segment. Anything else (edited history, a template that
 # rewrote an earlier turn, compaction) is rendered and encoded whole. Whether a turn seals is then decided by
 # the ledger alone, from ids and images, never from text: `TokenLedger.extend_or_seal` seals exactly when the
 # open segment's token ids are not a prefix of the new prompt's ids, or its images are not the first images of
@@ -20,9 +21,35 @@
 # recorded position seals. An MoE turn sampled at a new policy version seals too, after its prompt extended (the
 # ledger's route_version: its routes at the recorded positions are the new weights'), and `ChatTurn.extended` stays
 # the prompt's answer.
+# The echo rule. A harness echoes a tool call back in its own rendering: Claude Code echoes Edit's
+# {"new_string", "old_string", "file_path"} as {"replace_all": false, "file_path", "old_string", "new_string"} (keys in
+# its schema's order, the schema's declared default added). Such an echo is the sampled call in another rendering, and
+# it extends the record: a request whose messages start with a line's last request and reply, each message equal to
+# the recorded one except that a tool call's arguments may list their keys in another order and may add keys whose
+# value equals the tool schema's declared `default` (at any depth the schema declares), is that line's continuation,
+# and the recorded messages stand in for the echoed ones before anything is rendered. Any other difference (a value
+# changed, a key dropped, a key added that the schema gives no default, or another value; true is not 1) is an edit:
+# the request is rendered as sent, and the ledger seals if the ids differ. This keeps invariant 1: the prompt is still
+# the ledger's exact ids plus the new messages' encoding, so the engine's context at the recorded positions is the
+# ledger's sampled ids (what the trainer trains on, in the context they were sampled in), and the agent's rendering of
+# the same call is never encoded at those positions. What the model reads back is its own call; what the agent meant
+# by its echo is the same call (a JSON object's key order carries nothing, and a declared default is what the tool
+# does without the key), so nothing the agent said is lost.
+# Lines. A harness may send other conversations on the rollout's session: Claude Code's sub-agents (their own system
+# prompt and tools: real work), its session-title request (another system prompt, no tools, a JSON format), a
+# summary. Each is a line with a record of its own, so a side request neither seals the main conversation nor is
+# sealed by it. A request goes to (1) the line it continues (its last request and reply, under the echo rule; the
+# most recently served first), else (2) the line with the same opening (system prompt and first user message): an
+# edit or a rebuilt history, which extends or seals by ids as before, else (3) the main line when its system prompt
+# is the main line's (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is
+# the first line opened by a request that offered tools, or the first line when none did (Claude Code names its
+# session before its first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they
+# opened in), on every segment (`LineSegment.line`), so the trace and the trainer see them labelled, and
+# ChatAgentRunner decides whether they train (its train_side_lines). Two conversations with the same opening are
+# one line (they seal each other, as one conversation rewritten would).
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
 # context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
-# A retried request (identical messages, tools, sampling and turn options to the last one) is answered from the
+# A retried request (identical messages, tools, sampling and turn options to a line's last one) is answered from the
 # record: the same ChatTurn again, nothing generated, nothing appended (a client retry must not sample twice).
 # Tool choice (wires.TurnOptions): a forced call (required / named) has the session write '<tool_call>\n' after the
 # generation prompt on the model's behalf — context in the record, never trainable — and the sampling carries the
@@ -51,7 +78,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from PIL import Image
 
@@ -160,14 +187,133 @@ class ContextOverflow(ValueError):
         self.prompt_tokens, self.context = prompt_tokens, context   # the prompt (or a lower bound on it), the context
 
 
+# ---- the echo rule: a recorded message in the agent's rendering (header) ----------------------------------
+
+def same_json(a, b) -> bool:
+    """JSON equality: types matter (true is not 1, "1" is not 1), a number is its value (1 is 1.0), key order not."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _same_arguments(echoed, sampled, schema) -> bool:
+    """A call's arguments as echoed vs as sampled: the same keys and values in any order, plus keys the schema gives
+    a `default` that they equal; nested objects by their own property schemas."""
+    if not (isinstance(echoed, dict) and isinstance(sampled, dict)):
+        return same_json(echoed, sampled)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    if sampled.keys() - echoed.keys():
+        return False                                       # a key the agent dropped
+    for key, value in echoed.items():
+        declared = properties.get(key)
+        if key in sampled:
+            if not _same_arguments(value, sampled[key], declared):
+                return False
+        elif not (isinstance(declared, dict) and "default" in declared and same_json(value, declared["default"])):
+            return False
+    return True
+
+
+def _same_call(echoed, sampled: dict, schemas: dict[str, dict]) -> bool:
+    function = echoed.get("function") if isinstance(echoed, dict) else None
+    if not (isinstance(function, dict) and echoed.keys() == sampled.keys()
+            and function.keys() == {"name", "arguments"}):
+        return False
+    name = sampled["function"]["name"]
+    return (same_json({k: v for k, v in echoed.items() if k != "function"},
+                      {k: v for k, v in sampled.items() if k != "function"}) and function["name"] == name
+            and _same_arguments(function["arguments"], sampled["function"]["arguments"], schemas.get(name)))
+
+
+def is_echo(echoed: dict, recorded: dict, schemas: dict[str, dict]) -> bool:
+    """Whether `echoed` is the `recorded` message in another rendering (the echo rule, header): equal, except that its
+    tool calls' arguments may order keys differently and add keys at their schema's default. `schemas`: each offered
+    tool's parameter schema by name."""
+    calls = recorded.get("tool_calls") if isinstance(recorded, dict) else None
+    if not calls or not isinstance(echoed, dict) or not isinstance(echoed.get("tool_calls"), list):
+        return same_json(echoed, recorded)
+    rest = [{k: v for k, v in m.items() if k != "tool_calls"} for m in (echoed, recorded)]
+    return same_json(*rest) and len(echoed["tool_calls"]) == len(calls) and \
+        all(_same_call(e, c, schemas) for e, c in zip(echoed["tool_calls"], calls))
+
+
+# ---- lines: the conversations one session serves (header) ---------------------------------------------------
+
+MAIN = "main"
+
+
+@dataclass
+class LineSegment(invariants.Segment):
+    """A segment of one line of a session: the training row, labelled with the line it belongs to."""
+    line: str = MAIN                 # "main", or "side-<k>" (a sub-agent, a title or summary request)
+
+
+class LineLedger(invariants.TokenLedger):
+    """A line's token record: a TokenLedger whose segments carry the line's label."""
+
+    def __init__(self, rollout_id: str, group_id: str, label: str):
+        super().__init__(rollout_id, group_id)
+        self.label = label
+
+    def _new_segment(self) -> LineSegment:
+        self.segments.append(LineSegment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], [],
+                                         line=self.label))
+        return self.segments[-1]
+
+    def relabel(self, label: str) -> None:
+        self.label = label
+        for segment in self.segments:
+            segment.line = label
+
+
+def opening(messages: list[dict]) -> tuple:
+    """A conversation's opening: its system prompt (None without one) and its first user message's content."""
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    return system, next((m["content"] for m in messages if m["role"] == "user"), None)
+
+
+@dataclass
+class Line:
+    """One conversation on a session, with its own token record."""
+    index: int                       # the order it opened in, within its session
+    opening: tuple                   # its first request's opening(): how a rewritten history finds it again
+    offers_tools: bool               # its first request offered tools (the main line is the first that did)
+    ledger: LineLedger
+    expected: list[dict] | None = None     # what the next request must start with to continue it: the last
+                                           # request's messages (as recorded) plus the reply as returned
+    expected_prompt_text: str = ""   # their rendering up to the generation prompt
+    echo_text: str = ""              # how the last reply must open its echoed assistant block
+    last_request: tuple | None = None      # (messages, tools, sampling, options) of its last committed turn
+    last_turn: wires.ChatTurn | None = None
+    generations: list[Generation] = field(default_factory=list)   # the engine's output of its turns, in order: the
+                                           # run-time check that the ledger trains each sampled token once
+    max_tokens_turns: int = 0        # its replies that hit max_tokens before a stop token
+    image_pad_turns: int = 0         # its replies in which a VLM sampled its image placeholder: no image fills that
+                                     # pad, so the row cannot be trained on
+    order: list[int] = field(default_factory=list)   # each of its turns' place among the session's turns (routing
+                                                     # tries the most recently served line first)
+
+    @property
+    def turns(self) -> int:
+        return len(self.generations)
+
+
 class ChatSession:
-    """One rollout's conversation with the engine, token-exact across turns. `max_length`: the context, prompt and
-    reply (default: the most the engine serves, its model's position limit); `sampling`: the defaults a request
-    overrides (default: a reply may take the rest of the context)."""
+    """One rollout's conversations with the engine (its lines), token-exact across turns. `max_length`: the context,
+    prompt and reply (default: the most the engine serves, its model's position limit); `sampling`: the defaults a
+    request overrides (default: a reply may take the rest of the context)."""
 
     def __init__(self, engine, tokenizer, rollout_id: str, group_id: str = "", template: str | None = None,
                  sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.rollout_id, self.group_id = rollout_id, group_id
         self.max_length = max_length or engine.max_model_len
         if not 1 < self.max_length <= engine.max_model_len:
             raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "
@@ -177,63 +323,142 @@ class ChatSession:
         # Each picture is processed once per session, so one that comes back in the history is the same
         # ImageInput object: that is how the ledger tells an unchanged image from a changed one.
         self._images: dict[str, invariants.ImageInput] = {}
-        self.ledger = invariants.TokenLedger(rollout_id, group_id)
+        self.lines: list[Line] = []            # in the order they opened
         self.lock = threading.Lock()           # one turn at a time per session
         self.ledger_lock = threading.Lock()    # held only while a turn commits: the trace never waits on a generation
-        # What the next request must start with to count as an extension: the last request's messages
-        # plus the reply as we returned it, and their rendering up to the generation prompt.
-        self._expected: list[dict] | None = None
-        self._expected_prompt_text = ""
-        self._echo_text = ""                   # how the last reply must open its echoed assistant block
-        self.turns = 0                         # generations committed to the ledger
-        self.max_tokens_turns = 0                 # of those, replies that hit max_tokens before a stop token
-        self.generations: list[Generation] = []  # the engine's output of every committed turn, in order: the
-                                               # run-time check that the ledger trains each sampled token once
-        self.image_pad_turns = 0               # of those, replies in which a VLM sampled its image placeholder:
-                                               # no image fills that pad, so the row cannot be trained on
-        self._last_request: tuple | None = None   # (messages, tools, sampling, options) of the last committed turn
-        self._last_turn: wires.ChatTurn | None = None
         self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
+
+    # -- the main line (header), and what a rollout trains --
+
+    @property
+    def main_line(self) -> Line | None:
+        return next((line for line in self.lines if line.offers_tools), self.lines[0] if self.lines else None)
+
+    @property
+    def ledger(self) -> invariants.TokenLedger:
+        """The main line's token record (an empty one before the first turn)."""
+        main = self.main_line
+        return main.ledger if main else LineLedger(self.rollout_id, self.group_id, MAIN)
+
+    @property
+    def generations(self) -> list[Generation]:
+        """The main line's generations, in order (what its rows train, each sampled token once)."""
+        main = self.main_line
+        return main.generations if main else []
+
+    @property
+    def turns(self) -> int:
+        """The main line's committed turns."""
+        main = self.main_line
+        return main.turns if main else 0
+
+    @property
+    def side_lines(self) -> list[Line]:
+        main = self.main_line
+        return [line for line in self.lines if line is not main]
+
+    @property
+    def max_tokens_turns(self) -> int:
+        return sum(line.max_tokens_turns for line in self.lines)
+
+    @property
+    def image_pad_turns(self) -> int:
+        return sum(line.image_pad_turns for line in self.lines)
+
+    def record(self, side_lines: bool) -> tuple[list[invariants.Segment], list[Generation]]:
+        """What a rollout trains: the main line's rows, then (side_lines) each side line's in the order they opened,
+        and their generations in the same order (so invariants.check_sampled_once reads them as one rollout)."""
+        lines = [self.main_line, *self.side_lines] if side_lines else [self.main_line]
+        lines = [line for line in lines if line is not None]
+        return ([row for line in lines for row in line.ledger.rows()],
+                [gen for line in lines for gen in line.generations])
+
+    def served_in_order(self) -> list[Generation]:
+        """Every line's generations in the order the session served them (one per answered request)."""
+        return [gen for _, gen in sorted((k, gen) for line in self.lines for k, gen in zip(line.order,
+                                                                                           line.generations))]
+
+    def _label_lines(self) -> None:
+        main = self.main_line
+        for line in self.lines:
+            line.ledger.relabel(MAIN if line is main else f"side-{line.index}")
+
+    # -- turns --
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
              on_token: Callable[[list[int], int, str], None] | None = None,
              options: wires.TurnOptions | None = None) -> wires.ChatTurn:
-        """Generate the assistant's reply to `messages` and commit it. `on_token(prompt_ids, token_id, call_prefix)`
-        is called as each token is sampled (a streaming server's hook; call_prefix begins the ids of this reply's tool
-        calls); a retry answered from the record never calls it. `options`: the tool choice and the chat template's
-        switches (default: auto, none)."""
+        """Generate the assistant's reply to `messages` and commit it to its line. `on_token(prompt_ids, token_id,
+        call_prefix)` is called as each token is sampled (a streaming server's hook; call_prefix begins the ids of this
+        reply's tool calls); a retry answered from the record never calls it. `options`: the tool choice and the chat
+        template's switches (default: auto, none)."""
         params, options = sampling or self.sampling, options or wires.TurnOptions()
         with self.lock:
             self.last_used = time.monotonic()
-            if self._last_request == (messages, tools, params, options):   # a retry: answer from the record
-                return self._last_turn
+            for line in self.lines:
+                if line.last_request == (messages, tools, params, options):   # a retry: answer from the record
+                    return line.last_turn
             # copied before anything commits
             request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
-            turn = self._generate_and_commit(messages, tools, params, options, on_token)
-            self._last_request, self._last_turn = request, turn
+            line, recorded = self._route(messages, tools, options)
+            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token)
+            line.last_request, line.last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
 
-    def _generate_and_commit(self, messages: list[dict], tools, params: SamplingParams, options: wires.TurnOptions,
-                             on_token) -> wires.ChatTurn:
-        """Generate, build the reply, then commit. Nothing that can fail runs after the ledger changes: a client
-        answered with an error must find the session as it was, or its retry would sample the turn twice."""
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   options: wires.TurnOptions | None = None) -> list[int]:
+        """The engine prompt a turn with these messages would get now (its line found, its record extended or not),
+        nothing generated or recorded: what count_tokens answers."""
+        options = options or wires.TurnOptions()
+        with self.lock:
+            line, recorded = self._route(messages, tools, options)
+            self._bound_prompt(recorded, tools)
+            opening = CALL_OPENING if options.tool_choice in ("required", "named") else ""
+            return self._prompt(line, recorded, tools, options.template_kwargs, opening)[0]
+
+    def _route(self, messages: list[dict], tools, options: wires.TurnOptions) -> tuple[Line | None, list[dict]]:
+        """The line a request belongs to (None: it opens one) and its messages as recorded: a continuation's recorded
+        messages stand in for their echo (the echo rule and the routing order: header)."""
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters")
+                   for tool in [*(tools or []), *options.deferred_tools]}
+        recent = sorted(self.lines, key=lambda line: line.order[-1], reverse=True)
+        for line in recent:
+            expected = line.expected
+            if expected is not None and len(messages) >= len(expected) and \
+                    all(is_echo(m, e, schemas) for m, e in zip(messages, expected)):
+                return line, expected + messages[len(expected):]
+        start = opening(messages)
+        same = next((line for line in recent if line.opening == start), None)
+        if same is not None:
+            return same, messages
+        main = self.main_line
+        if main is not None and start[0] == main.opening[0]:
+            return main, messages
+        return None, messages
+
+    def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
+                             options: wires.TurnOptions, on_token) -> tuple[Line, wires.ChatTurn]:
+        """Generate, build the reply, then commit (a new line opens only now). Nothing that can fail runs after the
+        ledger changes: a client answered with an error must find the session as it was, or its retry would sample
+        the turn twice."""
         self._bound_prompt(messages, tools)
-        opening = CALL_OPENING if options.tool_choice in ("required", "named") else ""
-        prompt_ids, images, prompt_text = self._prompt(messages, tools, options.template_kwargs, opening)
+        opening_text = CALL_OPENING if options.tool_choice in ("required", "named") else ""
+        prompt_ids, images, prompt_text = self._prompt(line, messages, tools, options.template_kwargs, opening_text)
         room = self.max_length - len(prompt_ids)
         if room < 1:
             raise ContextOverflow(len(prompt_ids), self.max_length,
                                   f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context of "
                                   f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
-        call_prefix = f"call-{self.ledger.rollout_id}-{self.turns}"
+        served = sum(other.turns for other in self.lines)        # call ids stay unique across the session's lines
+        call_prefix = f"call-{self.rollout_id}-{served}"
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id, call_prefix))
         # a Router sends every turn of the session to the engine that holds its prefix
-        sticky = {"session_ids": [self.ledger.rollout_id]} if isinstance(self.engine, Router) else {}
+        sticky = {"session_ids": [self.rollout_id]} if isinstance(self.engine, Router) else {}
         engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room))
         gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
                                    **sticky)[0]
-        text = opening + reply_text(self.tokenizer, gen, params.stop)
+        text = opening_text + reply_text(self.tokenizer, gen, params.stop)
         message = {"role": "assistant", "content": text} if options.tool_choice == "none" else \
             parse_hermes_tool_calls(text, call_prefix)
         # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"), after the opening the
@@ -242,36 +467,43 @@ class ChatSession:
         # context.
         stop_sequence = gen.stop_string if gen.stop_string in params.stop else None
         echo_text = text if stop_sequence else \
-            opening + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+            opening_text + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         sampled_pad = self.image_processor is not None and \
             self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) in gen.token_ids
-        # commit: only now does the ledger change (a failed generate leaves the session as it was)
+        # commit: only now does the session change (a failed generate leaves it as it was)
         with self.ledger_lock:
-            extended = self.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
-            self.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
+            if line is None:
+                line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
+                            LineLedger(self.rollout_id, self.group_id, MAIN))
+                self.lines.append(line)
+                self._label_lines()
+            extended = line.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
+            line.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
                                        routed=gen.routes is not None)
             if gen.routes is not None:
-                self.ledger.absorb_routes(gen.routes)
-            self.generations.append(gen)
-        self.turns += 1
-        self.max_tokens_turns += gen.finish_reason == "length"
-        self.image_pad_turns += sampled_pad
-        self._expected = [*messages, message]
-        self._expected_prompt_text = prompt_text
-        self._echo_text = echo_text
-        return wires.ChatTurn(message, gen, extended, stop_sequence, text, call_prefix)
+                line.ledger.absorb_routes(gen.routes)
+            line.generations.append(gen)
+        line.max_tokens_turns += gen.finish_reason == "length"
+        line.image_pad_turns += sampled_pad
+        line.order.append(served)
+        line.expected = [*messages, message]
+        line.expected_prompt_text = prompt_text
+        line.echo_text = echo_text
+        return line, wires.ChatTurn(message, gen, extended, stop_sequence, text, call_prefix)
 
     def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'
         (a -inf logit bias, recorded per token like any bias); 'auto' with tools lets a response format's grammar
-        take tool calls instead; no parallel calls stop at the first '</tool_call>'."""
-        if options.tool_choice == "auto" and tools and params.constraint is not None:
-            params = replace(params, constraint=constraints.with_tool_calls(params.constraint, tools,
+        take tool calls instead (deferred tools too: they are callable); no parallel calls stop at the first
+        '</tool_call>'."""
+        offered = [*(tools or []), *options.deferred_tools]
+        if options.tool_choice == "auto" and offered and params.constraint is not None:
+            params = replace(params, constraint=constraints.with_tool_calls(params.constraint, offered,
                                                                             options.parallel_tool_calls))
         if options.tool_choice == "none":
-            opening = self.tokenizer.encode(CALL_OPENING.strip(), add_special_tokens=False)
-            if len(opening) == 1:
-                bias = {**dict(params.logit_bias), opening[0]: -math.inf}
+            opening_ids = self.tokenizer.encode(CALL_OPENING.strip(), add_special_tokens=False)
+            if len(opening_ids) == 1:
+                bias = {**dict(params.logit_bias), opening_ids[0]: -math.inf}
                 params = replace(params, logit_bias=tuple(sorted(bias.items())))
         if not options.parallel_tool_calls and CALL_CLOSING not in params.stop:
             params = replace(params, stop=(*params.stop, CALL_CLOSING))
@@ -292,19 +524,20 @@ class ChatSession:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt,
                                        template_kwargs)
 
-    def _prompt(self, messages: list[dict], tools, template_kwargs: dict | None = None,
-                opening: str = "") -> tuple[list[int], list[invariants.ImageInput], str]:
-        """The engine prompt for this request (ids, and every image its pads stand for) and the request rendered
-        up to the generation prompt. When the request only appends messages, the prompt is the record's exact
-        tokens plus the new messages encoded (and only their images are new); otherwise it is encoded whole,
-        and the ledger will seal. `opening` (a forced call's) is written after the generation prompt, as context."""
+    def _prompt(self, line: Line | None, messages: list[dict], tools, template_kwargs: dict | None = None,
+                opening_text: str = "") -> tuple[list[int], list[invariants.ImageInput], str]:
+        """The engine prompt for this request on `line` (ids, and every image its pads stand for) and the request
+        rendered up to the generation prompt. When the request only appends messages to the line, the prompt is the
+        line's exact tokens plus the new messages encoded (and only their images are new); otherwise (or on a new
+        line) it is encoded whole, and the ledger will seal. `opening_text` (a forced call's) is written after the
+        generation prompt, as context."""
         images = self._prompt_images(messages)
         full = self._render(messages, tools, True, template_kwargs)
-        delta = self._delta_text(messages, tools, full, template_kwargs)
+        delta = None if line is None else self._delta_text(line, messages, tools, full, template_kwargs)
         if delta is None:
-            return self._encode(full + opening, images), images, full
-        fresh = images[len(self.ledger.open_images):]
-        return self.ledger.open_token_ids + self._encode(delta + opening, fresh), images, full
+            return self._encode(full + opening_text, images), images, full
+        fresh = images[len(line.ledger.open_images):]
+        return line.ledger.open_token_ids + self._encode(delta + opening_text, fresh), images, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)
@@ -332,24 +565,24 @@ class ChatSession:
             return ids
         return data.expand_image_pads(ids, images, self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD))
 
-    def _delta_text(self, messages, tools, full: str, template_kwargs: dict | None = None) -> str | None:
-        """Text to append after the record's exact tokens, or None when this request is not an append.
-        Three checks, each of which must hold: (1) the messages start with the last request plus our
-        reply, unedited; (2) rendering that prefix is a string prefix of the new rendering (a template
-        that strips earlier <think> fails here); (3) the prefix's assistant block starts with exactly the
-        reply as sampled (re-serialized tool JSON fails here). What the template writes after the sampled text
-        (the '\\n' after <|im_end|>, or a closing <|im_end|> when the reply hit max_tokens or a stop string)
+    def _delta_text(self, line: Line, messages, tools, full: str, template_kwargs: dict | None = None) -> str | None:
+        """Text to append after the line's exact tokens, or None when this request is not an append to it.
+        Three checks, each of which must hold: (1) the messages start with the line's last request plus our
+        reply, as recorded (the echo rule put them there); (2) rendering that prefix is a string prefix of the new
+        rendering (a template that strips earlier <think> fails here); (3) the prefix's assistant block starts with
+        exactly the reply as sampled (re-serialized tool JSON fails here). What the template writes after the sampled
+        text (the '\\n' after <|im_end|>, or a closing <|im_end|> when the reply hit max_tokens or a stop string)
         is context. The prefix is rendered with this request's tools and template switches: a change to either that
         rewrites the record's text fails (2)."""
-        if self._expected is None or messages[:len(self._expected)] != self._expected:
+        if line.expected is None or messages[:len(line.expected)] != line.expected:
             return None
-        prefix = self._render(self._expected, tools, False, template_kwargs)
-        if not full.startswith(prefix) or not prefix.startswith(self._expected_prompt_text):
+        prefix = self._render(line.expected, tools, False, template_kwargs)
+        if not full.startswith(prefix) or not prefix.startswith(line.expected_prompt_text):
             return None
-        assistant_block = prefix[len(self._expected_prompt_text):]
-        if not assistant_block.startswith(self._echo_text):
+        assistant_block = prefix[len(line.expected_prompt_text):]
+        if not assistant_block.startswith(line.echo_text):
             return None
-        return assistant_block[len(self._echo_text):] + full[len(prefix):]
+        return assistant_block[len(line.echo_text):] + full[len(prefix):]
 
 
 def _text_chars(value) -> int:
@@ -364,21 +597,24 @@ def _text_chars(value) -> int:
 
 
 def session_trace(session: ChatSession, tokenizer) -> dict:
-    """The session's ledger as JSON: what the trainer will see, token by token. Each token's sampling is an index
-    into `samplings` (what was enforced: greedy, a bias or ban, penalties, a grammar; the first entry is context's).
-    `prefill`: per committed turn, its prompt's tokens, how many the engine took from its prefix cache (the turns
+    """The session's record as JSON: what the trainer will see, token by token, the main line's segments first and then
+    each side line's, each labelled with its line. Each token's sampling is an index into `samplings` (what was
+    enforced: greedy, a bias or ban, penalties, a grammar; the first entry is context's). `prefill`: per answered
+    request in the order served, its prompt's tokens, how many the engine took from its prefix cache (the turns
     before computed them) and how many it computed."""
     samplings: dict[invariants.Sampling, int] = {invariants.UNSAMPLED: 0}
     with session.ledger_lock:
-        segments = [{"segment_id": s.segment_id, "token_ids": s.token_ids,
+        lines = [line for line in [session.main_line, *session.side_lines] if line is not None]
+        segments = [{"line": s.line, "segment_id": s.segment_id, "token_ids": s.token_ids,
                      "tokens": [tokenizer.decode([t], skip_special_tokens=False) for t in s.token_ids],
                      "trainable": s.trainable, "behavior_logprobs": s.behavior_logprobs,
                      "sampling": [samplings.setdefault(x, len(samplings)) for x in s.sampling],
                      "policy_versions": s.policy_versions, "seal_reason": s.seal_reason,
                      "common_prefix_len": s.common_prefix_len,
                      "images": [{"grid_thw": image.grid_thw, "n_tokens": image.n_tokens} for image in s.images]}
-                    for s in session.ledger.segments]
+                    for line in lines for s in line.ledger.segments]
         prefill = [{"prompt_tokens": len(g.prompt_ids), "cached_prompt_tokens": g.cached_prompt_tokens,
-                    "computed_prompt_tokens": len(g.prompt_ids) - g.cached_prompt_tokens} for g in session.generations]
-    return {"rollout_id": session.ledger.rollout_id, "group_id": session.ledger.group_id, "segments": segments,
+                    "computed_prompt_tokens": len(g.prompt_ids) - g.cached_prompt_tokens}
+                   for g in session.served_in_order()]
+    return {"rollout_id": session.rollout_id, "group_id": session.group_id, "segments": segments,
             "samplings": [wires.sampling_json(x) for x in samplings], "prefill": prefill}

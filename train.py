@@ -712,16 +712,22 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/hit_max_tokens_frac": sum(r.truncated for r in rollouts) / n,
         "rollout/hit_max_tokens_frac": sum(r.max_tokens_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
-        "rollout/seals_per_rollout": sum(max(len(r.rows) - 1, 0) for r in rollouts) / n,
+        "rollout/seals_per_rollout": sum(bool(row.seal_reason) for r in rollouts for row in r.rows) / n,
+        # a ChatAgent's side lines (sub-agents, title and summary requests: session.py), their turns, and the sampled
+        # tokens of theirs that train (ChatAgentRunner.train_side_lines)
+        "rollout/side_lines": sum(r.side_lines for r in rollouts) / n,
+        "rollout/side_turns": sum(r.side_turns for r in rollouts) / n,
+        "rollout/side_trained_tokens": sum(row.num_trainable for r in rollouts for row in r.rows
+                                           if getattr(row, "line", "main") != "main") / n,
     }
     # what the engines' prefill cost: prompt tokens computed per rollout, and the share of all prompt tokens taken
     # from a prefix cache (each turn of an episode extends the last: without the cache, turn t computes t turns)
     prompts = [(len(g.prompt_ids), g.cached_prompt_tokens) for r in rollouts for g in r.generations]
     m["rollout/prefill_tokens"] = sum(total - cached for total, cached in prompts) / n
     m["rollout/prefill_cached_frac"] = sum(cached for _, cached in prompts) / max(sum(t for t, _ in prompts), 1)
-    # why each segment but the last sealed (non_extension: the agent rewrote its context; route_version: an MoE
-    # turn at a new policy version), as each costs a re-forward of the context in training
-    seals = [row.seal_reason for r in rollouts for row in r.rows[:-1]]
+    # why each sealed segment sealed (non_extension: the agent rewrote its context; route_version: an MoE turn at a
+    # new policy version), as each costs a re-forward of the context in training; a line's last segment is open
+    seals = [row.seal_reason for r in rollouts for row in r.rows if row.seal_reason]
     for reason in sorted(set(seals)):
         m[f"rollout/seals_{reason}_per_rollout"] = seals.count(reason) / n
     for reason, count in failures.items():
@@ -885,6 +891,7 @@ def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, 
                     reasons.append("trained")
             f.write(json.dumps({
                 "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
+                "line": getattr(segs[b], "line", "main"),     # an EnvRunner's rows: one line, plain Segments
                 "segment_id": segs[b].segment_id, "seal_reason": segs[b].seal_reason,
                 "common_prefix_len": segs[b].common_prefix_len, "trainer_version": trainer_version,
                 "batch_row": b, "picked": why, "reward": rollouts[b].reward, "score": rollouts[b].score,

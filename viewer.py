@@ -74,6 +74,7 @@ def trace_row(record: dict) -> dict:
     row["trainable"] = [why != "context" for why in record["mask_reason"]]
     row.setdefault("images", [])
     row.setdefault("reward", None)
+    row.setdefault("line", "main")
     return row
 
 
@@ -85,7 +86,7 @@ def session_rows(trace: dict) -> list[dict]:
     for seg in trace["segments"]:
         drawn = [samplings[i] for i in seg["sampling"]]
         rows.append({"step": None, "rollout_id": trace["rollout_id"], "group_id": trace["group_id"],
-                     "segment_id": seg["segment_id"], "seal_reason": seg["seal_reason"],
+                     "line": seg["line"], "segment_id": seg["segment_id"], "seal_reason": seg["seal_reason"],
                      "common_prefix_len": seg["common_prefix_len"], "reward": None, "picked": "session",
                      "token_ids": seg["token_ids"], "text": seg["tokens"], "trainable": seg["trainable"],
                      "policy_version": seg["policy_versions"], "behavior_logprob": seg["behavior_logprobs"],
@@ -377,6 +378,7 @@ function card(row, index) {
   head.appendChild(document.createTextNode(`${row.step !== null ? "step " + row.step + " · " : ""}rollout ${row.rollout_id} · group ${row.group_id} · segment ${row.segment_id} · ${row.text.length} tokens`));
   if (row.reward !== null) badge(`reward ${fmt(row.reward, 3)}`);
   for (const b of row.badges) badge(b, b.startsWith("best") ? "best" : b.startsWith("worst") ? "worst" : "mis");
+  if (row.line !== "main") badge(`${row.line} line`);
   if (row.seal_reason) badge(`sealed: ${row.seal_reason}`, "seal");
   else if (row.segment_id > 0) badge("after a seal", "seal");
   if (row.max_mismatch !== null) badge(`max |Δlp| ${fmt(row.max_mismatch, 4)}`);

@@ -2,12 +2,16 @@
 #
 # Owns: one table per wire, field -> (disposition, reason), covering every field of the stock SDKs' create params
 # (openai.types.chat.completion_create_params, openai.types.responses.response_create_params,
-# anthropic.types.message_create_params; tests/test_wire_params.py enumerates their TypedDicts, so a field a new SDK
-# adds is decided here before it is served) and the vLLM-style extras agents send in extra_body (and Codex's own
-# client_metadata). docs/wire-params.md is these tables (the same test keeps it so). wires.py and wire_responses.py
-# apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
-# nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a
-# request held.
+# anthropic.types.message_create_params and its beta twin anthropic.types.beta.message_create_params, which
+# `client.beta.messages` and Claude Code send to the same route with `?beta=true`; tests/test_wire_params.py enumerates
+# their TypedDicts, so a field a new SDK adds is decided here before it is served), the vLLM-style extras agents send
+# in extra_body, and the fields harnesses send that no SDK types yet (Codex's `client_metadata`, Claude Code's
+# `safeguards`); and ANTHROPIC_COUNT_FIELDS, what `POST .../v1/messages/count_tokens` takes.
+# docs/wire-params.md is these tables (the same test keeps it so). wires.py and wire_responses.py apply them: a key in
+# no row is refused (it might change what is sampled, and a guess would train on a distribution nobody recorded), a
+# refused field is refused whenever it is set, and a reply asked for it lists the no-ops a request held. Headers
+# change nothing: the server reads only the key (an anthropic-beta value brings fields, and each is decided here;
+# docs/wire-params.md lists the ones Claude Code sends).
 # honoured: decoded into the sampling (the engine records it per token, so the trainer recomputes the distribution
 #   each token was drawn from: invariant 3) or into the turn options (the prompt the ledger records, the parse);
 #   values it cannot honour are refused with what it takes. no-op: accepted; it cannot change what is sampled or
@@ -87,11 +91,15 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
 ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context"),
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
-                           "tool_use, tool_result, thinking and redacted_thinking blocks; a final assistant turn "
-                           "(prefill) is refused"),
+                           "tool_use, tool_result (text and tool_reference blocks), thinking and redacted_thinking "
+                           "blocks; a final assistant turn (prefill) is refused"),
     "model": (NO_OP, "a session serves one policy, whatever it is called"),
-    "cache_control": (NO_OP, f"{_CACHE} (on a block as well)"),
+    "cache_control": (NO_OP, f"{_CACHE} (on a system, message, tool_result or tool block as well)"),
     "container": (REFUSED, "no code-execution container runs here; run code in the agent's own tools"),
+    "context_management": (NO_OP, "server-side context editing (clear_thinking, clear_tool_uses, compact): no edit is "
+                                  "applied here, so the history is kept whole, as sent, and recorded so; the reply's "
+                                  "context_management lists no applied edits; a conversation that outgrows the "
+                                  "session's context is refused as too long, and the harness compacts it itself"),
     "diagnostics": (NO_OP, "prompt-cache diagnostics; the session's trace shows what extended"),
     "inference_geo": (NO_OP, "one engine pool serves every request"),
     "metadata": (NO_OP, "a user id for abuse monitoring"),
@@ -105,14 +113,37 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "system": (HONOURED, "the system prompt (a string or text blocks)"),
     "thinking": (HONOURED, f"{_THINK}: enabled / adaptive / between_tools set it true, disabled false; budget_tokens "
                            f"is accepted and not enforced (thinking ends where the model ends it, within max_tokens); "
-                           f"display 'omitted' returns each thought empty, its signature still carrying it"),
+                           f"display 'omitted' returns each thought empty, its signature still carrying it; "
+                           f"'summarized' and 'updates' return it as sampled (no summarizer runs)"),
     "tool_choice": (HONOURED, "auto; none (as OpenAI's none); any and tool {name}: the server writes '<tool_call>\\n' "
                               "as context and the call is masked to the tools' schemas; disable_parallel_tool_use "
                               "ends sampling at the first '</tool_call>'"),
-    "tools": (HONOURED, "client tools {name, description, input_schema}; server tools (bash, code execution, web "
-                        "search, ...) are refused: they would run on Anthropic's servers"),
+    "tools": (HONOURED, "client tools {name, description, input_schema}; a deferred one (defer_loading) enters the "
+                        "context where a tool_result's tool_reference block names it (its definition is written "
+                        "there), so a tool the harness adds when its search finds it leaves the record unchanged; "
+                        "a server-side tool search (tool_search_tool_bm25 / _regex) cannot run here, so it is "
+                        "dropped and the deferred tools are rendered like any tool; other server tools (bash, code "
+                        "execution, web search, ...) are refused: they would run on Anthropic's servers"),
     "user_profile_id": (NO_OP, "whom the request is on behalf of"),
     "workspace_id": (NO_OP, "an account's workspace"),
+    # the beta Messages API (`client.beta.messages`, `?beta=true`): the same fields and these
+    "betas": (NO_OP, "the SDK sends these as the anthropic-beta header, not in the body; a beta changes nothing here "
+                     "by itself: each field it brings is decided in this table (docs/wire-params.md lists the betas)"),
+    "billing_policy": (NO_OP, "who is billed; nothing is billed here"),
+    "compaction": (REFUSED, "a server-side compaction request, answered with a compaction block the server writes; "
+                            "send the summarizing request as an ordinary turn (the harness's own compaction), which "
+                            "is sampled and recorded like any"),
+    "fallback_credit_token": (NO_OP, "billing of a retry on a fallback model; nothing is billed here"),
+    "fallbacks": (NO_OP, "substitute models for a declined request: a session serves one policy, which declines "
+                         "nothing on policy grounds"),
+    "mcp_servers": (REFUSED, "MCP servers called from Anthropic's servers; connect MCP in the agent and offer their "
+                             "tools as client tools"),
+    "thread": (REFUSED, "server-held conversation state; send the whole conversation every turn (the session's record "
+                        "extends it token-exactly)"),
+    # sent by Claude Code (its auto permission mode) and typed by no SDK yet
+    "safeguards": (NO_OP, "a server-side classifier of dangerous tool calls; none runs here: every call is returned as "
+                          "sampled, and the agent's own permission rules and jail (agents/sandbox.py) bound what it "
+                          "runs"),
     # the Messages API's sampling fields: the 2.x SDK sends them through extra_body
     "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
     "top_p": (HONOURED, "nucleus sampling; recorded per token"),
@@ -187,3 +218,9 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
     "client_metadata": (NO_OP, "Codex's request metadata (installation, window and turn ids)"),
     **_EXTRAS,
 }
+# POST /s/<id>/v1/messages/count_tokens: the fields the SDKs' count params define (each decided above, as for a
+# messages request); the count is the prompt a turn with them would get, from the session's own rendering and
+# encoding, and nothing is generated or recorded.
+ANTHROPIC_COUNT_FIELDS = frozenset({"betas", "billing_policy", "cache_control", "compaction", "context_management",
+                                    "mcp_servers", "messages", "model", "output_config", "speed", "system", "thinking",
+                                    "tool_choice", "tools", "user_profile_id", "workspace_id"})

@@ -13,7 +13,8 @@
 # message is built in exactly the shape the tool-call parser returns, so an echoed reply compares equal and
 # the session can tell an append from an edit. A reply that opens with <think>...</think> is, on the Anthropic
 # wire, a thinking block (its signature carries the exact sampled text) and a text block; echoed, they decode back
-# to that text, so the echo still extends the record.
+# to that text, so the echo still extends the record. An Anthropic deferred tool (defer_loading) is offered but not
+# rendered (TurnOptions.deferred_tools); a tool_reference names it where it enters the context (wire_params.py).
 # Every field changes sampling only through `SamplingParams` (recorded per token by the engine, so the trainer
 # recomputes the distribution each token was drawn from: invariant 3) or through `TurnOptions` (tool use and the
 # chat template's switches, which change the prompt the ledger records); a no-op changes neither, and a reply asked
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 import constraints
 from invariants import MAX_ABS_LOGIT_BIAS, Sampling
 from rollout import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
-from wire_params import ANTHROPIC_FIELDS, NO_OP, OPENAI_FIELDS, REFUSED
+from wire_params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS, NO_OP, OPENAI_FIELDS, REFUSED
 
 
 @dataclass
@@ -161,6 +162,8 @@ class TurnOptions:
     tool_name: str | None = None
     parallel_tool_calls: bool = True   # False: sampling ends at the first '</tool_call>'
     template_kwargs: dict = field(default_factory=dict)   # the template's switches, e.g. {"enable_thinking": False}
+    deferred_tools: list[dict] = field(default_factory=list)   # Anthropic defer_loading tools: offered, not rendered
+                                   # (a tool_reference writes one's definition where it names it); callable like any
 
 
 @dataclass
@@ -176,6 +179,7 @@ class WireRequest:
     no_ops: tuple[str, ...] = ()   # the no-op fields the request held
     omit_thinking: bool = False    # Anthropic thinking.display 'omitted': thoughts go back empty (signature kept)
     prompt_field: str = "messages"     # the field holding the prompt, named when the prompt overflows the context
+    context_management: bool = False   # Anthropic: the request set it, so the reply says which edits applied (none)
 
 
 def _arguments_from_json(text: str):
@@ -319,12 +323,14 @@ def _template_kwargs(body: dict, enable_thinking: bool | None, extra: dict) -> d
     return kwargs
 
 
-def _tool_options(mode: str, name: str | None, tools: list[dict] | None, parallel: bool,
-                  kwargs: dict) -> tuple[TurnOptions, str | None]:
-    """The turn options and, for a forced call, the tools' grammar (the text after the forced '<tool_call>\\n'; no
-    tools, or a name that is none of theirs, is refused by constraints.tool_call_spec saying so)."""
-    forced = _spec(constraints.tool_call_spec, tools or [], name) if mode in ("required", "named") else None
-    return TurnOptions(mode, name, parallel, kwargs), forced
+def _tool_options(mode: str, name: str | None, tools: list[dict] | None, parallel: bool, kwargs: dict,
+                  deferred: list[dict] | None = None) -> tuple[TurnOptions, str | None]:
+    """The turn options and, for a forced call, the grammar of a call to any tool offered, deferred ones included (the
+    text after the forced '<tool_call>\\n'; no tools, or a name that is none of theirs, is refused by
+    constraints.tool_call_spec saying so)."""
+    offered = (tools or []) + (deferred or [])
+    forced = _spec(constraints.tool_call_spec, offered, name) if mode in ("required", "named") else None
+    return TurnOptions(mode, name, parallel, kwargs, deferred or []), forced
 
 
 OPENAI_TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'function': {'name': <a tool's name>}} "
@@ -505,8 +511,40 @@ def _anthropic_document(block: dict, where: str) -> list[dict]:
     return [{"type": "text", "text": head}, *body, {"type": "text", "text": "\n\n"}]
 
 
-def _anthropic_messages(message, where: str) -> list[dict]:
-    """One Anthropic message -> canonical messages (a user turn's tool_result blocks become tool messages)."""
+def _tool_definition(tool: dict) -> str:
+    """A referenced tool as the model reads it where the reference stands: one <function> line of its description, name
+    and parameters (the encoding Claude Code's ToolSearch describes to the model)."""
+    function = tool["function"]
+    return "<function>" + json.dumps({"description": function.get("description", ""), "name": function["name"],
+                                      "parameters": function.get("parameters", {})}, ensure_ascii=False) + "</function>"
+
+
+def _tool_result_text(content, tools: dict[str, dict], where: str) -> str:
+    """A tool_result's content as text: its text blocks, and each run of tool_reference blocks (a harness's tool search
+    found these deferred tools) as one <functions> block holding the referenced tools' definitions."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    require(isinstance(content, list), f"{where} must be a string or a list of text and tool_reference blocks")
+    parts, references = [], []
+    for j, block in enumerate([*content, None]):
+        if isinstance(block, dict) and block.get("type") == "tool_reference":
+            name = block.get("tool_name")
+            require(isinstance(name, str) and name in tools,
+                    f"{where}[{j}] references the tool {name!r:.60}, which is not in 'tools'; send its definition "
+                    f"there (defer_loading true keeps it out of the prompt until a tool_reference names it)")
+            references.append(_tool_definition(tools[name]))
+            continue
+        if references:
+            parts.append("<functions>\n" + "\n".join(references) + "\n</functions>")
+            references = []
+        if block is not None:
+            parts.append(_anthropic_text([block], f"{where}[{j}]"))
+    return "".join(parts)
+
+
+def _anthropic_messages(message, where: str, tools: dict[str, dict]) -> list[dict]:
+    """One Anthropic message -> canonical messages (a user turn's tool_result blocks become tool messages; `tools`,
+    every tool offered by name, is what a tool_reference in a result may name)."""
     require(isinstance(message, dict) and message.get("role") in ("user", "assistant", "system"),
             f"{where} must be an object with role 'user', 'assistant' or 'system' and content")
     role, content = message["role"], message.get("content")
@@ -534,7 +572,7 @@ def _anthropic_messages(message, where: str) -> list[dict]:
             if parts:               # keep the order: text before a tool result is its own user turn
                 out.append({"role": "user", "content": _join_parts(parts)})
                 parts = []
-            out.append({"role": "tool", "content": _anthropic_text(block.get("content", ""), f"{at}.content"),
+            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), tools, f"{at}.content"),
                         "tool_call_id": block.get("tool_use_id")})
         else:
             takes = "text, image, document and tool_result" if role == "user" else \
@@ -546,17 +584,33 @@ def _anthropic_messages(message, where: str) -> list[dict]:
     return out + ([{"role": "user", "content": _join_parts(parts)}] if parts or not out else [])
 
 
-def _anthropic_tools(tools) -> list[dict]:
+TOOL_SEARCH_TYPES = ("tool_search_tool_bm25", "tool_search_tool_regex")   # server-side tool search (any date suffix)
+
+
+def _is_tool_search(tool) -> bool:
+    return isinstance(tool, dict) and isinstance(tool.get("type"), str) and tool["type"].startswith(TOOL_SEARCH_TYPES)
+
+
+def _anthropic_tools(tools) -> tuple[list[dict], list[dict]]:
+    """(the tools the template renders, the deferred ones). A deferred tool (defer_loading) stays out of the rendered
+    list, as on Anthropic's API, and enters the context where a tool_reference names it, so the rendered list (and the
+    record) stays the same when a harness adds a tool its search found. A server-side tool search cannot run here and
+    is dropped; with one, nothing could ever name a deferred tool, so they are rendered like any."""
     require(tools is None or isinstance(tools, list), "'tools' must be a list of {name, description, input_schema}")
-    canonical = []
+    searched = any(_is_tool_search(tool) for tool in tools or [])
+    rendered, deferred = [], []
     for i, tool in enumerate(tools or []):
+        if _is_tool_search(tool):
+            continue
         require(isinstance(tool, dict), f"tools[{i}] must be an object {{name, description, input_schema}}")
         require(tool.get("type") in (None, "custom"),
                 f"tools[{i}] is the server tool {tool.get('type')!r:.40}, which runs on Anthropic's servers and not "
                 f"here; declare a client tool {{'name', 'description', 'input_schema'}} and run it in the agent")
-        canonical.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                        f"tools[{i}]", tool.get("strict")))
-    return canonical
+        require(isinstance(tool.get("defer_loading", False), bool), f"tools[{i}].defer_loading must be true or false")
+        canonical = _function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                   f"tools[{i}]", tool.get("strict"))
+        (deferred if tool.get("defer_loading") and not searched else rendered).append(canonical)
+    return rendered, deferred
 
 
 def _anthropic_tool_choice(choice) -> tuple[str, str | None, bool]:
@@ -579,10 +633,12 @@ def _anthropic_thinking(value) -> tuple[bool | None, bool]:
     kind = value.get("type") if isinstance(value, dict) else None
     budget = value.get("budget_tokens") if isinstance(value, dict) else None
     display = value.get("display") if isinstance(value, dict) else None
-    require(kind in ("enabled", "adaptive", "between_tools", "disabled") and display in (None, "summarized", "omitted")
+    require(kind in ("enabled", "adaptive", "between_tools", "disabled")
+            and display in (None, "summarized", "omitted", "updates")
             and (kind != "enabled" or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)),
             "thinking must be {'type': 'enabled', 'budget_tokens': int >= 1}, {'type': 'adaptive'}, {'type': "
-            f"'between_tools'}} or {{'type': 'disabled'}} (display 'summarized' or 'omitted'), got {value!r:.80}")
+            f"'between_tools'}} or {{'type': 'disabled'}} (display 'summarized', 'omitted' or 'updates'), got "
+            f"{value!r:.80}")
     return kind != "disabled", display == "omitted"
 
 
@@ -608,22 +664,34 @@ def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
     require(not (isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"),
             "the last message is the assistant's (a prefill to continue), which this server does not continue: end "
             "with a user message (a turn's reply is sampled whole, from the chat template's generation prompt)")
+    rendered, deferred = _anthropic_tools(body.get("tools"))
+    offered = {tool["function"]["name"]: tool for tool in rendered + deferred}
     canonical = [] if body.get("system") is None else [{"role": "system",
                                                         "content": _anthropic_text(body["system"], "system")}]
     for i, message in enumerate(messages):
-        canonical += _anthropic_messages(message, f"messages[{i}]")
-    tools = _anthropic_tools(body.get("tools")) or None
+        canonical += _anthropic_messages(message, f"messages[{i}]", offered)
+    tools = rendered or None
     enable_thinking, omit_thinking = _anthropic_thinking(body.get("thinking"))
     kwargs = _template_kwargs(body, enable_thinking, {})
     mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
-    options, forced = _tool_options(mode, name, tools, parallel, kwargs)
+    options, forced = _tool_options(mode, name, tools, parallel, kwargs, deferred)
+    require(body.get("context_management") is None or isinstance(body["context_management"], dict),
+            f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
                              top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
                              repetition_penalty=_real(body, "repetition_penalty"), max_tokens=max_tokens,
                              stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"),
                              constraint=forced or _output_format(_object(body, "output_config")))
     return WireRequest(canonical, tools, sampling, _flag(body, "stream"), False, _flag(body, "return_token_ids"),
-                       options, no_ops=no_ops, omit_thinking=omit_thinking)
+                       options, no_ops=no_ops, omit_thinking=omit_thinking,
+                       context_management=body.get("context_management") is not None)
+
+
+def decode_anthropic_count(body: dict, base: SamplingParams) -> WireRequest:
+    """A count_tokens request -> the canonical request a messages request with its fields would decode to."""
+    require(set(body) <= ANTHROPIC_COUNT_FIELDS, f"count_tokens takes {sorted(ANTHROPIC_COUNT_FIELDS)}, not "
+                                                 f"{sorted(set(body) - ANTHROPIC_COUNT_FIELDS)}")
+    return decode_anthropic({**body, "max_tokens": 1}, base)
 
 
 # ---- thinking: a reply's opening <think>...</think>, as Anthropic's thinking block ----------------------
@@ -769,7 +837,13 @@ def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: 
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(turn.message, request.omit_thinking),
             "stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
-            "usage": _anthropic_usage(gen), **_token_extras(turn, request)}
+            "usage": _anthropic_usage(gen),
+            **_context_management(request), **_token_extras(turn, request)}
+
+
+def _context_management(request: WireRequest) -> dict:
+    """What a request that set context_management is told: no edit was applied (wire_params.py says why)."""
+    return {"context_management": {"applied_edits": []}} if request.context_management else {}
 
 
 # Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
@@ -953,5 +1027,6 @@ class AnthropicStream(LiveStream):
         return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(gen),
                                             "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
                                                       "stop_sequence": turn.stop_sequence},
+                                            **_context_management(self.request),
                                             **_token_extras(turn, self.request)}),
                          ("message_stop", {"type": "message_stop"})]

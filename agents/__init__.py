@@ -166,6 +166,9 @@ class Rollout:
     info: dict[str, float] = field(default_factory=dict)
     generations: list[Generation] = field(default_factory=list)  # the engine's output for every turn, in order:
                                                # train.py checks the rows train each sampled token exactly once
+    side_lines: int = 0                        # a ChatAgent's session: conversations beside its main one (sub-agents,
+    side_turns: int = 0                        # title and summary requests: session.py) and their turns; their rows
+                                               # (labelled, session.LineSegment.line) are in `rows` when they train
 
 
 # ---- the Env runner ----------------------------------------------------------------------------------
@@ -395,6 +398,13 @@ class ChatAgentRunner:
 
     agent_cls: type[ChatAgent] = ChatAgent
     template: str | None = None        # None = the model's own chat template
+    # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record. True
+    # (the default): their rows train with the rollout's reward, after the main line's. A sub-agent's turns are real
+    # work the outcome depends on, as the main line's are; a title's or a summary's do not shape the outcome, and an
+    # action that does not shape the reward has zero expected policy gradient against the group's baseline: it adds
+    # variance, not bias, for a handful of tokens. False: the main line alone trains (side lines are still recorded,
+    # traced and counted).
+    train_side_lines: bool = True
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
                  step_timeout_s: float = 60.0, image_processor=None):
@@ -446,11 +456,11 @@ class ChatAgentRunner:
             log.warning("rollout %s dropped: %s (%s)", session.ledger.rollout_id, failure, detail)
             self.failures[failure] = self.failures.get(failure, 0) + 1
             return None
-        rows = session.ledger.rows()
+        rows, generations = session.record(self.train_side_lines)
         score = result.score if result.score is not None else float(result.reward)
-        return Rollout(session.ledger.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
-                       session.turns, bool(result.truncated), session.max_tokens_turns,
-                       result.info, session.generations)
+        return Rollout(session.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
+                       session.turns, bool(result.truncated), session.max_tokens_turns, result.info, generations,
+                       len(session.side_lines), sum(line.turns for line in session.side_lines))
 
     async def _agent(self, info, task, sampling: SamplingParams) -> tuple[str, str, Result | None]:
         """One agent run against its session: ("", "", its Result with the info reduced to its numbers), or (the

@@ -9,8 +9,9 @@
 #            honoured (against the library's default episode: the recorded sampling changed, the server wrote
 #            context tokens on the model's behalf or ended replies at a stop string of its own, or the option's
 #            effect was seen on every request that carried it), or no-op (accepted, and none of that happened);
-#   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's ledger);
-#   seals    per turn, whether its prompt sealed the segment (a library that re-renders its history seals);
+#   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's rows, every
+#            line's: a side request, such as smolagents' final answer after its last step, is a line of its own);
+#   seals    per turn, whether its prompt sealed its line's segment (a library that re-renders its history seals);
 #   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the batch train.py would
 #            build from the ledger's rows), and the trap: the same recompute with what the option added to each
 #            token's recorded sampling stripped back to the session's plain values, which must miss (invariant 3).
@@ -506,11 +507,11 @@ def harvest(tokenizer) -> list[tuple[str, list]]:
                 info = server.create_session(rollout_id=library, sampling=SESSION)
                 DRIVERS[library](info, **kwargs)
                 session = server.close_session(info.session_id)
-                if engine.replies or len(session.generations) != len(replies):
+                served = session.served_in_order()
+                if engine.replies or len(served) != len(replies):
                     raise RuntimeError(f"{library} {kwargs}: the script's {len(replies)} replies were not all asked "
-                                       f"for ({len(session.generations)} requests); the driver and SCRIPTS disagree")
-                texts += [tokenizer.decode(g.prompt_ids + g.token_ids, skip_special_tokens=False)
-                          for g in session.generations]
+                                       f"for ({len(served)} requests); the driver and SCRIPTS disagree")
+                texts += [tokenizer.decode(g.prompt_ids + g.token_ids, skip_special_tokens=False) for g in served]
     finally:
         server.stop()
     # a turn whose whole text the next turn's extends is taught by that one (a sealing library's turns all stay)
@@ -649,15 +650,18 @@ def greedy_effect(policy: actor.Actor, generations: list[Generation]) -> str:
     return ""
 
 
-def seals_per_turn(ledger: invariants.TokenLedger, generations: list[Generation]) -> list[int]:
-    """Per turn, 1 when its tokens sit in a later segment than the previous turn's (its prompt sealed that one)."""
-    owner = [i for i, segment in enumerate(ledger.segments) for _ in range(segment.num_trainable)]
-    seals, at, previous = [], 0, None
-    for g in generations:
-        segment = owner[at] if at < len(owner) else -1
-        seals.append(int(previous is not None and segment != previous))
-        at, previous = at + len(g.token_ids), segment
-    return seals
+def seals_per_turn(session) -> list[int]:
+    """Per turn, in the order the session served them, 1 when its tokens sit in a later segment of its line than that
+    line's previous turn's (its prompt sealed that one); a side request (session.py's lines) is no seal."""
+    seals = {}
+    for line in session.lines:
+        owner = [i for i, segment in enumerate(line.ledger.segments) for _ in range(segment.num_trainable)]
+        at, previous = 0, None
+        for k, g in zip(line.order, line.generations):
+            segment = owner[at] if at < len(owner) else -1
+            seals[k] = int(previous is not None and segment != previous)
+            at, previous = at + len(g.token_ids), segment
+    return [seals[k] for k in sorted(seals)]
 
 
 def recompute_gap(bench: Bench, rows: list[invariants.Segment]) -> float:
@@ -708,15 +712,17 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     """The case's verdict and the checks of its token path."""
     answer, error, exchanges = episode.answer, episode.error, episode.exchanges
     session = episode.session
-    generations, rows = session.generations, session.ledger.rows()
+    # what a ChatAgentRunner trains on its defaults (train_side_lines: every line), and the turns in the order served
+    rows, generations = session.record(side_lines=True)
+    in_order = session.served_in_order()
     refusals = [x for x in exchanges if x.status >= 400]
     sent = not case.wire or any(carries(case, x.body) for x in exchanges)
     served = [x for x in exchanges if x.status < 400]
     effect = ""
-    if len(served) != len(generations):
-        effect = f"{len(served)} answered requests for {len(generations)} generations"
+    if len(served) != len(in_order):
+        effect = f"{len(served)} answered requests for {len(in_order)} generations"
     elif case.effect == "greedy":
-        effect = greedy_effect(bench.policy, [g for x, g in zip(served, generations) if carries(case, x.body)])
+        effect = greedy_effect(bench.policy, [g for x, g in zip(served, in_order) if carries(case, x.body)])
     elif case.effect is not None:
         effect = "; ".join(f"request {i}: {e}" for i, x in enumerate(served)
                            if carries(case, x.body) and (e := EFFECTS[case.effect](x)))
@@ -759,7 +765,7 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     else:
         verdict, detail = "no-op", "accepted; sampling unchanged"
     return CaseResult(case.library, case.option, verdict, detail, answer[:120], len(generations),
-                      seals_per_turn(session.ledger, generations), sampled_once, effect, parity, trap, changed, forced,
+                      seals_per_turn(session), sampled_once, effect, parity, trap, changed, forced,
                       round(seconds, 2))
 
 

@@ -448,6 +448,46 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
     assert len(engine.calls) == 6 and max(engine.step_sizes) > 1
 
 
+class HarnessWithSideRequests(ChatAgent):
+    """A harness as Claude Code is one: it names the session first (another system prompt, no tools), runs its main
+    conversation with tools, and a sub-agent (its own system prompt) between the main turns."""
+    TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
+        "cmd": {"type": "string"}}}}}]
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+
+        async def ask(messages, tools=None):
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools)
+            return [*messages, reply.choices[0].message.model_dump(exclude_none=True)]
+        await ask([{"role": "system", "content": "Name this session."}, *ctx.messages])
+        main = await ask([{"role": "system", "content": "You run bash."}, *ctx.messages], self.TOOLS)
+        await ask([{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Look."}], self.TOOLS)
+        await ask([*main, {"role": "user", "content": "Go on."}], self.TOOLS)
+        return Result(reward=1.0)
+
+
+@pytest.mark.parametrize("train_side_lines", [True, False])
+def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_the_runner_says(engine, tokenizer,
+                                                                                             train_side_lines):
+    import train
+    runner = type("Runner", (ChatAgentRunner,), {"agent_cls": HarnessWithSideRequests,
+                                                 "template": data.CHATML_TEMPLATE,
+                                                 "train_side_lines": train_side_lines})(engine, tokenizer,
+                                                                                        max_length=512)
+    rollout, = runner.run(make_tasks("a"), ["g"], SamplingParams(max_tokens=5, seed=0))
+    assert rollout.num_turns == 2 and rollout.side_lines == 2 and rollout.side_turns == 2
+    assert [row.line for row in rollout.rows] == (["main", "side-0", "side-2"] if train_side_lines else ["main"])
+    assert [row.seal_reason for row in rollout.rows] == [""] * len(rollout.rows)   # the main line never sealed
+    check_sampled_once(rollout.rows, rollout.generations)         # each trained sampled token once, lines in order
+    assert len(rollout.generations) == (4 if train_side_lines else 2)
+    metrics = train.rollout_metrics([rollout], {})
+    assert metrics["rollout/side_lines"] == 2 and metrics["rollout/side_turns"] == 2
+    assert metrics["rollout/seals_per_rollout"] == 0
+    side_tokens = sum(row.num_trainable for row in rollout.rows[1:])
+    assert metrics["rollout/side_trained_tokens"] == side_tokens and (side_tokens > 0) == train_side_lines
+
+
 class OneTurnChatAgent(ChatAgent):
     """Sends the task's messages (images included) as they are, once."""
 

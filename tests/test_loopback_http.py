@@ -31,6 +31,7 @@ from PIL import Image
 import data
 import invariants
 import models
+import wires
 from actor import sequence_logprobs
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
 from rollout import EmbeddedEngine, SamplingParams
@@ -699,3 +700,162 @@ def test_auth_scheme_is_case_insensitive_and_sessions_opened_over_http_expire_an
         assert raw_post(kept.base_url + "/chat/completions", body, {"Authorization": f"Bearer {kept.api_key}"})[0] == 200
     finally:
         loopback.stop()
+
+
+# ---- Claude Code 2.1.332 (`claude -p`): its requests, as captured, replayed through the real SDK ----------------
+# The shapes Claude Code sends on its defaults: POST .../v1/messages?beta=true, streamed, with its betas and headers;
+# system blocks with cache_control (the first a billing line), a system message inside `messages`, deferred tools
+# (defer_loading) and a client-side ToolSearch, adaptive thinking shown 'omitted', context_management, effort; its
+# session-title request (another system prompt, no tools, a JSON format) and a sub-agent (its own system prompt and
+# tools) on the same session; and its echo of an Edit call (keys in the schema's order, replace_all: false added).
+# Texts are cut short; every field, block and schema shape is Claude Code's.
+
+CC_BETAS = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+            "per-turn-control-2026-07-01", "mid-conversation-tool-changes-2026-07-01",
+            "thinking-token-count-2026-05-13", "advanced-tool-use-2025-11-20", "effort-2025-11-24"]
+CC_HEADERS = {"x-app": "cli", "X-Claude-Code-Session-Id": "9c975045-f5e1-4b32-9580-975b24b8f3d0",
+              "anthropic-dangerous-direct-browser-access": "true", "User-Agent": "claude-cli/2.1.332 (external, sdk-cli)"}
+_SCHEMA = "https://json-schema.org/draft/2020-12/schema"
+CC_EDIT = {"name": "Edit", "description": "Performs exact string replacement in a file.", "input_schema": {
+    "$schema": _SCHEMA, "type": "object", "properties": {
+        "file_path": {"description": "The absolute path to the file to modify", "type": "string"},
+        "old_string": {"description": "The text to replace", "type": "string"},
+        "new_string": {"description": "The text to replace it with (must be different from old_string)",
+                       "type": "string"},
+        "replace_all": {"description": "Replace all occurrences of old_string (default false)", "default": False,
+                        "type": "boolean"}},
+    "required": ["file_path", "old_string", "new_string"], "additionalProperties": False}}
+CC_WRITE = {"name": "Write", "description": "Writes a file to the local filesystem.", "input_schema": {
+    "$schema": _SCHEMA, "type": "object", "properties": {
+        "file_path": {"description": "The absolute path to the file to write", "type": "string"},
+        "content": {"description": "The content to write to the file", "type": "string"}},
+    "required": ["file_path", "content"], "additionalProperties": False}}
+CC_AGENT = {"name": "Agent", "description": "Launch a new agent to handle complex, multi-step tasks.", "input_schema": {
+    "$schema": _SCHEMA, "type": "object", "properties": {
+        "description": {"description": "A short (3-5 word) description of the task", "type": "string"},
+        "prompt": {"description": "The task for the agent to perform", "type": "string"},
+        "subagent_type": {"description": "The type of specialized agent to use for this task", "type": "string"}},
+    "required": ["description", "prompt"], "additionalProperties": False}}
+CC_TOOL_SEARCH = {"name": "ToolSearch", "description": "Fetches full schema definitions for deferred tools.",
+                  "input_schema": {"$schema": _SCHEMA, "type": "object", "properties": {
+                      "query": {"description": "Query to find deferred tools.", "type": "string"},
+                      "max_results": {"description": "Maximum number of results to return (default: 5)",
+                                      "default": 5, "type": "number"}},
+                      "required": ["query"], "additionalProperties": False}}
+CC_PLACEHOLDER = {"name": "DeferredToolPlaceholder", "description": "Reserved placeholder that keeps deferred tool "
+                  "loading active; never call this tool.", "input_schema": {"type": "object", "properties": {}},
+                  "defer_loading": True}
+CC_EPHEMERAL = {"type": "ephemeral"}
+CC_REMINDER = "<system-reminder>\nAttribution for git commits: end them with Co-Authored-By.\n</system-reminder>\n"
+
+
+def cc_system(entry: str, prompt: str) -> list[dict]:
+    return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332.319; {entry}"},
+            {"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent SDK.",
+             "cache_control": CC_EPHEMERAL},
+            {"type": "text", "text": prompt, "cache_control": CC_EPHEMERAL}]
+
+
+def cc_request(system: list[dict], messages: list[dict], tools: list[dict]) -> dict:
+    """One of Claude Code's main-loop (or sub-agent) requests, as `claude -p` sends it on its defaults."""
+    return dict(model="claude-opus-5-5", max_tokens=128000, system=system, messages=messages, tools=tools,
+                metadata={"user_id": json.dumps({"device_id": "9e37", "account_uuid": "", "session_id": "9c97"})},
+                thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "medium"},
+                context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                betas=CC_BETAS, extra_headers=CC_HEADERS)
+
+
+CC_MAIN_SYSTEM = cc_system("cc_entrypoint=sdk-cli;", "You are an agent working with the user toward their goals.")
+CC_MAIN_TOOLS = [CC_AGENT, CC_EDIT, CC_TOOL_SEARCH, CC_PLACEHOLDER, CC_WRITE]
+CC_TASK = [{"role": "user", "content": [{"type": "text", "text": CC_REMINDER},
+                                       {"type": "text", "text": "Say bye instead of hello in /w/a.txt."}]},
+           {"role": "system", "content": [{"type": "text", "text": "# Environment\n - Primary working directory: /w\n"
+                                                                   "Deferred tools, via ToolSearch: NotebookEdit",
+                                           "cache_control": CC_EPHEMERAL}]}]
+CC_EDIT_CALL = '<tool_call>\n{"name": "Edit", "arguments": {"new_string": "bye", "old_string": "hello", ' \
+               '"file_path": "/w/a.txt"}}\n</tool_call>'
+CC_TITLE = dict(model="claude-opus-5-5", max_tokens=8, tools=[], betas=CC_BETAS,
+                system=cc_system("cc_entrypoint=cli;", "You are naming a coding session. Return JSON with a single "
+                                                       "\"title\" field."),
+                messages=[{"role": "user", "content": [{"type": "text", "text": "<session>\nSay bye instead of hello "
+                                                                                "in /w/a.txt.\n</session>"}]}],
+                output_config={"effort": "medium", "format": {"type": "json_schema", "schema": {
+                    "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
+                    "additionalProperties": False}}})
+CC_SUB_SYSTEM = cc_system("cc_entrypoint=sdk-cli; cc_is_subagent=true;", "You are an agent for Claude Code. Given "
+                                                                         "the user's message, use the tools.")
+CC_SUB_TASK = [{"role": "user", "content": [{"type": "text", "text": CC_REMINDER},
+                                           {"type": "text", "text": "Read /w/a.txt and say what it holds."}]},
+               {"role": "system", "content": [{"type": "text", "text": "Deferred tools, via ToolSearch: WebFetch",
+                                               "cache_control": CC_EPHEMERAL}]}]
+
+
+@pytest.fixture(scope="module")
+def claude_code_server():
+    """A tiny model taught one thing: to answer Claude Code's first request with an Edit call, its arguments in the
+    model's own order (greedy sessions: every other reply is whatever it samples)."""
+    tok = models.bpe_tokenizer()
+    student = models.tiny_model("qwen3", seed=2).train()
+    request = wires.decode_anthropic({k: v for k, v in cc_request(CC_MAIN_SYSTEM, CC_TASK, CC_MAIN_TOOLS).items()
+                                      if k not in ("betas", "extra_headers")}, SamplingParams())
+    prompt = data.render_prompt_ids(tok, request.messages, request.tools, data.CHATML_TEMPLATE,
+                                    template_kwargs=request.options.template_kwargs)
+    teach(student, [(prompt, tok.encode(CC_EDIT_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")])])
+    loopback = LoopbackServer(CountingEngine(student.eval(), tokenizer=tok), tok, template=data.CHATML_TEMPLATE,
+                              max_length=8192)
+    loopback.start()
+    yield loopback
+    loopback.stop()
+
+
+def streamed(client, request: dict):
+    with client.beta.messages.stream(**request) as events:
+        return events.get_final_message()
+
+
+def test_claude_codes_requests_are_served_on_its_defaults_and_its_side_requests_keep_lines_of_their_own(
+        claude_code_server):
+    server = claude_code_server
+    info = server.create_session(sampling=SamplingParams(top_k=1, max_tokens=8))
+    client = anthropic_client(info)
+    # its session title comes first (interactive Claude Code names the session before the first turn), then the turn
+    title = streamed(client, CC_TITLE)
+    assert title.content[0].text.startswith('{"title": "')                 # its JSON format, honoured (cut short)
+    # count_tokens is the prompt the turn gets, from the session's own rendering; nothing generated or recorded
+    calls, before = server.engine.calls, trace(info)
+    counted = client.beta.messages.count_tokens(**{k: v for k, v in cc_request(CC_MAIN_SYSTEM, CC_TASK,
+                                                                               CC_MAIN_TOOLS).items()
+                                                   if k not in ("max_tokens", "metadata")})
+    assert server.engine.calls == calls and trace(info) == before
+    first = streamed(client, cc_request(CC_MAIN_SYSTEM, CC_TASK, CC_MAIN_TOOLS))   # was a 400 on context_management
+    assert first.usage.input_tokens == counted.input_tokens
+    assert first.stop_reason == "tool_use" and first.context_management.applied_edits == []
+    call = first.content[-1]
+    assert call.name == "Edit" and list(call.input) == ["new_string", "old_string", "file_path"]
+    # a sub-agent does its first turn while the main line waits on it (Agent runs in the background)
+    sub = streamed(client, cc_request(CC_SUB_SYSTEM, CC_SUB_TASK, [CC_EDIT, CC_TOOL_SEARCH, CC_WRITE]))
+    # Claude Code echoes the call in its own rendering: the schema's key order, replace_all at its default
+    echo = {"replace_all": False, "file_path": "/w/a.txt", "old_string": "hello", "new_string": "bye"}
+    main_two = [*CC_TASK, {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "Edit",
+                                                             "input": echo}]},
+                {"role": "user", "content": [{"tool_use_id": call.id, "type": "tool_result",
+                                              "content": "The file /w/a.txt has been updated successfully.",
+                                              "cache_control": CC_EPHEMERAL}]}]
+    second = streamed(client, cc_request(CC_MAIN_SYSTEM, main_two, CC_MAIN_TOOLS))
+    sub_two = [*CC_SUB_TASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in sub.content]},
+               {"role": "user", "content": "Go on."}]
+    streamed(client, cc_request(CC_SUB_SYSTEM, sub_two, [CC_EDIT, CC_TOOL_SEARCH, CC_WRITE]))
+    record = trace(info)
+    lines = [(s["line"], s["seal_reason"]) for s in record["segments"]]
+    assert lines == [("main", ""), ("side-0", ""), ("side-2", "")]          # no line sealed; the title is side-0
+    main = record["segments"][0]                  # both main turns sampled in it, the echo extending the first
+    assert sum(main["trainable"]) == first.usage.output_tokens + second.usage.output_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    # armed: one record for the session would have sealed at each switch of conversation
+    sub_segment = record["segments"][2]
+    assert invariants.common_prefix_len(sub_segment["token_ids"], main["token_ids"]) < \
+        main["trainable"].index(True)
+    # the main line's record holds the Edit call as sampled (the model's key order), never the echo's rendering
+    text = server.tokenizer.decode(main["token_ids"])
+    assert '"arguments": {"new_string": "bye", "old_string": "hello", "file_path": "/w/a.txt"}' in text
+    assert '"replace_all": false, "file_path"' not in text

@@ -67,7 +67,7 @@ def run_script(tok, template: str):
     messages = [{"role": "system", "content": "You can run bash."}, {"role": "user", "content": "List files."}]
     taught, turns = [], []
     for k, reply in enumerate(replies):
-        prompt = session._prompt(messages, None)[0]
+        prompt = session.prompt_ids(messages)
         taught.append((prompt, reply))
         teach(student, taught)
         engine.update_weights(student.state_dict(), version=k + 1)
@@ -321,11 +321,139 @@ def test_extended_is_the_ledgers_answer_even_when_the_text_check_says_no(tok):
     session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE, sampling=GREEDY)
     first = [{"role": "user", "content": "Say ok."}]
     reply_ids = tok.encode("ok") + [im_end]
-    teach(student, [(session._prompt(first, None)[0], reply_ids)])
+    teach(student, [(session.prompt_ids(first), reply_ids)])
     engine.update_weights(student.state_dict(), version=1)
     turn = session.turn(first)
     assert turn.generation.token_ids == reply_ids and not turn.extended      # the first turn opens a segment
     echo = {**turn.message, "name": "assistant"}                           # the template ignores the extra key
-    assert session._delta_text(first + [echo], None, "") is None           # armed: the text check says "edited"
+    # armed: the text check says "edited"
+    assert session._delta_text(session.main_line, first + [echo], None, "") is None
     second = session.turn(first + [echo, {"role": "user", "content": "Again."}])
     assert second.extended and len(session.ledger.segments) == 1           # and the ledger extended bitwise
+
+
+# ---- the echo rule: a recorded call in the agent's rendering extends; an edit seals -------------------------------
+
+EDIT_SCHEMA = {"type": "object", "properties": {
+    "file_path": {"type": "string"}, "old_string": {"type": "string"}, "new_string": {"type": "string"},
+    "replace_all": {"type": "boolean", "default": False},
+    "options": {"type": "object", "properties": {"backup": {"type": "boolean", "default": True},
+                                                 "encoding": {"type": "string"}}}},
+    "required": ["file_path", "old_string", "new_string"]}
+EDIT_TOOLS = [{"type": "function", "function": {"name": "Edit", "description": "Replace text in a file.",
+                                                "parameters": EDIT_SCHEMA}}]
+SAMPLED_EDIT = {"new_string": "bye", "old_string": "hello", "file_path": "/w/a.txt", "options": {"encoding": "utf8"}}
+
+
+def edit_call(arguments: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c-0", "type": "function", "function": {"name": "Edit", "arguments": arguments}}]}
+
+
+def test_the_echo_rule_takes_reordered_keys_and_declared_defaults_and_nothing_else():
+    from session import is_echo, same_json
+    schemas = {"Edit": EDIT_SCHEMA}
+    recorded = edit_call(SAMPLED_EDIT)
+    # Claude Code's echo: the schema's order, replace_all at its default; a nested default added too
+    claude_code = {"replace_all": False, "file_path": "/w/a.txt", "old_string": "hello", "new_string": "bye",
+                   "options": {"backup": True, "encoding": "utf8"}}
+    assert list(claude_code) != list(SAMPLED_EDIT) and is_echo(edit_call(claude_code), recorded, schemas)
+    assert is_echo(edit_call(dict(reversed(list(SAMPLED_EDIT.items())))), recorded, schemas)
+    edits = [{**claude_code, "replace_all": True},                  # a default changed is a changed call
+             {**claude_code, "replace_all": 0},                     # 0 is not false
+             {**claude_code, "new_string": "BYE"},                  # a value changed
+             {**claude_code, "dry_run": False},                     # a key with no declared default
+             {k: v for k, v in claude_code.items() if k != "old_string"},     # a key dropped
+             {**claude_code, "options": {"backup": False, "encoding": "utf8"}}]
+    assert not any(is_echo(edit_call(e), recorded, schemas) for e in edits)
+    assert not is_echo(edit_call(claude_code), recorded, {})        # no schema, no defaults
+    renamed = edit_call(SAMPLED_EDIT)
+    renamed["tool_calls"][0]["function"]["name"] = "Write"
+    assert not is_echo(renamed, recorded, schemas)
+    assert same_json({"a": 1, "b": [1.0]}, {"b": [1], "a": 1}) and not same_json(True, 1) and not same_json("1", 1)
+
+
+def edit_session(tok):
+    """A session on a tiny model taught to answer the task with one Edit call, arguments in the model's own order."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    student = models.tiny_model("qwen3", seed=0).train()
+    engine = EmbeddedEngine(copy.deepcopy(student).eval())
+    session = ChatSession(engine, tok, "r", template=data.CHATML_TEMPLATE,
+                          sampling=SamplingParams(top_k=1, max_tokens=120))
+    task = [{"role": "system", "content": "You edit files."}, {"role": "user", "content": "Say bye in a.txt."}]
+    call = '<tool_call>\n{"name": "Edit", "arguments": ' + json.dumps(SAMPLED_EDIT) + '}\n</tool_call>'
+    reply = tok.encode(call) + [im_end]
+    teach(student, [(session.prompt_ids(task, EDIT_TOOLS), reply)])
+    engine.update_weights(student.state_dict(), version=1)
+    return session, task, reply
+
+
+def test_an_echo_in_another_rendering_extends_the_record_and_an_edit_seals(tok):
+    session, task, reply = edit_session(tok)
+    first = session.turn(task, EDIT_TOOLS)
+    assert first.generation.token_ids == reply and first.message["tool_calls"][0]["function"]["arguments"] == \
+        SAMPLED_EDIT
+    echo = copy.deepcopy(first.message)
+    echo["tool_calls"][0]["function"]["arguments"] = {"replace_all": False, "file_path": "/w/a.txt",
+                                                      "old_string": "hello", "new_string": "bye",
+                                                      "options": {"encoding": "utf8", "backup": True}}
+    result = {"role": "tool", "content": "The file has been updated.", "tool_call_id": echo["tool_calls"][0]["id"]}
+    # armed: the echo rendered as sent is other ids at the recorded positions of the sampled call
+    recorded = session.ledger.open_token_ids
+    as_sent = data.render_prompt_ids(tok, [*task, echo, result], EDIT_TOOLS, data.CHATML_TEMPLATE)
+    sampled_at = len(first.generation.prompt_ids)
+    assert invariants.common_prefix_len(recorded, as_sent) < sampled_at + len(reply) - 1
+    second = session.turn([*task, echo, result], EDIT_TOOLS)
+    assert second.extended and len(session.ledger.segments) == 1
+    # the engine's context at the recorded positions is the sampled call, as sampled
+    assert second.generation.prompt_ids[:len(recorded)] == recorded
+    assert second.generation.prompt_ids[sampled_at:sampled_at + len(reply)] == reply
+    check_rows(session, [first, second])
+    # an edited echo is an edit: the record seals (each on a fresh session of the same first turn)
+    for changed in ({"replace_all": True}, {"new_string": "BYE"}, {"dry_run": False}):
+        session, _, _ = edit_session(tok)
+        first = session.turn(task, EDIT_TOOLS)
+        edited = copy.deepcopy(first.message)
+        edited["tool_calls"][0]["function"]["arguments"] = {**SAMPLED_EDIT, **changed}
+        assert not session.turn([*task, edited, result], EDIT_TOOLS).extended
+        assert [s.seal_reason for s in session.ledger.segments] == ["non_extension", ""]
+
+
+# ---- lines: side requests keep records of their own ----------------------------------------------------------
+
+def test_side_requests_keep_lines_of_their_own_and_the_main_line_never_seals(tok):
+    session, task, reply = edit_session(tok)
+    title = [{"role": "system", "content": "Name this session."}, {"role": "user", "content": "Say bye in a.txt."}]
+    helper = [{"role": "system", "content": "You are a helper agent."}, {"role": "user", "content": "Read a.txt."}]
+    other_helper = [helper[0], {"role": "user", "content": "Read b.txt."}]
+    named = session.turn(title)                                     # a title request first, without tools
+    first = session.turn(task, EDIT_TOOLS)
+    assert session.main_line.ledger is session.lines[1].ledger      # the first line with tools is the main line
+    assert [s.line for line in session.lines for s in line.ledger.segments] == ["side-0", "main"]
+    sub = session.turn(helper, EDIT_TOOLS)
+    other = session.turn(other_helper, EDIT_TOOLS)                  # a second sub-agent: its own line
+    # armed: one record would have sealed at every switch between conversations
+    control = invariants.TokenLedger("control")
+    assert [control.extend_or_seal(t.generation.prompt_ids) for t in (named, first, sub, other)] == [False] * 4
+    result = {"role": "tool", "content": "updated", "tool_call_id": first.message["tool_calls"][0]["id"]}
+    second = session.turn([*task, first.message, result], EDIT_TOOLS)
+    sub_two = session.turn([*helper, sub.message, {"role": "user", "content": "Go on."}], EDIT_TOOLS)
+    assert second.extended and sub_two.extended
+    assert [len(line.ledger.segments) for line in session.lines] == [1, 1, 1, 1]
+    assert all(not s.seal_reason for line in session.lines for s in line.ledger.segments)
+    assert [line.turns for line in session.lines] == [1, 2, 2, 1] and session.turns == 2
+    # what a rollout trains: the main line alone, or every line, each sampled token once
+    rows, generations = session.record(side_lines=False)
+    assert [r.line for r in rows] == ["main"] and generations == session.main_line.generations
+    invariants.check_sampled_once(rows, generations)
+    rows, generations = session.record(side_lines=True)
+    assert [r.line for r in rows] == ["main", "side-0", "side-2", "side-3"]
+    invariants.check_sampled_once(rows, generations)
+    assert len(generations) == 6
+    # a rewritten main history (same opening) still seals the main line; a compaction (the main system prompt, a new
+    # first message) goes to the main line and seals it too; neither touches a side line
+    session.turn([*task, {"role": "assistant", "content": "I edited it."}, {"role": "user", "content": "Thanks."}],
+                 EDIT_TOOLS)
+    session.turn([task[0], {"role": "user", "content": "Summary: a.txt says bye. Go on."}], EDIT_TOOLS)
+    assert [s.seal_reason for s in session.main_line.ledger.segments] == ["non_extension", "non_extension", ""]
+    assert [len(line.ledger.segments) for line in session.side_lines] == [1, 1, 1]

@@ -130,7 +130,8 @@ def test_the_page_needs_no_network(run):
 
 @pytest.fixture(scope="module")
 def sealed_session(tmp_path_factory):
-    """A loopback session whose second request edits the history: its first segment seals."""
+    """A loopback session whose second request edits the history (its first segment seals), and a side request (another
+    system prompt: a line of its own)."""
     tok = models.bpe_tokenizer()
     server = LoopbackServer(EmbeddedEngine(models.tiny_model("qwen3", seed=1).eval(), tokenizer=tok), tok,
                             template=data.CHATML_TEMPLATE)
@@ -141,6 +142,8 @@ def sealed_session(tmp_path_factory):
     client.chat.completions.create(model="m", max_tokens=5, messages=[
         {"role": "user", "content": "an edited first question"},
         {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "two"}])
+    client.chat.completions.create(model="m", max_tokens=5, messages=[
+        {"role": "system", "content": "Name this session."}, {"role": "user", "content": "one"}])
     auth = {"Authorization": f"Bearer {info.api_key}"}
     with urllib.request.urlopen(urllib.request.Request(info.trace_url, headers=auth)) as response:
         trace = json.loads(response.read())
@@ -156,7 +159,7 @@ def sealed_session(tmp_path_factory):
 def test_a_sealed_rollout_shows_its_seal_on_the_session_page(sealed_session, browser):
     path, trace = sealed_session
     sealed = [s for s in trace["segments"] if s["seal_reason"]]
-    assert len(trace["segments"]) == 2 and len(sealed) == 1
+    assert len(trace["segments"]) == 3 and len(sealed) == 1
     open_page(browser, path)
     Select(browser.find_element("id", "show")).select_by_value("sealed")
     cards = browser.find_elements("css selector", "#rows .row")
@@ -165,6 +168,16 @@ def test_a_sealed_rollout_shows_its_seal_on_the_session_page(sealed_session, bro
     assert sealed[0]["seal_reason"] in seal.text and "sealed" in seal.text
     assert f"first {sealed[0]['common_prefix_len']} tokens" in seal.text
     assert len(cards[0].find_elements("css selector", ".tok")) == len(sealed[0]["token_ids"])
+    assert js_errors(browser) == []
+
+
+def test_a_side_line_is_labelled_on_the_session_page(sealed_session, browser):
+    path, trace = sealed_session
+    assert [s["line"] for s in trace["segments"]] == ["main", "main", "side-1"]
+    open_page(browser, path)
+    badges = [[b.text for b in card.find_elements("css selector", ".badge")]
+              for card in browser.find_elements("css selector", "#rows .row")]
+    assert [card for card in badges if "side-1 line" in card] and sum("side-1 line" in b for b in badges) == 1
     assert js_errors(browser) == []
 
 

@@ -7,6 +7,7 @@
 # auto lets the model call a tool and then answer in the format; thinking blocks round-trip; every refusal is a 400
 # naming what is accepted, records nothing, and the server keeps serving.
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -27,7 +28,8 @@ from session import CALL_OPENING, ChatSession
 from rollout import SamplingParams
 from test_session import CountingEngine, teach
 from test_loopback_http import anthropic_client, openai_client, trace, trainable_ids
-from wire_params import ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED, RESPONSES_FIELDS
+from wire_params import (ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED,
+                         RESPONSES_FIELDS)
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command.",
@@ -79,20 +81,34 @@ def responses_params():
 
 
 def anthropic_params():
+    """The messages create params, and their beta twin (client.beta.messages, Claude Code: one route, ?beta=true)."""
     from anthropic.types import message_create_params as p
-    return [p.MessageCreateParamsStreaming, p.MessageCreateParamsNonStreaming]
+    from anthropic.types.beta import message_create_params as beta
+    return [p.MessageCreateParamsStreaming, p.MessageCreateParamsNonStreaming, beta.MessageCreateParamsStreaming,
+            beta.MessageCreateParamsNonStreaming]
+
+
+def anthropic_count_params():
+    from anthropic.types import message_count_tokens_params as p
+    from anthropic.types.beta import message_count_tokens_params as beta
+    return [p.MessageCountTokensParams, beta.MessageCountTokensParams]
 
 
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "return_token_ids"}
+CLAUDE_CODE_EXTRAS = {"safeguards"}     # sent by Claude Code 2.1.332 (auto permission mode), typed by no SDK yet
 
 
 def test_every_field_of_the_sdks_create_params_has_a_disposition():
     for typed_dicts, table, extras in [(openai_params(), OPENAI_FIELDS, EXTRAS),
                                        (responses_params(), RESPONSES_FIELDS, EXTRAS | {"client_metadata"}),
-                                       (anthropic_params(), ANTHROPIC_FIELDS, EXTRAS | {"temperature", "top_p"})]:
+                                       (anthropic_params(), ANTHROPIC_FIELDS,
+                                        EXTRAS | {"temperature", "top_p"} | CLAUDE_CODE_EXTRAS)]:
         assert undecided(typed_dicts, table) == set()
         assert set(table) - sdk_fields(*typed_dicts) == extras      # no row for a field nobody sends
         assert {d for d, _ in table.values()} <= {HONOURED, NO_OP, REFUSED} and all(r for _, r in table.values())
+    # count_tokens takes exactly the SDKs' count params, each decided as for a messages request
+    assert ANTHROPIC_COUNT_FIELDS == sdk_fields(*anthropic_count_params()) and ANTHROPIC_COUNT_FIELDS <= set(
+        ANTHROPIC_FIELDS)
     # armed: a field a new SDK adds is caught before it is served
     class NewerParams(openai_params()[0], total=False):
         decoding_strategy: str
@@ -130,10 +146,9 @@ class Teacher:
     def converse(self, body: dict, replies: list[str], follow_ups: list[list[dict]] = ()) -> None:
         request = wires.decode_openai({**body, "messages": [{"role": "user", "content": "-"}]}, GREEDY)
         session = ChatSession(self.engine, self.tok, f"teach-{len(self.pairs)}", template=data.CHATML_TEMPLATE)
-        forced = CALL_OPENING if request.options.tool_choice in ("required", "named") else ""
         messages = [dict(m) for m in body["messages"]]
         for k, text in enumerate(replies):
-            prompt = session._prompt(messages, request.tools, request.options.template_kwargs, forced)[0]
+            prompt = session.prompt_ids(messages, request.tools, request.options)
             self.pairs.append((prompt, self.tok.encode(text, add_special_tokens=False) + [self.im_end]))
             teach(self.student, self.pairs, max_steps=1500)
             self.engine.update_weights(self.student.state_dict(), self.engine.version + 1)
@@ -568,15 +583,122 @@ def test_a_plain_text_document_reaches_the_model_as_text_with_its_title(server):
     assert "notes.txt\n\na.txt holds hello\n\nWhat does a.txt hold?" in context
 
 
+# ---- Claude Code's wire: deferred tools, context management, count_tokens ----------------------------------
+
+SEARCH_TOOL = {"name": "ToolSearch", "description": "Fetches deferred tools.",
+               "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+
+
+def deferred(name: str, description: str, defer: bool = True) -> dict:
+    return {"name": name, "description": description, "defer_loading": defer,
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+FOUND = [{"role": "user", "content": "Find the notebook tool."},
+         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                            "input": {"query": "select:NotebookEdit"}}]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+             {"type": "tool_reference", "tool_name": "NotebookEdit"}]}, {"type": "text", "text": "Tool loaded."}]}]
+
+
+def context_text(info) -> str:
+    return "".join(t for s in trace(info)["segments"] for t, m in zip(s["tokens"], s["trainable"]) if not m)
+
+
+def tool_list(info) -> str:
+    """The tools the template rendered at the top of the prompt (data.CHATML_TEMPLATE's <tools> block)."""
+    text = context_text(info)
+    start = text.index("<tools>\n")
+    return text[start:text.index("</tools>", start)]
+
+
+def test_a_deferred_tool_enters_the_context_where_a_tool_reference_names_it_and_adding_it_never_seals(server):
+    notebook = "Replaces a cell in a Jupyter notebook."
+    runs = {}
+    for defer in (True, False):      # False: the control, every tool rendered in the prompt's tool list
+        info = server.create_session(sampling=SamplingParams(**BASE, seed=0))
+        client = anthropic_client(info).beta.messages
+        tools = [SEARCH_TOOL, deferred("NotebookEdit", notebook, defer)]
+        first = client.create(model="policy", max_tokens=6, messages=FOUND, tools=tools,
+                              betas=["advanced-tool-use-2025-11-20"])
+        # the harness's search finds another tool and adds it to `tools` (Claude Code: in name order, deferred)
+        later = [*FOUND, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": "Go on."}]
+        client.create(model="policy", max_tokens=6, messages=later, betas=["advanced-tool-use-2025-11-20"],
+                      tools=[SEARCH_TOOL, deferred("NotebookEdit", notebook, defer), deferred("Monitor", "Watch.",
+                                                                                               defer)])
+        runs[defer] = info
+    text, listed = context_text(runs[True]), tool_list(runs[True])
+    assert "ToolSearch" in listed and "NotebookEdit" not in listed and "Monitor" not in listed
+    assert '<tool_response>\n<functions>\n<function>{"description": "' + notebook + '", "name": "NotebookEdit", ' \
+        '"parameters": {"type": "object"' in text                   # where the reference stands
+    assert [s["seal_reason"] for s in trace(runs[True])["segments"]] == [""]
+    # armed: rendered in the tool list, the tool a search adds rewrites the record's opening, and the record seals
+    assert [s["seal_reason"] for s in trace(runs[False])["segments"]] == ["non_extension", ""]
+    # a server-side tool search cannot run here: dropped, and the deferred tools are rendered like any
+    info = server.create_session(sampling=SamplingParams(**BASE, seed=0))
+    anthropic_client(info).beta.messages.create(
+        model="policy", max_tokens=4, messages=COUNT, betas=["advanced-tool-use-2025-11-20"],
+        tools=[{"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
+               deferred("NotebookEdit", notebook)])
+    assert "NotebookEdit" in tool_list(info) and "tool_search" not in tool_list(info)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_context_management_is_accepted_no_edit_is_applied_and_the_reply_says_so(server, stream):
+    info = server.create_session(sampling=SamplingParams(**BASE, seed=0))
+    client = anthropic_client(info).beta.messages
+    # an edit whose trigger the conversation passes at once: still none is applied, the history is kept whole
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1}},
+                       {"type": "clear_thinking_20251015", "keep": "all"}]}
+    ask = dict(model="policy", max_tokens=6, context_management=edits, betas=["context-management-2025-06-27"])
+    messages = list(COUNT)
+    for _ in range(2):
+        if stream:
+            with client.stream(messages=messages, **ask) as events:
+                reply = events.get_final_message()
+        else:
+            reply = client.create(messages=messages, **ask)
+        assert reply.context_management.applied_edits == []
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+                     {"role": "user", "content": "Again?"}]
+    assert [s["seal_reason"] for s in trace(info)["segments"]] == [""]       # the echo extended: nothing was cleared
+    plain = anthropic_client(info).messages.create(model="policy", max_tokens=6, messages=COUNT)
+    assert "context_management" not in plain.model_dump(exclude_none=True)   # only a request that set it is told
+
+
+def test_count_tokens_is_the_prompt_the_next_turn_gets_and_records_nothing(server):
+    info = server.create_session(sampling=SamplingParams(**BASE, seed=0))
+    client = anthropic_client(info)
+    first = client.messages.create(model="policy", max_tokens=6, messages=COUNT)
+    later = [*COUNT, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+             {"role": "user", "content": "Again?"}]
+    calls, before = server.engine.calls, trace(info)
+    counted = client.messages.count_tokens(model="policy", messages=later)
+    assert server.engine.calls == calls and trace(info) == before              # nothing generated or recorded
+    second = client.messages.create(model="policy", max_tokens=6, messages=later)
+    assert counted.input_tokens == second.usage.input_tokens == len(trace(info)["segments"][0]["token_ids"]) - \
+        second.usage.output_tokens                                             # the record's tokens, extended
+    with pytest.raises(anthropic.BadRequestError, match="count_tokens takes"):
+        client.messages.count_tokens(model="policy", messages=COUNT, extra_body={"max_tokens": 5})
+    assert client.messages.count_tokens(model="policy", messages=COUNT, system="Be brief.").input_tokens > 0
+
+
 # ---- no-ops and refusals -----------------------------------------------------------------------------------
 
 OPENAI_NO_OPS = dict(store=True, metadata={"run": "x"}, user="u1", service_tier="auto", prompt_cache_key="k",
                      safety_identifier="s", prediction={"type": "content", "content": "One file."}, verbosity="low",
                      prompt_cache_retention="24h", prompt_cache_options={"mode": "implicit"})
+SAFEGUARDS = [{"type": "dangerous_tool_use", "classifier_context": {"v": 1, "permission_mode": "auto"}}]
 ANTHROPIC_NO_OPS = dict(metadata={"user_id": "u1"}, service_tier="auto", cache_control={"type": "ephemeral"},
                         inference_geo="us", speed="fast", diagnostics={"previous_message_id": "m"},
-                        # the SDK sends these two as headers; in a body they are no-ops as well
-                        extra_body={"workspace_id": "w", "user_profile_id": "p"})
+                        # the SDK sends the first two as headers; in a body they are no-ops as well; the rest are the
+                        # beta wire's (client.beta.messages) and Claude Code's
+                        extra_body={"workspace_id": "w", "user_profile_id": "p", "betas": ["effort-2025-11-24"],
+                                    "billing_policy": {"type": "billing_policy", "bill_to": "self"},
+                                    "fallback_credit_token": "t", "fallbacks": "default", "safeguards": SAFEGUARDS,
+                                    "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                      "keep": "all"}]}})
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
@@ -637,6 +759,16 @@ REFUSALS = [   # (wire, request fields, what the 400 must say)
         {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}, {"type": "text", "text": "One."}]},
         {"role": "user", "content": "Again?"}]}, "leave the block out"),
     ("anthropic", {"extra_body": {"logit_bias": {"5": 1}}}, "unsupported parameter(s) ['logit_bias']"),
+    ("anthropic", {"extra_body": {"compaction": {"type": "compact"}}}, "the harness's own compaction"),
+    ("anthropic", {"extra_body": {"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}},
+     "offer their tools as client tools"),
+    ("anthropic", {"extra_body": {"thread": {"type": "create"}}}, "send the whole conversation every turn"),
+    ("anthropic", {"extra_body": {"context_management": ["clear"]}}, "'context_management' must be an object"),
+    ("anthropic", {"thinking": {"type": "adaptive", "display": "full"}}, "display 'summarized', 'omitted' or 'updates'"),
+    ("anthropic", {"tools": ANTHROPIC_TOOLS, "messages": [*COUNT, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "select:Nope"}}]}, {
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "tool_reference", "tool_name": "Nope"}]}]}]}, "references the tool 'Nope', which is not in"),
 ]
 
 
@@ -687,9 +819,8 @@ def test_the_recompute_matches_under_each_honoured_field_and_misses_without_it(s
         mask = batch.loss_mask.bool()
         gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[mask].abs().max().item()
         # armed: the same rows recomputed as if the field had not been sent
-        plain = [invariants.Segment(**{**r.__dict__, "sampling": [invariants.Sampling(s.temperature) if s !=
-                                                                  invariants.UNSAMPLED else s for s in r.sampling]})
-                 for r in rows]
+        plain = [dataclasses.replace(r, sampling=[invariants.Sampling(s.temperature) if s != invariants.UNSAMPLED
+                                                  else s for s in r.sampling]) for r in rows]
         unrecorded = invariants.build_batch(plain, [1.0], pad_id=tok.pad_token_id)
         missed = (policy.recompute_logprobs(unrecorded) - batch.behavior_logprobs)[mask].abs().max().item()
         print(f"{name}: max |recompute - behavior| {gap:.1e} at the recorded sampling, {missed:.2f} without the field")
