@@ -619,7 +619,8 @@ def test_images_reach_a_vision_language_model_on_both_wires_and_train_with_their
             model="policy", max_tokens=6, messages=[{"role": "user", "content": [
                 {"type": "text", "text": "What is this?"}, block]}])
         assert trainable_ids(trace(anthropic_info)) == first.model_extra["token_ids"]
-        assert message.usage.input_tokens == len(first.model_extra["prompt_token_ids"])
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == \
+            len(first.model_extra["prompt_token_ids"])
         # invariant 3 (forward consistency): the trainer, fed the row's own images, recomputes the engine's logprobs
         rows = loopback.close_session(info.session_id).ledger.rows()
         batch = invariants.build_batch(rows, [1.0], pad_id=0)
@@ -828,7 +829,7 @@ def test_claude_codes_requests_are_served_on_its_defaults_and_its_side_requests_
                                                    if k not in ("max_tokens", "metadata")})
     assert server.engine.calls == calls and trace(info) == before
     first = streamed(client, cc_request(CC_MAIN_SYSTEM, CC_TASK, CC_MAIN_TOOLS))   # was a 400 on context_management
-    assert first.usage.input_tokens == counted.input_tokens
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == counted.input_tokens
     assert first.stop_reason == "tool_use" and first.context_management.applied_edits == []
     call = first.content[-1]
     assert call.name == "Edit" and list(call.input) == ["new_string", "old_string", "file_path"]
@@ -850,7 +851,8 @@ def test_claude_codes_requests_are_served_on_its_defaults_and_its_side_requests_
     assert lines == [("main", ""), ("side-0", ""), ("side-2", "")]          # no line sealed; the title is side-0
     main = record["segments"][0]                  # both main turns sampled in it, the echo extending the first
     assert sum(main["trainable"]) == first.usage.output_tokens + second.usage.output_tokens
-    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens > \
+        first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
     # armed: one record for the session would have sealed at each switch of conversation
     sub_segment = record["segments"][2]
     assert invariants.common_prefix_len(sub_segment["token_ids"], main["token_ids"]) < \

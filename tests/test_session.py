@@ -264,7 +264,7 @@ def test_tools_reach_a_template_without_a_tools_block_and_an_echoed_call_extends
     engine = EmbeddedEngine(copy.deepcopy(student).eval())
     session = ChatSession(engine, tok, "r", template=template, sampling=GREEDY)
     ask = [{"role": "user", "content": "List files."}]
-    prompt = session._prompt(ask, tools)[0]
+    prompt = session._prompt(None, ask, tools)[0]
     assert "Run a command." in tok.decode(prompt) and "<tools>" in tok.decode(prompt)
     reply = tok.encode('<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>') + \
         [tok.convert_tokens_to_ids("<|im_end|>")]
