@@ -217,8 +217,9 @@ def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]
 
 def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.Task], list[str]], steps: int) -> str:
     """A tiny Qwen3 taught the demonstration of every bug of swe_fix (`script(task)`: the replies of its episode),
-    harvested once into the cache (named by what shapes it: header) and taught by models.taught_tiny_model_dir. Every
-    bug, train and held-out alike: the model learns the harness's format (and repeats the demonstrated fixes)."""
+    harvested once into the cache (named by what shapes it: header) and taught its replies by
+    models.taught_replies_model_dir. Every bug, train and held-out alike: the model learns the harness's format (and
+    repeats the demonstrated fixes)."""
     tokenizer = models.bpe_tokenizer()
     recipe = sys.modules[agent_cls.__module__]
     agent_cls = type(agent_cls.__name__, (agent_cls,), {"short_prompt": True})   # the CPU's prompt, on any machine
@@ -236,7 +237,7 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint}", write)
     with open(os.path.join(folder, "demonstrations.json")) as f:
         texts = json.load(f)
-    return models.taught_tiny_model_dir("qwen3", [(text, []) for text in texts], steps=steps)
+    return models.taught_replies_model_dir(texts, steps=steps)
 
 
 def demonstration_edit(task) -> tuple[str, str, str, str]:

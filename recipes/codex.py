@@ -126,7 +126,7 @@ def script(task: data.Task) -> list[str]:
 
 
 def taught_model() -> str:
-    return taught_harness_model(CodexAgent, script, steps=150)
+    return taught_harness_model(CodexAgent, script, steps=200)
 
 
 models.MODEL_NAMES[CPU_MODEL] = taught_model
