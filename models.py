@@ -291,44 +291,45 @@ def reply_mask(tokenizer, ids: list[int]) -> list[bool]:
     return mask
 
 
-def taught_replies_model_dir(texts: list[str], steps: int = 200, seed: int = 0) -> str:
+def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12, seed: int = 0) -> str:
     """tiny_model("qwen3", seed) taught the assistant replies of long ChatML conversations that share a long prefix
-    (a coding harness's system prompt and tools): every conversation in every step (AdamW, lr 3e-3), the loss on the
-    reply ids alone (reply_mask), the shared prefix run once a step without gradient, its KV cache shared by every row
-    (the prefix is the same for every task, so nothing is lost by not shaping it). A harness's conversation is ~3,000
-    ids of which ~200 are replies: taught whole (taught_tiny_model_dir), a tiny model writes none of them after 150
-    steps; taught this way it writes every one after 200 (greedy, exact), about 2 minutes on 2 cores. Saved and cached
-    like taught_tiny_model_dir."""
+    (a coding harness's system prompt and tools): `batch` conversations a step, drawn without replacement (AdamW, lr
+    3e-3), the loss on the reply ids alone (reply_mask), the shared prefix run once a step without gradient, its KV
+    cache shared by every row (the prefix is the same for every task, so nothing is lost by not shaping it). A
+    harness's conversation is ~3,000 ids of which ~200 are replies: taught whole (taught_tiny_model_dir), a tiny model
+    writes none of them after 150 steps; taught this way it writes every one after 200 (greedy, exact), about 2
+    minutes on 2 cores for 12 conversations a step. Saved and cached like taught_tiny_model_dir."""
     tokenizer = bpe_tokenizer()
-    fingerprint = hashlib.sha256(json.dumps([tiny_model_dir("qwen3", seed), steps, texts]).encode()).hexdigest()[:10]
+    fingerprint = hashlib.sha256(json.dumps([tiny_model_dir("qwen3", seed), steps, batch, texts]).encode())
 
     def write(folder: str) -> None:
         encoded = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         masks = [reply_mask(tokenizer, ids) for ids in encoded]
         # the shared prefix stops before the first reply id (and leaves each row one id of its own to feed)
         shared = min(len(os.path.commonprefix(encoded)), *(mask.index(True) - 1 for mask in masks))
-        width = max(len(ids) for ids in encoded) - shared
-        pad = tokenizer.pad_token_id
-        ids = torch.tensor([row[shared:] + [pad] * (width - len(row) + shared) for row in encoded])
-        attention = torch.tensor([[1] * len(row) + [0] * (width - len(row) + shared) for row in encoded])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(row[shared:], mask[shared:])] +
-                               [-100] * (width - len(row) + shared) for row, mask in zip(encoded, masks)])
-        positions = torch.arange(shared, shared + width).expand(len(encoded), -1)
         model = tiny_model("qwen3", seed).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        order = torch.Generator().manual_seed(seed)
         for _ in range(steps):
+            rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
+            width = max(len(encoded[r]) for r in rows) - shared
+            pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
+            ids = torch.tensor([encoded[r][shared:] + [tokenizer.pad_token_id] * len(p) for r, p in zip(rows, pads)])
+            attention = torch.tensor([[1] * len(encoded[r]) + p for r, p in zip(rows, pads)])
+            labels = torch.tensor([[t if m else -100 for t, m in zip(encoded[r][shared:], masks[r][shared:])] +
+                                   [-100] * len(p) for r, p in zip(rows, pads)])
             with torch.no_grad():
                 cache = model(input_ids=torch.tensor([encoded[0][:shared]]), use_cache=True).past_key_values
-            cache.batch_repeat_interleave(len(encoded))
-            loss = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                         labels=labels).loss
+            cache.batch_repeat_interleave(len(rows))
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels, past_key_values=cache,
+                         position_ids=torch.arange(shared, shared + width).expand(len(rows), -1)).loss
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         model.eval().save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _cached_folder(f"taught-replies-qwen3-seed{seed}-{fingerprint}", write)
+    return _cached_folder(f"taught-replies-qwen3-seed{seed}-{fingerprint.hexdigest()[:10]}", write)
 
 
 # ---- resolve and load ----

@@ -192,17 +192,18 @@ def call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]) -> list[str]:
-    """Each task's demonstration as the server rendered it for the policy: `agent_cls` runs the harness, jailed, on
-    the task's repository against a LoopbackServer whose engine answers with the task's script. Raises RuntimeError
-    when a harness asked for more or fewer replies than its script holds, or failed."""
+def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]], runs: int = 1) -> list[str]:
+    """Each task's demonstration as the server rendered it for the policy, `runs` times over (a harness's tool
+    results vary from run to run: Codex's chunk ids and wall times): `agent_cls` runs the harness, jailed, on the
+    task's repository against a LoopbackServer whose engine answers with the task's script. Raises RuntimeError when
+    a harness asked for more or fewer replies than its script holds, or failed."""
     tokenizer = models.bpe_tokenizer()
     engine = ScriptEngine(tokenizer)
     runner = type("HarvestRunner", (ChatAgentRunner,), {"agent_cls": agent_cls})(
         engine, tokenizer, max_turns=max(len(script) for script in scripts), max_length=1 << 16)
     generations = []
     try:
-        for task, script in zip(tasks, scripts):
+        for task, script in [pair for pair in zip(tasks, scripts) for _ in range(runs)]:
             engine.replies = list(script)
             rollouts = runner.run([task], ["harvest"], SamplingParams(max_tokens=1024))
             if not rollouts or engine.replies or rollouts[0].num_turns != len(script):
@@ -215,7 +216,8 @@ def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]
     return teaching_texts(tokenizer, generations)
 
 
-def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.Task], list[str]], steps: int) -> str:
+def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.Task], list[str]], steps: int,
+                         runs: int = 1) -> str:
     """A tiny Qwen3 taught the demonstration of every bug of swe_fix (`script(task)`: the replies of its episode),
     harvested once into the cache (named by what shapes it: header) and taught its replies by
     models.taught_replies_model_dir. Every bug, train and held-out alike: the model learns the harness's format (and
@@ -227,12 +229,12 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     scripts = [script(task) for task in tasks]
     fingerprint = hashlib.sha256(json.dumps([
         agent_cls.harness.version, inspect.getsource(recipe),
-        inspect.getsource(sys.modules[__name__]), scripts, tokenizer.backend_tokenizer.to_str(),
+        inspect.getsource(sys.modules[__name__]), scripts, runs, tokenizer.backend_tokenizer.to_str(),
         data.CHATML_TEMPLATE]).encode()).hexdigest()[:10]
 
     def write(folder: str) -> None:
         with open(os.path.join(folder, "demonstrations.json"), "w") as f:
-            json.dump(harvest(agent_cls, tasks, scripts), f)
+            json.dump(harvest(agent_cls, tasks, scripts, runs), f)
 
     folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint}", write)
     with open(os.path.join(folder, "demonstrations.json")) as f:

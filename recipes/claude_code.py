@@ -32,7 +32,7 @@ DEFAULTS = {
     "rollout.samples_per_prompt": 4 if ON_GPU else 2,
     "rollout.temperature": 1.0,
     "rollout.max_turns": 16 if ON_GPU else 6,         # Claude Code's --max-turns
-    "rollout.max_tokens": 1024 if ON_GPU else 160,
+    "rollout.max_tokens": 1024 if ON_GPU else 256,   # the longest demonstrated reply: 116 ids
     "rollout.max_length": 32768 if ON_GPU else 8192,
     "actor.lr": 1e-6 if ON_GPU else 1e-4,
     "algo.estimator": "grpo",

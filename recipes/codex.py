@@ -37,7 +37,7 @@ DEFAULTS = {
     "rollout.samples_per_prompt": 4 if ON_GPU else 2,
     "rollout.temperature": 1.0,
     "rollout.max_turns": 16 if ON_GPU else 6,         # the runner's budget: step_timeout_s x max_turns
-    "rollout.max_tokens": 1024 if ON_GPU else 160,
+    "rollout.max_tokens": 1024 if ON_GPU else 256,   # the longest demonstrated reply: 167 ids
     "rollout.max_length": 32768 if ON_GPU else 8192,
     "actor.lr": 1e-6 if ON_GPU else 1e-4,
     "algo.estimator": "grpo",
@@ -126,7 +126,7 @@ def script(task: data.Task) -> list[str]:
 
 
 def taught_model() -> str:
-    return taught_harness_model(CodexAgent, script, steps=200)
+    return taught_harness_model(CodexAgent, script, steps=200, runs=3)
 
 
 models.MODEL_NAMES[CPU_MODEL] = taught_model
