@@ -22,6 +22,7 @@ from harvest import ScriptEngine
 from invariants import check_sampled_once
 from recipes import claude_code, codex, swe_fix
 from rollout import EmbeddedEngine, SamplingParams
+from session import parse_hermes_tool_calls
 from tests.test_process import processes_holding
 
 RECIPES = {"codex": codex, "claude_code": claude_code}
@@ -77,6 +78,12 @@ def sealed_turns(rollout) -> list[bool]:
     return [k == 0 and i > 0 for i, row in enumerate(rollout.rows) for k in range(turns_per_row(row))]
 
 
+def tool_turns(tokenizer, rollout) -> int:
+    """The turns whose reply the session parsed into tool calls."""
+    return sum(bool(parse_hermes_tool_calls(tokenizer.decode(g.token_ids, skip_special_tokens=True), "c")
+                    .get("tool_calls")) for g in rollout.generations)
+
+
 def recompute_gap(policy, rows, temperature: float | None = None) -> float:
     """max |behavior - trainer recompute| over the rows' sampled tokens (the batch train.py builds); `temperature`
     replaces every token's recorded one first (the trap: another distribution than the one sampled from)."""
@@ -107,18 +114,18 @@ def test_both_harnesses_are_installed_at_their_pins_and_claude_code_runs_without
 
 def test_each_harness_runs_unchanged_streaming_through_tool_episodes_and_every_sampled_token_trains_once(taught):
     recipe, engine, tokenizer, policy = taught
-    tasks = swe_fix.tasks("train", 0)[:2]
-    sampling = SamplingParams(temperature=0.7, max_tokens=256, seed=0)
+    tasks = swe_fix.tasks("train", 0) + swe_fix.tasks("test", 0)    # every bug
+    sampling = SamplingParams(temperature=0.3, max_tokens=256, seed=0)   # sampled, so the recompute means something
     rollouts, failures, requests = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), tasks,
                                                 sampling)
-    assert failures == {} and len(rollouts) == 2
+    assert failures == {} and len(rollouts) == len(tasks)
     generation_requests = [stream for route, stream in requests if route in ("responses", "messages")]
     assert generation_requests and all(generation_requests)       # every turn streamed
     for task, rollout in zip(tasks, rollouts):
         seals = sealed_turns(rollout)
-        print(f"{recipe.__name__} {task.task_id}: {rollout.num_turns} turns, sealed per turn {seals}, "
-              f"reward {rollout.reward:.2f}, info {rollout.info}")
-        assert rollout.num_turns >= 4 and len(seals) == rollout.num_turns
+        print(f"{recipe.__name__} {task.task_id}: {rollout.num_turns} turns ({tool_turns(tokenizer, rollout)} tool "
+              f"calls), sealed per turn {seals}, reward {rollout.reward:.2f}, info {rollout.info}")
+        assert rollout.num_turns >= 3 and len(seals) == rollout.num_turns     # a tool call, its result, and on
         assert seals == [False] * rollout.num_turns               # each turn's prompt extends the record
         assert rollout.info["tests_passed"] == rollout.reward
         check_sampled_once(rollout.rows, rollout.generations)
@@ -129,9 +136,10 @@ def test_each_harness_runs_unchanged_streaming_through_tool_episodes_and_every_s
         assert gap <= PARITY_TOL < trap
         top = os.path.dirname(SEEN[task.task_id]["ws"].work)
         assert processes_holding(top) == [] and not os.path.exists(top)
-    tool_turns = {"codex": lambda info: info["codex_commands"] + info["codex_patches"],
-                  "claude_code": lambda info: info["claude_turns"] - 1}[recipe.__name__.split(".")[-1]]
-    assert all(tool_turns(r.info) >= 3 for r in rollouts)          # read, edit, test (then the answer)
+    # read, edit, test, then the answer: the episode taught, which a sampled reply may leave (a patch that fails)
+    complete = sum(tool_turns(tokenizer, r) >= 3 and r.num_turns >= 4 for r in rollouts)
+    print(f"{recipe.__name__}: {complete} of {len(rollouts)} episodes read, edited, tested and answered")
+    assert complete >= len(rollouts) * 3 // 4
 
 
 # ---- on its defaults: the whole prompt ----------------------------------------------------------------------------
