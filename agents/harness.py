@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,8 +110,9 @@ def check_installed() -> None:
     for harness in (CODEX, CLAUDE_CODE):
         host = harness.host_entry()
         argv = [node_binary(), host] if harness.needs_node else [host]
-        done = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60,
-                              env={"PATH": "/usr/bin:/bin", "HOME": HARNESSES_DIR})
+        with tempfile.TemporaryDirectory() as home:          # what a harness writes into its home goes with it
+            done = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=60,
+                                  env={"PATH": "/usr/bin:/bin", "HOME": home})
         if done.returncode != 0 or harness.version not in done.stdout:
             raise RuntimeError(f"{harness.name}: `{' '.join(argv)} --version` gave {done.returncode}: "
                                f"{(done.stdout + done.stderr).strip()[:500]}")

@@ -11,6 +11,7 @@
 import dataclasses
 import os
 import subprocess
+import tempfile
 
 import pytest
 
@@ -103,8 +104,9 @@ def test_both_harnesses_are_installed_at_their_pins_and_claude_code_runs_without
     entry = harness.CLAUDE_CODE.host_entry()
     with open(entry, "rb") as f:
         assert f.read(4) == b"\x7fELF"                            # a native executable, not a Node script
-    done = subprocess.run([entry, "--version"], capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/nonexistent", "HOME": os.path.dirname(entry)})
+    with tempfile.TemporaryDirectory() as home:
+        done = subprocess.run([entry, "--version"], capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/nonexistent", "HOME": home})
     assert done.returncode == 0 and done.stdout.startswith(harness.CLAUDE_CODE.version), done.stderr
     codex_entry = harness.CODEX.host_entry()                      # Codex's is Node's to run (its shim)
     assert codex_entry.endswith("bin/codex.js") and harness.CODEX.argv()[0] == harness.JAIL_NODE
