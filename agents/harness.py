@@ -225,12 +225,13 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     models.taught_replies_model_dir. Every bug, train and held-out alike: the model learns the harness's format (and
     repeats the demonstrated fixes)."""
     tokenizer = models.bpe_tokenizer()
-    recipe = sys.modules[agent_cls.__module__]
+    with open(script.__code__.co_filename) as f:       # the recipe's file (train.py loads it under a name of its own)
+        recipe_source = f.read()
     agent_cls = type(agent_cls.__name__, (agent_cls,), {"short_prompt": True})   # the CPU's prompt, on any machine
     tasks = [swe_fix.task(*problem) for problem in PROBLEMS]
     scripts = [script(task) for task in tasks]
     fingerprint = hashlib.sha256(json.dumps([
-        agent_cls.harness.version, inspect.getsource(recipe),
+        agent_cls.harness.version, recipe_source,
         inspect.getsource(sys.modules[__name__]), scripts, runs, tokenizer.backend_tokenizer.to_str(),
         data.CHATML_TEMPLATE]).encode()).hexdigest()[:10]
 
