@@ -36,8 +36,8 @@ def converse(server, engine, replies: list[str], rewrite_history: bool = False):
     calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
     call = {"id": calls[0].id, "type": "function",
             "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}
-    if rewrite_history:              # an edited history: its ids no longer begin with the record's, so the turn seals
-        messages[0]["content"] = "The weather in Paris?"
+    if rewrite_history:              # an edited reply: the ids no longer begin with the record's, so the turn seals
+        call["function"]["arguments"] = json.dumps({"city": "Lyon"})
     messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
     answer = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)

@@ -115,7 +115,7 @@ def test_a_coding_harness_unchanged_trains_two_steps_on_the_cpu(recipe, tmp_path
     assert [r["rollout/count"] for r in records] == [4 - failed[0], 4 - (failed[1] - failed[0])]
     assert sum(r["rollout/count"] for r in records) >= 6
     # multi-turn: tool calls, then an answer (at temperature 1 a sampled call may fail, or the model answer early)
-    assert all(r["rollout/turns"] >= 2 and "agent/tests_passed" in r for r in records)
+    assert all(r["rollout/turns"] > 1 and "agent/tests_passed" in r for r in records)
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
 
 
