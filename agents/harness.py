@@ -15,13 +15,13 @@
 # LoopbackServer over a ScriptEngine that answers with the demonstration's replies; the server records each request
 # exactly as it renders it for the policy (the harness's system prompt, its tools, its tool results). The recorded
 # texts are kept in a cache folder named by everything that shapes them (the harness's version, the recipe's and this
-# module's source, the replies, the tokenizer), so the taught model is made once per machine and reused.
+# module's source, the server's rendering, the replies, the tokenizer), so the taught model is made once per machine
+# and reused.
 # Never: passes a host secret to a harness (ProcessAgent builds its environment from nothing), runs one unjailed.
 from __future__ import annotations
 
 import glob
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -225,21 +225,25 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     models.taught_replies_model_dir. Every bug, train and held-out alike: the model learns the harness's format (and
     repeats the demonstrated fixes)."""
     tokenizer = models.bpe_tokenizer()
-    with open(script.__code__.co_filename) as f:       # the recipe's file (train.py loads it under a name of its own)
-        recipe_source = f.read()
     agent_cls = type(agent_cls.__name__, (agent_cls,), {"short_prompt": True})   # the CPU's prompt, on any machine
     tasks = [swe_fix.task(*problem) for problem in PROBLEMS]
     scripts = [script(task) for task in tasks]
-    fingerprint = hashlib.sha256(json.dumps([
-        agent_cls.harness.version, recipe_source,
-        inspect.getsource(sys.modules[__name__]), scripts, runs, tokenizer.backend_tokenizer.to_str(),
-        data.CHATML_TEMPLATE]).encode()).hexdigest()[:10]
+    # what shapes the texts: the harness, the recipe's file (train.py loads it under a module name of its own), this
+    # file, the server's rendering (loopback.py, session.py, data.py, the wires), the replies, the tokenizer
+    root = os.path.dirname(HARNESSES_DIR)
+    sources = [script.__code__.co_filename, __file__, *sorted(glob.glob(os.path.join(root, "wire*.py"))),
+               *(os.path.join(root, f"{name}.py") for name in ("loopback", "session", "data"))]
+    fingerprint = hashlib.sha256(json.dumps([agent_cls.harness.version, scripts, runs,
+                                             tokenizer.backend_tokenizer.to_str()]).encode())
+    for source in sources:
+        with open(source, "rb") as f:
+            fingerprint.update(f.read())
 
     def write(folder: str) -> None:
         with open(os.path.join(folder, "demonstrations.json"), "w") as f:
             json.dump(harvest(agent_cls, tasks, scripts, runs), f)
 
-    folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint}", write)
+    folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint.hexdigest()[:10]}", write)
     with open(os.path.join(folder, "demonstrations.json")) as f:
         texts = json.load(f)
     return models.taught_replies_model_dir(texts, steps=steps)

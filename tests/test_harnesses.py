@@ -9,6 +9,7 @@
 # harness sends its whole prompt (tens of thousands of ids) through the session turn after turn. Claude Code's
 # package declares node >= 22; its CLI is a native executable that runs where no Node is found at all.
 import dataclasses
+import json
 import os
 import subprocess
 import tempfile
@@ -22,6 +23,7 @@ from agents import harness
 from harvest import ScriptEngine
 from invariants import check_sampled_once
 from recipes import claude_code, codex, swe_fix
+from recipes.code_exec import run_hidden_tests
 from rollout import EmbeddedEngine, SamplingParams
 from session import parse_hermes_tool_calls
 from tests.test_process import processes_holding
@@ -110,6 +112,17 @@ def test_both_harnesses_are_installed_at_their_pins_and_claude_code_runs_without
     assert done.returncode == 0 and done.stdout.startswith(harness.CLAUDE_CODE.version), done.stderr
     codex_entry = harness.CODEX.host_entry()                      # Codex's is Node's to run (its shim)
     assert codex_entry.endswith("bin/codex.js") and harness.CODEX.argv()[0] == harness.JAIL_NODE
+
+
+def test_every_demonstrated_edit_fixes_its_bug_and_only_its_line():
+    for task in swe_fix.tasks("train", 0) + swe_fix.tasks("test", 0):
+        label = json.loads(task.label)
+        name, tests = label["name"], [(tuple(a), e) for a, e in label["tests"]]
+        module, line, fixed, test = harness.demonstration_edit(task)
+        source = label["files"][module]
+        assert source.count(line) == 1 and test in label["files"] and line != fixed
+        assert run_hidden_tests(source.replace(line, fixed), name, tests)[0] == 3       # the fix passes them all
+        assert run_hidden_tests(source, name, tests)[0] < 3                             # the bug does not
 
 
 # ---- multi-turn tool episodes on the taught models -----------------------------------------------------------------
