@@ -310,22 +310,28 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
         model = tiny_model("qwen3", seed).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         order = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
-            width = max(len(encoded[r]) for r in rows) - shared
-            pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
-            ids = torch.tensor([encoded[r][shared:] + [tokenizer.pad_token_id] * len(p) for r, p in zip(rows, pads)])
-            attention = torch.tensor([[1] * len(encoded[r]) + p for r, p in zip(rows, pads)])
-            labels = torch.tensor([[t if m else -100 for t, m in zip(encoded[r][shared:], masks[r][shared:])] +
-                                   [-100] * len(p) for r, p in zip(rows, pads)])
-            with torch.no_grad():
-                cache = model(input_ids=torch.tensor([encoded[0][:shared]]), use_cache=True).past_key_values
-            cache.batch_repeat_interleave(len(rows))
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels, past_key_values=cache,
-                         position_ids=torch.arange(shared, shared + width).expand(len(rows), -1)).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)     # one long CPU job: every core (the test suite runs on one)
+        try:
+            for _ in range(steps):
+                rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
+                width = max(len(encoded[r]) for r in rows) - shared
+                pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
+                ids = torch.tensor([encoded[r][shared:] + [tokenizer.pad_token_id] * len(p)
+                                    for r, p in zip(rows, pads)])
+                attention = torch.tensor([[1] * len(encoded[r]) + p for r, p in zip(rows, pads)])
+                labels = torch.tensor([[t if m else -100 for t, m in zip(encoded[r][shared:], masks[r][shared:])] +
+                                       [-100] * len(p) for r, p in zip(rows, pads)])
+                with torch.no_grad():
+                    cache = model(input_ids=torch.tensor([encoded[0][:shared]]), use_cache=True).past_key_values
+                cache.batch_repeat_interleave(len(rows))
+                loss = model(input_ids=ids, attention_mask=attention, labels=labels, past_key_values=cache,
+                             position_ids=torch.arange(shared, shared + width).expand(len(rows), -1)).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        finally:
+            torch.set_num_threads(threads)
         model.eval().save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
