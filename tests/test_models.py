@@ -137,6 +137,47 @@ def test_tiny_model_dir_is_written_once_and_loads_identical_model(tmp_path, monk
         assert torch.equal(loaded(input_ids=ids).logits, models.tiny_model("qwen3")(input_ids=ids).logits)
 
 
+def test_reply_mask_marks_the_assistant_replies_and_their_end_alone():
+    tokenizer = models.bpe_tokenizer()
+    text = data.render_prompt_text(tokenizer, [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two?"},
+        {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three?"},
+        {"role": "assistant", "content": "Five."}], add_generation_prompt=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    mask = models.reply_mask(tokenizer, ids)
+    marked = tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert marked == "Four.<|im_end|>Five.<|im_end|>"
+
+
+def test_taught_replies_model_writes_each_reply_after_a_shared_prefix_it_was_not_trained_to_predict(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
+    tokenizer = models.bpe_tokenizer()
+    system = "You are a helpful assistant. " * 40           # the long prefix every conversation shares
+    pairs = [("What is 2 plus 3?", "The answer is \\boxed{5}."), ("What is 4 plus 4?", "The answer is \\boxed{8}."),
+             ("Sam has three apples.", "Sam has 3 apples.")]
+    texts = [data.render_prompt_text(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q},
+                                                 {"role": "assistant", "content": a}], add_generation_prompt=False)
+             for q, a in pairs]
+    folder = models.taught_replies_model_dir(texts, steps=80)
+    assert models.taught_replies_model_dir(texts, steps=80) == folder                  # cached
+
+    def hits(model, text) -> tuple[float, float]:
+        """The fractions of reply ids and of the prefix's first 200 ids that greedy decoding writes."""
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        mask = models.reply_mask(tokenizer, ids)
+        with torch.no_grad():
+            predicted = model(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+        right = [p == t for p, t in zip(predicted, ids[1:])]
+        replies = [r for r, m in zip(right, mask[1:]) if m]
+        return sum(replies) / len(replies), sum(right[:200]) / 200
+    taught = models.load_model(folder)
+    assert all(hits(taught, text)[0] == 1.0 for text in texts)     # every reply id, its end included
+    assert all(hits(taught, text)[1] < 0.5 for text in texts)      # the prefix was never a target...
+    whole = models.load_model(models.taught_tiny_model_dir("qwen3", [(t, []) for t in texts], steps=80))
+    assert all(hits(whole, text)[1] > 0.9 for text in texts)       # ...as it is when the whole text is taught
+
+
 def test_half_written_cache_folder_is_never_used(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
     (tmp_path / "half").mkdir()

@@ -2,7 +2,8 @@
 # would use here or a tiny one, with its real agent: geo3k with a VLM, the python tool and the sandbox (Env and
 # OpenAI-SDK forms), multi-turn tool use, code execution graded by hidden tests (a gymnasium env), LLM-as-judge with
 # a frozen judge, on-policy distillation from a frozen teacher, and the agent ecosystem's own pieces (an OpenAI
-# Agents SDK Agent with a function tool, a verifiers environment, a reasoning-gym task set). Held-out evaluation
+# Agents SDK Agent with a function tool, a verifiers environment, a reasoning-gym task set), and the coding harnesses
+# people use, unchanged (Codex's `codex exec`, Claude Code's `claude -p`, each a jailed process). Held-out evaluation
 # (--eval.every, and `train.py eval CHECKPOINT`) runs through the same command line. train.py checks every
 # rollout's sampled tokens are trainable exactly once (invariants.check_sampled_once), so each run proves it.
 import json
@@ -96,6 +97,25 @@ def test_an_openai_agents_sdk_agent_calls_its_function_tool_through_train_py(tmp
 def test_an_environment_librarys_recipe_runs_two_steps_on_a_tiny_model(recipe, keys, tmp_path):
     records, _ = train(str(tmp_path / "out"), "--recipe", recipe, "--model", "tiny-qwen3", "--rollout.max_tokens", "8")
     assert all(r["rollout/count"] == 4 and keys <= set(r) for r in records)
+    assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
+
+
+@pytest.mark.parametrize("recipe", ["codex", "claude_code"])
+def test_a_coding_harness_unchanged_trains_two_steps_on_the_cpu(recipe, tmp_path):
+    records, stdout = train(str(tmp_path / "out"), "--recipe", recipe)
+    assert f"{recipe}: a PIPELINE run" in stdout
+    # the pipeline's figures, step by step: rollouts kept (a sampled reply can make a harness exit: counted), turns,
+    # seals, the reward (swe_fix's hidden tests), sampled tokens, the engine/trainer gap, the step's time
+    failed = [sum(v for k, v in r.items() if k.startswith("rollout/failed_")) for r in records]
+    for r in records:
+        print(f"{recipe} step {r['step']}: {r['rollout/count']:.0f} rollouts, {r['rollout/turns']:.2f} turns, "
+              f"{r['rollout/seals_per_rollout']:.2f} seals, reward {r['rollout/reward']:.2f}, "
+              f"{r['rollout/sampled_tokens']:.0f} sampled tokens, lp diff max {r['mismatch/logprob_diff_max']:.1e}, "
+              f"{r['time/step_s']:.1f} s")
+    assert [r["rollout/count"] for r in records] == [4 - failed[0], 4 - (failed[1] - failed[0])]
+    assert sum(r["rollout/count"] for r in records) >= 6
+    # multi-turn: tool calls, then an answer (at temperature 1 a sampled call may fail, or the model answer early)
+    assert all(r["rollout/turns"] > 1 and "agent/tests_passed" in r for r in records)
     assert all(r["mismatch/logprob_diff_max"] < 1e-4 for r in records)
 
 
