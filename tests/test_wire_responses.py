@@ -633,8 +633,8 @@ def test_a_prompt_past_the_context_is_context_length_exceeded_on_input_streamed_
 
 
 def test_the_next_turn_reports_the_prompt_tokens_the_prefix_cache_held(tutor):
-    """input_tokens_details.cached_tokens: a tool episode's second turn extends the first, so all of its prompt but the
-    first turn's last sampled id (whose KV the sampling step never wrote) came from the engine's prefix cache."""
+    """input_tokens_details.cached_tokens: a tool episode's second turn extends the first, so at least all of the first
+    turn but its last sampled id (whose KV the sampling step never wrote) came from the engine's prefix cache."""
     info = tutor.server.create_session(sampling=GREEDY)
     sdk = client(info)
     ask = dict(model="policy", instructions="You can run bash.", tools=TOOLS, extra_body={"return_token_ids": True})
@@ -646,6 +646,7 @@ def test_the_next_turn_reports_the_prompt_tokens_the_prefix_cache_held(tutor):
                                                 "output": "a.txt"}])
     extra = first.model_extra
     assert second.usage.input_tokens == len(second.model_extra["prompt_token_ids"])
-    assert second.usage.input_tokens_details.cached_tokens == len(extra["prompt_token_ids"]) + \
-        len(extra["token_ids"]) - 1
+    # at least the first turn's prompt and reply (the same conversation in an earlier session may have left more)
+    assert len(extra["prompt_token_ids"]) + len(extra["token_ids"]) - 1 <= \
+        second.usage.input_tokens_details.cached_tokens < second.usage.input_tokens
     assert segments(info) == [""]
