@@ -3,9 +3,9 @@
 # Owns: `LoopbackServer` and its HTTP plumbing: routes, keys, bounds on cheap clients, streaming; the standalone
 # server (`python loopback.py --model ...`). What a turn records, and when it seals, is session.py's.
 #
-# `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own
-# key: OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not; count_tokens too) all
-# decode (wires.py, wire_responses.py) to the same canonical messages and go through the same ChatSession.turn, so
+# `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own key:
+# OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not; count_tokens too) all decode
+# (wires.py, wire_responses.py, wire_anthropic.py) to the same canonical messages, through the same ChatSession.turn, so
 # token accounting does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST
 # /sessions) and closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key
 # (made per server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the
@@ -55,6 +55,7 @@ from jinja2 import TemplateError
 import data
 import models
 import viewer
+import wire_anthropic
 import wire_responses
 import wires
 from rollout import EmbeddedEngine, SamplingParams
@@ -525,13 +526,13 @@ class LoopbackServer:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        wire_request = wires.decode_anthropic(await self._body(request), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic(await self._body(request), session.sampling)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
-            stream = wires.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
+            stream = wire_anthropic.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
             return await self._stream(request, session, lane, wire_request, stream)
         turn = await self._turn(session, lane, wire_request)
-        return web.json_response(wires.anthropic_reply(turn, wire_request, self.model_name, reply_id))
+        return web.json_response(wire_anthropic.anthropic_reply(turn, wire_request, self.model_name, reply_id))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
@@ -551,7 +552,7 @@ class LoopbackServer:
         (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
         nothing is generated or recorded. It waits in the session's lane, as a turn does (it reads the record)."""
         session, lane = self._authorize(request)
-        wire_request = wires.decode_anthropic_count(await self._body(request), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic_count(await self._body(request), session.sampling)
         ids = await self._in_lane(lane, wire_request, session.prompt_ids, wire_request.messages, wire_request.tools,
                                   wire_request.options)
         return web.json_response({"input_tokens": len(ids)})

@@ -1,20 +1,21 @@
-# wires.py — the OpenAI and Anthropic wire formats, to and from one canonical chat turn.
+# wires.py — the canonical chat request and turn that every wire decodes to and encodes from, what the wires share,
+# and the OpenAI chat completions wire.
 #
-# Owns: answering every request field as wire_params.py's tables decide (honoured, a documented no-op, or refused
-# with what would be accepted instead), decoding an OpenAI chat.completions or Anthropic messages request into
-# canonical messages, tools, sampling parameters and turn options (`WireRequest`), refusing what cannot be honoured
-# (`WireError`, in each wire's own error format), and encoding a finished `ChatTurn` (what a session.ChatSession
-# returns) as each wire's reply, whole or as server-sent events whose text goes out token by token as it is sampled
-# (`LiveText`; `LiveStream`, what loopback's streaming drives: `OpenAIStream`, `AnthropicStream`, and
-# wire_responses.py's `ResponsesStream`). The helpers here are shared with wire_responses.py, the third wire.
+# Owns: the canonical request (`WireRequest`, `TurnOptions`) and turn (`ChatTurn`: what a session.ChatSession
+# returns); refusing what cannot be honoured (`WireError`, in each wire's own error format; `ContextLengthExceeded`);
+# answering every request field as wire_params.py's tables decide (honoured, a documented no-op, or refused with what
+# would be accepted instead) and the decoding every wire shares (fields, sampling, tool options, template switches);
+# the signed thought (`split_thinking`, `signed_opening`); a reply's token extras and live streaming: text goes out
+# token by token as it is sampled (`LiveText`; `LiveStream`, what loopback's streaming drives); and the OpenAI
+# chat.completions wire itself (`decode_openai`, `openai_reply`, `OpenAIStream`). The other two wires build on this
+# file: wire_anthropic.py (Anthropic messages) and wire_responses.py (OpenAI Responses); it imports neither.
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
 # message is built in exactly the shape the tool-call parser returns, so an echoed reply compares equal and
-# the session can tell an append from an edit. A reply that opens with <think>...</think> is, on the Anthropic
-# wire, a thinking block (its signature carries the exact sampled text) and a text block; echoed, they decode back
-# to that text, so the echo still extends the record. An Anthropic deferred tool (defer_loading) is offered but not
-# rendered (TurnOptions.deferred_tools); a tool_reference names it where it enters the context (wire_params.py).
+# the session can tell an append from an edit. A reply that opens with <think>...</think> goes out signed with the
+# exact sampled text (Anthropic's thinking block, the Responses reasoning item); echoed, it decodes back to that
+# text, so the echo still extends the record.
 # Every field changes sampling only through `SamplingParams` (recorded per token by the engine, so the trainer
 # recomputes the distribution each token was drawn from: invariant 3) or through `TurnOptions` (tool use and the
 # chat template's switches, which change the prompt the ledger records); a no-op changes neither, and a reply asked
@@ -23,11 +24,10 @@
 # lone surrogates, integers Python will not convert, sampling values the fp32 sampler cannot honour
 # (rollout.validate_sampling), images and parts in the wrong shape; a field in neither table (it might change what
 # is sampled, and a guess would train on a distribution nobody recorded).
-# Keeps invariant 1 at the edge: both wires decode to the same canonical request, so token accounting does
+# Keeps invariant 1 at the edge: every wire decodes to the same canonical request, so token accounting does
 # not depend on the wire; nothing here encodes text into ids. A reply's usage names the prompt tokens the engine
 # took from its prefix cache (Generation.cached_prompt_tokens) as each wire does: OpenAI's cached_tokens, within
-# prompt_tokens; Anthropic's cache_read_input_tokens, apart from input_tokens. Never: holds state, generates, or
-# records.
+# prompt_tokens. Never: holds state, generates, or records.
 from __future__ import annotations
 
 import base64
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 import constraints
 from invariants import MAX_ABS_LOGIT_BIAS, Sampling
 from rollout import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
-from wire_params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS, NO_OP, OPENAI_FIELDS, REFUSED
+from wire_params import NO_OP, OPENAI_FIELDS, REFUSED
 
 
 @dataclass
@@ -149,7 +149,7 @@ def refuse_unknown_keys(body: dict, allowed: set[str]) -> None:
     require(not unknown, f"unsupported parameter(s) {unknown}; this server honours {sorted(allowed)}")
 
 
-# ---- decoding: OpenAI / Anthropic requests -> one canonical request ----------------------------------
+# ---- decoding: the canonical request, and what every wire decodes with --------------------------------
 
 @dataclass
 class TurnOptions:
@@ -333,6 +333,8 @@ def _tool_options(mode: str, name: str | None, tools: list[dict] | None, paralle
     return TurnOptions(mode, name, parallel, kwargs, deferred or []), forced
 
 
+# ---- decoding: an OpenAI chat.completions request -> the canonical request ----------------------------
+
 OPENAI_TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'function': {'name': <a tool's name>}} "
                       "(for allowed_tools, send only the allowed tools in 'tools')")
 
@@ -465,239 +467,10 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
                        _flag(stream_options, "include_usage"), no_ops)
 
 
-def _anthropic_text(blocks, where: str) -> str:
-    """A string, or a list of text blocks, as one string."""
-    if isinstance(blocks, str):
-        return blocks
-    require(isinstance(blocks, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                             and isinstance(b.get("text"), str) for b in blocks),
-            f"{where} must be a string or a list of {{'type': 'text', 'text': str}} blocks")
-    return "".join(b["text"] for b in blocks)
-
-
-def _anthropic_image(block: dict, where: str) -> dict:
-    source = block.get("source")
-    require(isinstance(source, dict), f"{where}.source must be an object")
-    if source.get("type") == "base64":
-        require(isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str),
-                f"{where}.source needs 'media_type' and base64 'data'")
-        return {"type": "image", "image": f"data:{source['media_type']};base64,{source['data']}"}
-    require(source.get("type") == "url" and isinstance(source.get("url"), str),
-            f"{where}.source.type must be 'base64' or 'url'")
-    return {"type": "image", "image": source["url"]}
-
-
-def _anthropic_document(block: dict, where: str) -> list[dict]:
-    """A document block as the parts the model reads: its title, context and text (a content source's images stay
-    images), then a blank line. A PDF or a file has no text here to read, so it is refused."""
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
-    require(kind in ("text", "content"),
-            f"{where}: a document's source must be plain text {{'type': 'text', 'media_type': 'text/plain', 'data': "
-            f"str}} or content {{'type': 'content', 'content': [text or image blocks]}}; a {kind!r:.20} source (a "
-            f"PDF or a file) has no text this server can read: extract its text and send that")
-    head = "".join(f"{block[k]}\n\n" for k in ("title", "context") if isinstance(block.get(k), str) and block[k])
-    if kind == "text":
-        require(isinstance(source.get("data"), str), f"{where}.source.data must be the document's text")
-        body = [{"type": "text", "text": source["data"]}]
-    else:
-        content = source.get("content")
-        content = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        require(isinstance(content, list) and all(isinstance(b, dict) for b in content),
-                f"{where}.source.content must be a string or a list of text and image blocks")
-        body = [_anthropic_image(b, f"{where}.source.content[{i}]") if b.get("type") == "image"
-                else {"type": "text", "text": _anthropic_text([b], f"{where}.source.content[{i}]")}
-                for i, b in enumerate(content)]
-    return [{"type": "text", "text": head}, *body, {"type": "text", "text": "\n\n"}]
-
-
-def _tool_definition(tool: dict) -> str:
-    """A referenced tool as the model reads it where the reference stands: one <function> line of its description, name
-    and parameters (the encoding Claude Code's ToolSearch describes to the model)."""
-    function = tool["function"]
-    return "<function>" + json.dumps({"description": function.get("description", ""), "name": function["name"],
-                                      "parameters": function.get("parameters", {})}, ensure_ascii=False) + "</function>"
-
-
-def _tool_result_text(content, tools: dict[str, dict], where: str) -> str:
-    """A tool_result's content as text: its text blocks, and each run of tool_reference blocks (a harness's tool search
-    found these deferred tools) as one <functions> block holding the referenced tools' definitions."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    require(isinstance(content, list), f"{where} must be a string or a list of text and tool_reference blocks")
-    parts, references = [], []
-    for j, block in enumerate([*content, None]):
-        if isinstance(block, dict) and block.get("type") == "tool_reference":
-            name = block.get("tool_name")
-            require(isinstance(name, str) and name in tools,
-                    f"{where}[{j}] references the tool {name!r:.60}, which is not in 'tools'; send its definition "
-                    f"there (defer_loading true keeps it out of the prompt until a tool_reference names it)")
-            references.append(_tool_definition(tools[name]))
-            continue
-        if references:
-            parts.append("<functions>\n" + "\n".join(references) + "\n</functions>")
-            references = []
-        if block is not None:
-            parts.append(_anthropic_text([block], f"{where}[{j}]"))
-    return "".join(parts)
-
-
-def _anthropic_messages(message, where: str, tools: dict[str, dict]) -> list[dict]:
-    """One Anthropic message -> canonical messages (a user turn's tool_result blocks become tool messages; `tools`,
-    every tool offered by name, is what a tool_reference in a result may name)."""
-    require(isinstance(message, dict) and message.get("role") in ("user", "assistant", "system"),
-            f"{where} must be an object with role 'user', 'assistant' or 'system' and content")
-    role, content = message["role"], message.get("content")
-    if role == "system":
-        return [{"role": "system", "content": _anthropic_text(content, f"{where}.content")}]
-    if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    require(isinstance(content, list), f"{where}.content must be a string or a list of content blocks")
-    out, parts, calls = [], [], []
-    for i, block in enumerate(content):
-        kind, at = block.get("type") if isinstance(block, dict) else None, f"{where}.content[{i}]"
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind == "image" and role == "user":
-            parts.append(_anthropic_image(block, at))
-        elif kind == "document" and role == "user":
-            parts += _anthropic_document(block, at)
-        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            parts.append({"type": "text", "text": _thought_text(block, at)})
-        elif kind == "tool_use" and role == "assistant":
-            require(isinstance(block.get("name"), str) and isinstance(block.get("input"), dict),
-                    f"{at} (tool_use) needs 'id', a string 'name' and an object 'input'")
-            calls.append(_call(block.get("id"), block["name"], block["input"]))
-        elif kind == "tool_result" and role == "user":
-            if parts:               # keep the order: text before a tool result is its own user turn
-                out.append({"role": "user", "content": _join_parts(parts)})
-                parts = []
-            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), tools, f"{at}.content"),
-                        "tool_call_id": block.get("tool_use_id")})
-        else:
-            takes = "text, image, document and tool_result" if role == "user" else \
-                "text, thinking, redacted_thinking and tool_use"
-            raise WireError(400, f"{at}: a {role} message takes {takes} blocks (server tools' blocks are not "
-                                 f"served), got {block!r:.80}")
-    if role == "assistant":
-        return [_assistant(_text_only(_join_parts(parts), f"{where}.content"), calls)]
-    return out + ([{"role": "user", "content": _join_parts(parts)}] if parts or not out else [])
-
-
-TOOL_SEARCH_TYPES = ("tool_search_tool_bm25", "tool_search_tool_regex")   # server-side tool search (any date suffix)
-
-
-def _is_tool_search(tool) -> bool:
-    return isinstance(tool, dict) and isinstance(tool.get("type"), str) and tool["type"].startswith(TOOL_SEARCH_TYPES)
-
-
-def _anthropic_tools(tools) -> tuple[list[dict], list[dict]]:
-    """(the tools the template renders, the deferred ones). A deferred tool (defer_loading) stays out of the rendered
-    list, as on Anthropic's API, and enters the context where a tool_reference names it, so the rendered list (and the
-    record) stays the same when a harness adds a tool its search found. A server-side tool search cannot run here and
-    is dropped; with one, nothing could ever name a deferred tool, so they are rendered like any."""
-    require(tools is None or isinstance(tools, list), "'tools' must be a list of {name, description, input_schema}")
-    searched = any(_is_tool_search(tool) for tool in tools or [])
-    rendered, deferred = [], []
-    for i, tool in enumerate(tools or []):
-        if _is_tool_search(tool):
-            continue
-        require(isinstance(tool, dict), f"tools[{i}] must be an object {{name, description, input_schema}}")
-        require(tool.get("type") in (None, "custom"),
-                f"tools[{i}] is the server tool {tool.get('type')!r:.40}, which runs on Anthropic's servers and not "
-                f"here; declare a client tool {{'name', 'description', 'input_schema'}} and run it in the agent")
-        require(isinstance(tool.get("defer_loading", False), bool), f"tools[{i}].defer_loading must be true or false")
-        canonical = _function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                   f"tools[{i}]", tool.get("strict"))
-        (deferred if tool.get("defer_loading") and not searched else rendered).append(canonical)
-    return rendered, deferred
-
-
-def _anthropic_tool_choice(choice) -> tuple[str, str | None, bool]:
-    """(mode, name, parallel) from {'type': auto | any | tool | none, 'name', 'disable_parallel_tool_use'}."""
-    if choice is None:
-        return "auto", None, True
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}.get(kind)
-    require(mode is not None and (mode != "named" or isinstance(choice.get("name"), str))
-            and isinstance(choice.get("disable_parallel_tool_use", False), bool),
-            "tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': 'tool', 'name': <a tool's name>} or "
-            f"{{'type': 'none'}} (with 'disable_parallel_tool_use': bool), got {choice!r:.80}")
-    return mode, choice.get("name"), not choice.get("disable_parallel_tool_use", False)
-
-
-def _anthropic_thinking(value) -> tuple[bool | None, bool]:
-    """(enable_thinking, omit the thoughts from the reply) from `thinking`."""
-    if value is None:
-        return None, False
-    kind = value.get("type") if isinstance(value, dict) else None
-    budget = value.get("budget_tokens") if isinstance(value, dict) else None
-    display = value.get("display") if isinstance(value, dict) else None
-    require(kind in ("enabled", "adaptive", "between_tools", "disabled")
-            and display in (None, "summarized", "omitted", "updates")
-            and (kind != "enabled" or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)),
-            "thinking must be {'type': 'enabled', 'budget_tokens': int >= 1}, {'type': 'adaptive'}, {'type': "
-            f"'between_tools'}} or {{'type': 'disabled'}} (display 'summarized', 'omitted' or 'updates'), got "
-            f"{value!r:.80}")
-    return kind != "disabled", display == "omitted"
-
-
-def _output_format(config: dict) -> str | None:
-    """Anthropic output_config -> the grammar of its format (None: unconstrained); effort is a no-op."""
-    require(set(config) <= {"effort", "format"}, f"'output_config' takes effort and format, got {sorted(config)}")
-    form = config.get("format")
-    if form is None:
-        return None
-    require(isinstance(form, dict) and form.get("type") == "json_schema" and isinstance(form.get("schema"), dict),
-            f"output_config.format must be {{'type': 'json_schema', 'schema': <a JSON schema>}}, got {form!r:.80}")
-    return _spec(constraints.json_schema_spec, form["schema"], True)
-
-
-def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
-    """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError."""
-    no_ops = check_fields(body, ANTHROPIC_FIELDS)
-    require(not isinstance(body.get("stop_sequences"), str), "'stop_sequences' must be a list of strings")
-    max_tokens = number_field(body, "max_tokens", integer=True)
-    require(max_tokens is not None, "'max_tokens' is required")
-    messages = body.get("messages")
-    require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
-    require(not (isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"),
-            "the last message is the assistant's (a prefill to continue), which this server does not continue: end "
-            "with a user message (a turn's reply is sampled whole, from the chat template's generation prompt)")
-    rendered, deferred = _anthropic_tools(body.get("tools"))
-    offered = {tool["function"]["name"]: tool for tool in rendered + deferred}
-    canonical = [] if body.get("system") is None else [{"role": "system",
-                                                        "content": _anthropic_text(body["system"], "system")}]
-    for i, message in enumerate(messages):
-        canonical += _anthropic_messages(message, f"messages[{i}]", offered)
-    tools = rendered or None
-    enable_thinking, omit_thinking = _anthropic_thinking(body.get("thinking"))
-    kwargs = _template_kwargs(body, enable_thinking, {})
-    mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
-    options, forced = _tool_options(mode, name, tools, parallel, kwargs, deferred)
-    require(body.get("context_management") is None or isinstance(body["context_management"], dict),
-            f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
-    sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
-                             repetition_penalty=_real(body, "repetition_penalty"), max_tokens=max_tokens,
-                             stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"),
-                             constraint=forced or _output_format(_object(body, "output_config")))
-    return WireRequest(canonical, tools, sampling, _flag(body, "stream"), False, _flag(body, "return_token_ids"),
-                       options, no_ops=no_ops, omit_thinking=omit_thinking,
-                       context_management=body.get("context_management") is not None)
-
-
-def decode_anthropic_count(body: dict, base: SamplingParams) -> WireRequest:
-    """A count_tokens request -> the canonical request a messages request with its fields would decode to."""
-    require(set(body) <= ANTHROPIC_COUNT_FIELDS, f"count_tokens takes {sorted(ANTHROPIC_COUNT_FIELDS)}, not "
-                                                 f"{sorted(set(body) - ANTHROPIC_COUNT_FIELDS)}")
-    return decode_anthropic({**body, "max_tokens": 1}, base)
-
-
-# ---- thinking: a reply's opening <think>...</think>, as Anthropic's thinking block ----------------------
-# The block's signature carries the exact text that was sampled (the tags and the whitespace after them
-# included), so an echo of the blocks decodes to the reply as it was written, byte for byte, and extends the
-# record. A thought edited by the agent is rendered as edited (the session then sees an edit and seals).
+# ---- thinking: a reply's opening <think>...</think>, signed as it was sampled -------------------------
+# The signature (Anthropic's thinking block, wire_anthropic.py; the Responses reasoning item's encrypted_content,
+# wire_responses.py) carries the exact text that was sampled (the tags and the whitespace after them included), so
+# an echo decodes to the reply as it was written, byte for byte, and extends the record.
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _SIGNATURE = "tracerl-think:"
@@ -731,25 +504,9 @@ def signed_opening(sealed) -> str | None:
     return opening if split is not None and split[2] == "" else None
 
 
-def _thought_text(block: dict, where: str) -> str:
-    """An echoed thinking or redacted_thinking block -> the text the reply opened with."""
-    opening = signed_opening(block.get("signature" if block["type"] == "thinking" else "data"))
-    if block["type"] == "redacted_thinking":
-        require(opening is not None, f"{where}: this redacted_thinking block's data was not written by this server "
-                                     f"(another model's encrypted thought, which this model cannot read); leave the "
-                                     f"block out")
-        return opening
-    thought = block.get("thinking")
-    require(isinstance(thought, str), f"{where} (thinking) needs a string 'thinking' and its 'signature'")
-    if opening is not None and thought in ("", split_thinking(opening)[1]):   # "": omitted (display 'omitted')
-        return opening
-    return f"{THINK_OPEN}{thought}{THINK_CLOSE}"
-
-
-# ---- encoding: a ChatTurn -> OpenAI / Anthropic replies, whole or streamed ---------------------------
+# ---- encoding: a ChatTurn -> an OpenAI chat completion, whole or streamed; what every reply shares ----
 
 OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length", "tool": "tool_calls"}
-ANTHROPIC_STOP = {"stop": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool": "tool_use"}
 
 
 def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
@@ -802,11 +559,6 @@ def _openai_usage(turn: ChatTurn) -> dict:
             "prompt_tokens_details": {"cached_tokens": gen.cached_prompt_tokens}}
 
 
-def _anthropic_usage(gen: Generation) -> dict:
-    """Anthropic counts cached prompt tokens apart from input_tokens (a harness sums the two for the context)."""
-    return {"input_tokens": len(gen.prompt_ids) - gen.cached_prompt_tokens,
-            "cache_read_input_tokens": gen.cached_prompt_tokens, "output_tokens": len(gen.token_ids)}
-
 
 def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, reply_id: str) -> dict:
     message = {"role": "assistant", "content": turn.message["content"]}
@@ -817,33 +569,6 @@ def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, re
               "logprobs": _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None}
     return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": _openai_usage(turn), **_token_extras(turn, request)}
-
-
-def _anthropic_blocks(message: dict, omit_thinking: bool) -> list[dict]:
-    """The reply as content blocks: its opening thought (if any), its text (if any, or if nothing else), its calls."""
-    calls, text, blocks = message.get("tool_calls") or [], message["content"] or "", []
-    if (thinking := split_thinking(text)) is not None:
-        opening, thought, text = thinking
-        blocks.append({"type": "thinking", "thinking": "" if omit_thinking else thought,
-                       "signature": _signature(opening)})
-    if text or not (calls or blocks):
-        blocks.append({"type": "text", "text": text})
-    return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                      "input": c["function"]["arguments"]} for c in calls]
-
-
-def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: str) -> dict:
-    gen = turn.generation
-    return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(turn.message, request.omit_thinking),
-            "stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
-            "usage": _anthropic_usage(gen),
-            **_context_management(request), **_token_extras(turn, request)}
-
-
-def _context_management(request: WireRequest) -> dict:
-    """What a request that set context_management is told: no edit was applied (wire_params.py says why)."""
-    return {"context_management": {"applied_edits": []}} if request.context_management else {}
 
 
 # Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
@@ -946,87 +671,3 @@ class OpenAIStream(LiveStream):
                              self._chunk(None, usage=_openai_usage(turn))]
         return events + [self._chunk({}, finish, logprobs, usage=_openai_usage(turn),
                                      **_token_extras(turn, self.request))]
-
-
-class AnthropicStream(LiveStream):
-    """message_start; a thinking block (thinking_delta, then signature_delta) when the reply opens with a thought,
-    and a text block, their deltas sent as tokens arrive; a tool_use block per call (input_json_delta);
-    message_delta with the stop reason; message_stop. The blocks are those of the non-streamed reply."""
-    wire, done_marker = "anthropic", False
-
-    def __init__(self, request: WireRequest, tokenizer, model: str, reply_id: str):
-        self.request, self.model, self.reply_id = request, model, reply_id
-        self.content = ""            # the reply's content received so far (LiveText's sendable pieces)
-        self.sent: list[list] = []   # per block opened: [its type, the text sent in it, closed]
-
-    def start(self, prompt_ids: list[int]) -> list:
-        message = {"id": self.reply_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
-        return [("message_start", {"type": "message_start", "message": message})]
-
-    def _sendable(self) -> list[tuple[str, str, str | None]]:
-        """The blocks the content so far surely opens with: (type, text, the thought's opening once it is whole)."""
-        content = self.content
-        if len(content) < len(THINK_OPEN) and THINK_OPEN.startswith(content):
-            return []                                # it may still open a thought
-        if not content.startswith(THINK_OPEN):
-            return [("text", content, None)]
-        opening, thought, rest = split_thinking(content)
-        if not rest:                                 # the thought, or the whitespace after it, may go on
-            inside = content[len(THINK_OPEN):]
-            return [("thinking", thought if thought != inside else
-                     inside[:len(inside) - _partial_suffix(inside, (THINK_CLOSE,))], None)]
-        return [("thinking", thought, opening), ("text", rest, None)]
-
-    def _events(self, blocks: list[tuple[str, str, str | None]], final: bool) -> list:
-        events = []
-        for index, (kind, text, opening) in enumerate(blocks):
-            if index == len(self.sent):
-                start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                    {"type": "text", "text": ""}
-                events.append(("content_block_start", {"type": "content_block_start", "index": index,
-                                                       "content_block": start}))
-                self.sent.append([kind, "", False])
-            sent = self.sent[index]
-            shown = "" if kind == "thinking" and self.request.omit_thinking else text
-            if len(shown) > len(sent[1]):
-                delta = {"type": "thinking_delta", "thinking": shown[len(sent[1]):]} if kind == "thinking" else \
-                    {"type": "text_delta", "text": shown[len(sent[1]):]}
-                events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
-                sent[1] = shown
-            if not sent[2] and (index < len(blocks) - 1 or final):
-                if kind == "thinking":
-                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "signature_delta", "signature": _signature(opening)}}))
-                events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-                sent[2] = True
-        return events
-
-    def text(self, piece: str) -> list:
-        self.content += piece
-        return self._events(self._sendable(), final=False)
-
-    def finish(self, turn: ChatTurn, rest: str) -> list:
-        content = turn.message["content"] or ""
-        blocks = _anthropic_blocks(turn.message, omit_thinking=False)
-        opening = (split_thinking(content) or [None])[0]
-        events = self._events([(b["type"], b.get("thinking", b.get("text")), opening)
-                               for b in blocks if b["type"] != "tool_use"], final=True)
-        for index, block in enumerate(blocks):
-            if block["type"] == "tool_use":
-                json_delta = {"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}
-                events += [("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {**block, "input": {}}}),
-                           ("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": json_delta}),
-                           ("content_block_stop", {"type": "content_block_stop", "index": index})]
-        gen = turn.generation
-        # the whole usage again: message_start's was counted before the engine knew its prefix-cache reuse, and the
-        # SDK's accumulated message takes message_delta's counts
-        return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(gen),
-                                            "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
-                                                      "stop_sequence": turn.stop_sequence},
-                                            **_context_management(self.request),
-                                            **_token_extras(turn, self.request)}),
-                         ("message_stop", {"type": "message_stop"})]

@@ -31,7 +31,7 @@ from PIL import Image
 import data
 import invariants
 import models
-import wires
+import wire_anthropic
 from actor import sequence_logprobs
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
 from rollout import EmbeddedEngine, SamplingParams
@@ -797,8 +797,9 @@ def claude_code_server():
     model's own order (greedy sessions: every other reply is whatever it samples)."""
     tok = models.bpe_tokenizer()
     student = models.tiny_model("qwen3", seed=2).train()
-    request = wires.decode_anthropic({k: v for k, v in cc_request(CC_MAIN_SYSTEM, CC_TASK, CC_MAIN_TOOLS).items()
-                                      if k not in ("betas", "extra_headers")}, SamplingParams())
+    body = cc_request(CC_MAIN_SYSTEM, CC_TASK, CC_MAIN_TOOLS)
+    request = wire_anthropic.decode_anthropic({k: v for k, v in body.items() if k not in ("betas", "extra_headers")},
+                                              SamplingParams())
     prompt = data.render_prompt_ids(tok, request.messages, request.tools, data.CHATML_TEMPLATE,
                                     template_kwargs=request.options.template_kwargs)
     teach(student, [(prompt, tok.encode(CC_EDIT_CALL) + [tok.convert_tokens_to_ids("<|im_end|>")])])

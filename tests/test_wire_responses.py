@@ -615,3 +615,37 @@ def test_a_failure_after_the_first_event_is_a_response_failed_event_and_records_
             client(info).responses.create(model="policy", input="Say hi.")
     finally:
         loopback.stop()
+
+
+def test_a_prompt_past_the_context_is_context_length_exceeded_on_input_streamed_or_not(tutor):
+    """What Codex compacts its conversation on: OpenAI's code context_length_exceeded, naming the Responses field that
+    holds the prompt (input); nothing recorded, and the session serves the next request."""
+    info = tutor.server.create_session(sampling=GREEDY, max_length=48)
+    sdk = client(info)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.responses.create(model="policy", input="a long message " * 20, stream=stream)
+        error = caught.value
+        assert (error.code, error.param, error.type) == ("context_length_exceeded", "input", "invalid_request_error")
+        assert "maximum context length is 48 tokens" in error.message
+    assert trace(info)["segments"] == []
+    assert sdk.responses.create(model="policy", input="Say hi.").status in ("completed", "incomplete")
+
+
+def test_the_next_turn_reports_the_prompt_tokens_the_prefix_cache_held(tutor):
+    """input_tokens_details.cached_tokens: a tool episode's second turn extends the first, so all of its prompt but the
+    first turn's last sampled id (whose KV the sampling step never wrote) came from the engine's prefix cache."""
+    info = tutor.server.create_session(sampling=GREEDY)
+    sdk = client(info)
+    ask = dict(model="policy", instructions="You can run bash.", tools=TOOLS, extra_body={"return_token_ids": True})
+    first = sdk.responses.create(**ask, input="List files.")
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    call = next(item for item in items if item["type"] == "function_call")
+    second = sdk.responses.create(**ask, input=[{"role": "user", "content": "List files."}, *items,
+                                               {"type": "function_call_output", "call_id": call["call_id"],
+                                                "output": "a.txt"}])
+    extra = first.model_extra
+    assert second.usage.input_tokens == len(second.model_extra["prompt_token_ids"])
+    assert second.usage.input_tokens_details.cached_tokens == len(extra["prompt_token_ids"]) + \
+        len(extra["token_ids"]) - 1
+    assert segments(info) == [""]
