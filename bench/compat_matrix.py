@@ -1,27 +1,34 @@
-# bench/compat_matrix.py — six agent libraries, each option they expose, against the loopback server: is it refused,
+# bench/compat_matrix.py — eight agent libraries, each option they expose, against the loopback server: is it refused,
 # accepted as a no-op, or honoured, and does the token path hold under it.
 #
 # Each library (openai-agents, pydantic-ai, langchain-openai + langgraph, smolagents, litellm, the anthropic SDK's
-# tool-use loop) runs one short tool-calling episode, unchanged, against a real LoopbackServer over a real
+# tool-use loop; on the Responses wire, the openai SDK's responses.create loop and the Agents SDK on its default
+# OpenAIResponsesModel) runs one short tool-calling episode, unchanged, against a real LoopbackServer over a real
 # EmbeddedEngine: on its defaults, then with each option it exposes switched on, one at a time (CASES). A case says:
 #   verdict  refused (the server's 4xx, with its reason), failed (the library raised for another reason), not sent
 #            (the library dropped the option), not honoured (accepted, but a reply lacks the option's effect),
 #            honoured (against the library's default episode: the recorded sampling changed, the server wrote
 #            context tokens on the model's behalf or ended replies at a stop string of its own, or the option's
-#            effect was seen on every request that carried it), or no-op (accepted, and none of that happened);
+#            effect was seen on every request that carried it), or no-op (accepted, and none of that happened; a
+#            hosted tool the wire drops is a no-op whose listing in the reply is checked);
 #   tokens   every sampled token is trainable exactly once (invariants.check_sampled_once on the session's rows, every
 #            line's: a side request, such as smolagents' final answer after its last step, is a line of its own);
 #   seals    per turn, whether its prompt sealed its line's segment (a library that re-renders its history seals);
 #   parity   max |behavior logprob - trainer recompute| (actor.Actor.recompute_logprobs over the batch train.py would
 #            build from the ledger's rows), and the trap: the same recompute with what the option added to each
 #            token's recorded sampling stripped back to the session's plain values, which must miss (invariant 3).
+# A case the server refuses by design (Case.refused, e.g. truncation 'auto') must be refused with that reason.
 # The model is a tiny Qwen3 taught each library's episodes (models.taught_tiny_model_dir). The conversations are what
 # the libraries themselves send, harvested at the start of every run through the same server with an engine that
 # answers from the script (ScriptEngine: it samples nothing and nothing is trained on it), rendered by tracerl's
 # chat template; so the taught model writes Hermes <tool_call> blocks with each framework's own tool names and
-# final-answer conventions (smolagents' final_answer tool, pydantic-ai's final_result tool).
+# final-answer conventions (smolagents' final_answer tool, pydantic-ai's final_result tool). The two Responses
+# libraries ask their chat counterparts' questions with the same tools (openai-responses litellm's, the Agents SDK's
+# Responses model its chat model's): both wires decode to one canonical request, so the harvest renders the same
+# conversations and the model is taught nothing more for them.
 # tests/test_compat.py asserts every case; this script writes the table, docs/compat-matrix.md (from
-# docs/compat-matrix.json, which keeps each labelled run: the tree before issue 17, and main).
+# docs/compat-matrix.json, which keeps each labelled run: the tree before issue 17, and main; the Responses rows'
+# before is 999b805's 404, measured apart, as the run's note in the table says).
 #
 #   python bench/compat_matrix.py --label after [--only litellm anthropic]
 #
@@ -30,6 +37,7 @@
 # before does not shadow it, so the same script measures both.
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -43,7 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # litellm would fetch its price list at import
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                    set_tracing_disabled)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -57,7 +66,7 @@ from langchain_core.messages import HumanMessage  # noqa: E402
 from langchain_core.tools import tool as langchain_tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from langgraph.prebuilt import create_react_agent  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
+from openai import AsyncOpenAI, OpenAI, Stream  # noqa: E402
 from openai.types.shared import Reasoning  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 from pydantic_ai import Agent as PydanticAgent  # noqa: E402
@@ -182,10 +191,12 @@ STOCK_TOOLS = [{"name": "get_stock", "description": "The price of a stock.",
 
 # ---- drivers: each library's own loop, one episode, its answer as text ------------------------------------------
 
-def drive_openai_agents(info, settings: dict | None = None, structured: bool = False) -> str:
-    """An Agents SDK Agent with a function tool, run by Runner over OpenAIChatCompletionsModel (reset_tool_choice
-    on, the SDK's default: a forced tool_choice holds for the first turn)."""
-    model = OpenAIChatCompletionsModel(MODEL, AsyncOpenAI(base_url=info.base_url, api_key=info.api_key))
+def drive_openai_agents(info, settings: dict | None = None, structured: bool = False,
+                        model_class=OpenAIChatCompletionsModel) -> str:
+    """An Agents SDK Agent with a function tool, run by Runner over `model_class` (OpenAIChatCompletionsModel, or the
+    SDK's default OpenAIResponsesModel); reset_tool_choice on, the SDK's default: a forced tool_choice holds for the
+    first turn."""
+    model = model_class(MODEL, AsyncOpenAI(base_url=info.base_url, api_key=info.api_key))
     agent = Agent(name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
                   model=model, model_settings=ModelSettings(**(settings or {})),
                   output_type=Weather if structured else None)
@@ -265,8 +276,37 @@ def drive_anthropic(info, params: dict | None = None, first: dict | None = None,
     return str(messages[-1])
 
 
+RESPONSES_TIME_TOOLS = [{"type": "function", **tool["function"]} for tool in TIME_TOOLS]   # the Responses shape
+
+
+def drive_openai_responses(info, params: dict | None = None, first: dict | None = None, ask: str = TIME_ASK,
+                           chain: bool = False) -> str:
+    """The openai SDK's responses.create with a function tool in the usual loop: call, run the function_call items,
+    send their function_call_output items back after the reply's output items in `input`, until a reply without
+    calls (or one cut short). Chained, a request sends only the new items, after previous_response_id. A streamed
+    request (params stream=True) reads its Response from the last event. `first` holds for the first request only."""
+    client = OpenAI(base_url=info.base_url, api_key=info.api_key)
+    history, new, previous = [], [{"role": "user", "content": ask}], None
+    for step in range(4):
+        chained = {"previous_response_id": previous} if chain and previous else {}
+        reply = client.responses.create(model=MODEL, input=new if chained else history + new,
+                                        **{"tools": RESPONSES_TIME_TOOLS, **(params or {})}, **chained,
+                                        **((first or {}) if step == 0 else {}))
+        if isinstance(reply, Stream):
+            reply = list(reply)[-1].response          # response.completed (or .incomplete): the whole Response
+        history += new + [item.model_dump(exclude_none=True) for item in reply.output]
+        calls = [item for item in reply.output if item.type == "function_call" and item.status == "completed"]
+        if not calls or reply.status != "completed":
+            return reply.output_text
+        new, previous = [{"type": "function_call_output", "call_id": c.call_id,
+                          "output": get_time(**json.loads(c.arguments))} for c in calls], reply.id
+    return str(history[-1])
+
+
 DRIVERS = {"openai-agents": drive_openai_agents, "pydantic-ai": drive_pydantic_ai, "langchain": drive_langchain,
-           "smolagents": drive_smolagents, "litellm": drive_litellm, "anthropic": drive_anthropic}
+           "smolagents": drive_smolagents, "litellm": drive_litellm, "anthropic": drive_anthropic,
+           "openai-responses": drive_openai_responses,
+           "openai-agents-responses": functools.partial(drive_openai_agents, model_class=OpenAIResponsesModel)}
 
 # What the model is taught: per library, each distinct conversation (driver arguments) with its replies in order.
 SCRIPTS = {
@@ -282,6 +322,9 @@ SCRIPTS = {
     "smolagents": [({}, [PRODUCT_CALL, PRODUCT_ANSWER])],
     "litellm": [({}, [TIME_CALL, TIME_ANSWER]), ({"ask": TIME_ASK + JSON_ASK}, [TIME_CALL, TIME_JSON])],
     "anthropic": [({}, [STOCK_CALL, STOCK_ANSWER])],
+    "openai-responses": [({}, [TIME_CALL, TIME_ANSWER]), ({"ask": TIME_ASK + JSON_ASK}, [TIME_CALL, TIME_JSON])],
+    "openai-agents-responses": [({}, [WEATHER_CALL, WEATHER_ANSWER]),
+                                ({"structured": True}, [WEATHER_CALL, WEATHER_JSON])],
 }
 
 
@@ -296,7 +339,8 @@ class Case:
     option: str                 # the option as the library names it
     kwargs: dict                # the driver's arguments
     wire: tuple = ()            # ((path in the request body, value or ANY), ...): what shows the option was sent
-    effect: str | None = None   # what every request that carries the option must show in its reply (EFFECTS)
+    effect: str | None = None   # what every request that carries the option must show (EFFECTS, TURN_EFFECTS)
+    refused: str = ""           # the server refuses the option by design, with a reason holding this ("": serves it)
 
     @property
     def name(self) -> str:
@@ -317,6 +361,15 @@ REASONING, NO_REASONING = (("reasoning_effort", "low"),), (("reasoning_effort", 
 
 def _wire_of(fields: dict) -> tuple:
     return tuple((key, value) for key, value in fields.items())
+
+
+def _function(name: str) -> dict:           # a named tool_choice in the Responses shape
+    return {"type": "function", "name": name}
+
+
+TEXT_SCHEMA = (("text.format.type", "json_schema"),)
+TIME_FORMAT = {"format": {"type": "json_schema", "name": "Time", "schema": Time.model_json_schema(), "strict": True}}
+WEB_SEARCH_TOOLS = RESPONSES_TIME_TOOLS + [{"type": "web_search"}]
 
 
 CASES = [
@@ -428,6 +481,50 @@ CASES = [
                                            "max_tokens": 1100}, (("thinking.type", "enabled"),)),
     Case("anthropic", "thinking=disabled", {"params": {"thinking": {"type": "disabled"}}},
          (("thinking.type", "disabled"),)),
+
+    Case("openai-responses", "default", {}),
+    Case("openai-responses", "stream=True", {"params": {"stream": True}}, (("stream", True),), "stream"),
+    Case("openai-responses", "instructions", {"params": {"instructions": "You tell the time in any time zone."}},
+         (("instructions", ANY),), "instructions"),
+    Case("openai-responses", "tool_choice=required", {"first": {"tool_choice": "required"}}, REQUIRED, "tool_call"),
+    Case("openai-responses", "tool_choice=none", {"params": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("openai-responses", "tool_choice=get_time", {"first": {"tool_choice": _function("get_time")}},
+         (("tool_choice", _function("get_time")),), "named"),
+    Case("openai-responses", "parallel_tool_calls=False", {"params": {"parallel_tool_calls": False}}, PARALLEL,
+         "one_call"),
+    Case("openai-responses", "text.format=json_schema", {"ask": TIME_ASK + JSON_ASK, "params": {"text": TIME_FORMAT}},
+         TEXT_SCHEMA, "json"),
+    Case("openai-responses", "temperature=0", {"params": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("openai-responses", "reasoning.effort=none", {"params": {"reasoning": {"effort": "none"}}},
+         (("reasoning.effort", "none"),)),
+    Case("openai-responses", "store=False (history resent)", {"params": {"store": False}}, (("store", False),)),
+    Case("openai-responses", "previous_response_id", {"chain": True}, (("previous_response_id", ANY),), "chained"),
+    Case("openai-responses", "include=[reasoning.encrypted_content]",
+         {"params": {"include": ["reasoning.encrypted_content"]}}, (("include", ["reasoning.encrypted_content"]),)),
+    Case("openai-responses", "max_output_tokens=8", {"params": {"max_output_tokens": 8}}, (("max_output_tokens", 8),),
+         "bounded"),
+    Case("openai-responses", "web_search beside the function", {"params": {"tools": WEB_SEARCH_TOOLS}},
+         (("tools", WEB_SEARCH_TOOLS),), "dropped"),
+    Case("openai-responses", "truncation=auto", {"params": {"truncation": "auto"}}, (("truncation", "auto"),),
+         refused="truncation must be 'disabled'"),
+
+    Case("openai-agents-responses", "default", {}),
+    Case("openai-agents-responses", "tool_choice=required", {"settings": {"tool_choice": "required"}}, REQUIRED,
+         "tool_call"),
+    Case("openai-agents-responses", "tool_choice=none", {"settings": {"tool_choice": "none"}}, NONE, "no_tool_call"),
+    Case("openai-agents-responses", "tool_choice=get_weather", {"settings": {"tool_choice": "get_weather"}},
+         (("tool_choice", _function("get_weather")),), "named"),
+    Case("openai-agents-responses", "output_type", {"structured": True}, TEXT_SCHEMA, "json"),
+    Case("openai-agents-responses", "parallel_tool_calls=False", {"settings": {"parallel_tool_calls": False}},
+         PARALLEL, "one_call"),
+    Case("openai-agents-responses", "temperature=0", {"settings": {"temperature": 0}}, GREEDY, "greedy"),
+    Case("openai-agents-responses", "store, metadata, service_tier",
+         {"settings": {"store": True, "metadata": {"run": "compat"}, "extra_args": {"service_tier": "auto"}}},
+         _wire_of(NO_OP_FIELDS)),
+    Case("openai-agents-responses", "reasoning.effort=low", {"settings": {"reasoning": Reasoning(effort="low")}},
+         (("reasoning.effort", "low"),)),
+    Case("openai-agents-responses", "reasoning.effort=none", {"settings": {"reasoning": Reasoning(effort="none")}},
+         (("reasoning.effort", "none"),)),
 ]
 
 
@@ -435,10 +532,11 @@ CASES = [
 
 @dataclass
 class Exchange:
-    wire: str                   # "openai" | "anthropic"
+    wire: str                   # "openai" | "anthropic" | "responses"
     body: dict                  # the request as the library sent it
     status: int
-    reply: dict | None          # the server's JSON answer (an error body when status >= 400)
+    reply: dict | None          # the server's JSON answer (an error body when status >= 400; None when streamed)
+    streamed: bool = False      # answered with server-sent events
 
 
 class WitnessServer(LoopbackServer):
@@ -452,19 +550,22 @@ class WitnessServer(LoopbackServer):
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         response = await super()._errors(request, handler)
-        if request.path.endswith(("/chat/completions", "/messages")):
+        if request.path.endswith(("/chat/completions", "/messages", "/responses")):
             try:
                 body = json.loads(await request.read())      # the bytes the handler read, kept by aiohttp
             except ValueError:
                 body = {}
             reply = json.loads(response.body) if isinstance(response, web.Response) and response.body else None
-            wire = "anthropic" if request.path.endswith("/messages") else "openai"
-            self.exchanges[request.match_info.get("sid", "")].append(Exchange(wire, body, response.status, reply))
+            wire = "anthropic" if request.path.endswith("/messages") else \
+                "responses" if request.path.endswith("/responses") else "openai"
+            session_id = request.path.split("/")[2]          # /s/<sid>/v1/...: a route the server lacks matches none
+            self.exchanges[session_id].append(Exchange(wire, body, response.status, reply,
+                                                       streamed=not isinstance(response, web.Response)))
         return response
 
 
 HARVEST_KEYS = {"model", "messages", "system", "tools", "max_tokens", "max_completion_tokens", "stop",
-                "stop_sequences", "stream"}
+                "stop_sequences", "stream", "input", "instructions", "max_output_tokens"}
 
 
 class HarvestServer(LoopbackServer):
@@ -572,9 +673,12 @@ def carries(case: Case, body: dict) -> bool:
 
 
 def _reply_calls(exchange: Exchange) -> list[str]:
-    """The names of the tool calls in a reply, on either wire."""
+    """The names of the tool calls in a reply, on any wire (a Responses call item cut short is no call)."""
     if exchange.wire == "anthropic":
         return [b["name"] for b in exchange.reply.get("content", []) if b.get("type") == "tool_use"]
+    if exchange.wire == "responses":
+        return [item["name"] for item in exchange.reply.get("output", [])
+                if item.get("type") == "function_call" and item.get("status") == "completed"]
     message = exchange.reply["choices"][0]["message"]
     return [c["function"]["name"] for c in message.get("tool_calls") or []]
 
@@ -582,12 +686,33 @@ def _reply_calls(exchange: Exchange) -> list[str]:
 def _reply_text(exchange: Exchange) -> str:
     if exchange.wire == "anthropic":
         return "".join(b.get("text", "") for b in exchange.reply.get("content", []) if b.get("type") == "text")
+    if exchange.wire == "responses":
+        messages = [item for item in exchange.reply.get("output", []) if item.get("type") == "message"]
+        return "".join(part.get("text", "") for item in messages for part in item.get("content", [])
+                       if part.get("type") == "output_text")
     return exchange.reply["choices"][0]["message"].get("content") or ""
 
 
 def _requested_name(body: dict) -> str | None:
     choice = body.get("tool_choice")
     return (choice.get("name") or (choice.get("function") or {}).get("name")) if isinstance(choice, dict) else None
+
+
+def _bounded_effect(exchange: Exchange) -> str:
+    """A Responses reply holds at most max_output_tokens, and one cut there says so (status incomplete)."""
+    limit, usage = exchange.body["max_output_tokens"], exchange.reply["usage"]["output_tokens"]
+    cut = exchange.reply["status"] == "incomplete" and \
+        (exchange.reply.get("incomplete_details") or {}).get("reason") == "max_output_tokens"
+    if usage > limit or cut != (usage == limit):
+        return f"{usage} output tokens for max_output_tokens {limit}, status {exchange.reply['status']!r}"
+    return ""
+
+
+def _dropped_effect(exchange: Exchange) -> str:
+    """The reply lists the hosted tools the request offered as dropped (the Responses wire leaves them out)."""
+    hosted = [tool["type"] for tool in exchange.body.get("tools", []) if tool.get("type") != "function"]
+    listed = exchange.reply.get("dropped_tools", [])
+    return "" if listed == hosted else f"offered {hosted}, the reply lists {listed} as dropped"
 
 
 def _json_effect(exchange: Exchange) -> str:
@@ -600,7 +725,8 @@ def _json_effect(exchange: Exchange) -> str:
         return f"the reply is not JSON: {_reply_text(exchange)[:80]!r}"
     if not isinstance(value, dict):
         return f"the reply is JSON but not an object: {value!r:.80}"
-    schema = (exchange.body.get("response_format") or {}).get("json_schema", {}).get("schema")
+    schema = (exchange.body.get("response_format") or {}).get("json_schema", {}).get("schema") or \
+        ((exchange.body.get("text") or {}).get("format") or {}).get("schema")     # (the Responses wire's text.format)
     try:
         jsonschema.validate(value, schema or {})
     except jsonschema.ValidationError as error:
@@ -615,6 +741,33 @@ EFFECTS = {  # what a reply to a request that carries the option must show; "" =
     f"asked for {_requested_name(x.body)!r}, got calls {_reply_calls(x)} and text {_reply_text(x)[:60]!r}",
     "one_call": lambda x: f"{len(_reply_calls(x))} tool calls" if len(_reply_calls(x)) > 1 else "",
     "json": _json_effect,
+    "stream": lambda x: "" if x.streamed else "answered with one JSON body, not server-sent events",
+    "bounded": _bounded_effect,
+    "dropped": _dropped_effect,
+}
+NO_OP_EFFECTS = {   # effects that show an option is accepted and does nothing here: seen, the verdict is no-op
+    "dropped": "accepted; left out of the prompt and listed in the reply's dropped_tools; sampling unchanged"}
+
+
+def _instructions_effect(tokenizer, exchange: Exchange, generation: Generation, earlier: list[Generation]) -> str:
+    """The prompt the server built opens with a system turn holding the request's instructions."""
+    prompt = tokenizer.decode(generation.prompt_ids, skip_special_tokens=False)
+    opening = f"<|im_start|>system\n{exchange.body['instructions']}"
+    return "" if prompt.startswith(opening) else f"the prompt opens {prompt[:80]!r}"
+
+
+def _chained_effect(tokenizer, exchange: Exchange, generation: Generation, earlier: list[Generation]) -> str:
+    """The prompt extends the previous turn's prompt and reply: the server put the named response's conversation
+    before the request's input."""
+    whole = earlier[-1].prompt_ids + earlier[-1].token_ids if earlier else None
+    if whole is not None and generation.prompt_ids[:len(whole)] == whole:
+        return ""
+    return "the prompt does not extend the previous turn's prompt and reply"
+
+
+TURN_EFFECTS = {  # what the turn a request carrying the option was served (its generation) must show; "" = shown
+    "instructions": _instructions_effect,
+    "chained": _chained_effect,
 }
 
 
@@ -704,6 +857,10 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
         effect = f"{len(served)} answered requests for {len(in_order)} generations"
     elif case.effect == "greedy":
         effect = greedy_effect(bench.policy, [g for x, g in zip(served, in_order) if carries(case, x.body)])
+    elif case.effect in TURN_EFFECTS:
+        effect = "; ".join(f"request {i}: {e}" for i, (x, g) in enumerate(zip(served, in_order))
+                           if carries(case, x.body) and (e := TURN_EFFECTS[case.effect](bench.tokenizer, x, g,
+                                                                                        in_order[:i])))
     elif case.effect is not None:
         effect = "; ".join(f"request {i}: {e}" for i, x in enumerate(served)
                            if carries(case, x.body) and (e := EFFECTS[case.effect](x)))
@@ -738,13 +895,13 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
         verdict, detail = "not sent", f"no request carried {[p for p, _ in case.wire]}"
     elif effect:
         verdict, detail = "not honoured", effect
-    elif changed or forced or stops or case.effect is not None:
+    elif changed or forced or stops or case.effect not in (None, *NO_OP_EFFECTS):
         how = [f"sampling: {', '.join(changed)}"] if changed else []
         how += [f"forced {forced}"] if forced else []
         how += [f"replies end at {', '.join(map(repr, stops))}"] if stops else []
         verdict, detail = "honoured", "; ".join(how) or f"effect seen ({case.effect}); sampling unchanged"
     else:
-        verdict, detail = "no-op", "accepted; sampling unchanged"
+        verdict, detail = "no-op", NO_OP_EFFECTS.get(case.effect, "accepted; sampling unchanged")
     return CaseResult(case.library, case.option, verdict, detail, answer[:120], len(generations),
                       seals_per_turn(session), sampled_once, effect, parity, trap, changed, forced,
                       round(seconds, 2))
@@ -797,15 +954,20 @@ def render(runs: dict) -> str:
              "changed (the fields named), the server wrote context tokens for the model (`forced`) or ended replies "
              "at a stop string of its own, or the option's effect was seen on every request that carried it; "
              "*no-op*: accepted, and none of that; *not honoured*: accepted, but a reply lacks the option's effect; "
-             "*refused*: the server's 4xx and its reason; *failed*: the library raised for another reason; "
-             "*not sent*: the library dropped the option.",
+             "*refused*: the server's 4xx and its reason (truncation 'auto' on the Responses wire is refused by "
+             "design); *failed*: the library raised for another reason; *not sent*: the library dropped the option. "
+             "The two Responses libraries (openai-responses: the openai SDK's responses.create loop; "
+             "openai-agents-responses: the Agents SDK on its default OpenAIResponsesModel) ask the questions of "
+             "litellm and openai-agents with the same tools: both wires decode to one canonical request, so the "
+             "server renders the same conversations.",
              ""]
     for label in labels:
         run = runs[label]
         counts = Counter(r["verdict"] for r in run["results"])
         lines.append(f"- **{label}**: tree `{run['tree']}`, {run['date']}, {len(run['results'])} cases ("
-                     + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common()) + f"), {run['seconds']:.0f} s "
-                     "from teaching the model (or finding it cached) to the last case")
+                     + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common())
+                     + f"), {run['seconds']:.0f} s from teaching the model (or finding it cached) to the last case"
+                     + (f"; {run['note']}" if run.get("note") else ""))   # rows measured apart, and how
     lines += ["", "## " + " / ".join(labels), "", "| library | option | " + " | ".join(labels) + " |",
               "|---|---|" + "---|" * len(labels)]
     keyed = {label: {(r["library"], r["option"]): r for r in runs[label]["results"]} for label in labels}
