@@ -138,6 +138,38 @@ def test_a_runner_that_hands_on_a_token_twice_stops_the_run(tmp_path):
                    str(tmp_path / "plain")).returncode == 0
 
 
+def test_the_run_logs_the_truncated_episodes_apart_from_the_replies_cut_at_max_tokens(tmp_path):
+    """rollout/truncated_frac: episodes the turn or length budget ended before their env did; hit_max_tokens_frac:
+    episodes with a reply cut at max_tokens. Here the env ends the episodes of one prompt of two and leaves the
+    other's open (one turn allowed: the budget ends them), and each rollout says what it did (agent/ metrics): which
+    env left it open, and whether the engine cut a reply at max_tokens."""
+    budget_ends_half = recipe_file(tmp_path, "budget_ends_half", (
+        "\n\nOPEN = base.tasks('train', 0)[0].task_id     # the first prompt of step 1\n\n\n"
+        "class HalfOpen(base.MathEnv):\n"
+        "    def reset(self, task):\n"
+        "        self.open = task.task_id == OPEN\n"
+        "        return super().reset(task)\n\n"
+        "    def step(self, action_text):\n"
+        "        result = super().step(action_text)\n"
+        "        result.terminated = not self.open\n"
+        "        result.info['left_open'] = float(self.open)\n"
+        "        return result\n\n\n"
+        "class AgentRunner(base.AgentRunner):\n"
+        "    env_cls = HalfOpen\n\n"
+        "    def run(self, tasks, group_ids, sampling):\n"
+        "        rollouts = super().run(tasks, group_ids, sampling)\n"
+        "        for r in rollouts:\n"
+        "            r.info['cut_at_max_tokens'] = float(any(g.finish_reason == 'length' for g in r.generations))\n"
+        "        return rollouts\n"))
+    out = str(tmp_path / "out")
+    done = run_cli(*[f if f != "math" else budget_ends_half for f in TINY_RUN], "--steps", "1", "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = metrics_of(out)
+    assert record["rollout/truncated_frac"] == record["agent/left_open"] == 0.5
+    assert record["rollout/hit_max_tokens_frac"] == record["agent/cut_at_max_tokens"]
+    assert record["rollout/hit_max_tokens_frac"] != record["rollout/truncated_frac"]
+
+
 def test_the_trace_shows_each_tokens_actual_share_of_the_loss(tmp_path):
     out = str(tmp_path / "out")
     done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, "--train.minibatches", "2", "--train.trace_rows", "100",
