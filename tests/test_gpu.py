@@ -27,7 +27,6 @@ from conftest import import_vllm
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
-from test_vlm import TEMPERATURE as VLM_TEMPERATURE
 from test_vlm import check_fsdp_vlm_step, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
