@@ -709,7 +709,7 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/response_length": sum(sampled) / n,
         "rollout/sampled_tokens": float(sum(sampled)),
         "rollout/count": float(len(rollouts)),
-        "rollout/hit_max_tokens_frac": sum(r.truncated for r in rollouts) / n,
+        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / n,   # cut short (turn or length budget)
         "rollout/hit_max_tokens_frac": sum(r.max_tokens_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(bool(row.seal_reason) for r in rollouts for row in r.rows) / n,

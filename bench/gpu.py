@@ -258,7 +258,8 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
     llm = vllm.LLM(model_dir, seed=0, logprobs_mode="processed_logprobs", **kwargs)
     raw_params = vllm.SamplingParams(temperature=1.0, max_tokens=new_tokens, logprobs=0, ignore_eos=True,
                                      stop_token_ids=[never], detokenize=False)
-    results["raw_vllm_tokens_per_s"] = best(lambda ps: llm.generate(
+    # llm bound as the lambda's default, not read from this scope, where it is deleted below to free the engine
+    results["raw_vllm_tokens_per_s"] = best(lambda ps, llm=llm: llm.generate(
         [vllm.TokensPrompt(prompt_token_ids=p) for p in ps], raw_params, use_tqdm=False))
     llm.llm_engine.engine_core.shutdown()
     del llm

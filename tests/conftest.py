@@ -1,6 +1,10 @@
-# Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread.
+# Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread; and
+# import_vllm, how a test that needs vLLM gets it.
+import importlib
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -20,3 +24,11 @@ torch.set_num_threads(1)
 import runtime  # noqa: E402
 
 runtime.mkl_avx512_on_amd()
+
+
+def import_vllm():
+    """vLLM, for a test that needs it: a skip where it is not installed, but a failure under TRACERL_REQUIRE_VLLM
+    (./launch.sh test installs vLLM, so in CI a missing vLLM is a broken setup, not a reason to skip)."""
+    if os.environ.get("TRACERL_REQUIRE_VLLM"):
+        return importlib.import_module("vllm")
+    return pytest.importorskip("vllm")

@@ -17,9 +17,11 @@ from agents.envs import ReasoningGymEnv, SkyRLEnv, VerifiersAgent, reasoning_gym
 from invariants import check_sampled_once
 from rollout import EmbeddedEngine, SamplingParams
 
-# the libraries are test dependencies (requirements-agents.txt, installed by ./launch.sh): missing is a failure
-import reasoning_gym  # noqa: E402
-import skyrl_gym  # noqa: E402
+# the libraries are test dependencies (requirements-agents.txt, installed by ./launch.sh): missing is a failure,
+# here at collection (the adapters import reasoning_gym and skyrl_gym inside a rollout, where an ImportError would
+# be one more counted rollout failure)
+import reasoning_gym  # noqa: E402, F401
+import skyrl_gym  # noqa: E402, F401
 import verifiers as vf  # noqa: E402
 from datasets import Dataset  # noqa: E402  (verifiers' datasets are Hugging Face datasets)
 

