@@ -7,8 +7,8 @@
 # for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else a `WeightChannel`:
 # a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor as FSDP2 ranks in Ray
 # actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
-# more than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
-# version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
+# more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the version, resume) and
+# the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
 # seconds and bytes; tokens/s per engine and retried/failed requests are the router's), and what a process that
 # trains or samples on a CPU sets up first (`prepare_cpu_process`: freed pages kept, MKL's AVX-512 kernels on AMD).
 #
@@ -21,8 +21,13 @@
 # recipe wrote), or, with --runtime.runners N, N Ray actors (`RunnerActor`) for environments that work the CPU.
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
-# it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
-# resumes, so a rollout that straddles it reads [v]*n1 + [v+1]*n2 and its KV cache is rebuilt (rollout.py).
+# it, and a weight update pauses the engines, loads, bumps the version and resumes; what becomes of the requests
+# in flight is each engine's `drain_on_update` policy (rollout.py, vllm_engine.py). Keep, a dense model's default:
+# the engines stop between decode steps with their requests kept, so a request that spans the update reads
+# [v]*n1 + [v+1]*n2 and its KV cache is re-prefilled by the new weights. Drain, an MoE model's default: the engines
+# admit no new request (it waits, then starts at v+1) and load only once the requests in flight have finished at v,
+# so every request has one version and the routes it was drawn under, and the push lasts as long as the longest of
+# them; a rollout of several turns may still have turns at v and turns at v+1.
 # Staleness is bounded by admission, never by discarding finished work: a group is started only while
 # (eta + V + 1) * B - (accepted + running) > 0, and groups reach the trainer in admission order.
 # Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
@@ -780,12 +785,13 @@ class Runtime:
         self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
-        requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
-        pause/load/resume fan-out to the live engines). An engine on the GPU that holds `state` (a vLLM engine
-        colocated with a trainer in this process) maps the tensors by CUDA IPC, with no copy; every other engine
-        receives a broadcast over its weight channel (NCCL between GPUs, gloo otherwise). Coverage by name is the
-        engine's check."""
+        """Pause every engine, load `state`, stamp `version` on every later token, resume (router.update_weights
+        does the pause/load/resume fan-out to the live engines). A dense model's engine keeps its requests in
+        flight across the load (partial rollout, AReaL's interruptible rollout: a request reads [v]*n1 + [v+1]*n2);
+        an MoE model's lets them finish at the old version first (its `drain_on_update`), so the push waits for the
+        longest of them. An engine on the GPU that holds `state` (a vLLM engine colocated with a trainer in this
+        process) maps the tensors by CUDA IPC, with no copy; every other engine receives a broadcast over its weight
+        channel (NCCL between GPUs, gloo otherwise). Coverage by name is the engine's check."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         first = next(iter(state.values()))
@@ -984,7 +990,8 @@ class RolloutPool:
 def staleness_metrics(rollouts: list, trainer_version: int, bound: int) -> dict[str, float]:
     """Histogram over the step's rollouts of s = trainer version - the oldest version among its sampled tokens
     (slime's sample_staleness), in versions (optimizer steps), buckets 0..bound and above; and how many rollouts
-    carry more than one version (partial rollouts that straddled a weight update)."""
+    carry more than one version (a dense model's requests kept across a weight update; under an MoE engine's drain,
+    rollouts whose turns fell on both sides of one)."""
     hist = [0] * (bound + 2)
     multi = 0
     for r in rollouts:

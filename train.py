@@ -455,8 +455,9 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         if sleeper is not None:
             sleeper.wake_up()
 
-        # 3. push the new weights to the engines (pause with requests kept, load, resume); every later token
-        # carries the new version; then the pool may start the groups this step made room for
+        # 3. push the new weights to the engines (pause, load, resume: a dense model's engines keep their requests
+        # in flight across it, an MoE model's let them finish first, rollout.py's drain_on_update); every later
+        # token carries the new version; then the pool may start the groups this step made room for
         t1 = time.time()
         m.update(push())
         m["time/weight_push_s"] = time.time() - t1

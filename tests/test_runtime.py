@@ -1,7 +1,8 @@
 # The async runtime on a real Ray cluster on this machine (CPU): engines in their own processes, the streaming
-# pool's admission rule, partial rollouts across weight updates, an engine killed mid-run, eta = 0 against the
-# synchronous loop, launch.sh's one-node cluster, and FSDP2 trainer ranks on two Ray nodes of this machine. Ray
-# runs with few CPUs and a 100 MB object store.
+# pool's admission rule, weight updates in the middle of requests (a dense engine keeps them: partial rollouts; an
+# MoE engine drains them), an engine killed mid-run, eta = 0 against the synchronous loop, launch.sh's one-node
+# cluster, and FSDP2 trainer ranks on two Ray nodes of this machine. Ray runs with few CPUs and a 100 MB object
+# store.
 import copy
 import json
 import os
