@@ -1,5 +1,5 @@
 # runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
-# trainer while it trains, and weight updates that land in the middle of requests.
+# trainer while it trains, and weight updates that land in the middle of requests (an MoE model's: once they end).
 #
 # Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `EngineActor` (one
 # engine in a Ray actor; tokens streamed back as sampled when the caller listens) and `EngineProxy` (the engine
@@ -8,9 +8,9 @@
 # a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor as FSDP2 ranks in Ray
 # actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
 # more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the version, resume) and
-# the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
-# seconds and bytes; tokens/s per engine and retried/failed requests are the router's), and what a process that
-# trains or samples on a CPU sets up first (`prepare_cpu_process`: freed pages kept, MKL's AVX-512 kernels on AMD).
+# the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync seconds and bytes;
+# tokens/s per engine and retried/failed requests are the router's). An engine actor or trainer rank on a CPU first
+# runs cpu_setup.prepare_cpu_process, as train.py does.
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with
@@ -33,10 +33,8 @@
 # Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import platform
 import queue
 import threading
 import time
@@ -49,6 +47,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import algo
+import cpu_setup
 import invariants
 import models
 from agents import load_recipe
@@ -91,8 +90,8 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
                          f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
                          f"{cfg.object_store_mb}")
     if cfg.trainer_ranks < 1 or cfg.trainer_gpus < 0 or (cfg.trainer_ranks > 1 and cfg.mode != "ray"):
-        raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus >= 0 "
-                         f"are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
+        raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus "
+                         f">= 0 are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
     if cfg.trainer_placement not in PLACEMENTS:
         raise ValueError(f"runtime.trainer_placement {cfg.trainer_placement!r} unknown; use one of {PLACEMENTS}")
     if cfg.mode != "ray" or cfg.eta == 0:
@@ -108,71 +107,6 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
                          f"--correction.max_staleness {cfg.eta * minibatches}")
 
 
-# ---- a CPU process's heap: freed pages kept for the next step ------------------------------------------------
-
-# glibc's mallopt parameters (malloc.h). By default each allocation over the dynamic mmap threshold (a training
-# step's gradients, the [V, H] tied-embedding gradient, logits) is a fresh mmap and each free unmaps it, so every
-# step touches those pages anew: ~500K minor page faults a step and ~30% of a 135M model's CPU train step
-# (getrusage around Actor.train_step, 2 cores). With mmap off, one arena, and a trim threshold above a step's
-# churn, freed memory stays in the heap and the next step reuses it (peak RSS measured unchanged: 4.8 GB).
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-HEAP_KEPT_BYTES = 2**31 - 1       # the largest trim threshold mallopt takes (an int)
-
-
-def keep_freed_memory() -> bool:
-    """Makes glibc malloc keep freed memory for reuse in this process (call it before the first model loads).
-    False where the C library is not glibc (macOS, musl): its allocator is then left as it is."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:            # no mallopt in this process's C library
-        return False
-    return all(mallopt(param, value) == 1 for param, value in
-               ((M_MMAP_MAX, 0), (M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)))
-
-
-# ---- a CPU process's matrix products: MKL's AVX-512 kernels on an AMD CPU that has AVX-512 ---------------------
-
-# torch's x86 wheels run fp32 products on MKL (linked into libtorch_cpu.so), which picks its kernels by the CPU's
-# vendor before its features: on an AMD CPU its AVX2 ones even where the CPU has AVX-512 (Zen 4, 5), at half the fp32
-# GEMM rate (2-core Zen 5: 210 against 460 GFLOP/s at [1000, 576] x [576, 1536]). Its answer to "an Intel CPU?" is
-# kept in a static int beside mkl_serv_intel_cpu_true (-1 until asked), and the kernels are chosen at the first
-# product: 1 written there before it makes MKL choose as on an Intel CPU with the same features. Still fp32 (RMS error
-# against fp64 at K 576: 7.3e-6, the AVX2 kernels' 6.0e-6), for the engine and the trainer alike.
-INTEL_CPU_CACHE_LOAD = b"\x8b\x05"          # mov eax, [rip + disp32]: the function's first instruction reads its cache
-INTEL_CPU_CACHE_TEST = b"\x85\xc0\x78"      # test eax, eax; js: computed only while the cache is negative
-
-
-def mkl_avx512_on_amd() -> bool:
-    """Makes MKL take its AVX-512 kernels on an AMD CPU with AVX-512, before the process's first product. True if it
-    did; False elsewhere, once MKL has chosen, or where mkl_serv_intel_cpu_true is not the code it was written for."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or not torch.backends.mkl.is_available() \
-            or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    with open("/proc/cpuinfo") as f:
-        if "AuthenticAMD" not in f.read(4096):
-            return False
-    try:
-        torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
-                                mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        function = ctypes.cast(torch_cpu.mkl_serv_intel_cpu_true, ctypes.c_void_p).value
-    except (OSError, AttributeError):     # another build of torch: no MKL symbols to find
-        return False
-    code = ctypes.string_at(function, 9)
-    if code[:2] != INTEL_CPU_CACHE_LOAD or code[6:] != INTEL_CPU_CACHE_TEST:
-        return False
-    cached = ctypes.c_int.from_address(function + 6 + int.from_bytes(code[2:6], "little", signed=True))
-    if cached.value >= 0:                 # MKL has asked already, and chosen its kernels by the answer
-        return False
-    cached.value = 1
-    return True
-
-
-def prepare_cpu_process() -> bool:
-    """Before a CPU process's first model loads: keep_freed_memory, then mkl_avx512_on_amd (whose answer it returns)."""
-    keep_freed_memory()
-    return mkl_avx512_on_amd()
-
-
 # ---- an engine in its own process -----------------------------------------------------------------------
 
 def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
@@ -180,7 +114,7 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
     if device == "cpu":
-        prepare_cpu_process()
+        cpu_setup.prepare_cpu_process()
     model = models.load_model(model_path)
     return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
 
@@ -546,7 +480,7 @@ class TrainerRank:
     def __init__(self, threads: int):
         torch.set_num_threads(threads)
         if not torch.cuda.is_available():
-            prepare_cpu_process()
+            cpu_setup.prepare_cpu_process()
 
     def locate(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, a port free on this node): rank 0's IP and port are where every rank meets."""
@@ -845,7 +779,8 @@ def connect(cfg: RuntimeConfig) -> None:
     """Start Ray here (or join cfg.address). Workers import this repository's modules, so it goes on their
     PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
-                                      "TRACERL_CACHE", "HF_HOME", "TRACERL_SANDBOX_ACCEPT") if k in os.environ}
+                                      "TRACERL_CACHE", "HF_HOME", "TRACERL_SANDBOX_ACCEPT", cpu_setup.SWITCH)
+           if k in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     if cfg.address:
         ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
@@ -853,9 +788,9 @@ def connect(cfg: RuntimeConfig) -> None:
         # the engines' and trainer ranks' CPUs are reserved; the driver (runner threads) uses what is left
         # address="local": a new Ray of our own, even where another cluster runs on this machine
         ranks = cfg.trainer_ranks if cfg.trainer_ranks > 1 else 0
-        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus + cfg.runners * cfg.runner_cpus) + ranks, include_dashboard=False,
-                 log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
-                 runtime_env={"env_vars": env})
+        cpus = math.ceil(cfg.engines * cfg.engine_cpus + cfg.runners * cfg.runner_cpus) + ranks
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=cfg.object_store_mb * 2**20 or None, runtime_env={"env_vars": env})
 
 
 def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:

@@ -39,6 +39,7 @@ import transformers
 
 import actor
 import algo
+import cpu_setup
 import invariants
 import models
 import runtime
@@ -268,9 +269,9 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
-    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (runtime.py)
-        if runtime.prepare_cpu_process():
-            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: runtime.mkl_avx512_on_amd)", flush=True)
+    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (cpu_setup.py)
+        if cpu_setup.prepare_cpu_process():
+            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: cpu_setup.py)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe = load_recipe(run.recipe)
