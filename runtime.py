@@ -4,13 +4,13 @@
 # Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `EngineActor` (one
 # engine in a Ray actor; tokens streamed back as sampled when the caller listens) and `EngineProxy` (the engine
 # interface in the driver, so router.Router places requests, fails over and fans out the control plane as it does
-# for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else a `WeightChannel`:
-# a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor as FSDP2 ranks in Ray
-# actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
-# more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the version, resume) and
-# the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync seconds and bytes;
-# tokens/s per engine and retried/failed requests are the router's). An engine actor or trainer rank on a CPU first
-# runs cpu_setup.prepare_cpu_process, as train.py does.
+# for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else the engine's
+# weight_channel.WeightChannel: a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor
+# as FSDP2 ranks in Ray actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that
+# no rollout is trained more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the
+# version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
+# seconds and bytes; tokens/s per engine and retried/failed requests are the router's). An engine actor or trainer
+# rank on a CPU first runs cpu_setup.prepare_cpu_process, as train.py does.
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with
@@ -54,6 +54,7 @@ from agents import load_recipe
 from router import Router
 from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
 from vllm_engine import VLLMEngine
+from weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "ray")
@@ -213,13 +214,13 @@ class EngineActor:
     def placement(self) -> tuple[str | None, str | None, int]:
         """(the GPU this actor holds, or None; the checkpoint of its engine if that takes CUDA IPC updates (a vLLM
         engine on the GPU), else None; the most positions its engine serves, prompt and reply)."""
-        gpu = _gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        gpu = gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
         takes_ipc = isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
         return gpu, self.engine.model_path if takes_ipc else None, self.engine.max_model_len
 
     @ray.method(concurrency_group="control")
     def open_weight_channel(self, address: str, port: int, backend: str, timeout_s: float) -> None:
-        self.channel = _open_group(address, port, 1, backend, timeout_s)
+        self.channel = open_group(address, port, 1, backend, timeout_s)
         self.channel_device = "cuda" if backend == "nccl" else "cpu"
 
     @ray.method(concurrency_group="control")
@@ -368,107 +369,6 @@ class EngineProxy:
         self._call(self.handle.load_sampler_state, state)
 
 
-@dataclass
-class WeightPush:
-    """One weight update as Runtime.push_weights hands it to every engine proxy: the trainer's tensors and the GPU
-    they sit on (None on a CPU). An engine on that GPU maps them by CUDA IPC; the others receive them over their
-    weight channel."""
-    tensors: dict[str, torch.Tensor]
-    gpu_uuid: str | None
-
-
-# ---- weights to an engine in another process: a two-rank process group per engine -------------------------
-# The trainer (rank 0) broadcasts to one engine actor (rank 1): NCCL from GPU to GPU when each has a GPU of its
-# own, gloo through host memory otherwise. A group per engine, not one for all: an engine that dies breaks only
-# its own channel (the router takes it out; the others keep their updates). Tensors travel in dtype-faithful
-# buckets: grouped by dtype and never cast (an fp32 router or norm cast to bf16 changes the engine's model),
-# each bucket one flat buffer; the engine checks coverage by name when it loads them.
-
-BUCKET_BYTES = 512 * 2**20
-
-
-def weight_plan(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple]]:
-    """The buckets of a state dict, in the order both ends walk them: [(name, dtype name, shape), ...] per bucket,
-    one dtype per bucket, a tensor larger than bucket_bytes alone in its own."""
-    buckets: list[list[tuple]] = []
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, tensor in state.items():
-        by_dtype.setdefault(tensor.dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        bucket, size = [], 0
-        for name in names:
-            nbytes = state[name].numel() * state[name].element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-            bucket.append((name, str(dtype).removeprefix("torch."), list(state[name].shape)))
-            size += nbytes
-        buckets.append(bucket)
-    return buckets
-
-
-def _open_group(address: str, port: int, rank: int, backend: str, timeout_s: float):
-    """A process group of two (trainer, engine) on its own TCP store, apart from any torch.distributed world either
-    process belongs to (a trainer's FSDP2 ranks have theirs)."""
-    import datetime
-    import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, 2, rank == 0, timeout=timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-
-def _broadcast(group, buffer: torch.Tensor) -> None:
-    import torch.distributed as dist
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([buffer], options).wait()
-
-
-def send_state(group, state: dict[str, torch.Tensor], plan: list[list[tuple]], device: str) -> None:
-    """Rank 0: each bucket of `plan` as one flat buffer of its dtype on `device`."""
-    for bucket in plan:
-        _broadcast(group, torch.cat([state[name].detach().reshape(-1).to(device) for name, _, _ in bucket]))
-
-
-def receive_state(group, plan: list[list[tuple]], device: str) -> dict[str, torch.Tensor]:
-    """Rank 1: each bucket into a buffer of its own dtype, split back into named tensors of their shapes."""
-    state = {}
-    for bucket in plan:
-        sizes = [math.prod(shape) for _, _, shape in bucket]
-        buffer = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0][1]), device=device)
-        _broadcast(group, buffer)
-        for (name, _, shape), part in zip(bucket, buffer.split(sizes)):
-            state[name] = part.view(shape)
-    return state
-
-
-class WeightChannel:
-    """The trainer's end of one engine's weight channel (EngineActor.open_weight_channel is the other)."""
-
-    def __init__(self, handle, backend: str, timeout_s: float = 300.0):
-        self.backend = backend
-        address, port = ray.util.get_node_ip_address(), _free_port()
-        opened = handle.open_weight_channel.remote(address, port, backend, timeout_s)
-        self.group = _open_group(address, port, 0, backend, timeout_s)      # waits for the engine to join
-        ray.get(opened)
-
-    def send(self, handle, state: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcast `state` bucket by bucket while the engine receives it and loads it as `version`."""
-        plan = weight_plan(state)
-        loaded = handle.receive_weights.remote(plan, version)
-        send_state(self.group, state, plan, "cuda" if self.backend == "nccl" else "cpu")
-        ray.get(loaded)
-
-
-def _gpu_uuid(device: int) -> str:
-    """A GPU's physical id, as vLLM's CUDA IPC keys its handles (device indices differ between processes)."""
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
 # ---- the trainer as FSDP2 ranks, each a Ray actor ------------------------------------------------------------
 
 @ray.remote
@@ -484,7 +384,7 @@ class TrainerRank:
 
     def locate(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, a port free on this node): rank 0's IP and port are where every rank meets."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), free_port()
 
     def join(self, rank: int, world_size: int, master_ip: str, master_port: int, socket_env: dict[str, str],
              model_path: str, cfg, total_steps: int, seed: int) -> None:
@@ -625,14 +525,6 @@ def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.
     return out
 
 
-def _free_port() -> int:
-    """A port free on every interface of this node (the rendezvous store listens on all of them)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # ---- agent runners in their own processes --------------------------------------------------------------------
 
 @ray.remote
@@ -729,7 +621,7 @@ class Runtime:
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         first = next(iter(state.values()))
-        push = WeightPush(state, _gpu_uuid(first.device.index or 0) if first.is_cuda else None)
+        push = WeightPush(state, gpu_uuid(first.device.index or 0) if first.is_cuda else None)
         router.update_weights(push, version)
         ipc = sum(p.takes_ipc and p.gpu_uuid == push.gpu_uuid for p in self.proxies)
         del push
