@@ -414,10 +414,12 @@ class Router:
                     self._paused_at = None
 
     def update_weights(self, state: dict, version: int) -> None:
-        """Pause all, load on all, resume all (live engines): requests are kept, and tokens after the resume carry
-        `version` on every engine. An engine whose load fails with an engine-level error is taken out (it would
-        serve old weights); a ValueError (the state does not fit the model) is raised. Resume happens even if a
-        load fails (a leaked pause hangs the run)."""
+        """Pause all, load on all, resume all (live engines): tokens after the resume carry `version` on every
+        engine. The requests in flight go by each engine's `drain_on_update`: a dense model's engine keeps them
+        paused across its load (a request that spans it reads [v]*n1 + [v+1]*n2), an MoE model's admits no new one
+        and loads once they have finished at the old version (each request has one version). An engine whose load
+        fails with an engine-level error is taken out (it would serve old weights); a ValueError (the state does not
+        fit the model) is raised. Resume happens even if a load fails (a leaked pause hangs the run)."""
         with self._control:
             self.pause()
             try:

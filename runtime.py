@@ -1,16 +1,16 @@
 # runtime.py — the async runtime: engines in their own processes (Ray actors), rollouts that stream to the
-# trainer while it trains, and weight updates that land in the middle of requests.
+# trainer while it trains, and weight updates that land in the middle of requests (an MoE model's: once they end).
 #
 # Owns: `RuntimeConfig` (--runtime.*), starting and stopping Ray (`connect`, `start`, `stop`), `EngineActor` (one
 # engine in a Ray actor; tokens streamed back as sampled when the caller listens) and `EngineProxy` (the engine
 # interface in the driver, so router.Router places requests, fails over and fans out the control plane as it does
-# for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else a `WeightChannel`:
-# a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor as FSDP2 ranks in Ray
-# actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that no rollout is trained
-# more than eta policy steps after it started), `Runtime.push_weights` (pause with requests kept, move, bump the
+# for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else the engine's
+# weight_channel.WeightChannel: a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor
+# as FSDP2 ranks in Ray actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that
+# no rollout is trained more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the
 # version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
-# seconds and bytes; tokens/s per engine and retried/failed requests are the router's), and what a process that
-# trains or samples on a CPU sets up first (`prepare_cpu_process`: freed pages kept, MKL's AVX-512 kernels on AMD).
+# seconds and bytes; tokens/s per engine and retried/failed requests are the router's). An engine actor or trainer
+# rank on a CPU first runs cpu_setup.prepare_cpu_process, as train.py does.
 #
 # Placement (one machine by default; a cluster under launch.sh): each engine is one Ray actor with
 # --runtime.engine_cpus / --runtime.engine_gpus; the trainer is the driver process itself, or, with
@@ -21,17 +21,20 @@
 # recipe wrote), or, with --runtime.runners N, N Ray actors (`RunnerActor`) for environments that work the CPU.
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
-# it; a weight update pauses the engines between decode steps (requests kept), loads, bumps the version and
-# resumes, so a rollout that straddles it reads [v]*n1 + [v+1]*n2 and its KV cache is rebuilt (rollout.py).
+# it, and a weight update pauses the engines, loads, bumps the version and resumes; what becomes of the requests
+# in flight is each engine's `drain_on_update` policy (rollout.py, vllm_engine.py). Keep, a dense model's default:
+# the engines stop between decode steps with their requests kept, so a request that spans the update reads
+# [v]*n1 + [v+1]*n2 and its KV cache is re-prefilled by the new weights. Drain, an MoE model's default: the engines
+# admit no new request (it waits, then starts at v+1) and load only once the requests in flight have finished at v,
+# so every request has one version and the routes it was drawn under, and the push lasts as long as the longest of
+# them; a rollout of several turns may still have turns at v and turns at v+1.
 # Staleness is bounded by admission, never by discarding finished work: a group is started only while
 # (eta + V + 1) * B - (accepted + running) > 0, and groups reach the trainer in admission order.
 # Never: computes rewards, builds training rows or trains; never re-stamps a token's version.
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import platform
 import queue
 import threading
 import time
@@ -44,12 +47,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import algo
+import cpu_setup
 import invariants
 import models
 from agents import load_recipe
 from router import Router
 from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
 from vllm_engine import VLLMEngine
+from weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "ray")
@@ -86,8 +91,8 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
                          f">= 0 are required; got {cfg.eta}, {cfg.engines}, {cfg.engine_cpus}, {cfg.engine_gpus}, "
                          f"{cfg.object_store_mb}")
     if cfg.trainer_ranks < 1 or cfg.trainer_gpus < 0 or (cfg.trainer_ranks > 1 and cfg.mode != "ray"):
-        raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus >= 0 "
-                         f"are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
+        raise ValueError(f"runtime: trainer_ranks >= 1 (more than 1 only with --runtime.mode ray) and trainer_gpus "
+                         f">= 0 are required; got {cfg.trainer_ranks}, {cfg.trainer_gpus} in mode {cfg.mode!r}")
     if cfg.trainer_placement not in PLACEMENTS:
         raise ValueError(f"runtime.trainer_placement {cfg.trainer_placement!r} unknown; use one of {PLACEMENTS}")
     if cfg.mode != "ray" or cfg.eta == 0:
@@ -103,71 +108,6 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
                          f"--correction.max_staleness {cfg.eta * minibatches}")
 
 
-# ---- a CPU process's heap: freed pages kept for the next step ------------------------------------------------
-
-# glibc's mallopt parameters (malloc.h). By default each allocation over the dynamic mmap threshold (a training
-# step's gradients, the [V, H] tied-embedding gradient, logits) is a fresh mmap and each free unmaps it, so every
-# step touches those pages anew: ~500K minor page faults a step and ~30% of a 135M model's CPU train step
-# (getrusage around Actor.train_step, 2 cores). With mmap off, one arena, and a trim threshold above a step's
-# churn, freed memory stays in the heap and the next step reuses it (peak RSS measured unchanged: 4.8 GB).
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-HEAP_KEPT_BYTES = 2**31 - 1       # the largest trim threshold mallopt takes (an int)
-
-
-def keep_freed_memory() -> bool:
-    """Makes glibc malloc keep freed memory for reuse in this process (call it before the first model loads).
-    False where the C library is not glibc (macOS, musl): its allocator is then left as it is."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except AttributeError:            # no mallopt in this process's C library
-        return False
-    return all(mallopt(param, value) == 1 for param, value in
-               ((M_MMAP_MAX, 0), (M_ARENA_MAX, 1), (M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)))
-
-
-# ---- a CPU process's matrix products: MKL's AVX-512 kernels on an AMD CPU that has AVX-512 ---------------------
-
-# torch's x86 wheels run fp32 products on MKL (linked into libtorch_cpu.so), which picks its kernels by the CPU's
-# vendor before its features: on an AMD CPU its AVX2 ones even where the CPU has AVX-512 (Zen 4, 5), at half the fp32
-# GEMM rate (2-core Zen 5: 210 against 460 GFLOP/s at [1000, 576] x [576, 1536]). Its answer to "an Intel CPU?" is
-# kept in a static int beside mkl_serv_intel_cpu_true (-1 until asked), and the kernels are chosen at the first
-# product: 1 written there before it makes MKL choose as on an Intel CPU with the same features. Still fp32 (RMS error
-# against fp64 at K 576: 7.3e-6, the AVX2 kernels' 6.0e-6), for the engine and the trainer alike.
-INTEL_CPU_CACHE_LOAD = b"\x8b\x05"          # mov eax, [rip + disp32]: the function's first instruction reads its cache
-INTEL_CPU_CACHE_TEST = b"\x85\xc0\x78"      # test eax, eax; js: computed only while the cache is negative
-
-
-def mkl_avx512_on_amd() -> bool:
-    """Makes MKL take its AVX-512 kernels on an AMD CPU with AVX-512, before the process's first product. True if it
-    did; False elsewhere, once MKL has chosen, or where mkl_serv_intel_cpu_true is not the code it was written for."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64" or not torch.backends.mkl.is_available() \
-            or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    with open("/proc/cpuinfo") as f:
-        if "AuthenticAMD" not in f.read(4096):
-            return False
-    try:
-        torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
-                                mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        function = ctypes.cast(torch_cpu.mkl_serv_intel_cpu_true, ctypes.c_void_p).value
-    except (OSError, AttributeError):     # another build of torch: no MKL symbols to find
-        return False
-    code = ctypes.string_at(function, 9)
-    if code[:2] != INTEL_CPU_CACHE_LOAD or code[6:] != INTEL_CPU_CACHE_TEST:
-        return False
-    cached = ctypes.c_int.from_address(function + 6 + int.from_bytes(code[2:6], "little", signed=True))
-    if cached.value >= 0:                 # MKL has asked already, and chosen its kernels by the answer
-        return False
-    cached.value = 1
-    return True
-
-
-def prepare_cpu_process() -> bool:
-    """Before a CPU process's first model loads: keep_freed_memory, then mkl_avx512_on_amd (whose answer it returns)."""
-    keep_freed_memory()
-    return mkl_avx512_on_amd()
-
-
 # ---- an engine in its own process -----------------------------------------------------------------------
 
 def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
@@ -175,7 +115,7 @@ def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
     if device == "cpu":
-        prepare_cpu_process()
+        cpu_setup.prepare_cpu_process()
     model = models.load_model(model_path)
     return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
 
@@ -274,13 +214,13 @@ class EngineActor:
     def placement(self) -> tuple[str | None, str | None, int]:
         """(the GPU this actor holds, or None; the checkpoint of its engine if that takes CUDA IPC updates (a vLLM
         engine on the GPU), else None; the most positions its engine serves, prompt and reply)."""
-        gpu = _gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
+        gpu = gpu_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
         takes_ipc = isinstance(self.engine, VLLMEngine) and self.engine.transfer == "ipc"
         return gpu, self.engine.model_path if takes_ipc else None, self.engine.max_model_len
 
     @ray.method(concurrency_group="control")
     def open_weight_channel(self, address: str, port: int, backend: str, timeout_s: float) -> None:
-        self.channel = _open_group(address, port, 1, backend, timeout_s)
+        self.channel = open_group(address, port, 1, backend, timeout_s)
         self.channel_device = "cuda" if backend == "nccl" else "cpu"
 
     @ray.method(concurrency_group="control")
@@ -429,107 +369,6 @@ class EngineProxy:
         self._call(self.handle.load_sampler_state, state)
 
 
-@dataclass
-class WeightPush:
-    """One weight update as Runtime.push_weights hands it to every engine proxy: the trainer's tensors and the GPU
-    they sit on (None on a CPU). An engine on that GPU maps them by CUDA IPC; the others receive them over their
-    weight channel."""
-    tensors: dict[str, torch.Tensor]
-    gpu_uuid: str | None
-
-
-# ---- weights to an engine in another process: a two-rank process group per engine -------------------------
-# The trainer (rank 0) broadcasts to one engine actor (rank 1): NCCL from GPU to GPU when each has a GPU of its
-# own, gloo through host memory otherwise. A group per engine, not one for all: an engine that dies breaks only
-# its own channel (the router takes it out; the others keep their updates). Tensors travel in dtype-faithful
-# buckets: grouped by dtype and never cast (an fp32 router or norm cast to bf16 changes the engine's model),
-# each bucket one flat buffer; the engine checks coverage by name when it loads them.
-
-BUCKET_BYTES = 512 * 2**20
-
-
-def weight_plan(state: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple]]:
-    """The buckets of a state dict, in the order both ends walk them: [(name, dtype name, shape), ...] per bucket,
-    one dtype per bucket, a tensor larger than bucket_bytes alone in its own."""
-    buckets: list[list[tuple]] = []
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, tensor in state.items():
-        by_dtype.setdefault(tensor.dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        bucket, size = [], 0
-        for name in names:
-            nbytes = state[name].numel() * state[name].element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-            bucket.append((name, str(dtype).removeprefix("torch."), list(state[name].shape)))
-            size += nbytes
-        buckets.append(bucket)
-    return buckets
-
-
-def _open_group(address: str, port: int, rank: int, backend: str, timeout_s: float):
-    """A process group of two (trainer, engine) on its own TCP store, apart from any torch.distributed world either
-    process belongs to (a trainer's FSDP2 ranks have theirs)."""
-    import datetime
-    import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, 2, rank == 0, timeout=timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-
-def _broadcast(group, buffer: torch.Tensor) -> None:
-    import torch.distributed as dist
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([buffer], options).wait()
-
-
-def send_state(group, state: dict[str, torch.Tensor], plan: list[list[tuple]], device: str) -> None:
-    """Rank 0: each bucket of `plan` as one flat buffer of its dtype on `device`."""
-    for bucket in plan:
-        _broadcast(group, torch.cat([state[name].detach().reshape(-1).to(device) for name, _, _ in bucket]))
-
-
-def receive_state(group, plan: list[list[tuple]], device: str) -> dict[str, torch.Tensor]:
-    """Rank 1: each bucket into a buffer of its own dtype, split back into named tensors of their shapes."""
-    state = {}
-    for bucket in plan:
-        sizes = [math.prod(shape) for _, _, shape in bucket]
-        buffer = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0][1]), device=device)
-        _broadcast(group, buffer)
-        for (name, _, shape), part in zip(bucket, buffer.split(sizes)):
-            state[name] = part.view(shape)
-    return state
-
-
-class WeightChannel:
-    """The trainer's end of one engine's weight channel (EngineActor.open_weight_channel is the other)."""
-
-    def __init__(self, handle, backend: str, timeout_s: float = 300.0):
-        self.backend = backend
-        address, port = ray.util.get_node_ip_address(), _free_port()
-        opened = handle.open_weight_channel.remote(address, port, backend, timeout_s)
-        self.group = _open_group(address, port, 0, backend, timeout_s)      # waits for the engine to join
-        ray.get(opened)
-
-    def send(self, handle, state: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcast `state` bucket by bucket while the engine receives it and loads it as `version`."""
-        plan = weight_plan(state)
-        loaded = handle.receive_weights.remote(plan, version)
-        send_state(self.group, state, plan, "cuda" if self.backend == "nccl" else "cpu")
-        ray.get(loaded)
-
-
-def _gpu_uuid(device: int) -> str:
-    """A GPU's physical id, as vLLM's CUDA IPC keys its handles (device indices differ between processes)."""
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
 # ---- the trainer as FSDP2 ranks, each a Ray actor ------------------------------------------------------------
 
 @ray.remote
@@ -541,11 +380,11 @@ class TrainerRank:
     def __init__(self, threads: int):
         torch.set_num_threads(threads)
         if not torch.cuda.is_available():
-            prepare_cpu_process()
+            cpu_setup.prepare_cpu_process()
 
     def locate(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, a port free on this node): rank 0's IP and port are where every rank meets."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), free_port()
 
     def join(self, rank: int, world_size: int, master_ip: str, master_port: int, socket_env: dict[str, str],
              model_path: str, cfg, total_steps: int, seed: int) -> None:
@@ -686,14 +525,6 @@ def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.
     return out
 
 
-def _free_port() -> int:
-    """A port free on every interface of this node (the rendezvous store listens on all of them)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # ---- agent runners in their own processes --------------------------------------------------------------------
 
 @ray.remote
@@ -780,16 +611,17 @@ class Runtime:
         self._last: tuple[float, list[float]] | None = None
 
     def push_weights(self, router, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Partial rollout (AReaL's interruptible rollout): pause every engine between two decode steps with its
-        requests kept, load `state`, stamp `version` on every later token, resume (router.update_weights does the
-        pause/load/resume fan-out to the live engines). An engine on the GPU that holds `state` (a vLLM engine
-        colocated with a trainer in this process) maps the tensors by CUDA IPC, with no copy; every other engine
-        receives a broadcast over its weight channel (NCCL between GPUs, gloo otherwise). Coverage by name is the
-        engine's check."""
+        """Pause every engine, load `state`, stamp `version` on every later token, resume (router.update_weights
+        does the pause/load/resume fan-out to the live engines). A dense model's engine keeps its requests in
+        flight across the load (partial rollout, AReaL's interruptible rollout: a request reads [v]*n1 + [v+1]*n2);
+        an MoE model's lets them finish at the old version first (its `drain_on_update`), so the push waits for the
+        longest of them. An engine on the GPU that holds `state` (a vLLM engine colocated with a trainer in this
+        process) maps the tensors by CUDA IPC, with no copy; every other engine receives a broadcast over its weight
+        channel (NCCL between GPUs, gloo otherwise). Coverage by name is the engine's check."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         first = next(iter(state.values()))
-        push = WeightPush(state, _gpu_uuid(first.device.index or 0) if first.is_cuda else None)
+        push = WeightPush(state, gpu_uuid(first.device.index or 0) if first.is_cuda else None)
         router.update_weights(push, version)
         ipc = sum(p.takes_ipc and p.gpu_uuid == push.gpu_uuid for p in self.proxies)
         del push
@@ -839,7 +671,8 @@ def connect(cfg: RuntimeConfig) -> None:
     """Start Ray here (or join cfg.address). Workers import this repository's modules, so it goes on their
     PYTHONPATH (on a cluster, the repository must sit at the same path on every node)."""
     env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
-                                      "TRACERL_CACHE", "HF_HOME", "TRACERL_SANDBOX_ACCEPT") if k in os.environ}
+                                      "TRACERL_CACHE", "HF_HOME", "TRACERL_SANDBOX_ACCEPT", cpu_setup.SWITCH)
+           if k in os.environ}
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     if cfg.address:
         ray.init(address=cfg.address, runtime_env={"env_vars": env}, log_to_driver=False)
@@ -847,9 +680,9 @@ def connect(cfg: RuntimeConfig) -> None:
         # the engines' and trainer ranks' CPUs are reserved; the driver (runner threads) uses what is left
         # address="local": a new Ray of our own, even where another cluster runs on this machine
         ranks = cfg.trainer_ranks if cfg.trainer_ranks > 1 else 0
-        ray.init(address="local", num_cpus=math.ceil(cfg.engines * cfg.engine_cpus + cfg.runners * cfg.runner_cpus) + ranks, include_dashboard=False,
-                 log_to_driver=False, object_store_memory=cfg.object_store_mb * 2**20 or None,
-                 runtime_env={"env_vars": env})
+        cpus = math.ceil(cfg.engines * cfg.engine_cpus + cfg.runners * cfg.runner_cpus) + ranks
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=cfg.object_store_mb * 2**20 or None, runtime_env={"env_vars": env})
 
 
 def start(cfg: RuntimeConfig, build: Callable, build_args: Callable[[int], tuple], version: int) -> Runtime:
@@ -984,7 +817,8 @@ class RolloutPool:
 def staleness_metrics(rollouts: list, trainer_version: int, bound: int) -> dict[str, float]:
     """Histogram over the step's rollouts of s = trainer version - the oldest version among its sampled tokens
     (slime's sample_staleness), in versions (optimizer steps), buckets 0..bound and above; and how many rollouts
-    carry more than one version (partial rollouts that straddled a weight update)."""
+    carry more than one version (a dense model's requests kept across a weight update; under an MoE engine's drain,
+    rollouts whose turns fell on both sides of one)."""
     hist = [0] * (bound + 2)
     multi = 0
     for r in rollouts:

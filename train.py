@@ -39,6 +39,7 @@ import transformers
 
 import actor
 import algo
+import cpu_setup
 import invariants
 import models
 import runtime
@@ -268,9 +269,9 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
-    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (runtime.py)
-        if runtime.prepare_cpu_process():
-            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: runtime.mkl_avx512_on_amd)", flush=True)
+    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (cpu_setup.py)
+        if cpu_setup.prepare_cpu_process():
+            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: cpu_setup.py)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe = load_recipe(run.recipe)
@@ -455,8 +456,9 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         if sleeper is not None:
             sleeper.wake_up()
 
-        # 3. push the new weights to the engines (pause with requests kept, load, resume); every later token
-        # carries the new version; then the pool may start the groups this step made room for
+        # 3. push the new weights to the engines (pause, load, resume: a dense model's engines keep their requests
+        # in flight across it, an MoE model's let them finish first, rollout.py's drain_on_update); every later
+        # token carries the new version; then the pool may start the groups this step made room for
         t1 = time.time()
         m.update(push())
         m["time/weight_push_s"] = time.time() - t1

@@ -194,7 +194,8 @@ def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: s
 
 def trl_driver(job_path: str) -> None:
     """TRL's side, run by TRL's own Python: GRPOTrainer on the job's prompts; writes when each optimizer step ended,
-    each generation's phases and reward. Imports nothing of tracerl but its grader (agents/graders.py, by path)."""
+    each generation's phases and reward. Imports nothing of tracerl but its grader (agents/graders.py) and
+    cpu_setup.py, by path."""
     with open(job_path) as f:
         job = json.load(f)
     cfg, side = job["cfg"], job["side"]
@@ -301,18 +302,12 @@ def trl_driver(job_path: str) -> None:
 
 
 def mkl_avx512_on_amd() -> bool:
-    """runtime.mkl_avx512_on_amd in TRL's process, which cannot import runtime.py (Ray is not installed there): the
-    function and its constants are taken from runtime.py's source and run as they are written there."""
-    import ast
-    with open(os.path.join(ROOT, "runtime.py")) as f:
-        tree = ast.parse(f.read())
-    names = {"INTEL_CPU_CACHE_LOAD", "INTEL_CPU_CACHE_TEST", "mkl_avx512_on_amd"}
-    picked = [node for node in tree.body if getattr(node, "name", None) in names
-              or isinstance(node, ast.Assign) and {getattr(t, "id", None) for t in node.targets} & names]
-    import ctypes
-    scope = {"ctypes": ctypes, "os": os, "platform": platform, "torch": __import__("torch")}   # runtime's imports
-    exec(compile(ast.Module(picked, type_ignores=[]), "runtime.py", "exec"), scope)
-    return scope["mkl_avx512_on_amd"]()
+    """cpu_setup.mkl_avx512_on_amd in TRL's process, loaded by path as the grader is (cpu_setup.py imports torch and
+    the standard library only); TRACERL_CPU_SETUP=0 turns it off here too, as on tracerl's side."""
+    spec = importlib.util.spec_from_file_location("cpu_setup", os.path.join(ROOT, "cpu_setup.py"))
+    cpu_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_setup)
+    return cpu_setup.mkl_avx512_on_amd()
 
 
 # ---- the summary ------------------------------------------------------------------------------------------------
@@ -356,7 +351,7 @@ def main(argv: list[str]) -> None:
                         help="a GRPOConfig field for the TRL side, e.g. gradient_checkpointing=false (repeatable)")
     parser.add_argument("--trl-mkl-avx512", action="store_true",
                         help="TRL's process also takes MKL's AVX-512 kernels on an AMD CPU with AVX-512, as tracerl's "
-                             "does (runtime.mkl_avx512_on_amd); by default TRL runs as its users run it")
+                             "does (cpu_setup.mkl_avx512_on_amd); by default TRL runs as its users run it")
     parser.add_argument("--tracerl-commit", default="", help="run tracerl as of this commit (git archive) instead "
                                                              "of the working tree")
     parser.add_argument("--sides", default="", help="comma list of tracerl, trl-transformers, trl-vllm "

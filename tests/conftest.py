@@ -19,11 +19,12 @@ import torch  # noqa: E402
 # with 2 threads and 0.04 s with 1 while another process was busy).
 torch.set_num_threads(1)
 
-# The fp32 kernels a CPU run of train.py multiplies with (on an AMD CPU with AVX-512, MKL's AVX-512 ones), chosen
-# before this process's first product, so the parity tests check the numbers training works with.
-import runtime  # noqa: E402
+# The fp32 kernels a CPU run of train.py multiplies with (on an AMD CPU with AVX-512, MKL's AVX-512 ones, unless
+# TRACERL_CPU_SETUP=0), chosen before this process's first product, so the parity tests check the numbers training
+# works with.
+import cpu_setup  # noqa: E402
 
-runtime.mkl_avx512_on_amd()
+cpu_setup.mkl_avx512_on_amd()
 
 
 def import_vllm():

@@ -1,7 +1,8 @@
 # The async runtime on a real Ray cluster on this machine (CPU): engines in their own processes, the streaming
-# pool's admission rule, partial rollouts across weight updates, an engine killed mid-run, eta = 0 against the
-# synchronous loop, launch.sh's one-node cluster, and FSDP2 trainer ranks on two Ray nodes of this machine. Ray
-# runs with few CPUs and a 100 MB object store.
+# pool's admission rule, weight updates in the middle of requests (a dense engine keeps them: partial rollouts; an
+# MoE engine drains them), an engine killed mid-run, eta = 0 against the synchronous loop, launch.sh's one-node
+# cluster, and FSDP2 trainer ranks on two Ray nodes of this machine. Ray runs with few CPUs and a 100 MB object
+# store.
 import copy
 import json
 import os
@@ -272,39 +273,6 @@ def test_runner_actors_count_each_failure_once_however_many_groups_run_at_once(t
         runtime.stop(rt)
 
 
-# ---- weights to an engine in another process ---------------------------------------------------------------
-
-def test_the_weight_channel_keeps_every_dtype_and_name_bit_for_bit():
-    """Two ranks of a gloo channel (threads here; a trainer and an engine actor in a run): a state dict of mixed
-    dtypes crosses in dtype-faithful buckets, each tensor equal bit for bit, with its dtype and shape. Small
-    buckets split a dtype's tensors over several; an oversized tensor travels alone."""
-    generator = torch.Generator().manual_seed(0)
-    state = {"embed.weight": torch.randn(50, 8, generator=generator),
-             "router.weight": torch.randn(4, 8, generator=generator).to(torch.bfloat16),
-             "norm.weight": torch.randn(8, generator=generator).to(torch.bfloat16),
-             "big.weight": torch.randn(300, generator=generator),
-             "steps": torch.tensor([3, 1 << 40]),
-             "scale": torch.randn(3, 3, generator=generator).to(torch.float16)}
-    plan = runtime.weight_plan(state, bucket_bytes=512)
-    assert all(len({dtype for _, dtype, _ in bucket}) == 1 for bucket in plan)        # one dtype per bucket
-    assert sorted(name for bucket in plan for name, _, _ in bucket) == sorted(state)   # every name, once
-    assert [name for name, _, _ in next(b for b in plan if b[0][0] == "big.weight")] == ["big.weight"]
-    assert len(plan) > len({t.dtype for t in state.values()})                          # a dtype split in two
-    port, received = runtime._free_port(), {}
-
-    def engine_end():
-        group = runtime._open_group("127.0.0.1", port, 1, "gloo", 60)
-        received.update(runtime.receive_state(group, plan, "cpu"))
-    engine = threading.Thread(target=engine_end)
-    engine.start()
-    runtime.send_state(runtime._open_group("127.0.0.1", port, 0, "gloo", 60), state, plan, "cpu")
-    engine.join(timeout=60)
-    assert received.keys() == state.keys()
-    for name, tensor in state.items():
-        assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
-        assert torch.equal(received[name], tensor), name
-
-
 # ---- whole runs ----------------------------------------------------------------------------------------------
 
 def test_eta_0_reproduces_the_synchronous_run_on_the_same_seed(parity_recipe, tmp_path):
@@ -537,73 +505,3 @@ def test_trainer_ranks_on_two_ray_nodes_meet_at_rank_0s_node_and_train_as_one_pr
         group.shutdown()
     assert len(set(nodes)) == 2 and set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert [g["state"] for g in placement_group_table().values()] == ["REMOVED", "REMOVED"]
-
-
-FAULTS_PROBE = """
-import resource, sys, psutil, torch
-sys.path.insert(0, {root!r})
-import runtime
-kept = runtime.keep_freed_memory() if {keep} else None
-rss = psutil.Process().memory_info().rss
-torch.empty(16 << 20).fill_(1.0)                       # a first 64 MB tensor, freed: its pages are touched once
-held = psutil.Process().memory_info().rss - rss        # what the process keeps of it once it is freed
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):                                    # a step's gradients and logits: allocated, filled, freed
-    torch.empty(16 << 20).fill_(1.0)
-print(kept, held, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_a_cpu_process_reuses_freed_pages_instead_of_faulting_them_in_again():
-    """glibc's default maps each large allocation afresh and unmaps it on free, so each of 20 64-MB tensors faults
-    its 16K pages in again (the trap, armed first); after keep_freed_memory a freed tensor's pages stay in the
-    process and the next one reuses them. Measured: 327,700 faults against 16-98K (the kernel's NUMA balancing
-    also faults resident pages now and then, more so on a busy machine)."""
-    def probe(keep: bool) -> tuple[str, int, int]:
-        out = subprocess.run([sys.executable, "-c", FAULTS_PROBE.format(root=runtime.ROOT, keep=keep)],
-                             capture_output=True, text=True, timeout=120, check=True).stdout.split()
-        return out[0], int(out[1]), int(out[2])
-    pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    _, held, faults = probe(False)
-    assert held < (16 << 20) and faults >= pages // 2      # the trap: unmapped on free, faulted in again
-    kept, held, reused = probe(True)
-    assert kept == "True" and held >= (60 << 20) and reused <= faults // 2
-
-
-MKL_PROBE = """
-import sys, torch
-sys.path.insert(0, {root!r})
-import runtime
-if {late}:                                             # a product first: MKL has chosen its kernels by now
-    torch.ones(64, 64) @ torch.ones(64, 64)
-took = runtime.mkl_avx512_on_amd() if {call} else None
-g = torch.Generator().manual_seed(0)
-a, b = torch.randn(300, 576, generator=g), torch.randn(1536, 576, generator=g)
-product = a @ b.T
-error = (product.double() - a.double() @ b.double().T).pow(2).mean().sqrt().item()
-print(took, error, product.sum(1).tolist())
-"""
-
-
-def test_mkl_takes_avx512_kernels_on_an_amd_cpu_and_leaves_every_other_cpu_as_it_was():
-    """On an AMD CPU with AVX-512, mkl_avx512_on_amd changes the kernels MKL multiplies with: the same fp32 product
-    comes out with other round-off (the trap: a call that did nothing would give the same bits), and stays as close
-    to fp64 as fp32 products are (K 576: RMS error about 6e-6 with either kernel; 3e-5 would be a bf16-class loss).
-    Anywhere else, or once a product has run, it returns False and the bits are the ones MKL gives without it."""
-    def probe(call: bool, late: bool = False) -> tuple[str, float, list[float]]:
-        out = subprocess.run([sys.executable, "-c", MKL_PROBE.format(root=runtime.ROOT, call=call, late=late)],
-                             capture_output=True, text=True, timeout=120, check=True).stdout.split(maxsplit=2)
-        return out[0], float(out[1]), json.loads(out[2])
-    _, error, plain = probe(False)
-    took, error_after, after = probe(True)
-    with open("/proc/cpuinfo") as f:
-        amd_avx512 = "AuthenticAMD" in f.read(4096) and torch.backends.cpu.get_cpu_capability() == "AVX512" \
-            and torch.backends.mkl.is_available()
-    assert took == str(amd_avx512)
-    if amd_avx512:
-        assert after != plain                  # other kernels: other round-off in some of 300 row sums
-    else:
-        assert after == plain
-    assert error < 3e-5 and error_after < 3e-5
-    late_took, _, late = probe(True, late=True)
-    assert late_took == "False" and late == plain      # too late: MKL keeps the kernels it chose first
