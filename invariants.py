@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -377,11 +377,17 @@ class TrainBatch:
                                     # [] for a plain row
 
 
+# a grammar's masks replayed over a run's ids: (constraint spec, the run's ids) -> bool [len(ids), V], the ids the
+# grammar allowed before each token. constraints.mask_replayer makes one: the grammar engine, which needs the
+# tokenizer, stays out of this module, which imports nothing of the project
+GrammarMasks = Callable[[str, Sequence[int]], Tensor]
+
+
 def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequence[float]],
-                pad_id: int, tokenizer=None, vocab_size: int | None = None) -> TrainBatch:
+                pad_id: int, grammar_masks: GrammarMasks | None = None) -> TrainBatch:
     """Right-pad rows into a TrainBatch. advantages: one scalar per row (broadcast onto its trainable tokens) or
-    one list per row with a value per token (context positions are zeroed). tokenizer and vocab_size (the model's
-    logits width) are needed only by rows sampled under a grammar: their masks are replayed here, once."""
+    one list per row with a value per token (context positions are zeroed). grammar_masks is needed only by rows
+    sampled under a grammar: their masks are replayed here, once (adjusted_runs)."""
     if not rows:
         raise ValueError("build_batch: no rows; pass the ledgers' rows() (segments with trainable tokens)")
     if len(advantages) != len(rows):
@@ -426,7 +432,7 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, **sampled, routes=routes,
                       rollout_ids=[r.rollout_id for r in rows], group_ids=[r.group_id for r in rows],
                       images=[list(r.images) for r in rows],
-                      runs=[adjusted_runs(r, tokenizer, vocab_size) for r in rows])
+                      runs=[adjusted_runs(r, grammar_masks) for r in rows])
 
 
 def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
@@ -843,10 +849,11 @@ def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
     return spans
 
 
-def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -> list[AdjustedRun]:
-    """The AdjustedRuns of a row, a grammar's masks replayed over each constrained run's ids
-    (constraints.replay_masks: a constrained run needs the tokenizer and the model's logits width). Refuses a run
-    that does not start at its generation_start: the prompt the engine penalised would not be the row before it."""
+def adjusted_runs(row: Segment, grammar_masks: GrammarMasks | None = None) -> list[AdjustedRun]:
+    """The AdjustedRuns of a row, a grammar's masks replayed over each constrained run's ids by `grammar_masks`
+    (constraints.mask_replayer: it needs the tokenizer and the model's logits width, which this module never
+    holds). Refuses a run that does not start at its generation_start: the prompt the engine penalised would not
+    be the row before it."""
     runs = []
     for start, end, s in _adjusted_spans(row):
         if s.generation_start >= 0 and s.generation_start != start:
@@ -855,11 +862,12 @@ def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -
                              f"generation (penalties and grammars are recomputed from it)")
         run = AdjustedRun(start, end, s)
         if s.constraint is not None:
-            if tokenizer is None or vocab_size is None:
-                raise ValueError("build_batch: a row was sampled under a grammar constraint; pass tokenizer= and "
-                                 "vocab_size= (the model's logits width) so the trainer can replay its masks")
-            import constraints   # the grammar engine is loaded only where a run was constrained
-            allowed = constraints.replay_masks(s.constraint, tokenizer, row.token_ids[start:end], vocab_size)
+            if grammar_masks is None:
+                raise ValueError("build_batch: a row was sampled under a grammar constraint; pass grammar_masks="
+                                 "constraints.mask_replayer(tokenizer, vocab_size) (the model's logits width) so the "
+                                 "trainer can replay its masks")
+            allowed = grammar_masks(s.constraint, row.token_ids[start:end])
+            vocab_size = allowed.shape[-1]
             bits = F.pad(allowed, (0, -vocab_size % 8)).view(len(allowed), -1, 8).to(torch.uint8)
             packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
             run.masks, run.mask_index = torch.unique(packed, dim=0, return_inverse=True)

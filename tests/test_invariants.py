@@ -497,5 +497,5 @@ def test_a_generation_that_does_not_start_at_its_generation_start_is_refused():
 def test_a_constrained_row_needs_the_tokenizer_to_replay_its_grammar():
     spec = constraints.bind(constraints.json_object_spec(), [2])
     rows = processed_ledger(Sampling(0.7, constraint=spec, generation_start=3), SAMPLED).rows()
-    with pytest.raises(ValueError, match="pass tokenizer= and vocab_size="):
+    with pytest.raises(ValueError, match="pass grammar_masks="):
         build_batch(rows, [1.0], pad_id=0)

@@ -713,7 +713,7 @@ def test_a_weight_swap_keeps_a_rows_grammar_and_penalty_state(tiny):
     ledger = invariants.TokenLedger("r", "g")
     ledger.extend_or_seal(gen.prompt_ids)
     ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
-    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0, tokenizer=tok, vocab_size=690)
+    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0, grammar_masks=constraints.mask_replayer(tok, 690))
     with torch.no_grad():
         old_lp, new_lp = (batch_logprobs(m, batch)[0, 4:4 + len(gen.token_ids)] for m in (tiny, new))
     behavior = torch.tensor(gen.behavior_logprobs)
