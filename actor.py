@@ -5,12 +5,12 @@
 # atomic checkpoints.
 # Never does: compute rewards or advantages, sample tokens, talk to an engine, or decide correction math itself.
 # Invariants kept:
-#   3 (forward consistency): logprobs are the engine's processed distribution (invariants.adjust_logits on the
+#   3 (forward consistency): logprobs are the engine's processed distribution (processing.adjust_logits on the
 #     rows that need it: grammar mask, logit bias, penalties recomputed from the row's ids; then
-#     invariants.processed_logprobs: fp32 logits / T, min_p, top-k, top-p) at each token's own recorded sampling,
+#     processing.processed_logprobs: fp32 logits / T, min_p, top-k, top-p) at each token's own recorded sampling,
 #     in the recompute and in the loss forward alike (gradients through the live logits), with the engine's
 #     position ids, the model in eval mode for recompute AND training (no dropout/jitter differences), no
-#     autocast, MoE routes replayed through the forward and the backward (invariants.replay_routes), and a VLM
+#     autocast, MoE routes replayed through the forward and the backward (r3.replay_routes), and a VLM
 #     row fed the very images it was sampled with, at the engine's M-RoPE positions (models.vision_inputs). A
 #     prompt that a micro-batch's rows share by their ids is computed once (shared_prefixes), its logprobs and
 #     gradients the unshared forward's to fp32 round-off.
@@ -40,6 +40,8 @@ from transformers.cache_utils import DynamicLayer
 import algo
 import invariants
 import models
+import processing
+import r3
 
 CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder without it was cut off mid-save
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
@@ -149,7 +151,7 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
     detached entropy, from hidden states [N, H]. The output projection runs LOGPROB_CHUNK positions at a time, and
     under autograd, past KEPT_LOGITS, each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab]
     logits never exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits,
-    begin)` (_run_adjuster) applies invariants.adjust_logits to the positions of a chunk starting at `begin` that
+    begin)` (_run_adjuster) applies processing.adjust_logits to the positions of a chunk starting at `begin` that
     need it. `compiled` (the model's layers are): untruncated chunks run _untruncated_head compiled."""
     fused = _compiled_untruncated_head() if compiled and adjust is None and not any(
         bool((x != off).any()) if isinstance(x, Tensor) else x != off
@@ -162,7 +164,7 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
         logits = logits.float()                                 # fp32 BEFORE any processing, as the engine
         if adjust is not None:
             logits = adjust(logits, begin)
-        log_probs = invariants.processed_logprobs(logits, t, p, k, m, keep=ids)
+        log_probs = processing.processed_logprobs(logits, t, p, k, m, keep=ids)
         token = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         if not with_entropy:
             return torch.stack([token, torch.zeros_like(token)], -1)
@@ -220,8 +222,8 @@ def _run_adjuster(runs: list[list[invariants.AdjustedRun]], select: Tensor, inpu
         for low, high, b, run in spans:
             a, z = max(low, begin) - begin, min(high, begin + len(logits)) - begin
             if a < z:
-                pieces += [logits[at:a], run.logits(logits[a:z], input_ids[b], run.start + begin + a - low,
-                                                    logits.shape[-1])]
+                pieces += [logits[at:a], processing.adjusted_run_logits(run, logits[a:z], input_ids[b],
+                                                                        run.start + begin + a - low, logits.shape[-1])]
                 at = z
         return torch.cat(pieces + [logits[at:]]) if pieces else logits
     return adjust
@@ -397,14 +399,14 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
                       top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
                       runs: list[list[invariants.AdjustedRun]] | None = None,
                       positions: Tensor | None = None, prefixes: SharedPrefixes | None = None) -> Tensor:
-    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: invariants.processed_logprobs(logits
-    through invariants.adjust_logits where `runs` say, temperature, top_p, top_k, min_p) at the sampled id. [B,T]
+    """log pi(token_t | tokens_<t) as the engine defines behavior logprobs: processing.processed_logprobs(logits
+    through processing.adjust_logits where `runs` say, temperature, top_p, top_k, min_p) at the sampled id. [B,T]
     fp32 aligned to tokens; position 0 and padding are 0.0. The sampling arguments are scalars or [B,T] per-token
     tensors, and runs a TrainBatch's (a batch's recorded sampling). `routes` (long [B,T,L,k]) replays the engine's
     MoE expert choice; `images` (per row, a VLM's) are the images of each row's pad runs; `positions` (bool [B,T])
     limits the work to the tokens wanted (the rest read 0.0), and `prefixes` (shared_prefixes of the same rows and
     positions) computes each prefix they share once. Gradients flow unless the caller is under torch.no_grad()."""
-    replay = invariants.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    replay = r3.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
         return _token_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
                                min_p=min_p, runs=runs, positions=positions, prefixes=prefixes)[0]
@@ -518,7 +520,7 @@ class Actor:
         self.precision = cfg.precision if cfg.precision != "auto" else \
             ("bf16" if self.device.type == "cuda" else "fp32")
         self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
-        self.is_moe = bool(invariants.moe_routers(self.model))
+        self.is_moe = bool(r3.moe_routers(self.model))
         # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
         # (bench/gpu.py), paid in warm_up (or else the first steps); on a CPU it would add minutes of compile
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
@@ -804,7 +806,7 @@ class Actor:
             seq_index = invariants.sequence_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
             # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
             # otherwise route live and disagree with the forward)
-            replay = invariants.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
+            replay = r3.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
             # trainable tokens whose predicting position has a layer with no recorded route: the live router chose
             # there (invariant 3 holds only where routes were recorded). No routes at all on an MoE model: every one
             # (vLLM reports none for a request kept across a weight update: bench/fp32_parity.py on an H200)

@@ -6,9 +6,10 @@
 #   2. policy version (policy-version semantics): every sampled token keeps the version and behavior logprob it
 #      was sampled with; staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a
 #      rejection removes;
-#   3. forward consistency: one processed distribution for engine and trainer (processed_logprobs, at each
-#      token's recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it)
-#      and MoE rollout routing replay (R3): the trainer uses the experts the engine used.
+#   3. forward consistency: one processed distribution for engine and trainer (processing.py, at each token's
+#      recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it) and MoE
+#      rollout routing replay (R3, r3.py): the trainer uses the experts the engine used. This module holds what a
+#      row carries for them (Sampling, routes, AdjustedRuns).
 # Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`.
 # Imported by every stage (engine, actor, algorithms, trainer).
 from __future__ import annotations
@@ -16,16 +17,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -733,105 +733,24 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
     return w.detach(), metrics
 
 
-# ---- 3. forward consistency (the processed distribution) ----
-# Invariant: engine and trainer process the logits of a token in ONE order, vLLM's v1 sampler's (v1/sample/sampler.py,
-# ops/penalties.py, logits_processor/builtin.py; vLLM's model runner applies the grammar bitmask before it):
-#   z = fp32(logits); 1. constraint: z[v] = -inf where the grammar does not allow v next; 2. logit_bias: z += bias
-#   (-inf bans); 3. repetition: z[v] *= (1/r if z[v] > 0 else r) for v in the prompt or the output so far;
-#   4. frequency: z[v] -= f * count of v in the output so far; 5. presence: z[v] -= p * [v in the output so far];
-#   6. z /= temperature; 7. min_p: drop v with softmax(z)[v] < min_p * max softmax(z); 8. top_k; 9. top_p;
-#   log_softmax over what is left.
-# Steps 1-5 (`adjust_logits`) are functions of the row's ids: "the prompt" is the row before the generation's first
-# token (Sampling.generation_start), "the output" the generation's tokens before this one, as vLLM counts them (its
-# prompt_token_ids and output_token_ids); steps 6-9 are `processed_logprobs`. A row whose tokens need steps 1-5
-# carries AdjustedRuns in its TrainBatch; every other token pays nothing for them.
-
-
-def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
-                       top_k: Tensor | int = -1, min_p: Tensor | float = 0.0, keep: Tensor | None = None) -> Tensor:
-    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: steps 6-9 above (on logits
-    through adjust_logits where a token needs it), renormalised; the most likely token is always kept. The engine
-    samples from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's recorded
-    Sampling. temperature, top_p, top_k, min_p: scalars or tensors of shape logits.shape[:-1]. `keep` (long ids of
-    that shape), the trainer's sampled ids, is always kept: a sampled token was in the engine's set, and fp32
-    rounding moving a near-tie across a cut must not give it -inf. Only truncated positions pay for the sort."""
-    lead = logits.shape[:-1]
-    temperature, top_p, top_k, min_p = (torch.as_tensor(x, dtype=dtype, device=logits.device).expand(lead) for x, dtype
-                                        in ((temperature, torch.float32), (top_p, torch.float32), (top_k, torch.long),
-                                            (min_p, torch.float32)))
-    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
-    truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
-    if not truncated.any():
-        return torch.log_softmax(scaled, dim=-1)
-    rows, k, p, m = scaled[truncated], top_k[truncated], top_p[truncated], min_p[truncated]   # [N, V], [N] x 3
-    with torch.no_grad():   # which tokens are kept is a choice, not a function to differentiate
-        probs = torch.softmax(rows, dim=-1)
-        drop = probs < probs.amax(-1, keepdim=True) * m.unsqueeze(-1)        # min_p, as vLLM's MinPLogitsProcessor
-        ordered, order = rows.sort(dim=-1, descending=True)
-        kth = ordered.gather(-1, (k.clamp(1, rows.shape[-1]) - 1).unsqueeze(-1))
-        drop |= (k > 0).unsqueeze(-1) & (rows < kth)
-        probs = torch.softmax(rows.masked_fill(drop, float("-inf")), dim=-1).gather(-1, order)
-        drop_sorted = (probs.cumsum(-1) - probs) >= p.unsqueeze(-1)   # mass before a token already reaches p
-        drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
-        if keep is not None:
-            drop.scatter_(-1, keep.expand(lead)[truncated].unsqueeze(-1), False)
-    out = torch.log_softmax(scaled, dim=-1)
-    return out.masked_scatter(truncated.unsqueeze(-1), torch.log_softmax(rows.masked_fill(drop, float("-inf")), -1))
-
-
-def adjust_logits(logits: Tensor, sampling: Sampling, allowed: Tensor | None = None, seen: Tensor | None = None,
-                  counts: Tensor | None = None) -> Tensor:
-    """Steps 1-5 for L tokens drawn at one `sampling`: logits [L, V] -> fp32 [L, V]. allowed [L, V] bool: what the
-    grammar allowed before each token (None = unconstrained); seen, counts [L, V]: penalty_state (None without
-    penalties). Gradients flow through the logits; the repetition's factor (chosen by the logit's sign) is no-grad."""
-    z = logits.float()
-    if allowed is not None:
-        z = z.masked_fill(~allowed, float("-inf"))
-    if sampling.logit_bias:
-        ids = torch.tensor([t for t, _ in sampling.logit_bias], device=z.device)
-        bias = torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32, device=z.device)
-        z = z.index_add(-1, ids, bias.expand(len(z), -1))
-    if uses_penalties(sampling):
-        r, f, p = (torch.tensor(x, dtype=torch.float32, device=z.device) for x in
-                   (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty))
-        with torch.no_grad():   # vLLM's apply_repetition_penalties: logits *= 1/r where > 0, else r, on seen ids
-            scale = torch.where(seen, torch.where(z > 0, 1.0 / r, r), torch.ones_like(z))
-        z = z * scale - f * counts - p * (counts > 0)      # then vLLM's frequency, then its presence
-    return z
-
-
-def penalty_state(ids: Tensor, generation_start: int, first: int, count: int, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Before each of the row's tokens at first .. first+count-1 of a generation starting at generation_start: seen
-    [count, V] bool (in the prompt ids[:generation_start] or the output so far: repetition) and counts [count, V]
-    fp32 (in the output ids[generation_start:t]: frequency, presence). ids: long [>= first + count - 1], the row."""
-    base = torch.bincount(ids[generation_start:first], minlength=vocab_size).float()
-    joined = F.one_hot(ids[first:first + count - 1], vocab_size).float()   # each token joins the output after it
-    counts = base + F.pad(joined, (0, 0, 1, 0)).cumsum(0)
-    prompt = torch.bincount(ids[:generation_start], minlength=vocab_size) > 0
-    return prompt | (counts > 0), counts
+# ---- 3. forward consistency: what a row carries for it ----
+# The processed distribution itself (the one order in which engine and trainer process a token's logits) is
+# processing.py's, and the MoE routing replay r3.py's; the record they read is here: each token's Sampling (section
+# 1), a segment's routes (TokenLedger.absorb_routes), and the AdjustedRuns of a row, its tokens drawn from logits that
+# steps 1-5 of processing.py changed (a grammar, a logit bias, penalties).
 
 
 @dataclass(eq=False)
 class AdjustedRun:
     """Consecutive tokens of one row drawn at one Sampling that adjusts logits (bias, penalties, a grammar): the
-    trainer repeats steps 1-5 on exactly these positions, from the row's own ids."""
+    trainer repeats processing.py's steps 1-5 on exactly these positions, from the row's own ids
+    (processing.adjusted_run_logits)."""
     start: int                       # row position of the first token (= sampling.generation_start when it is set)
     end: int                         # one past the last
     sampling: Sampling
     masks: Tensor | None = None      # uint8 [U, ceil(V/8)] the distinct allowed-sets of the grammar, bit j of byte
                                      # i = id 8i + j (V/8 bytes a set: 19 KB at a 152K vocabulary)
     mask_index: Tensor | None = None  # long [end - start]: which of them was in force before each token
-
-    def logits(self, logits: Tensor, row_ids: Tensor, first: int, vocab_size: int) -> Tensor:
-        """adjust_logits [L, V] of the run's tokens at first .. first+L-1 from their logits and the row's ids."""
-        count, s, seen, counts, allowed = len(logits), self.sampling, None, None, None
-        if uses_penalties(s):
-            seen, counts = penalty_state(row_ids, s.generation_start, first, count, vocab_size)
-        if self.masks is not None:
-            packed = self.masks[self.mask_index[first - self.start:first - self.start + count]].to(logits.device)
-            bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
-            allowed = bits.bool().flatten(-2)[:, :vocab_size]
-        return adjust_logits(logits, s, allowed, seen, counts)
 
 
 def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
@@ -873,135 +792,3 @@ def adjusted_runs(row: Segment, grammar_masks: GrammarMasks | None = None) -> li
             run.masks, run.mask_index = torch.unique(packed, dim=0, return_inverse=True)
         runs.append(run)
     return runs
-
-
-# ---- 3. forward consistency (R3) ----
-# Invariant: in every trainer forward that must match the sampler (behavior-logprob check, pi_prox recompute,
-# loss forward, activation recompute), each MoE layer uses the experts the engine selected for each token
-# (Rollout Routing Replay, arXiv 2510.11370). Only the discrete top-k selection S* is replayed; gates are
-# recomputed from the trainer's live router logits s = W h, gathered from the DENSE softmax at S* and
-# renormalised as the router family does (Qwen3/Qwen2-MoE if norm_topk_prob, Mixtral always):
-#   g_i = softmax(s)_i / sum_{j in S*} softmax(s)_j  for i in S*
-# so the router keeps learning. Gathering from top-k-masked probs would read exact zeros for drifted experts
-# and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
-# the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
-# model's MoE router order (= decoder layer order when every layer is MoE). A segment's routes are one policy
-# version's: a prefix cache keeps a route only within a version, so a turn drawn at a new version seals the segment
-# (TokenLedger.append_sampled, reason "route_version"; no one route per position would replay both turns).
-
-
-def _router_classes() -> tuple[type, type, type]:
-    """(Qwen3Moe, Qwen2Moe, Mixtral) top-k router classes of the installed transformers."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    return Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter
-
-
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k router modules in layer (call) order."""
-    return [m for m in model.modules() if isinstance(m, _router_classes())]
-
-
-@contextmanager
-def capture_routes(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Yield a list; every model forward inside the block appends the selected experts, long [N_tokens, L, k]
-    (N_tokens = tokens of that forward, flattened batch-major as the routers see them)."""
-    routers = moe_routers(model)
-    if not routers:
-        raise ValueError(f"capture_routes: {type(model).__name__} has no supported MoE router "
-                         f"(Qwen3Moe/Qwen2Moe/Mixtral TopKRouter)")
-    captured: list[Tensor] = []
-    pending: list[Tensor] = []
-
-    def hook_for(layer: int):
-        def hook(module, args, output):
-            if layer != len(pending):
-                raise RuntimeError(f"capture_routes: router {layer} ran while router {len(pending)} was expected; "
-                                   f"routers must run once per forward in layer order")
-            pending.append(output[2].detach().long().clone())
-            if len(pending) == len(routers):
-                captured.append(torch.stack(pending, dim=1))
-                pending.clear()
-        return hook
-
-    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@dataclass
-class ReplayStats:
-    """Counts over every router call inside one replay_routes block (a row = one token at one layer)."""
-    replayed_rows: int = 0   # rows forced to the recorded experts
-    fallback_rows: int = 0   # rows with a -1 that used the live router's choice (includes padding)
-
-
-def _replay_forward(router: nn.Module, layer: int, target: Tensor, stats: ReplayStats):
-    fallback = (target < 0).any(-1)  # [N]
-    n_fallback = int(fallback.sum())
-    mixtral = isinstance(router, _router_classes()[2])
-    renorm = mixtral or bool(router.norm_topk_prob)  # Mixtral always renormalises; Qwen only if norm_topk_prob
-    cast_back = not mixtral  # Qwen routers return gates in the logits dtype; Mixtral keeps the softmax dtype
-
-    def forward(hidden_states: Tensor):
-        h = hidden_states.reshape(-1, router.weight.shape[1])
-        if h.shape[0] != target.shape[0]:
-            raise ValueError(f"replay_routes: MoE layer {layer} routes {h.shape[0]} tokens but the replayed routes "
-                             f"give {target.shape[0]} (B*T); pass routes [B, T, L, k] for exactly the batch being "
-                             f"forwarded (one full forward, no KV-cache decoding)")
-        logits = F.linear(h, router.weight)
-        # softmax in at least fp32, as the module does (never downcast a float64 model)
-        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        live = torch.topk(probs, router.top_k, dim=-1).indices
-        selected = torch.where(fallback[:, None], live, target)
-        gates = probs.gather(1, selected)  # from the DENSE live probs (never from top-k-masked probs)
-        if renorm:
-            gates = gates / gates.sum(dim=-1, keepdim=True)
-        if cast_back:
-            gates = gates.to(logits.dtype)
-        stats.replayed_rows += target.shape[0] - n_fallback
-        stats.fallback_rows += n_fallback
-        return logits, gates, selected
-
-    return forward
-
-
-@contextmanager
-def replay_routes(model: nn.Module, routes: Tensor) -> Iterator[ReplayStats]:
-    """Force every MoE router's top-k selection to routes (long [B, T, L, k]); a row with any -1 keeps the live
-    choice. Gates come from the live logits. Restores the routers on exit (also on exception). Yields
-    ReplayStats. Keep the block open through backward when activation checkpointing recomputes the forward."""
-    routers = moe_routers(model)
-    if routes.ndim != 4 or routes.dtype.is_floating_point or routes.dtype == torch.bool:
-        raise ValueError(f"replay_routes: routes must be an integer tensor [B, T, L, k], got {routes.dtype} "
-                         f"{list(routes.shape)}")
-    if routes.shape[2] != len(routers):
-        raise ValueError(f"replay_routes: routes have {routes.shape[2]} layers but the model has {len(routers)} "
-                         f"MoE routers")
-    stats, saved = ReplayStats(), []
-    try:
-        for layer, router in enumerate(routers):
-            k, num_experts = router.top_k, router.weight.shape[0]
-            if routes.shape[3] != k:
-                raise ValueError(f"replay_routes: routes have top_k {routes.shape[3]} but layer {layer} selects {k}")
-            target = routes[:, :, layer, :].reshape(-1, k).to(router.weight.device, torch.long)
-            if target.numel() and (target.min() < -1 or target.max() >= num_experts):
-                raise ValueError(f"replay_routes: layer {layer} routes hold expert ids in [{int(target.min())}, "
-                                 f"{int(target.max())}]; valid ids are 0..{num_experts - 1}, or -1 for not routed")
-            ordered = target.sort(-1).values
-            if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, :1] >= 0)).any():
-                raise ValueError(f"replay_routes: layer {layer} has a route row naming the same expert twice; a "
-                                 f"top-k selection holds {k} distinct experts")
-            saved.append((router, router.__dict__.get("forward")))
-            router.forward = _replay_forward(router, layer, target, stats)
-        yield stats
-    finally:
-        for router, previous in saved:
-            if previous is None:
-                del router.forward
-            else:
-                router.forward = previous

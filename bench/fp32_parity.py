@@ -66,8 +66,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import actor  # noqa: E402
-import invariants  # noqa: E402
 import models  # noqa: E402
+import processing  # noqa: E402
+import r3  # noqa: E402
 import rollout  # noqa: E402
 
 TEMPERATURE, TOP_P, TOP_LOGPROBS = 0.8, 0.9, 20
@@ -237,7 +238,7 @@ def recompute(model, precision: str, rows: list, top_p: float, device: str) -> l
 @torch.no_grad()
 def top20_split(model, rows: list, top_p: float, device: str, threshold: float = 1e-4) -> dict:
     """Where the gap of the tokens with |diff| > threshold comes from: the top-20 processed logprobs vLLM reported at
-    that position against the trainer's processed distribution (invariants.processed_logprobs of fp32 logits, the
+    that position against the trainer's processed distribution (processing.processed_logprobs of fp32 logits, the
     sampled id kept). A shared shift (scatter below a tenth of the gap) is the nucleus' normaliser; a scatter is the
     logits. Also counted: positions where a top-20 token is kept on one side and dropped on the other."""
     counts = {"tokens": 0, "over_threshold": 0, "shift": 0, "scatter": 0, "nucleus_membership_differs": 0}
@@ -245,7 +246,7 @@ def top20_split(model, rows: list, top_p: float, device: str, threshold: float =
         ids = torch.tensor([prompt + tokens], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(tokens) - 1].float()
         keep = torch.tensor(tokens, device=device)
-        lp = invariants.processed_logprobs(logits, TEMPERATURE, top_p, keep=keep).cpu()
+        lp = processing.processed_logprobs(logits, TEMPERATURE, top_p, keep=keep).cpu()
         for t, (token, b, top) in enumerate(zip(tokens, behavior, tops)):
             counts["tokens"] += 1
             ids_top = list(top)
@@ -315,7 +316,7 @@ def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
 
 def captured_routes(model, ids: list[int], device: str) -> torch.Tensor:
     """transformers' own routes for one sequence: long [positions, layers, k], sorted (an expert set)."""
-    with torch.no_grad(), invariants.capture_routes(model) as captured:
+    with torch.no_grad(), r3.capture_routes(model) as captured:
         model(input_ids=torch.tensor([ids], device=device))
     return captured[0].sort(-1).values.cpu()
 
@@ -393,7 +394,7 @@ def bench_r3_update(tiny: bool) -> dict:
     new = copy.deepcopy(old)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():        # every router gets new weights: most positions change experts
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     if on_gpu:
         import vllm_engine

@@ -45,6 +45,7 @@ import actor  # noqa: E402
 import algo  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
+import r3  # noqa: E402
 import rollout  # noqa: E402
 from router import Router  # noqa: E402
 
@@ -401,7 +402,7 @@ def bench_vllm_r3() -> dict:
     for g in routed:
         ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
-                invariants.capture_routes(model) as captured:
+                r3.capture_routes(model) as captured:
             model(input_ids=ids)
         own = captured[0].sort(-1).values.cpu()
         engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
@@ -409,8 +410,8 @@ def bench_vllm_r3() -> dict:
         total += own.shape[0] * own.shape[1]
         # under replay, the experts the actor's routers select are the engine's, position by position
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
-                invariants.replay_routes(model, torch.from_numpy(g.routes).long()[None].cuda()), \
-                invariants.capture_routes(model) as captured:
+                r3.replay_routes(model, torch.from_numpy(g.routes).long()[None].cuda()), \
+                r3.capture_routes(model) as captured:
             model(input_ids=ids)
         replayed_same += int((captured[0].sort(-1).values.cpu() == engine_routes).all(-1).sum())
     return {**result, "routes_shape": list(routed[0].routes.shape), "positions_x_layers": total,

@@ -18,6 +18,8 @@ import actor
 import algo
 import invariants
 import models
+import processing
+import r3
 import rollout
 
 TEMPERATURE = 0.7
@@ -474,7 +476,7 @@ def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_pat
 def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     policy = actor.Actor(moe_dir, actor.ActorConfig(precision="fp32", micro_batch_size=2), total_steps=1)
     batch = make_batch([10, 7, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
-    with torch.no_grad(), invariants.capture_routes(policy.model) as captured:  # the engine's expert choice
+    with torch.no_grad(), r3.capture_routes(policy.model) as captured:  # the engine's expert choice
         policy.model(input_ids=batch.input_ids.to(policy.device), attention_mask=batch.attention_mask.to(policy.device))
     routes = captured[-1].cpu().reshape(*batch.input_ids.shape, *captured[-1].shape[1:])
     batch.routes = torch.where(batch.attention_mask[..., None, None] > 0, routes, -1)
@@ -507,7 +509,7 @@ def test_moe_train_step_replays_routes_and_router_gets_gradients(moe_dir):
     report = policy.train_step(hole, policy.recompute_logprobs(hole), algo.AlgoConfig(estimator="reinforce"),
                                invariants.CorrectionConfig(level="token", max_staleness=2), policy.version)
     assert report.metrics["actor/skipped"] == 0.0 and report.metrics["actor/r3_unreplayed_tokens"] == 1.0
-    routers = invariants.moe_routers(policy.model)
+    routers = r3.moe_routers(policy.model)
     assert len(routers) == policy.model.config.num_hidden_layers
     for router in routers:
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
@@ -665,7 +667,7 @@ def test_the_fused_head_is_processed_logprobs_untruncated():
     logits = torch.randn(7, 50, dtype=torch.float64).float().requires_grad_()
     temperature, ids = torch.rand(7) + 0.3, torch.randint(50, (7,))
     fused = actor._untruncated_head(logits, temperature, ids, with_entropy=True)
-    reference = invariants.processed_logprobs(logits, temperature)
+    reference = processing.processed_logprobs(logits, temperature)
     entropy = -(reference.exp() * reference).sum(-1)
     assert (fused[:, 0] - reference.gather(-1, ids[:, None])[:, 0]).abs().max() <= 1e-6
     assert (fused[:, 1] - entropy).abs().max() <= 1e-5

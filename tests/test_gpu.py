@@ -23,6 +23,7 @@ import algo
 import data
 import invariants
 import models
+import r3
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
@@ -88,7 +89,7 @@ def test_the_embedded_engine_samples_on_the_gpu_and_the_actor_recomputes_it():
 
 def _routes_of(model, gen) -> torch.Tensor:
     """transformers' routes for gen's forwarded positions, each an expert set (sorted) [P + n - 1, L, k]."""
-    with invariants.capture_routes(model) as captured, torch.no_grad():
+    with r3.capture_routes(model) as captured, torch.no_grad():
         model(input_ids=torch.tensor([gen.prompt_ids + gen.token_ids[:-1]], device="cuda"))
     return captured[-1].sort(-1).values.cpu()
 
@@ -156,7 +157,7 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
     new = copy.deepcopy(old)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     engine = VLLMEngine(path, dtype="float32", transfer="rpc", enforce_eager=True, gpu_memory_utilization=0.2,
                         max_model_len=512)
