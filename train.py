@@ -42,6 +42,7 @@ import algo
 import constraints
 import invariants
 import models
+import recompute
 import runtime
 import viewer
 from agents import load_recipe, sandbox
@@ -583,7 +584,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
             ref_logprobs = policy.recompute_logprobs(batch, model=reference)
         else:
             with torch.no_grad():
-                ref_logprobs = actor.batch_logprobs(reference, batch)
+                ref_logprobs = recompute.batch_logprobs(reference, batch)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, prox_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:

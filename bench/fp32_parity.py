@@ -5,7 +5,7 @@
 #   spread like a trained model's; or --model FOLDER, e.g. the smollm2 folder) samples 64 prompts x 128 tokens in
 #   vLLM with processed logprobs (the project's mode: after temperature and top-p) and the top 20 of them per
 #   position, at T 0.8 with top_p 0.9 and again with top_p 1 (no nucleus: vLLM then skips its top-k/top-p code), under
-#   each ENGINE variant; every sampled token is recomputed by actor.sequence_logprobs under each TRAINER variant.
+#   each ENGINE variant; every sampled token is recomputed by recompute.sequence_logprobs under each TRAINER variant.
 #   Reported per pair: mean and max |diff| over the sampled tokens. For the project's trainer (sdpa, fp32) also where
 #   the gap comes from, from the top 20 at each position with |diff| > 1e-4: one shift shared by all of them (the
 #   nucleus' normaliser differs: top-p kept other tokens) or a scatter (the logits differ: matmuls, attention), and
@@ -65,10 +65,10 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-import actor  # noqa: E402
 import models  # noqa: E402
 import processing  # noqa: E402
 import r3  # noqa: E402
+import recompute  # noqa: E402
 import rollout  # noqa: E402
 
 TEMPERATURE, TOP_P, TOP_LOGPROBS = 0.8, 0.9, 20
@@ -223,13 +223,13 @@ def padded(rows: list, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def recompute(model, precision: str, rows: list, top_p: float, device: str) -> list[torch.Tensor]:
-    """actor.sequence_logprobs of every sampled token (the project's recompute), one padded forward."""
+def trainer_logprobs(model, precision: str, rows: list, top_p: float, device: str) -> list[torch.Tensor]:
+    """recompute.sequence_logprobs of every sampled token (the project's recompute), one padded forward."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
         ids, mask = padded(rows, device)
-        lp = actor.sequence_logprobs(model, ids, mask, TEMPERATURE, top_p=top_p).float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, mask, TEMPERATURE, top_p=top_p).float().cpu()
     finally:
         torch.set_float32_matmul_precision(before)
     return [lp[b, len(p):len(p) + len(t)] for b, (p, t, _, _) in enumerate(rows)]
@@ -304,7 +304,7 @@ def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
         entry = {"facts": sampled["facts"]}
         for top_p, rows in sampled["samples"].items():
             key = f"top_p_{top_p:g}"
-            entry[key] = {name: gap(rows, recompute(model, precision, rows, top_p, device))
+            entry[key] = {name: gap(rows, trainer_logprobs(model, precision, rows, top_p, device))
                           for name, (model, precision) in trainers.items()}
             entry[key]["sources_vs_sdpa_fp32"] = top20_split(trainers["sdpa_fp32"][0], rows, top_p, device)
         result["engines"][variant] = entry
@@ -338,7 +338,7 @@ def replay_gap(model, gen, routes, tokens: slice, device: str) -> dict | None:
         replay[0, :len(routes)] = torch.as_tensor(routes).long()
         replay = replay.to(device)
     with torch.no_grad():
-        lp = actor.sequence_logprobs(model, ids, mask, 1.0, routes=replay)[0, len(gen.prompt_ids):].float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, mask, 1.0, routes=replay)[0, len(gen.prompt_ids):].float().cpu()
     diff = (torch.tensor(gen.behavior_logprobs) - lp[:len(gen.token_ids)])[tokens].abs()
     return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(diff.numel())}
 

@@ -20,6 +20,7 @@ import invariants
 import models
 import processing
 import r3
+import recompute
 import rollout
 
 TEMPERATURE = 0.7
@@ -88,7 +89,7 @@ def test_sequence_logprobs_equals_hand_computation():
     model = models.tiny_model("qwen3")
     batch = make_batch([9, 6], prompt_len=3, vocab=model.config.vocab_size)
     with torch.no_grad():
-        got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        got = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
         for b, n in enumerate([9, 6]):
             ids = batch.input_ids[b, :n]
             logits = model(input_ids=ids[None]).logits[0].double() / TEMPERATURE
@@ -104,7 +105,7 @@ def test_temperature_is_applied_in_fp32_not_in_the_model_dtype():
     model = models.tiny_model("qwen3").to(torch.bfloat16)
     batch = make_batch([12], prompt_len=2, vocab=model.config.vocab_size)
     with torch.no_grad():
-        got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        got = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
         logits = model(input_ids=batch.input_ids).logits[0, :-1]
         targets = batch.input_ids[0, 1:, None]
         fp32 = torch.log_softmax(logits.float() / TEMPERATURE, -1).gather(-1, targets).squeeze(-1)
@@ -120,9 +121,9 @@ def test_right_padded_rows_equal_the_same_rows_unpadded():
     lengths = [11, 4, 7]
     batch = make_batch(lengths, prompt_len=2, vocab=model.config.vocab_size)
     with torch.no_grad():
-        padded = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        padded = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
         for b, n in enumerate(lengths):
-            alone = actor.sequence_logprobs(model, batch.input_ids[b:b + 1, :n],
+            alone = recompute.sequence_logprobs(model, batch.input_ids[b:b + 1, :n],
                                             batch.attention_mask[b:b + 1, :n], TEMPERATURE)
             assert (padded[b, :n] - alone[0]).abs().max() <= 1e-6
 
@@ -164,7 +165,7 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
     batch = make_batch(lengths, prompt_len, model.config.vocab_size)
     for b in range(len(lengths)):
         rows = slice(b, b + 1)
-        logprobs = actor.sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows], TEMPERATURE)
+        logprobs = recompute.sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows], TEMPERATURE)
         mask = batch.loss_mask[rows]
         loss = -(batch.advantages[rows] * logprobs * mask).sum() / mask.sum() / len(lengths)
         loss.backward()
@@ -207,7 +208,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     device = policy.device
     plain = models.load_model(qwen3_dir).to(device)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    logprobs = actor.sequence_logprobs(plain, batch.input_ids.to(device), batch.attention_mask.to(device),
+    logprobs = recompute.sequence_logprobs(plain, batch.input_ids.to(device), batch.attention_mask.to(device),
                                        TEMPERATURE).cpu()
     loss = -(batch.advantages * logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
     loss.backward()
@@ -270,13 +271,13 @@ def test_only_the_wanted_positions_reach_the_output_projection(qwen3_dir, monkey
     model = models.load_model(qwen3_dir)
     batch = make_batch([12, 8, 10], prompt_len=5, vocab=model.config.vocab_size)
     seen = []
-    chunked = actor._chunked_head_logprobs
-    monkeypatch.setattr(actor, "_chunked_head_logprobs", lambda hidden, *a, **k: seen.append(len(hidden)) or
+    chunked = recompute._chunked_head_logprobs
+    monkeypatch.setattr(recompute, "_chunked_head_logprobs", lambda hidden, *a, **k: seen.append(len(hidden)) or
                         chunked(hidden, *a, **k))
     with torch.no_grad():
-        full = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
-        wanted = actor.wanted_positions(batch.loss_mask, batch.runs)
-        part = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE, positions=wanted)
+        full = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
+        wanted = recompute.wanted_positions(batch.loss_mask, batch.runs)
+        part = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE, positions=wanted)
     assert seen == [int(batch.attention_mask[:, 1:].sum()), int(batch.loss_mask.sum())]
     assert (part - full)[wanted].abs().max() <= 1e-6 and (part[~wanted] == 0).all()
 
@@ -522,8 +523,8 @@ def test_the_chunked_output_projection_changes_no_logprob_and_no_gradient(qwen3_
     KEPT_LOGITS); chunks of 3 positions, each recomputed, must give what one chunk of everything, kept, gives."""
     results = []
     for chunk, kept in ((10**6, 10**12), (3, 0)):
-        monkeypatch.setattr(actor, "LOGPROB_CHUNK", chunk)
-        monkeypatch.setattr(actor, "KEPT_LOGITS", kept)
+        monkeypatch.setattr(recompute, "LOGPROB_CHUNK", chunk)
+        monkeypatch.setattr(recompute, "KEPT_LOGITS", kept)
         policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
         batch = make_batch([12, 6, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
         old = on_policy(batch, policy)
@@ -611,8 +612,8 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     step = lambda policy, batch: policy.train_step(batch, None, algo_cfg, correction, policy.version)  # noqa: E731
     vocab = models.load_model(qwen3_dir).config.vocab_size
     # a real step's head at this tiny shape: a micro-batch (8 rows here) holds more wanted positions than a chunk
-    monkeypatch.setattr(actor, "LOGPROB_CHUNK", 160)
-    monkeypatch.setattr(actor, "KEPT_LOGITS", 160 * vocab)
+    monkeypatch.setattr(recompute, "LOGPROB_CHUNK", 160)
+    monkeypatch.setattr(recompute, "KEPT_LOGITS", 160 * vocab)
     first, second = make_batch([12, 6, 9], 3, vocab), make_batch([7, 15, 4, 11], 3, vocab, seed=1)
 
     torch._dynamo.reset()
@@ -635,7 +636,7 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     step(warm, second)
     rl = grpo_batch(prompts=4, samples=4, vocab=vocab, seed=2, version=warm.version)
     early, later = list(range(8)), list(range(8, 16))      # train.minibatch_indices: whole groups, two minibatches
-    assert all(rl.loss_mask[rows].sum() > actor.LOGPROB_CHUNK for rows in (early, later))
+    assert all(rl.loss_mask[rows].sum() > recompute.LOGPROB_CHUNK for rows in (early, later))
     version, prox = warm.version, warm.recompute_logprobs(invariants.select_rows(rl, later))
     warm.train_step(invariants.select_rows(rl, early), None, algo_cfg, correction, version)
     report = warm.train_step(invariants.select_rows(rl, later), prox, algo_cfg, correction, version)
@@ -666,7 +667,7 @@ def test_the_fused_head_is_processed_logprobs_untruncated():
     logprob and its distribution's entropy, with their gradient."""
     logits = torch.randn(7, 50, dtype=torch.float64).float().requires_grad_()
     temperature, ids = torch.rand(7) + 0.3, torch.randint(50, (7,))
-    fused = actor._untruncated_head(logits, temperature, ids, with_entropy=True)
+    fused = recompute._untruncated_head(logits, temperature, ids, with_entropy=True)
     reference = processing.processed_logprobs(logits, temperature)
     entropy = -(reference.exp() * reference).sum(-1)
     assert (fused[:, 0] - reference.gather(-1, ids[:, None])[:, 0]).abs().max() <= 1e-6
@@ -717,18 +718,18 @@ def test_the_gradient_through_penalised_biased_logits_equals_a_hand_written_refe
     chunks and recomputed in backward) equals autograd through a reference written out element by element from
     the formulas: bias, then the repetition factor by the biased logit's sign, then frequency and presence counts
     of the generation so far, then the temperature and min_p (which never drops the sampled token)."""
-    monkeypatch.setattr(actor, "LOGPROB_CHUNK", 5)
+    monkeypatch.setattr(recompute, "LOGPROB_CHUNK", 5)
     model = models.load_model(qwen3_dir)
     vocab = model.config.vocab_size
     row = processed_row(vocab)
     batch = invariants.build_batch([row], [1.0], pad_id=0)
     weights = torch.linspace(-1.0, 2.0, len(row.token_ids)) * batch.loss_mask[0]    # the sampled tokens' only
-    got = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature,
+    got = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature,
                                   min_p=batch.min_p, runs=batch.runs)
     (got[0] * weights).sum().backward()
     ours = grads(model)
     model.zero_grad()
-    (actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature)[0] * weights).sum() \
+    (recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature)[0] * weights).sum() \
         .backward()
     unprocessed = grads(model)                          # the trap: the gradient of the plain distribution
     model.zero_grad()
@@ -820,7 +821,7 @@ def llama_dir(tmp_path_factory) -> str:
 
 def sampling_of(batch: invariants.TrainBatch) -> dict:
     return {**{name: getattr(batch, name) for name in invariants.SAMPLING_TENSORS}, "runs": batch.runs,
-            "positions": actor.wanted_positions(batch.loss_mask, batch.runs)}
+            "positions": recompute.wanted_positions(batch.loss_mask, batch.runs)}
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe"])
@@ -829,7 +830,7 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
     rows, at = shared_prompt_rows(model.config.vocab_size)
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     sampling = sampling_of(batch)
-    plan = actor.shared_prefixes(batch.input_ids, batch.attention_mask, sampling["positions"])
+    plan = recompute.shared_prefixes(batch.input_ids, batch.attention_mask, sampling["positions"])
 
     # the plan shares only ids that are equal, and never a position that predicts a wanted token
     for b in range(len(rows)):
@@ -848,7 +849,8 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
     results = []
     for prefixes in (None, plan):
         model.zero_grad()
-        logprobs = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=prefixes, **sampling)
+        logprobs = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=prefixes,
+                                               **sampling)
         (logprobs * weights).sum().backward()
         results.append((logprobs.detach(), grads(model)))
     (plain, plain_grads), (shared, shared_grads) = results
@@ -857,11 +859,11 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
     assert max_abs_diff(plain_grads, shared_grads) <= 1e-5 * scale, "the prefix's gradient sums over its rows"
 
     # negative control: the one-id-off row made to reuse A's prefix gets other logprobs, so the id check is armed
-    forged = actor.SharedPrefixes(**{**vars(plan), "row_set": plan.row_set.clone(),
+    forged = recompute.SharedPrefixes(**{**vars(plan), "row_set": plan.row_set.clone(),
                                      "row_prefix": plan.row_prefix.clone()})
     forged.row_set[at["one_off"]], forged.row_prefix[at["one_off"]] = plan.row_set[at["a0"]], 11
     with torch.no_grad():
-        wrong = actor.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=forged, **sampling)
+        wrong = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=forged, **sampling)
     assert (wrong[at["one_off"]] - plain[at["one_off"]]).abs().max() > 1e-3
     assert (wrong[at["a0"]] - plain[at["a0"]]).abs().max() <= 1e-5
 
@@ -875,7 +877,7 @@ def test_a_train_step_over_shared_prompts_equals_the_unshared_step(qwen3_dir, ll
     for share in (False, True):
         with monkeypatch.context() as patch:
             if not share:
-                patch.setattr(actor, "shared_prefixes", lambda *args: None)
+                patch.setattr(recompute, "shared_prefixes", lambda *args: None)
             policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=4),
                                  total_steps=1)
             rows, _ = shared_prompt_rows(policy.model.config.vocab_size)
@@ -945,7 +947,7 @@ def _long_rows_worker(_rank: int, model_dir: str, out_file: str) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
     alone = select_rows(batch, [2])
     with torch.no_grad():
-        expected = actor.sequence_logprobs(models.load_model(model_dir), alone.input_ids, alone.attention_mask,
+        expected = recompute.sequence_logprobs(models.load_model(model_dir), alone.input_ids, alone.attention_mask,
                                            TEMPERATURE, positions=alone.loss_mask > 0)
     width = alone.input_ids.shape[1]
     torch.save({"micro": micro, "growth": peak - before, "metrics": report.metrics,

@@ -24,6 +24,7 @@ import data
 import invariants
 import models
 import r3
+import recompute
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
@@ -100,7 +101,7 @@ def _replay_gap(model, gen) -> float:
     replay = torch.full((1, ids.shape[1], *gen.routes.shape[1:]), -1, dtype=torch.long)
     replay[0, :len(gen.routes)] = torch.from_numpy(gen.routes).long()
     with torch.no_grad():
-        lp = actor.sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, routes=replay.cuda())[0].float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, routes=replay.cuda())[0].float().cpu()
     return (torch.tensor(gen.behavior_logprobs) - lp[len(gen.prompt_ids):]).abs().max().item()
 
 

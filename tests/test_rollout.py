@@ -18,7 +18,7 @@ import invariants
 import models
 import r3
 import rollout
-from actor import batch_logprobs, sequence_logprobs
+from recompute import batch_logprobs, sequence_logprobs
 from rollout import EmbeddedEngine, SamplingParams
 
 

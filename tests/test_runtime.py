@@ -24,6 +24,7 @@ import invariants
 import models
 import processing
 import r3
+import recompute
 import runtime
 import train
 from rollout import EmbeddedEngine, Generation, SamplingParams
@@ -229,7 +230,7 @@ def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_fl
     def replayed(routes):
         replay = torch.from_numpy(routes).long()[None]
         with torch.no_grad():
-            lp = actor.sequence_logprobs(old, ids, torch.ones_like(ids), T,
+            lp = recompute.sequence_logprobs(old, ids, torch.ones_like(ids), T,
                                          routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
         return (lp[0, len(prompt):len(prompt) + n1] - torch.tensor(gen.behavior_logprobs[:n1])).abs().max().item()
     assert replayed(gen.routes) <= 1e-5

@@ -20,6 +20,7 @@ import constraints
 import data
 import invariants
 import models
+import recompute
 import train
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
@@ -47,7 +48,8 @@ def assert_recomputed_at_the_recorded_sampling(policy, batch: invariants.TrainBa
     trainer that ignores the record) does not: the trap is armed."""
     recorded_gap = gap(policy.recompute_logprobs(batch), batch)
     with torch.no_grad():
-        at_run_sampling = actor.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, RUN_TEMPERATURE)
+        at_run_sampling = recompute.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask,
+                                                      RUN_TEMPERATURE)
     print(f"{what}: max |logprob gap| at the recorded sampling {recorded_gap:.2e}, at the run's sampling "
           f"{gap(at_run_sampling, batch):.2f}")
     assert recorded_gap < 1e-5 and gap(at_run_sampling, batch) > 0.5

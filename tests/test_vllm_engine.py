@@ -22,7 +22,7 @@ import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
 import processing  # noqa: E402
-from actor import sequence_logprobs  # noqa: E402
+from recompute import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from test_actor import rows_from  # noqa: E402
 from test_rollout import PARAMS, PROMPTS, _perturbed, _recompute  # noqa: E402
@@ -497,7 +497,7 @@ def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
     under two images of other sizes, and under text alone; the trainer's recompute with the same ImageInputs
     matches its behavior logprobs. Trap: recomputing the first row with another picture of the same size (same
     pads, same positions, other pixels) does not."""
-    from actor import sequence_logprobs
+    from recompute import sequence_logprobs
     from test_vlm import ledger_rows, picture, row_gaps, vlm_prompt
     path = models.tiny_model_dir("qwen2_5_vl", head_dim=64)
     tok, processor = models.load_tokenizer(path), models.load_image_processor(path)

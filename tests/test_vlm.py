@@ -26,6 +26,7 @@ import algo
 import data
 import invariants
 import models
+import recompute
 import train
 from agents import Env, EnvRunner, Result
 from rollout import EmbeddedEngine, SamplingParams
@@ -141,7 +142,7 @@ def mixed_batch(vl, tok, processor, pad):
 def test_engine_logprobs_equal_trainer_recompute_over_a_padded_batch_with_images(vl, mixed):
     _, images, batch = mixed
     with torch.no_grad():
-        recomputed = actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+        recomputed = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
                                              images=batch.images)
     gaps = row_gaps(recomputed, batch)
     print(f"engine vs trainer max |logprob diff| per row (16-token image, 6+1-token images, text): {gaps}")
@@ -156,7 +157,7 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     # another picture of the same size: same pads, same positions, other pixels
     other = data.image_inputs(processor, [picture(112, 112, 99)])
     with torch.no_grad():
-        swapped = actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+        swapped = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
                                           images=[other, *batch.images[1:]])
     # the pads embedded as plain tokens: no pixel values at all
     no_pixels = forward_logprobs(vl, batch, position_ids=correct["position_ids"])
@@ -173,7 +174,7 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     assert gaps["text positions"][2] <= TOL                 # a text row's M-RoPE positions are its 1-D positions
     # and the trainer refuses rows whose images do not fill their pads, instead of guessing
     with pytest.raises(ValueError, match=r"pad runs of lengths \[6, 1\] but the images fill \[\]"):
-        actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+        recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
                                 images=[batch.images[0], [], []])
 
 
@@ -197,7 +198,7 @@ def test_a_weight_swap_mid_request_re_prefills_with_the_images(vl, mixed):
     rows = ledger_rows(gens, images)
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     with torch.no_grad():
-        old_lp, new_lp = (actor.sequence_logprobs(m, batch.input_ids, batch.attention_mask, TEMPERATURE,
+        old_lp, new_lp = (recompute.sequence_logprobs(m, batch.input_ids, batch.attention_mask, TEMPERATURE,
                                                   images=batch.images) for m in (vl, new))
     before, after = batch.policy_versions == 0, batch.policy_versions == 1
     gap_before = ((old_lp - batch.behavior_logprobs).abs() * before).max().item()
