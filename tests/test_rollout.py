@@ -187,7 +187,7 @@ def test_update_weights_requires_every_key_and_a_forward_version(tiny):
 
 
 def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
-    """Partial rollout across a weight swap (invariants-math §5e): tokens before the swap carry version
+    """Partial rollout across a weight swap (invariant 2, policy version): tokens before the swap carry version
     v and old-policy logprobs, tokens after carry v+1 and new-policy logprobs; the KV cache is rebuilt."""
     old, new = copy.deepcopy(tiny), copy.deepcopy(tiny)
     with torch.no_grad():
