@@ -11,9 +11,11 @@
 #     in fp32, and MoE routes replayed through the forward and the backward (r3.replay_routes). A prompt that a
 #     micro-batch's rows share by their ids is computed once (recompute.shared_prefixes), its logprobs and gradients
 #     the unshared forward's to fp32 round-off.
-#   2 (policy version): the version gate and the train/infer IS weights come from invariants.gate_sequences and
-#     invariants.correction_weights, over whole rollouts; this module applies them, drops what they reject from
-#     the mask, and weighs each token by algo.loss_weights over the step's GLOBAL counts.
+#   2 (policy version): the version gate, the rollout gates and the train/infer IS weights come from
+#     invariants.apply_correction, over whole rollouts (the rows of a rollout share a micro-batch); this module
+#     applies them (what they reject leaves the mask) and weighs each token by algo.loss_weights over the step's
+#     GLOBAL counts.
+# Names: invariants.py's glossary (a row is a segment; pi_prox, `prox_logprobs`, is the proximal policy).
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
 import contextlib
 import functools
@@ -39,7 +41,7 @@ CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder withou
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
 RUN_STATE = "run_state.pt"                       # the training loop's own state (train.py), for an exact resume
 POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means reported by algo.policy_loss
-# the counts of invariants.gate_sequences and the means of invariants.correction_weights, summed over a step: every
+# the counts of invariants.gate_rollouts and the means of invariants.correction_weights, summed over a step: every
 # rank sums the same keys in the same order, also a rank whose micro-batches were all fillers
 GATE_COUNTS = ("drop_stale", "drop_ratio_band", "drop_veto", "kept")
 IS_METRICS = ("is_masked_frac", "is_clipped_frac", "mismatch_abs_log_ratio", "mismatch_k3_kl")
@@ -51,8 +53,8 @@ class StepReport:
     fills it one micro-batch at a time (write) and sets its metrics when the step ends (done)."""
     loss_contribution: Tensor   # token_loss * weight: the token's exact share of the step's loss (0 if not trained)
     is_weights: Tensor          # the detached IS weight its loss was multiplied by (1 off the trainable tokens)
-    kept: Tensor                # bool [B]: the row's rollout passed the sequence gate
-    staleness: Tensor           # long [B]: trainer version - the oldest version of the row's rollout
+    kept: Tensor                # bool [B]: the row's rollout passed the rollout gates
+    staleness: Tensor           # long [B]: trainer version - the oldest version of the row's rollout (policy versions)
     mask: Tensor                # the final loss mask: trainable, in a kept rollout, not rejected by the IS mask
     prox_logprobs: Tensor       # the proximal logprobs the step used: given, or from its own forward
     metrics: dict[str, float] = field(default_factory=dict)
@@ -84,7 +86,7 @@ class _Gated:
     stale: Tensor
     is_weights: Tensor
     mask: Tensor
-    seq_index: Tensor
+    rollout_index: Tensor
 
 
 # ---- config ----
@@ -315,7 +317,7 @@ class Actor:
         return rows, tokens
 
     def _micro_batches(self, batch: invariants.TrainBatch) -> list[Tensor | None]:
-        """Row indices of this rank's micro-batches: whole rollouts (GSPO's sequence ratio and the sequence gates need
+        """Row indices of this rank's micro-batches: whole rollouts (GSPO's rollout ratio and the rollout gates need
         all of a rollout's rows in one forward), the rollouts of one prompt together (recompute.shared_prefixes computes
         it once), longest first so that rows of like length share a micro-batch and little padding is computed, at most
         _micro_batch_limits() rows and padded tokens (rows x longest row) unless one rollout alone is larger; padded
@@ -383,7 +385,7 @@ class Actor:
             sampling["prefixes"] = recompute.shared_prefixes(input_ids, attention_mask, sampling["positions"])
         return input_ids, attention_mask, routes, [batch.images[b] for b in rows.tolist()], sampling, width
 
-    # -- logprob recompute (pi_old / pi_prox) --
+    # -- logprob recompute (the proximal policy pi_prox, or a reference or teacher model) --
 
     @torch.no_grad()
     def recompute_logprobs(self, batch: invariants.TrainBatch, model: torch.nn.Module | None = None) -> Tensor:
@@ -445,19 +447,19 @@ class Actor:
                                  sums=sums, maxes=maxes)
         self.optimizer.zero_grad(set_to_none=True)
 
-        # (1)-(2) with the proximal logprobs given, the sequence gates and IS weights of the whole step come first, so
+        # (1)-(2) with the proximal logprobs given, the rollout gates and IS weights of the whole step come first, so
         # the GLOBAL denominators (3) are known and every token's loss weight is final before any backward
         weights = None
         if prox_logprobs is not None:
             whole = gate(prox_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
-                         batch.policy_versions, invariants.sequence_index(batch.rollout_ids))
+                         batch.policy_versions, invariants.rollout_index(batch.rollout_ids))
             record.write(slice(None), batch.input_ids.shape[1], prox_logprobs=prox_logprobs,
                          is_weights=whole.is_weights, mask=whole.mask, kept=whole.keep, staleness=whole.stale)
-            global_tokens, global_seqs = self._global_counts(whole.mask, whole.seq_index)
+            global_tokens, global_rollouts = self._global_counts(whole.mask, whole.rollout_index)
             if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
-                return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
-            weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_seqs, token_budget,
-                                        whole.seq_index)
+                return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, 0.0, skipped=True))
+            weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_rollouts, token_budget,
+                                        whole.rollout_index)
 
         # (4) micro-batches of whole rollouts: forward with grad, backward. Without proximal logprobs, each micro-batch
         # is gated on its own forward's (every gate is per rollout or per token, and a micro-batch holds whole
@@ -478,7 +480,7 @@ class Actor:
                 continue
             input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
             mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
-            seq_index = invariants.sequence_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
+            rollout_index = invariants.rollout_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
             # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
             # otherwise route live and disagree with the forward)
             replay = r3.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
@@ -494,13 +496,13 @@ class Actor:
                                                                    images=images, with_entropy=True, **sampling)
                 if weights is None:
                     own = gate(logprobs.detach().float(), mb["behavior"].float(), mb["loss_mask"].float(),
-                               mb["versions"], seq_index)
+                               mb["versions"], rollout_index)
                     record.write(rows, width, prox_logprobs=own.prox, is_weights=own.is_weights, mask=own.mask,
                                  kept=own.keep, staleness=own.stale)
                     mb.update(prox=own.prox, w=own.is_weights, mask=own.mask,
-                              weights=algo.loss_numerators(own.mask, algo_cfg.loss_agg, token_budget, seq_index))
+                              weights=algo.loss_numerators(own.mask, algo_cfg.loss_agg, token_budget, rollout_index))
                 token_loss, pl_metrics = algo.policy_loss(logprobs, mb["prox"], mb["advantages"].float(), mb["mask"],
-                                                          algo_cfg, is_weights=mb["w"], seq_index=seq_index)
+                                                          algo_cfg, is_weights=mb["w"], rollout_index=rollout_index)
                 if kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
                     kl = algo.kl_divergence(logprobs, mb["ref"].float(), algo_cfg.kl_estimator) * mb["mask"]
                     token_loss = token_loss + kl_coef * kl
@@ -517,11 +519,12 @@ class Actor:
                 sums[name] += pl_metrics[name] * mb_tokens
 
         if weights is None:   # (3) the step's global counts, known now: the shares and gradient get their divisor
-            global_tokens, global_seqs = self._global_counts(record.mask, invariants.sequence_index(batch.rollout_ids))
+            global_tokens, global_rollouts = self._global_counts(record.mask,
+                                                                 invariants.rollout_index(batch.rollout_ids))
             if global_tokens == 0:
                 self.optimizer.zero_grad(set_to_none=True)
-                return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, 0.0, skipped=True))
-            denominator = algo.loss_denominator(algo_cfg.loss_agg, global_tokens, global_seqs)
+                return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, 0.0, skipped=True))
+            denominator = algo.loss_denominator(algo_cfg.loss_agg, global_tokens, global_rollouts)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(denominator)
@@ -534,52 +537,48 @@ class Actor:
         if not math.isfinite(grad_norm):  # a NaN/inf gradient would poison AdamW's moments: skip the update
             self.optimizer.zero_grad(set_to_none=True)
             record.loss_contribution.zero_()
-            return record.done(self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=True))
-        metrics = self._step_metrics(sums, maxes, global_tokens, global_seqs, grad_norm, skipped=False)
+            return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, grad_norm, skipped=True))
+        metrics = self._step_metrics(sums, maxes, global_tokens, global_rollouts, grad_norm, skipped=False)
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         metrics["actor/version"] = float(self.version)
         return record.done(metrics)
 
-    def _global_counts(self, mask: Tensor, seq_index: Tensor) -> tuple[float, float]:
+    def _global_counts(self, mask: Tensor, rollout_index: Tensor) -> tuple[float, float]:
         """Kept tokens and kept rollouts of the step over every rank (rollouts are rank-local, so counts add up)."""
-        return tuple(self._reduce([float(mask.sum()), float(invariants.count_sequences(mask.cpu(), seq_index))]))
+        return tuple(self._reduce([float(mask.sum()), float(invariants.count_rollouts(mask.cpu(), rollout_index))]))
 
     @staticmethod
-    def _gate(prox: Tensor, behavior: Tensor, loss_mask: Tensor, versions: Tensor, seq_index: Tensor, *,
+    def _gate(prox: Tensor, behavior: Tensor, loss_mask: Tensor, versions: Tensor, rollout_index: Tensor, *,
               trainer_version: int, correction_cfg: invariants.CorrectionConfig, sums: dict,
               maxes: dict) -> "_Gated":
-        """The sequence gates (version: staleness <= eta; veto; seq/geo band, each over a whole rollout) and the
-        train/infer IS weights pi_prox / mu per token (each against its own behavior logprob, detached) of some
-        whole rollouts; a token the mask mode rejects (w = 0) leaves the mask, so it leaves every denominator too.
-        Adds their figures to the step's sums and maxima."""
-        stale = invariants.staleness(versions, loss_mask, trainer_version, seq_index)
-        log_ratio = (prox - behavior) * loss_mask
-        keep, gate_counts = invariants.gate_sequences(log_ratio, loss_mask, stale, correction_cfg, seq_index)
-        gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
-        is_weights, is_metrics = invariants.correction_weights(prox, behavior, gated, correction_cfg, seq_index)
-        mask = gated * (is_weights > 0).to(gated.dtype)
-
+        """invariants.apply_correction on some whole rollouts (the version gate: staleness <= max_staleness, both in
+        policy versions; the veto and seq/geo band gates; the IS weights pi_prox / mu per token, each against its
+        own behavior logprob, detached; the rejection rule), adding its figures to the step's sums and maxima."""
+        correction = invariants.apply_correction(prox, behavior, loss_mask, versions, trainer_version, correction_cfg,
+                                                 rollout_index)
+        diff = ((prox - behavior) * loss_mask).abs()   # train/infer mismatch before correcting
         trainable_rows = loss_mask.sum(-1) > 0
-        diff = log_ratio.abs()  # |log pi_old - log mu|: train/infer mismatch before any correction
-        rollout_staleness = {int(i): float(s) for i, s, t in zip(seq_index, stale, trainable_rows) if t}
-        gated_tokens = float(gated.sum())
+        rollout_staleness = {int(i): float(s) for i, s, t in zip(rollout_index, correction.staleness, trainable_rows)
+                             if t}
+        gated_tokens = float((loss_mask * correction.keep.to(loss_mask.dtype).unsqueeze(-1)).sum())
         additions = {"trainable_tokens": float(loss_mask.sum()), "gated_tokens": gated_tokens,
                      "rollouts": float(len(rollout_staleness)), "staleness": sum(rollout_staleness.values()),
                      "logprob_diff": float(diff.sum()),
-                     **{f"gate/{k}": float(v) for k, v in gate_counts.items()},
+                     **{f"gate/{k}": float(v) for k, v in correction.gate_counts.items()},
                      # the invariants' IS metrics are means over these gated tokens: weight them back into sums
-                     **{f"is/{k}": float(v) * gated_tokens for k, v in is_metrics.items()}}
+                     **{f"is/{k}": float(v) * gated_tokens for k, v in correction.is_metrics.items()}}
         for name, value in additions.items():
             sums[name] += value
         maxes["staleness_max"] = max(maxes["staleness_max"], max(rollout_staleness.values(), default=0.0))
         maxes["logprob_diff_max"] = max(maxes["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
-        return _Gated(prox, keep, stale, is_weights, mask, seq_index)
+        return _Gated(prox, correction.keep, correction.staleness, correction.is_weights, correction.mask,
+                      rollout_index)
 
     # -- step metrics (summed over micro-batches and ranks, then divided by global counts) --
 
-    def _step_metrics(self, sums: dict, maxes: dict, global_tokens: float, global_seqs: float, grad_norm: float,
+    def _step_metrics(self, sums: dict, maxes: dict, global_tokens: float, global_rollouts: float, grad_norm: float,
                       skipped: bool) -> dict[str, float]:
         total = dict(zip(sums, self._reduce(list(sums.values()))))
         top = dict(zip(maxes, self._reduce(list(maxes.values()), dist.ReduceOp.MAX)))
@@ -588,7 +587,7 @@ class Actor:
                    "actor/bf16": float(self.precision == "bf16"),    # which precision this run's actor computed in
                    "actor/lr": self.scheduler.get_last_lr()[0], "actor/skipped": float(skipped),
                    "actor/version": float(self.version),
-                   "actor/kept_tokens": global_tokens, "actor/kept_seqs": global_seqs,
+                   "actor/kept_tokens": global_tokens, "actor/kept_rollouts": global_rollouts,
                    "actor/entropy": total["entropy"] / kept, "actor/kl_ref": total["kl_ref"] / kept,
                    # token positions the forward did not compute: prompts shared by a micro-batch's rows, run once
                    "actor/prefix_tokens_saved": total["prefix_tokens_saved"],

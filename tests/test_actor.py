@@ -67,10 +67,10 @@ def rows_from(generations) -> list[invariants.Segment]:
 
 
 def on_policy(batch: invariants.TrainBatch, policy: actor.Actor) -> torch.Tensor:
-    """Recompute pi_old and make it the behavior logprob too (what an exact engine would have reported)."""
-    old = policy.recompute_logprobs(batch)
-    batch.behavior_logprobs = old * batch.loss_mask
-    return old
+    """Recompute pi_prox and make it the behavior logprob too (what an exact engine would have reported)."""
+    prox = policy.recompute_logprobs(batch)
+    batch.behavior_logprobs = prox * batch.loss_mask
+    return prox
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -151,8 +151,8 @@ def test_micro_batch_split_changes_nothing_global_token_mean(qwen3_dir, loss_agg
                                                           max_grad_norm=1e9),
                              total_steps=1)
         batch = make_batch(lengths, prompt_len, policy.model.config.vocab_size)
-        old = on_policy(batch, policy)
-        metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0, token_budget=16).metrics
+        prox = on_policy(batch, policy)
+        metrics = policy.train_step(batch, prox, algo_cfg, invariants.CorrectionConfig(), 0, token_budget=16).metrics
         results.append((grads(policy.model), metrics))
     (whole, m_whole), (split, m_split) = results
     scale = max(g.abs().max().item() for g in whole.values())
@@ -178,10 +178,10 @@ def test_a_token_the_is_mask_rejects_leaves_the_loss_and_its_denominator(qwen3_d
     algo_cfg = algo.AlgoConfig(estimator="reinforce")
     masked = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
     batch = make_batch([12, 8, 10], prompt_len=3, vocab=masked.model.config.vocab_size)
-    old = on_policy(batch, masked)
+    prox = on_policy(batch, masked)
     batch.behavior_logprobs[1, 5] -= math.log(10.0)           # rho = 10 on one token: outside the band [0.5, 5]
     icepop = invariants.CorrectionConfig(level="token", mode="mask", low=0.5, high=5.0)
-    report = masked.train_step(batch, old, algo_cfg, icepop, 0)
+    report = masked.train_step(batch, prox, algo_cfg, icepop, 0)
     assert report.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1
     assert not report.mask[1, 5] and report.loss_contribution[1, 5] == 0.0
 
@@ -199,8 +199,8 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     algo_cfg = algo.AlgoConfig(estimator="reinforce")
     policy = actor.Actor(qwen3_dir, cfg, total_steps=1)
     batch = make_batch([12, 8, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=0)
-    old = on_policy(batch, policy)
-    metrics = policy.train_step(batch, old, algo_cfg, correction, trainer_version=policy.version).metrics
+    prox = on_policy(batch, policy)
+    metrics = policy.train_step(batch, prox, algo_cfg, correction, trainer_version=policy.version).metrics
     assert metrics["gate/kept"] == 3 and metrics["actor/logprob_diff_max"] == 0.0
 
     # the plain REINFORCE/PPO step at ratio 1, written out: -sum(A * log pi * m) / N, clip, AdamW (on the
@@ -221,9 +221,9 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
 
     # negative control: the same step with a behavior policy that drifted is NOT the plain step
     drifted = actor.Actor(qwen3_dir, cfg, total_steps=1)
-    batch.behavior_logprobs = (old - 0.3 * torch.rand_like(old)) * batch.loss_mask
+    batch.behavior_logprobs = (prox - 0.3 * torch.rand_like(prox)) * batch.loss_mask
     loose = invariants.CorrectionConfig(max_staleness=0, level="token", mode="trunc", high=2.0)
-    drifted.train_step(batch, old, algo_cfg, loose, trainer_version=0)
+    drifted.train_step(batch, prox, algo_cfg, loose, trainer_version=0)
     assert max_abs_diff(grads(drifted.model), plain_grads) > 1e-4
 
 
@@ -235,21 +235,21 @@ def test_the_first_step_takes_its_proximal_logprobs_from_its_own_forward(qwen3_d
     algo_cfg = algo.AlgoConfig(estimator="reinforce", loss_agg=loss_agg)
     icepop = invariants.CorrectionConfig(level="token", mode="mask", low=0.5, high=5.0)
     reports = []
-    for old_given, micro_batch_size in ((True, 0), (False, 0), (False, 1)):
+    for prox_given, micro_batch_size in ((True, 0), (False, 0), (False, 1)):
         policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=micro_batch_size,
                                                           max_grad_norm=1e9), total_steps=1)
         batch = make_batch([14, 6, 10, 5], prompt_len=3, vocab=policy.model.config.vocab_size)
-        old = on_policy(batch, policy)
+        prox = on_policy(batch, policy)
         batch.behavior_logprobs[1, 4] -= math.log(10.0)     # the trap: rho = 10 on one token, outside [0.5, 5]
-        report = policy.train_step(batch, old if old_given else None, algo_cfg, icepop, 0, token_budget=16)
-        reports.append((report, grads(policy.model), old))
-    (given, given_grads, old), *own_forward = reports
+        report = policy.train_step(batch, prox if prox_given else None, algo_cfg, icepop, 0, token_budget=16)
+        reports.append((report, grads(policy.model), prox))
+    (given, given_grads, prox), *own_forward = reports
     assert given.metrics["actor/kept_tokens"] == batch.loss_mask.sum().item() - 1     # the trap is armed
     scale = max(g.abs().max().item() for g in given_grads.values())
     for report, own_grads, _ in own_forward:
         assert not report.mask[1, 4] and torch.equal(report.mask, given.mask)
         trainable = batch.loss_mask.bool()
-        assert (report.prox_logprobs - old)[trainable].abs().max() <= 1e-6
+        assert (report.prox_logprobs - prox)[trainable].abs().max() <= 1e-6
         assert max_abs_diff(own_grads, given_grads) <= 1e-6 * max(scale, 1.0)
         for key, value in given.metrics.items():
             assert report.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -282,14 +282,14 @@ def test_only_the_wanted_positions_reach_the_output_projection(qwen3_dir, monkey
     assert (part - full)[wanted].abs().max() <= 1e-6 and (part[~wanted] == 0).all()
 
 
-def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
+def test_version_gate_drops_stale_rollouts_from_the_denominator(qwen3_dir):
     policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([10, 10, 10], prompt_len=3, vocab=policy.model.config.vocab_size, version=1)
     batch.policy_versions[0] = torch.where(batch.loss_mask[0] > 0, 0, -1)  # row 0 was sampled one version earlier
-    old = on_policy(batch, policy)
-    metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"),
+    prox = on_policy(batch, policy)
+    metrics = policy.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"),
                                 invariants.CorrectionConfig(max_staleness=0), trainer_version=1).metrics
-    assert metrics["gate/drop_stale"] == 1 and metrics["actor/kept_seqs"] == 2
+    assert metrics["gate/drop_stale"] == 1 and metrics["actor/kept_rollouts"] == 2
     assert metrics["actor/kept_tokens"] == batch.loss_mask[1:].sum().item()
     assert metrics["actor/staleness_max"] == 1
 
@@ -297,12 +297,12 @@ def test_version_gate_drops_stale_sequences_from_the_denominator(qwen3_dir):
 def test_kl_loss_term_requires_reference_logprobs(qwen3_dir):
     policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     batch = make_batch([8, 8], prompt_len=3, vocab=policy.model.config.vocab_size)
-    old = on_policy(batch, policy)
+    prox = on_policy(batch, policy)
     algo_cfg = algo.AlgoConfig(estimator="reinforce", kl_coef=0.1, kl_estimator="k2")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0)
-    metrics = policy.train_step(batch, old, algo_cfg, invariants.CorrectionConfig(), 0,
-                                ref_logprobs=old).metrics
+        policy.train_step(batch, prox, algo_cfg, invariants.CorrectionConfig(), 0)
+    metrics = policy.train_step(batch, prox, algo_cfg, invariants.CorrectionConfig(), 0,
+                                ref_logprobs=prox).metrics
     assert metrics["actor/kl_ref"] == 0.0  # the reference is the policy itself before the step
 
 
@@ -412,7 +412,7 @@ FSDP_LENGTHS, FSDP_PROMPT = [12, 6, 9, 11, 5], 3  # 5 rows: rank 0 gets 3, rank 
 FSDP_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
 
 
-def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str, old_given: bool) -> None:
+def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str, prox_given: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -420,8 +420,8 @@ def _fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir:
         policy = actor.Actor(model_dir, FSDP_CONFIG, total_steps=1)
         full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size)
         batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))  # this rank's rows
-        old = on_policy(batch, policy)
-        metrics = policy.train_step(batch, old if old_given else None, algo.AlgoConfig(estimator="reinforce"),
+        prox = on_policy(batch, policy)
+        metrics = policy.train_step(batch, prox if prox_given else None, algo.AlgoConfig(estimator="reinforce"),
                                     invariants.CorrectionConfig(), 0).metrics
         full_grads = {name: p.grad.full_tensor() for name, p in policy.model.named_parameters()}
         export = policy.export_weights()
@@ -447,9 +447,9 @@ def free_port() -> int:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU; tests/test_gpu.py runs this over NCCL")
-@pytest.mark.parametrize("old_given", [True, False], ids=["recomputed", "own_forward"])
-def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_path, old_given):
-    mp.spawn(_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path), old_given), nprocs=2, join=True)
+@pytest.mark.parametrize("prox_given", [True, False], ids=["recomputed", "own_forward"])
+def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_path, prox_given):
+    mp.spawn(_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path), prox_given), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "fsdp.pt", weights_only=True)
 
     single = actor.Actor(qwen3_dir, FSDP_CONFIG, total_steps=1)
@@ -462,7 +462,7 @@ def test_fsdp2_two_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, tmp_pat
     assert sharded["export"].keys() == export.keys(), "the FSDP2 export has every entry, tied lm_head skipped"
     assert all(sharded["export"][k].shape == export[k].shape for k in export), "full, unsharded tensors"
     assert max_abs_diff(sharded["export"], export) <= 1e-5
-    for key in ("actor/loss", "actor/grad_norm", "actor/kept_tokens", "actor/kept_seqs"):
+    for key in ("actor/loss", "actor/grad_norm", "actor/kept_tokens", "actor/kept_rollouts"):
         assert math.isclose(sharded["metrics"][key], metrics[key], rel_tol=1e-5), key
 
     # the sharded checkpoint is a full one: a single process resumes from it
@@ -527,10 +527,10 @@ def test_the_chunked_output_projection_changes_no_logprob_and_no_gradient(qwen3_
         monkeypatch.setattr(recompute, "KEPT_LOGITS", kept)
         policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", max_grad_norm=1e9), total_steps=1)
         batch = make_batch([12, 6, 9], prompt_len=3, vocab=policy.model.config.vocab_size)
-        old = on_policy(batch, policy)
-        report = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+        prox = on_policy(batch, policy)
+        report = policy.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
                                    0)
-        results.append((old, grads(policy.model), report.metrics["actor/entropy"]))
+        results.append((prox, grads(policy.model), report.metrics["actor/entropy"]))
     (old_one, grads_one, entropy_one), (old_chunked, grads_chunked, entropy_chunked) = results
     assert (old_one - old_chunked).abs().max() <= 1e-6
     scale = max(g.abs().max().item() for g in grads_one.values())
@@ -567,12 +567,12 @@ def test_bf16_compute_keeps_fp32_masters_and_stays_close_to_fp32(qwen3_dir):
     auto = actor.Actor(qwen3_dir, actor.ActorConfig(), total_steps=1)
     assert auto.precision == ("bf16" if torch.cuda.is_available() else "fp32")   # a CPU gets the exact mode
     batch = make_batch([12, 6, 9], prompt_len=3, vocab=fast.model.config.vocab_size)
-    reference, old = exact.recompute_logprobs(batch), fast.recompute_logprobs(batch)
+    reference, prox = exact.recompute_logprobs(batch), fast.recompute_logprobs(batch)
     trainable = batch.loss_mask.bool()
-    gap = (old - reference)[trainable].abs()
+    gap = (prox - reference)[trainable].abs()
     assert 0 < gap.max() < 0.1                 # bf16 products: close to fp32, and visibly not the exact mode
     batch.behavior_logprobs = reference * batch.loss_mask
-    report = fast.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
+    report = fast.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
     assert report.metrics["actor/bf16"] == 1.0 and report.metrics["actor/skipped"] == 0.0
     assert all(p.dtype == torch.float32 for p in fast.model.parameters())
     assert all(v.dtype == torch.float32 for state in fast.optimizer.state.values() for v in state.values()
@@ -630,7 +630,7 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in warm.model.parameters())
     assert not warm.optimizer.state and warm.version == 0
     compiled = graphs()
-    old = warm.recompute_logprobs(first)
+    compiled_logprobs = warm.recompute_logprobs(first)
     step(warm, first)
     warm_grads = grads(warm.model)
     step(warm, second)
@@ -656,7 +656,7 @@ def test_the_compiled_actor_compiles_before_its_first_step_and_takes_the_eager_s
     assert graphs() > compiled
 
     eager = actor.Actor(qwen3_dir, actor.ActorConfig(compile="false", **cfg), total_steps=2)
-    assert (eager.recompute_logprobs(first) - old).abs().max() <= 1e-5
+    assert (eager.recompute_logprobs(first) - compiled_logprobs).abs().max() <= 1e-5
     step(eager, first)
     eager_grads = grads(eager.model)
     assert max_abs_diff(eager_grads, warm_grads) <= 1e-4 * max(g.abs().max().item() for g in eager_grads.values())
@@ -702,10 +702,10 @@ def test_the_loss_forward_applies_the_recomputes_processing_on_policy_ratio_one(
         policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
         batch = invariants.build_batch([processed_row(policy.model.config.vocab_size)], [1.0], pad_id=0)
         assert len(batch.runs[0]) == 1 and (batch.min_p[0, 4:] == 0.02).all()
-        old = on_policy(batch, policy)
+        prox = on_policy(batch, policy)
         if not keep_runs:
             batch.runs = [[]]
-        metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"),
+        metrics = policy.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"),
                                     invariants.CorrectionConfig(), 0).metrics
         ratios.append((metrics["actor/ratio_mean"], metrics["actor/approx_kl"]))
     (ratio, kl), (stripped_ratio, stripped_kl) = ratios
@@ -868,10 +868,10 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
     assert (wrong[at["a0"]] - plain[at["a0"]]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("old_given", [True, False], ids=["recomputed", "own_forward"])
+@pytest.mark.parametrize("prox_given", [True, False], ids=["recomputed", "own_forward"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_a_train_step_over_shared_prompts_equals_the_unshared_step(qwen3_dir, llama_dir, monkeypatch, kind,
-                                                                   old_given):
+                                                                   prox_given):
     model_dir = qwen3_dir if kind == "qwen3" else llama_dir
     results = []
     for share in (False, True):
@@ -883,12 +883,12 @@ def test_a_train_step_over_shared_prompts_equals_the_unshared_step(qwen3_dir, ll
             rows, _ = shared_prompt_rows(policy.model.config.vocab_size)
             advantages = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(rows))]
             batch = invariants.build_batch(rows, advantages, pad_id=0)
-            old = policy.recompute_logprobs(batch)
-            noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
-            batch.behavior_logprobs = (old + noise) * batch.loss_mask       # off-policy: IS weights are not 1
-            report = policy.train_step(batch, old if old_given else None, algo.AlgoConfig(), invariants.CorrectionConfig(),
-                                       0)
-            results.append((old, report, grads(policy.model), policy.export_weights()))
+            prox = policy.recompute_logprobs(batch)
+            noise = 0.05 * torch.randn(prox.shape, generator=torch.Generator().manual_seed(2))
+            batch.behavior_logprobs = (prox + noise) * batch.loss_mask       # off-policy: IS weights are not 1
+            report = policy.train_step(batch, prox if prox_given else None, algo.AlgoConfig(),
+                                       invariants.CorrectionConfig(), 0)
+            results.append((prox, report, grads(policy.model), policy.export_weights()))
     (old_plain, plain, plain_grads, plain_weights), (old_shared, shared, shared_grads, shared_weights) = results
     assert plain.metrics["actor/prefix_tokens_saved"] == 0 and shared.metrics["actor/prefix_tokens_saved"] > 0
     assert (old_plain - old_shared).abs().max() <= 1e-5
