@@ -14,7 +14,7 @@
 #   2 (policy version): the version gate, the rollout gates and the train/infer IS weights come from
 #     invariants.apply_correction, over whole rollouts (the rows of a rollout share a micro-batch); this module
 #     applies them (what they reject leaves the mask) and weighs each token by algo.loss_weights over the step's
-#     GLOBAL counts.
+#     GLOBAL counts, by one of two paths (see "one optimizer step" below).
 # Names: invariants.py's glossary (a row is a segment; pi_prox, `prox_logprobs`, is the proximal policy).
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
 import contextlib
@@ -45,6 +45,10 @@ POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means re
 # rank sums the same keys in the same order, also a rank whose micro-batches were all fillers
 GATE_COUNTS = ("drop_stale", "drop_ratio_band", "drop_veto", "kept")
 IS_METRICS = ("is_masked_frac", "is_clipped_frac", "mismatch_abs_log_ratio", "mismatch_k3_kl")
+STEP_SUMS = ("loss", "entropy", "kl_ref", "prefix_tokens_saved", "r3_unreplayed_tokens", "trainable_tokens",
+             "gated_tokens", "rollouts", "staleness", "logprob_diff", *POLICY_LOSS_METRICS,
+             *(f"gate/{k}" for k in GATE_COUNTS), *(f"is/{k}" for k in IS_METRICS))
+STEP_MAXES = ("staleness_max", "logprob_diff_max")
 
 
 @dataclass
@@ -79,14 +83,24 @@ class StepReport:
 
 
 @dataclass
-class _Gated:
-    """What Actor._gate decided for some whole rollouts ([B, T] / [B])."""
-    prox: Tensor
-    keep: Tensor
-    stale: Tensor
-    is_weights: Tensor
-    mask: Tensor
-    rollout_index: Tensor
+class _Step:
+    """One train_step under way: its inputs, what it did to each token so far (report), and its figures summed and
+    maxed over the micro-batches (every rank holds the same keys, in the same order). `weights` are the tokens'
+    final loss weights when the proximal logprobs were given (known before any backward); None when each
+    micro-batch's own forward gives them, and the global counts are known only after the last backward."""
+    batch: invariants.TrainBatch
+    algo_cfg: algo.AlgoConfig
+    correction_cfg: invariants.CorrectionConfig
+    trainer_version: int
+    ref_logprobs: Tensor | None
+    token_budget: int | None
+    report: StepReport
+    kl_coef: float
+    weights: Tensor | None = None
+    global_tokens: float = 0.0     # kept tokens of the step over every rank, once known
+    global_rollouts: float = 0.0   # kept rollouts of the step over every rank, once known
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_SUMS, 0.0))
+    maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_MAXES, 0.0))
 
 
 # ---- config ----
@@ -410,6 +424,16 @@ class Actor:
         return out
 
     # -- one optimizer step --
+    # A step has two ways to its loss weights, by where its proximal logprobs (pi_prox) come from:
+    #   recomputed (prox_logprobs given: a later minibatch of the batch): invariant 2 runs on the whole step first
+    #     (_correct_whole_step), so the global counts, hence every token's final algo.loss_weights, are known before
+    #     the first backward;
+    #   own forward (prox_logprobs None: the batch's first minibatch, whose weights ARE the proximal ones): each
+    #     micro-batch's forward gives its pi_prox, invariant 2 runs on it there (every gate is per rollout or per
+    #     token, and a micro-batch holds whole rollouts), its tokens are weighed by algo.loss_numerators, and the
+    #     summed gradient is divided by algo.loss_denominator once the last micro-batch has given the global counts
+    #     (_divide_by_global_counts; the gradient is linear in the weights).
+    # Both give the same update as one backward over the whole step (tests/test_actor.py).
 
     def train_step(self, batch: invariants.TrainBatch, prox_logprobs: Tensor | None, algo_cfg: algo.AlgoConfig,
                    correction_cfg: invariants.CorrectionConfig, trainer_version: int,
@@ -425,6 +449,25 @@ class Actor:
         The rows of a rollout must be on one rank. Returns the step's metrics and what the step did to each token
         (StepReport.prox_logprobs: the proximal logprobs used). Gradients of the step stay on the parameters until
         the next call (zeroed at the start)."""
+        step = self._start_step(batch, prox_logprobs, algo_cfg, correction_cfg, trainer_version, ref_logprobs,
+                                token_budget)
+        self.optimizer.zero_grad(set_to_none=True)
+        if prox_logprobs is not None and not self._correct_whole_step(step, prox_logprobs):
+            return step.report.done(self._step_metrics(step, 0.0, skipped=True))   # nothing kept, on any rank
+        for rows in self._micro_batches(batch):
+            if rows is None:
+                self._filler_forward().backward()
+            else:
+                self._micro_batch_backward(step, rows)
+        if prox_logprobs is None and not self._divide_by_global_counts(step):
+            self.optimizer.zero_grad(set_to_none=True)
+            return step.report.done(self._step_metrics(step, 0.0, skipped=True))
+        return self._optimizer_step(step)
+
+    def _start_step(self, batch: invariants.TrainBatch, prox_logprobs: Tensor | None, algo_cfg: algo.AlgoConfig,
+                    correction_cfg: invariants.CorrectionConfig, trainer_version: int, ref_logprobs: Tensor | None,
+                    token_budget: int | None) -> _Step:
+        """Refuse a step that cannot be taken as asked; else its empty _Step."""
         _check_right_padded(batch.attention_mask)
         if prox_logprobs is None and trainer_version != self.version:
             raise ValueError(f"prox_logprobs=None means the proximal policy is the current weights (version "
@@ -437,128 +480,125 @@ class Actor:
         if kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={algo_cfg.kl_coef} adds a KL loss term but ref_logprobs is None; pass the "
                              f"reference model's logprobs, or set kl_coef=0")
-        record = StepReport.empty(batch.input_ids.shape)
-        sums = dict.fromkeys(["loss", "entropy", "kl_ref", "prefix_tokens_saved", "r3_unreplayed_tokens",
-                              "trainable_tokens", "gated_tokens", "rollouts", "staleness", "logprob_diff",
-                              *POLICY_LOSS_METRICS, *(f"gate/{k}" for k in GATE_COUNTS),
-                              *(f"is/{k}" for k in IS_METRICS)], 0.0)
-        maxes = {"staleness_max": 0.0, "logprob_diff_max": 0.0}
-        gate = functools.partial(self._gate, trainer_version=trainer_version, correction_cfg=correction_cfg,
-                                 sums=sums, maxes=maxes)
-        self.optimizer.zero_grad(set_to_none=True)
+        return _Step(batch, algo_cfg, correction_cfg, trainer_version, ref_logprobs, token_budget,
+                     StepReport.empty(batch.input_ids.shape), kl_coef)
 
-        # (1)-(2) with the proximal logprobs given, the rollout gates and IS weights of the whole step come first, so
-        # the GLOBAL denominators (3) are known and every token's loss weight is final before any backward
-        weights = None
-        if prox_logprobs is not None:
-            whole = gate(prox_logprobs.float(), batch.behavior_logprobs.float(), batch.loss_mask.float(),
-                         batch.policy_versions, invariants.rollout_index(batch.rollout_ids))
-            record.write(slice(None), batch.input_ids.shape[1], prox_logprobs=prox_logprobs,
-                         is_weights=whole.is_weights, mask=whole.mask, kept=whole.keep, staleness=whole.stale)
-            global_tokens, global_rollouts = self._global_counts(whole.mask, whole.rollout_index)
-            if global_tokens == 0:  # the gates dropped every token of the step, on every rank: no update
-                return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, 0.0, skipped=True))
-            weights = algo.loss_weights(whole.mask, algo_cfg.loss_agg, global_tokens, global_rollouts, token_budget,
-                                        whole.rollout_index)
+    def _correct_whole_step(self, step: _Step, prox_logprobs: Tensor) -> bool:
+        """Recomputed path: invariant 2 on this rank's rows, the global counts, and every token's final loss weight
+        (step.weights). False if the gates left no token on any rank (no update then)."""
+        batch = step.batch
+        rollout_index = invariants.rollout_index(batch.rollout_ids)
+        correction = self._correct(step, prox_logprobs.float(), batch.behavior_logprobs.float(),
+                                   batch.loss_mask.float(), batch.policy_versions, rollout_index)
+        step.report.write(slice(None), batch.input_ids.shape[1], prox_logprobs=prox_logprobs,
+                          is_weights=correction.is_weights, mask=correction.mask, kept=correction.keep,
+                          staleness=correction.staleness)
+        step.global_tokens, step.global_rollouts = self._global_counts(correction.mask, rollout_index)
+        if step.global_tokens == 0:
+            return False
+        step.weights = algo.loss_weights(correction.mask, step.algo_cfg.loss_agg, step.global_tokens,
+                                         step.global_rollouts, step.token_budget, rollout_index)
+        return True
 
-        # (4) micro-batches of whole rollouts: forward with grad, backward. Without proximal logprobs, each micro-batch
-        # is gated on its own forward's (every gate is per rollout or per token, and a micro-batch holds whole
-        # rollouts), its tokens weighed by the numerators of algo.loss_weights, and the summed gradient divided by
-        # the global count once at the end (the gradient is linear in the weights). `record` is filled in place as
-        # they run: with the proximal logprobs given it is complete already; without, a micro-batch's own gate
-        # replaces its rows' cut of it (mb.update) before any use, so no micro-batch reads another's unfilled rows.
-        per_token = {"behavior": batch.behavior_logprobs, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-                     "versions": batch.policy_versions, "prox": record.prox_logprobs, "w": record.is_weights,
-                     "mask": record.mask}
-        if weights is not None:
-            per_token["weights"] = weights
-        if kl_coef > 0:
-            per_token["ref"] = ref_logprobs
-        for rows in self._micro_batches(batch):
-            if rows is None:
-                self._filler_forward().backward()
-                continue
-            input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
-            mb = {name: self._cut(t, rows, width) for name, t in per_token.items()}
-            rollout_index = invariants.rollout_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
-            # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would
-            # otherwise route live and disagree with the forward)
-            replay = r3.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
-            # trainable tokens whose predicting position has a layer with no recorded route: the live router chose
-            # there (invariant 3 holds only where routes were recorded). No routes at all on an MoE model: every one
-            # (vLLM reports none for a request kept across a weight update: bench/fp32_parity.py on an H200)
-            unrouted = ((routes[:, :-1] < 0).flatten(2).any(-1) if routes is not None else
-                        torch.full_like(mb["loss_mask"][:, 1:], self.is_moe, dtype=torch.bool))
-            sums["r3_unreplayed_tokens"] += float((unrouted & (mb["loss_mask"][:, 1:] > 0)).sum())
-            with replay:
-                with self._compute():
-                    logprobs, entropy = recompute.forward_logprobs(self.model, input_ids, attention_mask,
-                                                                   images=images, with_entropy=True, **sampling)
-                if weights is None:
-                    own = gate(logprobs.detach().float(), mb["behavior"].float(), mb["loss_mask"].float(),
-                               mb["versions"], rollout_index)
-                    record.write(rows, width, prox_logprobs=own.prox, is_weights=own.is_weights, mask=own.mask,
-                                 kept=own.keep, staleness=own.stale)
-                    mb.update(prox=own.prox, w=own.is_weights, mask=own.mask,
-                              weights=algo.loss_numerators(own.mask, algo_cfg.loss_agg, token_budget, rollout_index))
-                token_loss, pl_metrics = algo.policy_loss(logprobs, mb["prox"], mb["advantages"].float(), mb["mask"],
-                                                          algo_cfg, is_weights=mb["w"], rollout_index=rollout_index)
-                if kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
-                    kl = algo.kl_divergence(logprobs, mb["ref"].float(), algo_cfg.kl_estimator) * mb["mask"]
-                    token_loss = token_loss + kl_coef * kl
-                    sums["kl_ref"] += float(kl.detach().sum())
-                token_share = token_loss * mb["weights"]      # each token's share of the step's loss
-                loss = token_share.sum()
-                loss.backward()       # also with nothing kept: under FSDP2 every rank runs every backward
-            record.write(rows, width, loss_contribution=token_share.detach())
-            mb_tokens = float(mb["mask"].sum())
-            sums["prefix_tokens_saved"] += sampling["prefixes"].saved if sampling.get("prefixes") else 0.0
-            sums["loss"] += float(loss.detach())
-            sums["entropy"] += float((entropy * mb["mask"]).sum())
-            for name in POLICY_LOSS_METRICS:  # per-micro-batch token means -> token-weighted sums
-                sums[name] += pl_metrics[name] * mb_tokens
+    def _micro_batch_backward(self, step: _Step, rows: Tensor) -> None:
+        """Forward with grad over some whole rollouts, their policy loss (plus the KL to the reference, not
+        IS-weighted) weighed per token, backward; what it did goes into step.report and step.sums. The report is
+        filled in place: recomputed, it is complete already; own forward, this micro-batch's correction writes its
+        rows before any use, so no micro-batch reads another's unfilled rows."""
+        batch, cfg = step.batch, step.algo_cfg
+        input_ids, attention_mask, routes, images, sampling, width = self._rows(batch, rows)
+        cut = functools.partial(self._cut, rows=rows, width=width)
+        loss_mask, advantages = cut(batch.loss_mask), cut(batch.advantages).float()
+        rollout_index = invariants.rollout_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
+        step.sums["r3_unreplayed_tokens"] += self._unreplayed_tokens(routes, loss_mask)
+        # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would otherwise
+        # route live and disagree with the forward)
+        replay = r3.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
+        with replay:
+            with self._compute():
+                logprobs, entropy = recompute.forward_logprobs(self.model, input_ids, attention_mask,
+                                                               images=images, with_entropy=True, **sampling)
+            if step.weights is None:      # own forward: these logprobs, detached, are the proximal ones
+                prox = logprobs.detach().float()
+                correction = self._correct(step, prox, cut(batch.behavior_logprobs).float(), loss_mask.float(),
+                                           cut(batch.policy_versions), rollout_index)
+                step.report.write(rows, width, prox_logprobs=prox, is_weights=correction.is_weights,
+                                  mask=correction.mask, kept=correction.keep, staleness=correction.staleness)
+                is_weights, mask = correction.is_weights, correction.mask
+                weights = algo.loss_numerators(mask, cfg.loss_agg, step.token_budget, rollout_index)
+            else:
+                prox, is_weights, mask = (cut(t) for t in (step.report.prox_logprobs, step.report.is_weights,
+                                                           step.report.mask))
+                weights = cut(step.weights)
+            token_loss, loss_metrics = algo.policy_loss(logprobs, prox, advantages, mask, cfg, is_weights=is_weights,
+                                                        rollout_index=rollout_index)
+            if step.kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
+                kl = algo.kl_divergence(logprobs, cut(step.ref_logprobs).float(), cfg.kl_estimator) * mask
+                token_loss = token_loss + step.kl_coef * kl
+                step.sums["kl_ref"] += float(kl.detach().sum())
+            token_share = token_loss * weights      # each token's share of the step's loss
+            loss = token_share.sum()
+            loss.backward()       # also with nothing kept: under FSDP2 every rank runs every backward
+        step.report.write(rows, width, loss_contribution=token_share.detach())
+        kept_tokens = float(mask.sum())
+        step.sums["prefix_tokens_saved"] += sampling["prefixes"].saved if sampling.get("prefixes") else 0.0
+        step.sums["loss"] += float(loss.detach())
+        step.sums["entropy"] += float((entropy * mask).sum())
+        for name in POLICY_LOSS_METRICS:  # per-micro-batch token means -> token-weighted sums
+            step.sums[name] += loss_metrics[name] * kept_tokens
 
-        if weights is None:   # (3) the step's global counts, known now: the shares and gradient get their divisor
-            global_tokens, global_rollouts = self._global_counts(record.mask,
-                                                                 invariants.rollout_index(batch.rollout_ids))
-            if global_tokens == 0:
-                self.optimizer.zero_grad(set_to_none=True)
-                return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, 0.0, skipped=True))
-            denominator = algo.loss_denominator(algo_cfg.loss_agg, global_tokens, global_rollouts)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(denominator)
-            record.loss_contribution /= denominator
-            sums["loss"] /= denominator
+    def _unreplayed_tokens(self, routes: Tensor | None, loss_mask: Tensor) -> float:
+        """Trainable tokens whose predicting position has a layer with no recorded route: the live router chose
+        there (invariant 3 holds only where routes were recorded). No routes at all on an MoE model: every one
+        (vLLM reports none for a request kept across a weight update: bench/fp32_parity.py on an H200)."""
+        unrouted = ((routes[:, :-1] < 0).flatten(2).any(-1) if routes is not None else
+                    torch.full_like(loss_mask[:, 1:], self.is_moe, dtype=torch.bool))
+        return float((unrouted & (loss_mask[:, 1:] > 0)).sum())
 
-        # (5) clip the global gradient norm, step, advance the schedule and the version
+    def _divide_by_global_counts(self, step: _Step) -> bool:
+        """Own-forward path, after the last backward: the global counts of the step, known now, divide the summed
+        gradient, the tokens' shares and the loss once. False if the gates left no token on any rank."""
+        step.global_tokens, step.global_rollouts = self._global_counts(
+            step.report.mask, invariants.rollout_index(step.batch.rollout_ids))
+        if step.global_tokens == 0:
+            return False
+        denominator = algo.loss_denominator(step.algo_cfg.loss_agg, step.global_tokens, step.global_rollouts)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(denominator)
+        step.report.loss_contribution /= denominator
+        step.sums["loss"] /= denominator
+        return True
+
+    def _optimizer_step(self, step: _Step) -> StepReport:
+        """Clip the global gradient norm, step, advance the schedule and the version; a NaN/inf gradient skips the
+        update instead (it would poison AdamW's moments)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        if not math.isfinite(grad_norm):  # a NaN/inf gradient would poison AdamW's moments: skip the update
+        if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            record.loss_contribution.zero_()
-            return record.done(self._step_metrics(sums, maxes, global_tokens, global_rollouts, grad_norm, skipped=True))
-        metrics = self._step_metrics(sums, maxes, global_tokens, global_rollouts, grad_norm, skipped=False)
+            step.report.loss_contribution.zero_()
+            return step.report.done(self._step_metrics(step, grad_norm, skipped=True))
+        metrics = self._step_metrics(step, grad_norm, skipped=False)
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
         metrics["actor/version"] = float(self.version)
-        return record.done(metrics)
+        return step.report.done(metrics)
 
     def _global_counts(self, mask: Tensor, rollout_index: Tensor) -> tuple[float, float]:
         """Kept tokens and kept rollouts of the step over every rank (rollouts are rank-local, so counts add up)."""
         return tuple(self._reduce([float(mask.sum()), float(invariants.count_rollouts(mask.cpu(), rollout_index))]))
 
     @staticmethod
-    def _gate(prox: Tensor, behavior: Tensor, loss_mask: Tensor, versions: Tensor, rollout_index: Tensor, *,
-              trainer_version: int, correction_cfg: invariants.CorrectionConfig, sums: dict,
-              maxes: dict) -> "_Gated":
+    def _correct(step: _Step, prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor, versions: Tensor,
+                 rollout_index: Tensor) -> invariants.Correction:
         """invariants.apply_correction on some whole rollouts (the version gate: staleness <= max_staleness, both in
         policy versions; the veto and seq/geo band gates; the IS weights pi_prox / mu per token, each against its
         own behavior logprob, detached; the rejection rule), adding its figures to the step's sums and maxima."""
-        correction = invariants.apply_correction(prox, behavior, loss_mask, versions, trainer_version, correction_cfg,
-                                                 rollout_index)
-        diff = ((prox - behavior) * loss_mask).abs()   # train/infer mismatch before correcting
+        correction = invariants.apply_correction(prox_logprobs, behavior_logprobs, loss_mask, versions,
+                                                 step.trainer_version, step.correction_cfg, rollout_index)
+        diff = ((prox_logprobs - behavior_logprobs) * loss_mask).abs()   # train/infer mismatch before correcting
         trainable_rows = loss_mask.sum(-1) > 0
         rollout_staleness = {int(i): float(s) for i, s, t in zip(rollout_index, correction.staleness, trainable_rows)
                              if t}
@@ -570,24 +610,22 @@ class Actor:
                      # the invariants' IS metrics are means over these gated tokens: weight them back into sums
                      **{f"is/{k}": float(v) * gated_tokens for k, v in correction.is_metrics.items()}}
         for name, value in additions.items():
-            sums[name] += value
-        maxes["staleness_max"] = max(maxes["staleness_max"], max(rollout_staleness.values(), default=0.0))
-        maxes["logprob_diff_max"] = max(maxes["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
-        return _Gated(prox, correction.keep, correction.staleness, correction.is_weights, correction.mask,
-                      rollout_index)
+            step.sums[name] += value
+        step.maxes["staleness_max"] = max(step.maxes["staleness_max"], max(rollout_staleness.values(), default=0.0))
+        step.maxes["logprob_diff_max"] = max(step.maxes["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
+        return correction
 
     # -- step metrics (summed over micro-batches and ranks, then divided by global counts) --
 
-    def _step_metrics(self, sums: dict, maxes: dict, global_tokens: float, global_rollouts: float, grad_norm: float,
-                      skipped: bool) -> dict[str, float]:
-        total = dict(zip(sums, self._reduce(list(sums.values()))))
-        top = dict(zip(maxes, self._reduce(list(maxes.values()), dist.ReduceOp.MAX)))
-        kept = max(global_tokens, 1.0)
+    def _step_metrics(self, step: _Step, grad_norm: float, skipped: bool) -> dict[str, float]:
+        total = dict(zip(step.sums, self._reduce(list(step.sums.values()))))
+        top = dict(zip(step.maxes, self._reduce(list(step.maxes.values()), dist.ReduceOp.MAX)))
+        kept = max(step.global_tokens, 1.0)
         metrics = {"actor/loss": total["loss"], "actor/grad_norm": grad_norm,
                    "actor/bf16": float(self.precision == "bf16"),    # which precision this run's actor computed in
                    "actor/lr": self.scheduler.get_last_lr()[0], "actor/skipped": float(skipped),
                    "actor/version": float(self.version),
-                   "actor/kept_tokens": global_tokens, "actor/kept_rollouts": global_rollouts,
+                   "actor/kept_tokens": step.global_tokens, "actor/kept_rollouts": step.global_rollouts,
                    "actor/entropy": total["entropy"] / kept, "actor/kl_ref": total["kl_ref"] / kept,
                    # token positions the forward did not compute: prompts shared by a micro-batch's rows, run once
                    "actor/prefix_tokens_saved": total["prefix_tokens_saved"],
