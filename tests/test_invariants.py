@@ -2,6 +2,7 @@
 # records exactly what the engine sampled and seals on any non-extension of its ids; batches are checked id by id;
 # on-policy data make every correction an exact no-op; staleness, gates and IS weights follow their formulas; each
 # token's recorded sampling rides into the batch. (Invariant 3 against a real engine: test_rollout.py, test_r3.py.)
+import itertools
 import logging
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import algo
 import constraints
 import invariants
 
@@ -245,32 +247,51 @@ def on_policy_batch(V=3):
     return prox, mask, versions, adv
 
 
-def surrogate(logp, old, adv, mask, w=None):
-    """-w * exp(logp - old) * A, token mean (float64)."""
-    ratio = torch.exp(logp - old)
-    per_token = -ratio * adv if w is None else -w * ratio * adv
-    return (per_token * mask).sum() / mask.sum()
+ROLLOUTS = ["sealed", "sealed", "plain"]   # on_policy_batch's rows 0 and 1 are one rollout sealed into two segments
+
+
+def step_loss(prox, adv, mask, index, estimator: str, loss_agg: str, is_weights=None):
+    """The loss of one optimizer step as actor.train_step builds it from algo.py, and its gradient: the clipped
+    surrogate at live logprobs pi a little off pi_prox (so some ratios clip), weighed per token by loss_weights over
+    the step's kept tokens and rollouts."""
+    gen = torch.Generator().manual_seed(1)
+    logprobs = (prox + 0.3 * torch.randn(prox.shape, generator=gen, dtype=prox.dtype)).requires_grad_(True)
+    cfg = algo.AlgoConfig(estimator=estimator, loss_agg=loss_agg)
+    token_loss, _ = algo.policy_loss(logprobs, prox, adv, mask, cfg, is_weights=is_weights, rollout_index=index)
+    weights = algo.loss_weights(mask, loss_agg, float(mask.sum()), float(invariants.count_rollouts(mask, index)),
+                                token_budget=mask.shape[1], rollout_index=index)
+    loss = (token_loss * weights).sum()
+    loss.backward()
+    return loss.detach(), logprobs.grad
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("mode", MODES)
 def test_on_policy_every_correction_is_an_exact_identity(level, mode):
+    """mu == pi_prox and every token at the trainer's version: invariant 2's correction (apply_correction: gates,
+    IS weights, the final mask) fed through algo.py's surrogate and loss weights as a step is gives the plain step's
+    loss and gradient bitwise, for every gate, estimator and loss aggregation. Armed: mu one nat off pi_prox on a
+    single token, every IS level changes the same step."""
     V = 3
     prox, mask, versions, adv = on_policy_batch(V)
+    index = invariants.rollout_index(ROLLOUTS)
     behavior = prox.clone()  # engine logprobs == trainer recompute, every token at version V
+    off_policy = prox.clone()
+    off_policy[2, 3] -= 1.0  # rho = e on one token of the plain rollout: outside [0.5, 2] for token and seq
     for seq_gate in SEQ_GATES:
         cfg = CorrectionConfig(level=level, mode=mode, low=0.5, high=2.0, seq_gate=seq_gate, veto=1e-4)
-        w, _ = correction_weights(prox, behavior, mask, cfg)
-        assert torch.equal(w, torch.ones_like(w))  # bitwise
-        keep, counts = gate_rollouts(prox - behavior, mask, staleness(versions, mask, V), cfg)
-        assert keep.all() and counts["kept"] == 3
-        logp_plain = prox.clone().requires_grad_(True)
-        logp_corrected = prox.clone().requires_grad_(True)
-        plain = surrogate(logp_plain, prox, adv, mask)
-        corrected = surrogate(logp_corrected, prox, adv, mask, w)
-        plain.backward()
-        corrected.backward()
-        assert torch.equal(plain, corrected) and torch.equal(logp_plain.grad, logp_corrected.grad)
+        correction = invariants.apply_correction(prox, behavior, mask, versions, V, cfg, index)
+        assert torch.equal(correction.is_weights, torch.ones_like(prox))  # bitwise
+        assert correction.keep.all() and correction.gate_counts["kept"] == 2 and torch.equal(correction.mask, mask)
+        for estimator, loss_agg in itertools.product(("grpo", "gspo"), algo.LOSS_AGGREGATIONS):
+            plain = step_loss(prox, adv, mask, index, estimator, loss_agg)
+            corrected = step_loss(prox, adv, correction.mask, index, estimator, loss_agg, correction.is_weights)
+            assert all(torch.equal(a, b) for a, b in zip(plain, corrected)), (seq_gate, estimator, loss_agg)
+        if level != "off":
+            drifted = invariants.apply_correction(prox, off_policy, mask, versions, V, cfg, index)
+            plain = step_loss(prox, adv, mask, index, "grpo", "token_mean")
+            corrected = step_loss(prox, adv, drifted.mask, index, "grpo", "token_mean", drifted.is_weights)
+            assert not all(torch.equal(a, b) for a, b in zip(plain, corrected))
 
 
 @pytest.mark.parametrize("level", LEVELS)
