@@ -256,7 +256,7 @@ def loss_weights(
     seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_rollouts * token_budget), token_budget a constant of
       the run (train.py: the most sampled tokens a rollout can hold), so no rollout's length changes any weight."""
     return loss_numerators(loss_mask, mode, token_budget, rollout_index) / loss_denominator(mode, global_tokens,
-                                                                                              global_rollouts)
+                                                                                            global_rollouts)
 
 
 def loss_numerators(loss_mask: Tensor, mode: str, token_budget: int | None = None,

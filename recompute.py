@@ -338,7 +338,7 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperat
     replay = r3.replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
     with replay:
         return forward_logprobs(model, input_ids, attention_mask, temperature, images, top_p=top_p, top_k=top_k,
-                               min_p=min_p, runs=runs, positions=positions, prefixes=prefixes)[0]
+                                min_p=min_p, runs=runs, positions=positions, prefixes=prefixes)[0]
 
 
 def batch_logprobs(model, batch: invariants.TrainBatch) -> Tensor:

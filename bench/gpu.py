@@ -313,7 +313,7 @@ def trainer_logprobs(model, gens, temperature: float, bf16: bool, routes: bool =
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cuda", enabled=False)
     with torch.no_grad(), precision:
         lp = recompute.sequence_logprobs(model, ids.to(device), mask.to(device), temperature,
-                                     routes=None if replay is None else replay.to(device)).float().cpu()
+                                         routes=None if replay is None else replay.to(device)).float().cpu()
     return [lp[b, len(g.prompt_ids):len(g.prompt_ids) + len(g.token_ids)] for b, g in enumerate(gens)]
 
 

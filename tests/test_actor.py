@@ -125,7 +125,7 @@ def test_right_padded_rows_equal_the_same_rows_unpadded():
         padded = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, TEMPERATURE)
         for b, n in enumerate(lengths):
             alone = recompute.sequence_logprobs(model, batch.input_ids[b:b + 1, :n],
-                                            batch.attention_mask[b:b + 1, :n], TEMPERATURE)
+                                                batch.attention_mask[b:b + 1, :n], TEMPERATURE)
             assert (padded[b, :n] - alone[0]).abs().max() <= 1e-6
 
 
@@ -210,7 +210,7 @@ def test_on_policy_corrected_update_equals_plain_update(qwen3_dir):
     plain = models.load_model(qwen3_dir).to(device)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     logprobs = recompute.sequence_logprobs(plain, batch.input_ids.to(device), batch.attention_mask.to(device),
-                                       TEMPERATURE).cpu()
+                                           TEMPERATURE).cpu()
     loss = -(batch.advantages * logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.max_grad_norm)
@@ -726,7 +726,7 @@ def test_the_gradient_through_penalised_biased_logits_equals_a_hand_written_refe
     batch = invariants.build_batch([row], [1.0], pad_id=0)
     weights = torch.linspace(-1.0, 2.0, len(row.token_ids)) * batch.loss_mask[0]    # the sampled tokens' only
     got = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature,
-                                  min_p=batch.min_p, runs=batch.runs)
+                                      min_p=batch.min_p, runs=batch.runs)
     (got[0] * weights).sum().backward()
     ours = grads(model)
     model.zero_grad()
@@ -861,7 +861,7 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(kind):
 
     # negative control: the one-id-off row made to reuse A's prefix gets other logprobs, so the id check is armed
     forged = recompute.SharedPrefixes(**{**vars(plan), "row_set": plan.row_set.clone(),
-                                     "row_prefix": plan.row_prefix.clone()})
+                                         "row_prefix": plan.row_prefix.clone()})
     forged.row_set[at["one_off"]], forged.row_prefix[at["one_off"]] = plan.row_set[at["a0"]], 11
     with torch.no_grad():
         wrong = recompute.sequence_logprobs(model, batch.input_ids, batch.attention_mask, prefixes=forged, **sampling)
@@ -967,7 +967,7 @@ def _long_rows_worker(_rank: int, model_dir: str, out_file: str) -> None:
     alone = select_rows(batch, [2])
     with torch.no_grad():
         expected = recompute.sequence_logprobs(models.load_model(model_dir), alone.input_ids, alone.attention_mask,
-                                           TEMPERATURE, positions=alone.loss_mask > 0)
+                                               TEMPERATURE, positions=alone.loss_mask > 0)
     width = alone.input_ids.shape[1]
     torch.save({"micro": micro, "growth": peak - before, "metrics": report.metrics,
                 "diff": float((report.prox_logprobs[2, :width] - expected[0]).abs().max())}, out_file)

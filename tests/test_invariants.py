@@ -376,7 +376,7 @@ def test_a_sealed_rollout_is_one_rollout_for_staleness_and_every_gate():
         [False, False, True]
     assert gate_rollouts(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg)[0].all()
     w, _ = correction_weights(log_ratio, torch.zeros(3, 4), mask, CorrectionConfig(level="seq", mode="trunc",
-                                                                                 high=10.0), index)
+                                                                                   high=10.0), index)
     assert torch.allclose(w[:2][mask[:2] > 0], torch.full((4,), math.exp(1.0)))   # one weight for the rollout
     veto = torch.tensor([[0, 0, 0, 0], [0, 0, -20.0, 0], [0, 0, 0, 0]])
     keep, _ = gate_rollouts(veto, mask, torch.zeros(3, dtype=torch.long), CorrectionConfig(veto=1e-6), index)

@@ -231,7 +231,7 @@ def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_fl
         replay = torch.from_numpy(routes).long()[None]
         with torch.no_grad():
             lp = recompute.sequence_logprobs(old, ids, torch.ones_like(ids), T,
-                                         routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
+                                             routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
         return (lp[0, len(prompt):len(prompt) + n1] - torch.tensor(gen.behavior_logprobs[:n1])).abs().max().item()
     assert replayed(gen.routes) <= 1e-5
     assert replayed(new_routes) > 1e-3

@@ -184,7 +184,7 @@ def field_batches(rows: list[invariants.Segment], field: str, tokenizer, vocab_s
     """The batch of the engine's rows, and the same batch with `field` stripped from every token's sampling."""
     stripped = [dataclasses.replace(row, sampling=[without(field, s) for s in row.sampling]) for row in rows]
     batches = [invariants.build_batch(r, [1.0] * len(r), pad_id=0,
-                                       grammar_masks=constraints.mask_replayer(tokenizer, vocab_size))
+                                      grammar_masks=constraints.mask_replayer(tokenizer, vocab_size))
                for r in (rows, stripped)]
     invariants.check_token_identity(batches[0], rows)
     return batches

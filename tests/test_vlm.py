@@ -143,7 +143,7 @@ def test_engine_logprobs_equal_trainer_recompute_over_a_padded_batch_with_images
     _, images, batch = mixed
     with torch.no_grad():
         recomputed = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                             images=batch.images)
+                                                 images=batch.images)
     gaps = row_gaps(recomputed, batch)
     print(f"engine vs trainer max |logprob diff| per row (16-token image, 6+1-token images, text): {gaps}")
     assert max(gaps) <= TOL
@@ -158,7 +158,7 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     other = data.image_inputs(processor, [picture(112, 112, 99)])
     with torch.no_grad():
         swapped = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                          images=[other, *batch.images[1:]])
+                                              images=[other, *batch.images[1:]])
     # the pads embedded as plain tokens: no pixel values at all
     no_pixels = forward_logprobs(vl, batch, position_ids=correct["position_ids"])
     # 1-D positions 0..n-1 (what a text model uses) instead of M-RoPE
@@ -175,7 +175,7 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     # and the trainer refuses rows whose images do not fill their pads, instead of guessing
     with pytest.raises(ValueError, match=r"pad runs of lengths \[6, 1\] but the images fill \[\]"):
         recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                images=[batch.images[0], [], []])
+                                    images=[batch.images[0], [], []])
 
 
 def test_a_weight_swap_mid_request_re_prefills_with_the_images(vl, mixed):
@@ -199,7 +199,7 @@ def test_a_weight_swap_mid_request_re_prefills_with_the_images(vl, mixed):
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     with torch.no_grad():
         old_lp, new_lp = (recompute.sequence_logprobs(m, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                                  images=batch.images) for m in (vl, new))
+                                                      images=batch.images) for m in (vl, new))
     before, after = batch.policy_versions == 0, batch.policy_versions == 1
     gap_before = ((old_lp - batch.behavior_logprobs).abs() * before).max().item()
     gap_after = ((new_lp - batch.behavior_logprobs).abs() * after).max().item()
