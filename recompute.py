@@ -9,8 +9,9 @@
 # token's own Sampling (processing.adjusted_run_logits on a row's AdjustedRuns), MoE routes replayed
 # (r3.replay_routes), a VLM row fed the very images it was sampled with; the caller picks the precision.
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
-# Tests: tests/test_actor.py (the recompute against hand computation and the engine, the chunked head, shared
-# prefixes), tests/test_rollout.py and tests/test_sampling.py (engine logprobs against this recompute).
+# Tests: tests/test_recompute.py (by hand, padding, the fused head, shared prefixes), tests/test_actor.py (the
+# chunked head and shared prefixes inside a step), tests/test_rollout.py and tests/test_sampling.py (the engine's
+# logprobs against this recompute).
 import contextlib
 import functools
 from dataclasses import dataclass
