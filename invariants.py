@@ -22,8 +22,7 @@
 #                    context, so a rollout is one segment or several. In a TrainBatch, index b of every [B, T] or [B]
 #                    array is one segment; "row" always means a segment (the ledger's rows() are its segments).
 #   group            the rollouts of one prompt (`group_id`): the baseline of the group estimators (algo.py).
-#   policy version   the optimizer steps taken when the weights were made (actor.Actor.version); each sampled token
-#                    records the version that drew it (`policy_versions`, -1 on context tokens).
+#   policy version   optimizer steps taken when the weights were made (actor.Actor.version), recorded per token.
 #   staleness        trainer_version - the oldest version over a rollout's trainable tokens, in policy versions,
 #                    as is the gate's bound CorrectionConfig.max_staleness. runtime.RuntimeConfig.eta bounds the age
 #                    at admission in RL steps (batches) of `minibatches` optimizer steps each, so
