@@ -7,12 +7,14 @@
 # Invariant kept: 2 (policy version). The train/infer correction weights come in as `is_weights`, computed in
 # invariants.py; this module only multiplies them in, detached, so they can never carry gradient.
 # Tensor convention: per-token arrays are [B, T], aligned to tokens, `loss_mask` float 0/1, position 0 never trainable.
+# Names (invariants.py's glossary): a row is a segment; a rollout is all the segments of one episode, `rollout_index`
+# [B] maps rows to rollouts; `prox_logprobs` are the proximal policy pi_prox's, `logprobs` the live policy pi's.
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from invariants import MAX_LOG_RATIO, per_sequence
+from invariants import MAX_LOG_RATIO, per_rollout
 
 # ---- config + validation ----
 
@@ -148,7 +150,7 @@ def distill_advantages(
     teacher_logprobs: Tensor, prox_logprobs: Tensor, loss_mask: Tensor, kl_coef: float = 1.0
 ) -> Tensor:
     """On-policy distillation (thinkingmachines.ai/blog/on-policy-distillation): per-token advantage
-    kl_coef * (log pi_teacher - log pi_old) on the sampled token, i.e. minus a k1 reverse-KL estimate, discount 0.
+    kl_coef * (log pi_teacher - log pi_prox) on the sampled token, i.e. minus a k1 reverse-KL estimate, discount 0.
     Returns a detached [B, T] tensor, 0 off the mask. Pass cfg.kl_coef (the distillation strength)."""
     return (kl_coef * (teacher_logprobs - prox_logprobs) * loss_mask).detach()
 
@@ -193,28 +195,27 @@ def policy_loss(
     loss_mask: Tensor,
     cfg: AlgoConfig,
     is_weights: Tensor | None = None,
-    seq_index: Tensor | None = None,
+    rollout_index: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token clipped surrogate loss [B, T] (0 off the mask) and monitoring metrics.
-    PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_old.
-    GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_old_t)) over
-    every token of the sequence i (a rollout: all its rows, seq_index [B] maps rows to rollouts, None = one row
-    each). Every token of a sequence has the value r_t = s_i, so where A is constant within the sequence the clip
-    takes one branch for all its tokens, and an unclipped token's gradient is w_t * A_i * s_i * grad log pi_t (a
-    clipped one's is 0). That sums to the gradient of sequence-level GSPO, w_i * A_i * grad s_i with
-    grad s_i = s_i * mean_t grad log pi_t, only when all three hold: A is constant within a sequence,
-    loss_agg is seq_mean_token_mean (each token weighted by 1 / its sequence's token count),
-    and w is constant within a sequence (is_weights None, or correction level off, seq or geo: one weight
-    per rollout). Per-token IS weights (correction level token) weight each token's gradient by its own w_t,
-    which sequence-level GSPO cannot express; that is GSPO-token with per-token weights, not GSPO. The rows of a
-    sequence must all be in this call. w = is_weights from invariants.correction_weights, DETACHED here
-    (None -> 1)."""
+    PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_prox.
+    GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_prox_t)) over
+    every token of the rollout i (all its rows; rollout_index [B] maps rows to rollouts, None = each row its own).
+    Every token of a rollout has the value r_t = s_i, so where A is constant within the rollout the clip takes one
+    branch for all its tokens, and an unclipped token's gradient is w_t * A_i * s_i * grad log pi_t (a clipped
+    one's is 0). That sums to the gradient of sequence-level GSPO (the paper's sequence is our rollout),
+    w_i * A_i * grad s_i with grad s_i = s_i * mean_t grad log pi_t, only when all three hold: A is constant within
+    a rollout, loss_agg is seq_mean_token_mean (each token weighted by 1 / its rollout's token count), and w is
+    constant within a rollout (is_weights None, or correction level off, seq or geo: one weight per rollout).
+    Per-token IS weights (correction level token) weight each token's gradient by its own w_t, which
+    sequence-level GSPO cannot express; that is GSPO-token with per-token weights, not GSPO. The rows of a rollout
+    must all be in this call. w = is_weights from invariants.correction_weights, DETACHED here (None -> 1)."""
     token_log_ratio = ((logprobs - prox_logprobs) * loss_mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     log_ratio = token_log_ratio
     if cfg.estimator == "gspo":
-        tokens = per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0)
-        seq_log_ratio = (per_sequence(token_log_ratio.sum(-1), seq_index) / tokens).detach().unsqueeze(-1)
-        log_ratio = seq_log_ratio + logprobs - logprobs.detach()
+        tokens = per_rollout(loss_mask.sum(-1), rollout_index).clamp_min(1.0)
+        rollout_log_ratio = (per_rollout(token_log_ratio.sum(-1), rollout_index) / tokens).detach().unsqueeze(-1)
+        log_ratio = rollout_log_ratio + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
@@ -225,10 +226,10 @@ def policy_loss(
 
     with torch.no_grad():
         n = loss_mask.sum().clamp_min(1.0)
-        k3_old_to_new = torch.expm1(token_log_ratio) - token_log_ratio  # k3 estimate of KL(pi_old || pi)
+        k3_prox_to_live = torch.expm1(token_log_ratio) - token_log_ratio  # k3 estimate of KL(pi_prox || pi)
         metrics = {
             "clip_frac": ((clipped < unclipped).to(loss_mask.dtype) * loss_mask).sum().div(n).item(),
-            "approx_kl": (k3_old_to_new * loss_mask).sum().div(n).item(),
+            "approx_kl": (k3_prox_to_live * loss_mask).sum().div(n).item(),
             "ratio_mean": (ratio * loss_mask).sum().div(n).item(),
         }
     return token_loss, metrics
@@ -237,50 +238,50 @@ def policy_loss(
 # ---- loss aggregation ----
 # The loss of an optimizer step is sum_{b,t} token_loss[b,t] * weight[b,t], with weights built from GLOBAL counts of
 # the whole step (all micro-batches, all ranks), so summing micro-batch gradients gives the full-batch gradient
-# however the batch is split (verl #7321, prime-rl #2562). A "sequence" is a rollout (all its rows, seq_index), and
-# the mask is the FINAL mask of the step: a token or sequence a correction rejected is not counted anywhere
-# (invariants.py, section 2). The weight of a token is also its exact share of the loss: the trace reports
-# token_loss * weight as each token's contribution.
+# however the batch is split (verl #7321, prime-rl #2562). The seq_mean_* modes count rollouts (all their rows,
+# rollout_index), and the mask is the FINAL mask of the step: a token or rollout a correction rejected is not
+# counted anywhere (invariants.py, section 2). The weight of a token is also its exact share of the loss: the trace
+# reports token_loss * weight as each token's contribution.
 
 
 def loss_weights(
-    loss_mask: Tensor, mode: str, global_tokens: float, global_seqs: float, token_budget: int | None = None,
-    seq_index: Tensor | None = None,
+    loss_mask: Tensor, mode: str, global_tokens: float, global_rollouts: float, token_budget: int | None = None,
+    rollout_index: Tensor | None = None,
 ) -> Tensor:
     """[B, T] weight of each token's loss in the step's scalar loss (0 off the mask): loss_numerators / the
     step's global count loss_denominator picks.
     token_mean: 1 / global_tokens (kept tokens in the step).
-    seq_mean_token_mean (GRPO): 1 / (global_seqs * tokens of its sequence), i.e. the mean over kept sequences of
-      each sequence's token mean; the sequence is the rollout, so a rollout sealed into three rows weighs once.
-    seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_seqs * token_budget), token_budget a constant of
-      the run (train.py: the most sampled tokens a rollout can hold), so no sequence's length changes any weight."""
-    return loss_numerators(loss_mask, mode, token_budget, seq_index) / loss_denominator(mode, global_tokens,
-                                                                                          global_seqs)
+    seq_mean_token_mean (GRPO): 1 / (global_rollouts * tokens of its rollout), i.e. the mean over kept rollouts of
+      each rollout's token mean, so a rollout sealed into three rows weighs once.
+    seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_rollouts * token_budget), token_budget a constant of
+      the run (train.py: the most sampled tokens a rollout can hold), so no rollout's length changes any weight."""
+    return loss_numerators(loss_mask, mode, token_budget, rollout_index) / loss_denominator(mode, global_tokens,
+                                                                                            global_rollouts)
 
 
 def loss_numerators(loss_mask: Tensor, mode: str, token_budget: int | None = None,
-                    seq_index: Tensor | None = None) -> Tensor:
-    """The part of loss_weights that the rows themselves decide (every row of a sequence must be in the call). A
+                    rollout_index: Tensor | None = None) -> Tensor:
+    """The part of loss_weights that the rows themselves decide (every row of a rollout must be in the call). A
     trainer that learns the global counts only after its micro-batches ran (actor.train_step) weighs each token by
     this and divides the summed gradient by loss_denominator once: the gradient is linear in the weights."""
     if mode == "token_mean":
         return loss_mask
     if mode == "seq_mean_token_mean":
-        return loss_mask / per_sequence(loss_mask.sum(-1), seq_index).clamp_min(1.0).unsqueeze(-1)
+        return loss_mask / per_rollout(loss_mask.sum(-1), rollout_index).clamp_min(1.0).unsqueeze(-1)
     if mode == "seq_mean_token_sum_norm":
         if token_budget is None:
-            raise ValueError("seq_mean_token_sum_norm divides by a constant token budget per sequence; pass "
+            raise ValueError("seq_mean_token_sum_norm divides by a constant token budget per rollout; pass "
                              "token_budget (the most sampled tokens a rollout can hold)")
         return loss_mask / _positive("token_budget", token_budget)
     raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
 
 
-def loss_denominator(mode: str, global_tokens: float, global_seqs: float) -> float:
-    """The global count of the step that loss_weights divides by: kept tokens (token_mean) or kept sequences."""
+def loss_denominator(mode: str, global_tokens: float, global_rollouts: float) -> float:
+    """The global count of the step that loss_weights divides by: kept tokens (token_mean) or kept rollouts."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
     return _positive("global_tokens", global_tokens) if mode == "token_mean" else \
-        _positive("global_seqs", global_seqs)
+        _positive("global_rollouts", global_rollouts)
 
 
 def _positive(name: str, value: float) -> float:

@@ -4,7 +4,7 @@
 # Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
 #   refusal of schemas that are invalid, unsupported, too large or too costly per token, and the one function of
 #   (spec, tokenizer, ids) that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks`
-#   for the recompute.
+#   for the recompute (bound to a tokenizer by `mask_replayer`, what invariants.build_batch takes).
 # Never: samples, touches logits or the ledger, or reads the network (a remote $ref is refused).
 # Invariants: 3 (forward consistency) - the engine masks with `matcher` and the trainer with `replay_masks`, both
 #   walking the same grammar over the same ids, so the recomputed distribution is the one each token was drawn from;
@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from numbers import Integral
 
 import llguidance
@@ -426,6 +426,12 @@ def replay_masks(spec: str, tokenizer, token_ids: Sequence[int], vocab_size: int
         m.accept(int(token_id))
     width = 4 * -(-vocab_size // 32)
     return _unpack(np.stack(packed) if packed else np.zeros((0, width), np.uint8), vocab_size)
+
+
+def mask_replayer(tokenizer, vocab_size: int) -> Callable[[str, Sequence[int]], torch.Tensor]:
+    """replay_masks bound to a tokenizer and the model's logits width: the grammar_masks invariants.build_batch
+    replays each constrained run's masks with."""
+    return lambda spec, token_ids: replay_masks(spec, tokenizer, token_ids, vocab_size)
 
 
 # ---- measurement: python constraints.py [model] (compile and per-token mask time on a real tokenizer) ----

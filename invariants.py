@@ -1,31 +1,57 @@
-# invariants.py — the three correctness invariants of tracerl, as code.
-# Owns every rule about tokens, versions and routes. The numbering below is the project's only one (the design
-# card's); code, tests and docs cite an invariant as "invariant N" with its short name:
-#   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger,
-#      segment sealing, TrainBatch, check_token_identity, check_sampled_once);
+# invariants.py — the three correctness invariants of tracerl, as code, and the one glossary of the words for them.
+# Owns every rule about tokens, versions and routes. The numbering below is the project's only one; code, tests and
+# docs cite an invariant as "invariant N" with its short name:
+#   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger, segment
+#      sealing, TrainBatch and build_batch, the proofs check_token_identity and check_sampled_once);
 #   2. policy version (policy-version semantics): every sampled token keeps the version and behavior logprob it
-#      was sampled with; staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a
-#      rejection removes;
-#   3. forward consistency: one processed distribution for engine and trainer (processed_logprobs, at each
-#      token's recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it)
-#      and MoE rollout routing replay (R3): the trainer uses the experts the engine used.
-# Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`.
-# Imported by every stage (engine, actor, algorithms, trainer).
+#      was sampled with; the staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a
+#      rejection removes (apply_correction);
+#   3. forward consistency: one processed distribution for engine and trainer (processing.py, at each token's
+#      recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it) and MoE
+#      rollout routing replay (R3, r3.py): the trainer uses the experts the engine used. This module holds what a
+#      row carries for them (Sampling, routes, AdjustedRuns).
+# Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`; imports nothing of the
+# project (a grammar's masks come in as a function: build_batch's grammar_masks). Imported by every stage.
+#
+# Glossary: one name per concept, used by every module, test and doc.
+#   rollout          one agent episode on one prompt: all the tokens the engine sampled for it, and its one reward.
+#                    It is the unit of advantages, staleness, the rollout gates, the "seq"/"geo" IS levels and the
+#                    seq_mean_* loss aggregations, and of a micro-batch (never split). `rollout_id` names it;
+#                    `rollout_index` [B] maps each row of a batch to its rollout (0, 1, ... in order of first row).
+#   segment          one training row: a token buffer of one rollout (Segment), sealed when the agent rewrites its
+#                    context, so a rollout is one segment or several. In a TrainBatch, index b of every [B, T] or [B]
+#                    array is one segment; "row" always means a segment (the ledger's rows() are its segments).
+#   group            the rollouts of one prompt (`group_id`): the baseline of the group estimators (algo.py).
+#   policy version   optimizer steps taken when the weights were made (actor.Actor.version), recorded per token.
+#   staleness        trainer_version - the oldest version over a rollout's trainable tokens, in policy versions,
+#                    as is the gate's bound CorrectionConfig.max_staleness. runtime.RuntimeConfig.eta bounds the age
+#                    at admission in RL steps (batches) of `minibatches` optimizer steps each, so
+#                    runtime.validate_runtime requires max_staleness >= eta * minibatches.
+#   behavior policy  mu: the weights that sampled a token, at its version; `behavior_logprobs`, the engine's logprob
+#                    of the token in the processed distribution it was drawn from (invariant 3), never re-stamped.
+#   proximal policy  pi_prox: the trainer's weights at `trainer_version`, the start of the step's batch (decoupled PPO,
+#                    arXiv 2505.24298). `prox_logprobs` is its recompute of each token, detached: the denominator of
+#                    the PPO ratio r = pi / pi_prox and the numerator of the IS ratio rho = pi_prox / mu. (Where the
+#                    batch is on-policy it is what PPO papers call pi_old; the code never says old.)
+#   pi               the live weights in the loss forward; `logprobs`, the only logprobs with a gradient.
+#   "seq"            in a config value (the IS level and seq_gate "seq"; the loss_agg seq_mean_token_mean and
+#                    seq_mean_token_sum_norm) the literature's "sequence level", which here is the rollout level:
+#                    over all of a rollout's segments. The word "sequence" otherwise means a sequence of token ids
+#                    (recompute.sequence_logprobs: each token's logprob given the ids before it), never a unit.
 from __future__ import annotations
 
 import itertools
 import logging
 import math
-from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +60,9 @@ log = logging.getLogger(__name__)
 # sampled, after exactly the prefix it was sampled under; context tokens (prompt, tool output, template
 # filler, re-rendered history) are never trainable. A new engine call extends the open segment only if the
 # segment is a bitwise prefix of the new prompt (integer equality, never string equality); otherwise the
-# segment is sealed and a new, all-context segment starts (invariants-math.md §1.3; prime-rl "extension
-# property"; ART issue #883 for why re-rendered sampled text must not stay trainable).
+# segment is sealed and a new, all-context segment starts (prime-rl's "extension property"; ART issue #883 for why
+# re-rendered sampled text must not stay trainable; shown in tests/test_invariants.py and, on a model taught the
+# traps, tests/test_session.py).
 # Images are part of the prefix: a VLM prompt is its ids plus the images that fill its pad runs, so a segment
 # extends only if its images are the first images of the new prompt (the same objects), and the trainer feeds
 # each row exactly the images its pads were sampled under. An MoE segment also seals on a new version (invariant 3).
@@ -377,11 +404,17 @@ class TrainBatch:
                                     # [] for a plain row
 
 
+# a grammar's masks replayed over a run's ids: (constraint spec, the run's ids) -> bool [len(ids), V], the ids the
+# grammar allowed before each token. constraints.mask_replayer makes one: the grammar engine, which needs the
+# tokenizer, stays out of this module, which imports nothing of the project
+GrammarMasks = Callable[[str, Sequence[int]], Tensor]
+
+
 def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequence[float]],
-                pad_id: int, tokenizer=None, vocab_size: int | None = None) -> TrainBatch:
+                pad_id: int, grammar_masks: GrammarMasks | None = None) -> TrainBatch:
     """Right-pad rows into a TrainBatch. advantages: one scalar per row (broadcast onto its trainable tokens) or
-    one list per row with a value per token (context positions are zeroed). tokenizer and vocab_size (the model's
-    logits width) are needed only by rows sampled under a grammar: their masks are replayed here, once."""
+    one list per row with a value per token (context positions are zeroed). grammar_masks is needed only by rows
+    sampled under a grammar: their masks are replayed here, once (adjusted_runs)."""
     if not rows:
         raise ValueError("build_batch: no rows; pass the ledgers' rows() (segments with trainable tokens)")
     if len(advantages) != len(rows):
@@ -426,7 +459,7 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, **sampled, routes=routes,
                       rollout_ids=[r.rollout_id for r in rows], group_ids=[r.group_id for r in rows],
                       images=[list(r.images) for r in rows],
-                      runs=[adjusted_runs(r, tokenizer, vocab_size) for r in rows])
+                      runs=[adjusted_runs(r, grammar_masks) for r in rows])
 
 
 def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
@@ -507,9 +540,9 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
     """Every token the engine sampled for one rollout is trainable in exactly one of its rows, with its own
     behavior logprob, policy version and sampling: the trainable positions of the rows, read in segment order,
     equal the rollout's engine generations (rollout.Generation, or anything with token_ids, behavior_logprobs,
-    policy_versions and sampling) concatenated in call order (invariants-math.md §1.3.5(iii)). One pass over the
-    tokens; train.py runs it on every rollout, so a runner or session that loses, duplicates or alters a sampled
-    token fails the run loudly instead of training on it."""
+    policy_versions and sampling) concatenated in call order. One pass over the tokens; train.py runs it on every
+    rollout, so a runner or session that loses, duplicates or alters a sampled token fails the run loudly instead of
+    training on it."""
     if len({r.rollout_id for r in rows}) > 1:
         raise ValueError("check_sampled_once: pass the rows of one rollout at a time")
     trained = [(t, lp, v, s) for r in rows
@@ -528,32 +561,34 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
 
 # ---- 2. policy version ----
 # Invariant: each sampled token keeps the weight version v_t and the behavior logprob log mu_{v_t}(y_t|h_t) it
-# was sampled with; they are never re-stamped or replaced by current-policy values. A sequence's staleness at
-# trainer version V is s = V - min_t v_t over its trainable tokens (AReaL, arXiv 2505.24298; slime
-# sample_staleness); the gate trains a sequence iff s <= max_staleness. The train-infer mismatch is corrected
-# with detached IS weights on log rho_t = log pi_prox(y_t|h_t) - log mu(y_t|h_t) (decoupled PPO: AReaL arXiv
-# 2505.24298, Hilton et al. 2110.00641), where pi_prox is the trainer's recompute at the weights of version V:
+# was sampled with; they are never re-stamped or replaced by current-policy values. A rollout's staleness at
+# trainer version V is s = V - min_t v_t over its trainable tokens, in policy versions (AReaL, arXiv 2505.24298;
+# slime sample_staleness); the gate trains a rollout iff s <= max_staleness, in policy versions too. The
+# train-infer mismatch is corrected with detached IS weights on log rho_t = log pi_prox(y_t|h_t) - log mu(y_t|h_t)
+# (decoupled PPO: AReaL arXiv 2505.24298, Hilton et al. 2110.00641), pi_prox the trainer's recompute at the
+# weights of version V (the glossary's proximal policy):
 #   token: u_t = rho_t                       seq: u = exp(sum_t log rho_t)      geo: u = exp(mean_t log rho_t)
 #   mask:  w = u * 1[low <= u <= high]       (token: IcePop, Ring-1T arXiv 2510.18855; token/seq: MIS, Liu et al.
 #                                             "When Speed Kills Stability", 2025)
 #   clip:  w = clamp(u, low, high)
 #   trunc: w = min(u, high)                  (TIS, Yao et al. 2025, fengyao.notion.site/off-policy-rl)
-# Weights are detached (sg[w] multiplies the surrogate) and are 1 on non-trainable positions. Sequence gates
-# (Seq-MIS / Geo-RS / veto, verl rollout_corr_math §3.3-3.5) drop whole sequences. Both bands must contain 1,
-# so when mu == pi_prox and every v_t == V: rho == 1, w == 1 exactly, nothing is dropped, and the corrected
-# loss is the plain loss.
+# where seq and geo run t over every trainable token of the rollout, all its segments. Weights are detached (sg[w]
+# multiplies the surrogate) and are 1 on non-trainable positions. The rollout gates (Seq-MIS / Geo-RS / veto, verl
+# rollout_corr_math §3.3-3.5) drop whole rollouts. Both bands must contain 1, so when mu == pi_prox and every
+# v_t == V: rho == 1, w == 1 exactly, nothing is dropped, and the corrected loss is the plain loss
+# (tests/test_invariants.py runs algo.py's loss both ways).
 #
-# What a "sequence" is: one ROLLOUT (the trajectory mu sampled), not one training row. A rollout whose context
-# was rewritten is sealed into several rows, but it is still one sample: its staleness is the oldest version
-# over all its rows, its seq/geo ratio multiplies (averages) rho over all its rows, and a gate drops all its rows
-# together (invariants-math.md §1.3.6: segments are rows, not episodes). `seq_index` [B] maps rows to rollouts
-# (sequence_index(batch.rollout_ids)); None means one row per rollout.
+# A rollout, not a segment, is the sample: a rollout whose context was rewritten is sealed into several segments,
+# but its staleness is the oldest version over all of them, its seq/geo ratio multiplies (averages) rho over all of
+# them, and a gate drops all of them together (tests/test_invariants.py, a sealed rollout is one rollout for every
+# gate). `rollout_index` [B] maps segments to rollouts (rollout_index(batch.rollout_ids)); None means each segment
+# is a rollout of its own.
 #
 # One rule for what a rejection does (verl's rollout correction, which rejects through the response mask): a
-# token the mask mode rejects (w = 0) and every token of a sequence the gate drops leave the loss AND every
-# denominator of the step (tokens, sequences, and a sequence's own token count). Rejection means "this sample
+# token the mask mode rejects (w = 0) and every token of a rollout a gate drops leave the loss AND every
+# denominator of the step (tokens, rollouts, and a rollout's own token count). Rejection means "this sample
 # was not drawn", so the loss is the mean over accepted samples. (IcePop's paper keeps masked tokens in its
-# 1/|y_i|; we do not, so the token mask and the sequence gate cannot disagree about what was trained.)
+# 1/|y_i|; we do not, so the token mask and the rollout gates cannot disagree about what was trained.)
 
 LEVELS = ("off", "token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
@@ -563,15 +598,16 @@ MAX_LOG_RATIO = 30.0  # clamp on log rho and log u before exp (keeps weights fin
 
 @dataclass
 class CorrectionConfig:
-    max_staleness: int = 0       # in optimizer steps (versions): older sequences are dropped (async: eta x minibatches)
+    max_staleness: int = 0       # in policy versions (optimizer steps): staler rollouts are dropped (async: eta x
+                                 # minibatches, runtime.validate_runtime)
     level: str = "off"           # off | token | seq | geo: what the IS weight u is computed over
     mode: str = "mask"           # mask | clip | trunc: how u is bounded into the weight w
     low: float = 0.5             # band [low, high] for u; must contain 1
     high: float = 5.0
-    seq_gate: str = "off"        # off | seq | geo: drop sequences whose ratio is outside [gate_low, gate_high]
+    seq_gate: str = "off"        # off | seq | geo: drop rollouts whose ratio is outside [gate_low, gate_high]
     gate_low: float = 0.5
     gate_high: float = 2.0
-    veto: float = 0.0            # drop a sequence if any token ratio rho_t < veto (0 = off)
+    veto: float = 0.0            # drop a rollout if any token ratio rho_t < veto (0 = off)
 
 
 def validate_correction(cfg: CorrectionConfig) -> None:
@@ -584,28 +620,29 @@ def validate_correction(cfg: CorrectionConfig) -> None:
                          f"that identical policies get weight exactly 1")
     if not (0.0 <= cfg.gate_low <= 1.0 <= cfg.gate_high):
         raise ValueError(f"gate band [gate_low, gate_high] = [{cfg.gate_low}, {cfg.gate_high}] must satisfy "
-                         f"0 <= gate_low <= 1 <= gate_high so that identical policies keep every sequence")
+                         f"0 <= gate_low <= 1 <= gate_high so that identical policies keep every rollout")
     if isinstance(cfg.max_staleness, bool) or not isinstance(cfg.max_staleness, Integral) or cfg.max_staleness < 0:
-        raise ValueError(f"max_staleness must be an int >= 0 (0 = strictly on-policy), got {cfg.max_staleness!r}")
+        raise ValueError(f"max_staleness must be an int >= 0 (policy versions; 0 = strictly on-policy), got "
+                         f"{cfg.max_staleness!r}")
     if not (0.0 <= cfg.veto < 1.0):
         raise ValueError(f"veto must lie in [0, 1) (typical 1e-4..1e-6; 0 = off), got {cfg.veto}")
 
 
-def sequence_index(rollout_ids: Sequence[str]) -> Tensor:
-    """[B] long: the rollout (0..S-1, in order of first appearance) each row belongs to. A "sequence" of the gates,
-    IS levels and loss aggregations is a rollout, all its rows (segments) together: so micro-batches hold rollouts."""
+def rollout_index(rollout_ids: Sequence[str]) -> Tensor:
+    """[B] long: the rollout (0..R-1, in order of first appearance) each segment belongs to. The gates, the IS levels
+    and the loss aggregations count rollouts, all their segments together: so a micro-batch holds whole rollouts."""
     first: dict[str, int] = {}
     return torch.tensor([first.setdefault(r, len(first)) for r in rollout_ids], dtype=torch.long)
 
 
-def _seq_index(seq_index: Tensor | None, rows: int) -> Tensor:
-    return torch.arange(rows) if seq_index is None else seq_index
+def _each_rollout(rollout_index: Tensor | None, rows: int) -> Tensor:   # None: each segment is its own rollout
+    return torch.arange(rows) if rollout_index is None else rollout_index
 
 
-def per_sequence(row_values: Tensor, seq_index: Tensor | None, reduce: str = "sum") -> Tensor:
-    """[B] per-row values -> [B] per-row values of their sequence: the sum (or amin/amax) over the rows of each
-    rollout, broadcast back to every one of its rows."""
-    index = _seq_index(seq_index, len(row_values)).to(row_values.device)
+def per_rollout(row_values: Tensor, rollout_index: Tensor | None, reduce: str = "sum") -> Tensor:
+    """[B] per-segment values -> [B] per-segment values of their rollout: the sum (or amin/amax) over the segments
+    of each rollout, broadcast back to every one of them."""
+    index = _each_rollout(rollout_index, len(row_values)).to(row_values.device)
     size = int(index.max()) + 1 if len(index) else 0
     zeros = torch.zeros(size, dtype=row_values.dtype, device=row_values.device)
     totals = zeros.index_add(0, index, row_values) if reduce == "sum" else \
@@ -613,16 +650,17 @@ def per_sequence(row_values: Tensor, seq_index: Tensor | None, reduce: str = "su
     return totals[index]
 
 
-def count_sequences(loss_mask: Tensor, seq_index: Tensor | None) -> int:
-    """Sequences (rollouts) with at least one token in loss_mask [B, T]."""
+def count_rollouts(loss_mask: Tensor, rollout_index: Tensor | None) -> int:
+    """Rollouts with at least one token in loss_mask [B, T]."""
     rows = loss_mask.sum(-1) > 0
-    return len(set(_seq_index(seq_index, len(rows))[rows.cpu()].tolist()))
+    return len(set(_each_rollout(rollout_index, len(rows))[rows.cpu()].tolist()))
 
 
 def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int,
-              seq_index: Tensor | None = None) -> Tensor:
-    """[B] long per row: trainer_version - the oldest version over the trainable tokens of the row's sequence
-    (every row of a rollout gets the rollout's staleness; 0 for a sequence with no trainable token)."""
+              rollout_index: Tensor | None = None) -> Tensor:
+    """[B] long per segment, in policy versions: trainer_version - the oldest version over the trainable tokens of
+    the segment's rollout (every segment of a rollout gets the rollout's staleness; 0 for a rollout with no
+    trainable token)."""
     trainable = loss_mask > 0
     v = policy_versions[trainable]
     if len(v) and (v.min() < 0 or v.max() > trainer_version):
@@ -630,7 +668,8 @@ def staleness(policy_versions: Tensor, loss_mask: Tensor, trainer_version: int,
                          f"lie in [0, trainer version {trainer_version}]; an unversioned (-1) or future version "
                          f"means the engine stamped tokens wrongly")
     big = torch.iinfo(torch.long).max
-    oldest = per_sequence(torch.where(trainable, policy_versions.long(), big).min(dim=-1).values, seq_index, "amin")
+    oldest = per_rollout(torch.where(trainable, policy_versions.long(), big).min(dim=-1).values, rollout_index,
+                         "amin")
     return torch.where(oldest < big, trainer_version - oldest, 0)
 
 
@@ -642,38 +681,39 @@ def _masked_log_ratio(log_ratio: Tensor, loss_mask: Tensor, where: str) -> Tenso
     return torch.where(trainable, log_ratio, 0.0)
 
 
-def _seq_log_ratio(lr: Tensor, loss_mask: Tensor, level: str, seq_index: Tensor | None) -> Tensor:
-    """[B] log u of each row's sequence for level seq (sum over its trainable tokens) or geo (mean)."""
-    total = per_sequence(lr.sum(-1), seq_index)
+def _rollout_log_ratio(lr: Tensor, loss_mask: Tensor, level: str, rollout_index: Tensor | None) -> Tensor:
+    """[B] log u of each segment's rollout for level seq (sum over its trainable tokens) or geo (mean)."""
+    total = per_rollout(lr.sum(-1), rollout_index)
     if level == "seq":
         return total.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return total / per_sequence((loss_mask > 0).sum(-1).to(lr.dtype), seq_index).clamp_min(1)
+    return total / per_rollout((loss_mask > 0).sum(-1).to(lr.dtype), rollout_index).clamp_min(1)
 
 
-def gate_sequences(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: CorrectionConfig,
-                   seq_index: Tensor | None = None) -> tuple[Tensor, dict]:
-    """keep [B] bool per row (all rows of a sequence agree) and drop counts per reason, in sequences (one may fail
-    several reasons). log_ratio = prox - behavior [B, T]. Drops: staleness > max_staleness; seq/geo ratio outside
-    [gate_low, gate_high] (Seq-MIS / Geo-RS, verl rollout_corr_math §3.4–3.5); any trainable token with
-    rho_t < veto (tested on the unclamped ratio, so a veto below e^-30 still fires)."""
+def gate_rollouts(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: CorrectionConfig,
+                  rollout_index: Tensor | None = None) -> tuple[Tensor, dict]:
+    """keep [B] bool per segment (all segments of a rollout agree) and drop counts per reason, in rollouts (one may
+    fail several reasons). log_ratio = prox - behavior [B, T]; staleness [B] in policy versions. Drops: staleness >
+    max_staleness (both in policy versions); seq/geo ratio outside [gate_low, gate_high] (Seq-MIS / Geo-RS, verl
+    rollout_corr_math §3.4–3.5); any trainable token with rho_t < veto (tested on the unclamped ratio, so a veto
+    below e^-30 still fires)."""
     validate_correction(cfg)
     with torch.no_grad():
-        lr = _masked_log_ratio(log_ratio, loss_mask, "gate_sequences")
+        lr = _masked_log_ratio(log_ratio, loss_mask, "gate_rollouts")
         trainable = loss_mask > 0
-        stale = staleness > cfg.max_staleness
+        stale = staleness > cfg.max_staleness          # policy versions against policy versions
         band = torch.zeros_like(stale)
         if cfg.seq_gate != "off":
-            s = _seq_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.seq_gate, seq_index)
+            s = _rollout_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.seq_gate, rollout_index)
             lo = math.log(cfg.gate_low) if cfg.gate_low > 0 else -math.inf
             band = (s < lo) | (s > math.log(cfg.gate_high))
         veto = torch.zeros_like(stale)
         if cfg.veto > 0:
-            veto = per_sequence((trainable & (lr < math.log(cfg.veto))).any(-1).long(), seq_index) > 0
+            veto = per_rollout((trainable & (lr < math.log(cfg.veto))).any(-1).long(), rollout_index) > 0
         keep = ~(stale | band | veto)
-    first: dict[int, int] = {}        # count each sequence once, at its first row, if it has a trainable token
-    rows_sequence = _seq_index(seq_index, len(keep)).tolist()
-    first_row = torch.tensor([first.setdefault(i, b) == b for b, i in enumerate(rows_sequence)], dtype=torch.bool)
-    counted = first_row & (per_sequence(trainable.any(-1).long(), seq_index).cpu() > 0)
+    first: dict[int, int] = {}        # count each rollout once, at its first segment, if it has a trainable token
+    rollout_of = _each_rollout(rollout_index, len(keep)).tolist()
+    first_row = torch.tensor([first.setdefault(i, b) == b for b, i in enumerate(rollout_of)], dtype=torch.bool)
+    counted = first_row & (per_rollout(trainable.any(-1).long(), rollout_index).cpu() > 0)
     counts = {"drop_stale": int((stale.cpu() & counted).sum()), "drop_ratio_band": int((band.cpu() & counted).sum()),
               "drop_veto": int((veto.cpu() & counted).sum()), "kept": int((keep.cpu() & counted).sum())}
     return keep, counts
@@ -693,7 +733,7 @@ def mismatch_metrics(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask
 
 
 def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor,
-                       cfg: CorrectionConfig, seq_index: Tensor | None = None) -> tuple[Tensor, dict]:
+                       cfg: CorrectionConfig, rollout_index: Tensor | None = None) -> tuple[Tensor, dict]:
     """Detached IS weights w [B, T] (1 on non-trainable positions) and mismatch metrics; formulas above. In mask
     mode a rejected token gets w = 0 exactly (u > 0 otherwise); the caller removes it from the loss mask, so it
     leaves every denominator too (the rejection rule above)."""
@@ -705,8 +745,8 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
         if cfg.level == "token":
             u = rho
         elif cfg.level in ("seq", "geo"):
-            u = _seq_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.level,
-                               seq_index).exp()[:, None].expand_as(rho)
+            u = _rollout_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.level,
+                                   rollout_index).exp()[:, None].expand_as(rho)
         else:
             u = torch.ones_like(rho)
         if cfg.level == "off":
@@ -727,105 +767,45 @@ def correction_weights(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_ma
     return w.detach(), metrics
 
 
-# ---- 3. forward consistency (the processed distribution) ----
-# Invariant: engine and trainer process the logits of a token in ONE order, vLLM's v1 sampler's (v1/sample/sampler.py,
-# ops/penalties.py, logits_processor/builtin.py; vLLM's model runner applies the grammar bitmask before it):
-#   z = fp32(logits); 1. constraint: z[v] = -inf where the grammar does not allow v next; 2. logit_bias: z += bias
-#   (-inf bans); 3. repetition: z[v] *= (1/r if z[v] > 0 else r) for v in the prompt or the output so far;
-#   4. frequency: z[v] -= f * count of v in the output so far; 5. presence: z[v] -= p * [v in the output so far];
-#   6. z /= temperature; 7. min_p: drop v with softmax(z)[v] < min_p * max softmax(z); 8. top_k; 9. top_p;
-#   log_softmax over what is left.
-# Steps 1-5 (`adjust_logits`) are functions of the row's ids: "the prompt" is the row before the generation's first
-# token (Sampling.generation_start), "the output" the generation's tokens before this one, as vLLM counts them (its
-# prompt_token_ids and output_token_ids); steps 6-9 are `processed_logprobs`. A row whose tokens need steps 1-5
-# carries AdjustedRuns in its TrainBatch; every other token pays nothing for them.
+@dataclass
+class Correction:
+    """What invariant 2 decided for some whole rollouts (apply_correction), [B] or [B, T]."""
+    keep: Tensor           # bool [B]: the segment's rollout passed every gate
+    staleness: Tensor      # long [B]: in policy versions, the segment's rollout's
+    is_weights: Tensor     # [B, T] detached IS weights, 1 off the trainable tokens
+    mask: Tensor           # [B, T] the final loss mask: trainable, in a kept rollout, not rejected by the IS mask
+    gate_counts: dict      # gate_rollouts' drop counts, in rollouts
+    is_metrics: dict       # correction_weights' means over the gated tokens
 
 
-def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
-                       top_k: Tensor | int = -1, min_p: Tensor | float = 0.0, keep: Tensor | None = None) -> Tensor:
-    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: steps 6-9 above (on logits
-    through adjust_logits where a token needs it), renormalised; the most likely token is always kept. The engine
-    samples from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's recorded
-    Sampling. temperature, top_p, top_k, min_p: scalars or tensors of shape logits.shape[:-1]. `keep` (long ids of
-    that shape), the trainer's sampled ids, is always kept: a sampled token was in the engine's set, and fp32
-    rounding moving a near-tie across a cut must not give it -inf. Only truncated positions pay for the sort."""
-    lead = logits.shape[:-1]
-    temperature, top_p, top_k, min_p = (torch.as_tensor(x, dtype=dtype, device=logits.device).expand(lead) for x, dtype
-                                        in ((temperature, torch.float32), (top_p, torch.float32), (top_k, torch.long),
-                                            (min_p, torch.float32)))
-    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
-    truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
-    if not truncated.any():
-        return torch.log_softmax(scaled, dim=-1)
-    rows, k, p, m = scaled[truncated], top_k[truncated], top_p[truncated], min_p[truncated]   # [N, V], [N] x 3
-    with torch.no_grad():   # which tokens are kept is a choice, not a function to differentiate
-        probs = torch.softmax(rows, dim=-1)
-        drop = probs < probs.amax(-1, keepdim=True) * m.unsqueeze(-1)        # min_p, as vLLM's MinPLogitsProcessor
-        ordered, order = rows.sort(dim=-1, descending=True)
-        kth = ordered.gather(-1, (k.clamp(1, rows.shape[-1]) - 1).unsqueeze(-1))
-        drop |= (k > 0).unsqueeze(-1) & (rows < kth)
-        probs = torch.softmax(rows.masked_fill(drop, float("-inf")), dim=-1).gather(-1, order)
-        drop_sorted = (probs.cumsum(-1) - probs) >= p.unsqueeze(-1)   # mass before a token already reaches p
-        drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
-        if keep is not None:
-            drop.scatter_(-1, keep.expand(lead)[truncated].unsqueeze(-1), False)
-    out = torch.log_softmax(scaled, dim=-1)
-    return out.masked_scatter(truncated.unsqueeze(-1), torch.log_softmax(rows.masked_fill(drop, float("-inf")), -1))
+def apply_correction(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor, policy_versions: Tensor,
+                     trainer_version: int, cfg: CorrectionConfig, rollout_index: Tensor | None = None) -> Correction:
+    """Invariant 2 on some whole rollouts, in its order: their staleness, the rollout gates, the IS weights of what
+    the gates kept, and the rejection rule (a token the mask mode rejects leaves the mask, so every denominator)."""
+    stale = staleness(policy_versions, loss_mask, trainer_version, rollout_index)
+    keep, gate_counts = gate_rollouts(prox_logprobs - behavior_logprobs, loss_mask, stale, cfg, rollout_index)
+    gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
+    is_weights, is_metrics = correction_weights(prox_logprobs, behavior_logprobs, gated, cfg, rollout_index)
+    return Correction(keep, stale, is_weights, gated * (is_weights > 0).to(gated.dtype), gate_counts, is_metrics)
 
 
-def adjust_logits(logits: Tensor, sampling: Sampling, allowed: Tensor | None = None, seen: Tensor | None = None,
-                  counts: Tensor | None = None) -> Tensor:
-    """Steps 1-5 for L tokens drawn at one `sampling`: logits [L, V] -> fp32 [L, V]. allowed [L, V] bool: what the
-    grammar allowed before each token (None = unconstrained); seen, counts [L, V]: penalty_state (None without
-    penalties). Gradients flow through the logits; the repetition's factor (chosen by the logit's sign) is no-grad."""
-    z = logits.float()
-    if allowed is not None:
-        z = z.masked_fill(~allowed, float("-inf"))
-    if sampling.logit_bias:
-        ids = torch.tensor([t for t, _ in sampling.logit_bias], device=z.device)
-        bias = torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32, device=z.device)
-        z = z.index_add(-1, ids, bias.expand(len(z), -1))
-    if uses_penalties(sampling):
-        r, f, p = (torch.tensor(x, dtype=torch.float32, device=z.device) for x in
-                   (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty))
-        with torch.no_grad():   # vLLM's apply_repetition_penalties: logits *= 1/r where > 0, else r, on seen ids
-            scale = torch.where(seen, torch.where(z > 0, 1.0 / r, r), torch.ones_like(z))
-        z = z * scale - f * counts - p * (counts > 0)      # then vLLM's frequency, then its presence
-    return z
-
-
-def penalty_state(ids: Tensor, generation_start: int, first: int, count: int, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """Before each of the row's tokens at first .. first+count-1 of a generation starting at generation_start: seen
-    [count, V] bool (in the prompt ids[:generation_start] or the output so far: repetition) and counts [count, V]
-    fp32 (in the output ids[generation_start:t]: frequency, presence). ids: long [>= first + count - 1], the row."""
-    base = torch.bincount(ids[generation_start:first], minlength=vocab_size).float()
-    joined = F.one_hot(ids[first:first + count - 1], vocab_size).float()   # each token joins the output after it
-    counts = base + F.pad(joined, (0, 0, 1, 0)).cumsum(0)
-    prompt = torch.bincount(ids[:generation_start], minlength=vocab_size) > 0
-    return prompt | (counts > 0), counts
+# ---- 3. forward consistency: what a row carries for it ----
+# The processed distribution is processing.py's and the routing replay r3.py's; the record they read is here: each
+# token's Sampling (section 1), a segment's routes (TokenLedger.absorb_routes), and a row's AdjustedRuns, its tokens
+# drawn from logits that processing.py's steps 1-5 changed (a grammar, a logit bias, penalties).
 
 
 @dataclass(eq=False)
 class AdjustedRun:
     """Consecutive tokens of one row drawn at one Sampling that adjusts logits (bias, penalties, a grammar): the
-    trainer repeats steps 1-5 on exactly these positions, from the row's own ids."""
+    trainer repeats processing.py's steps 1-5 on exactly these positions, from the row's own ids
+    (processing.adjusted_run_logits)."""
     start: int                       # row position of the first token (= sampling.generation_start when it is set)
     end: int                         # one past the last
     sampling: Sampling
     masks: Tensor | None = None      # uint8 [U, ceil(V/8)] the distinct allowed-sets of the grammar, bit j of byte
                                      # i = id 8i + j (V/8 bytes a set: 19 KB at a 152K vocabulary)
     mask_index: Tensor | None = None  # long [end - start]: which of them was in force before each token
-
-    def logits(self, logits: Tensor, row_ids: Tensor, first: int, vocab_size: int) -> Tensor:
-        """adjust_logits [L, V] of the run's tokens at first .. first+L-1 from their logits and the row's ids."""
-        count, s, seen, counts, allowed = len(logits), self.sampling, None, None, None
-        if uses_penalties(s):
-            seen, counts = penalty_state(row_ids, s.generation_start, first, count, vocab_size)
-        if self.masks is not None:
-            packed = self.masks[self.mask_index[first - self.start:first - self.start + count]].to(logits.device)
-            bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
-            allowed = bits.bool().flatten(-2)[:, :vocab_size]
-        return adjust_logits(logits, s, allowed, seen, counts)
 
 
 def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
@@ -843,10 +823,11 @@ def _adjusted_spans(row: Segment) -> list[tuple[int, int, Sampling]]:
     return spans
 
 
-def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -> list[AdjustedRun]:
-    """The AdjustedRuns of a row, a grammar's masks replayed over each constrained run's ids
-    (constraints.replay_masks: a constrained run needs the tokenizer and the model's logits width). Refuses a run
-    that does not start at its generation_start: the prompt the engine penalised would not be the row before it."""
+def adjusted_runs(row: Segment, grammar_masks: GrammarMasks | None = None) -> list[AdjustedRun]:
+    """The AdjustedRuns of a row, a grammar's masks replayed over each constrained run's ids by `grammar_masks`
+    (constraints.mask_replayer: it needs the tokenizer and the model's logits width, which this module never
+    holds). Refuses a run that does not start at its generation_start: the prompt the engine penalised would not
+    be the row before it."""
     runs = []
     for start, end, s in _adjusted_spans(row):
         if s.generation_start >= 0 and s.generation_start != start:
@@ -855,145 +836,14 @@ def adjusted_runs(row: Segment, tokenizer=None, vocab_size: int | None = None) -
                              f"generation (penalties and grammars are recomputed from it)")
         run = AdjustedRun(start, end, s)
         if s.constraint is not None:
-            if tokenizer is None or vocab_size is None:
-                raise ValueError("build_batch: a row was sampled under a grammar constraint; pass tokenizer= and "
-                                 "vocab_size= (the model's logits width) so the trainer can replay its masks")
-            import constraints   # the grammar engine is loaded only where a run was constrained
-            allowed = constraints.replay_masks(s.constraint, tokenizer, row.token_ids[start:end], vocab_size)
+            if grammar_masks is None:
+                raise ValueError("build_batch: a row was sampled under a grammar constraint; pass grammar_masks="
+                                 "constraints.mask_replayer(tokenizer, vocab_size) (the model's logits width) so the "
+                                 "trainer can replay its masks")
+            allowed = grammar_masks(s.constraint, row.token_ids[start:end])
+            vocab_size = allowed.shape[-1]
             bits = F.pad(allowed, (0, -vocab_size % 8)).view(len(allowed), -1, 8).to(torch.uint8)
             packed = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
             run.masks, run.mask_index = torch.unique(packed, dim=0, return_inverse=True)
         runs.append(run)
     return runs
-
-
-# ---- 3. forward consistency (R3) ----
-# Invariant: in every trainer forward that must match the sampler (behavior-logprob check, pi_prox recompute,
-# loss forward, activation recompute), each MoE layer uses the experts the engine selected for each token
-# (Rollout Routing Replay, arXiv 2510.11370). Only the discrete top-k selection S* is replayed; gates are
-# recomputed from the trainer's live router logits s = W h, gathered from the DENSE softmax at S* and
-# renormalised as the router family does (Qwen3/Qwen2-MoE if norm_topk_prob, Mixtral always):
-#   g_i = softmax(s)_i / sum_{j in S*} softmax(s)_j  for i in S*
-# so the router keeps learning. Gathering from top-k-masked probs would read exact zeros for drifted experts
-# and silently kill their gradients (ISEEKYAN/Megatron-LM PR #79). A route row containing -1 (not routed, e.g.
-# the last token or padding) falls back to the live choice and is counted. The layer axis L of routes is the
-# model's MoE router order (= decoder layer order when every layer is MoE). A segment's routes are one policy
-# version's: a prefix cache keeps a route only within a version, so a turn drawn at a new version seals the segment
-# (TokenLedger.append_sampled, reason "route_version"; no one route per position would replay both turns).
-
-
-def _router_classes() -> tuple[type, type, type]:
-    """(Qwen3Moe, Qwen2Moe, Mixtral) top-k router classes of the installed transformers."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    return Qwen3MoeTopKRouter, Qwen2MoeTopKRouter, MixtralTopKRouter
-
-
-def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The model's top-k router modules in layer (call) order."""
-    return [m for m in model.modules() if isinstance(m, _router_classes())]
-
-
-@contextmanager
-def capture_routes(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Yield a list; every model forward inside the block appends the selected experts, long [N_tokens, L, k]
-    (N_tokens = tokens of that forward, flattened batch-major as the routers see them)."""
-    routers = moe_routers(model)
-    if not routers:
-        raise ValueError(f"capture_routes: {type(model).__name__} has no supported MoE router "
-                         f"(Qwen3Moe/Qwen2Moe/Mixtral TopKRouter)")
-    captured: list[Tensor] = []
-    pending: list[Tensor] = []
-
-    def hook_for(layer: int):
-        def hook(module, args, output):
-            if layer != len(pending):
-                raise RuntimeError(f"capture_routes: router {layer} ran while router {len(pending)} was expected; "
-                                   f"routers must run once per forward in layer order")
-            pending.append(output[2].detach().long().clone())
-            if len(pending) == len(routers):
-                captured.append(torch.stack(pending, dim=1))
-                pending.clear()
-        return hook
-
-    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(routers)]
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@dataclass
-class ReplayStats:
-    """Counts over every router call inside one replay_routes block (a row = one token at one layer)."""
-    replayed_rows: int = 0   # rows forced to the recorded experts
-    fallback_rows: int = 0   # rows with a -1 that used the live router's choice (includes padding)
-
-
-def _replay_forward(router: nn.Module, layer: int, target: Tensor, stats: ReplayStats):
-    fallback = (target < 0).any(-1)  # [N]
-    n_fallback = int(fallback.sum())
-    mixtral = isinstance(router, _router_classes()[2])
-    renorm = mixtral or bool(router.norm_topk_prob)  # Mixtral always renormalises; Qwen only if norm_topk_prob
-    cast_back = not mixtral  # Qwen routers return gates in the logits dtype; Mixtral keeps the softmax dtype
-
-    def forward(hidden_states: Tensor):
-        h = hidden_states.reshape(-1, router.weight.shape[1])
-        if h.shape[0] != target.shape[0]:
-            raise ValueError(f"replay_routes: MoE layer {layer} routes {h.shape[0]} tokens but the replayed routes "
-                             f"give {target.shape[0]} (B*T); pass routes [B, T, L, k] for exactly the batch being "
-                             f"forwarded (one full forward, no KV-cache decoding)")
-        logits = F.linear(h, router.weight)
-        # softmax in at least fp32, as the module does (never downcast a float64 model)
-        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        live = torch.topk(probs, router.top_k, dim=-1).indices
-        selected = torch.where(fallback[:, None], live, target)
-        gates = probs.gather(1, selected)  # from the DENSE live probs (never from top-k-masked probs)
-        if renorm:
-            gates = gates / gates.sum(dim=-1, keepdim=True)
-        if cast_back:
-            gates = gates.to(logits.dtype)
-        stats.replayed_rows += target.shape[0] - n_fallback
-        stats.fallback_rows += n_fallback
-        return logits, gates, selected
-
-    return forward
-
-
-@contextmanager
-def replay_routes(model: nn.Module, routes: Tensor) -> Iterator[ReplayStats]:
-    """Force every MoE router's top-k selection to routes (long [B, T, L, k]); a row with any -1 keeps the live
-    choice. Gates come from the live logits. Restores the routers on exit (also on exception). Yields
-    ReplayStats. Keep the block open through backward when activation checkpointing recomputes the forward."""
-    routers = moe_routers(model)
-    if routes.ndim != 4 or routes.dtype.is_floating_point or routes.dtype == torch.bool:
-        raise ValueError(f"replay_routes: routes must be an integer tensor [B, T, L, k], got {routes.dtype} "
-                         f"{list(routes.shape)}")
-    if routes.shape[2] != len(routers):
-        raise ValueError(f"replay_routes: routes have {routes.shape[2]} layers but the model has {len(routers)} "
-                         f"MoE routers")
-    stats, saved = ReplayStats(), []
-    try:
-        for layer, router in enumerate(routers):
-            k, num_experts = router.top_k, router.weight.shape[0]
-            if routes.shape[3] != k:
-                raise ValueError(f"replay_routes: routes have top_k {routes.shape[3]} but layer {layer} selects {k}")
-            target = routes[:, :, layer, :].reshape(-1, k).to(router.weight.device, torch.long)
-            if target.numel() and (target.min() < -1 or target.max() >= num_experts):
-                raise ValueError(f"replay_routes: layer {layer} routes hold expert ids in [{int(target.min())}, "
-                                 f"{int(target.max())}]; valid ids are 0..{num_experts - 1}, or -1 for not routed")
-            ordered = target.sort(-1).values
-            if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, :1] >= 0)).any():
-                raise ValueError(f"replay_routes: layer {layer} has a route row naming the same expert twice; a "
-                                 f"top-k selection holds {k} distinct experts")
-            saved.append((router, router.__dict__.get("forward")))
-            router.forward = _replay_forward(router, layer, target, stats)
-        yield stats
-    finally:
-        for router, previous in saved:
-            if previous is None:
-                del router.forward
-            else:
-                router.forward = previous

@@ -21,7 +21,7 @@
 #     that starts with a finished row's ids takes that row's KV from the prefix cache (prefix_cache.py) only while
 #     the weights that computed it are loaded: every weight load empties the cache;
 #   invariant 3 (forward consistency) - that logprob is of the distribution the token was actually drawn from
-#     (invariants.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
+#     (processing.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
 #     top-k, top-p, fp32, in vLLM's order), and the token records the sampling that defines it (a grammar bound
 #     to the row's stop ids; where the penalties start); MoE routes of every forwarded position are captured for
 #     replay, and a vision-language model gets its images and M-RoPE positions from models.vision_inputs, as the
@@ -46,6 +46,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import invariants
 import models
+import processing
+import r3
 from prefix_cache import Entry, PrefixCache, stacked_prefixes
 
 
@@ -212,7 +214,7 @@ class _Row:
     sampling: invariants.Sampling      # what every token is drawn at (recorded_sampling)
     matcher: object | None = None      # a constrained row's constraints.Matcher: the ids its grammar allows next
     penalty: tuple[torch.Tensor, torch.Tensor] | None = None  # a penalised row's (seen, counts) [1, V] before its
-                                                              # next token (invariants.penalty_state)
+                                                              # next token (processing.penalty_state)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -255,7 +257,7 @@ class EmbeddedEngine:
         self.version = version
         self.pad_id = _pad_id(model)
         self.eos_ids = _eos_ids(model)
-        self.is_moe = bool(invariants.moe_routers(model))
+        self.is_moe = bool(r3.moe_routers(model))
         self.drain_on_update = self.is_moe if drain_on_update is None else drain_on_update
         self.is_vision = models.is_vision_model(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]   # the logits' width
@@ -422,7 +424,7 @@ class EmbeddedEngine:
             row.matcher = constraints.matcher(constraint, self.tokenizer, self.vocab_size)
         if invariants.uses_penalties(row.sampling):
             ids = torch.tensor(prompt, device=self.device)
-            row.penalty = invariants.penalty_state(ids, len(prompt), len(prompt), 1, self.vocab_size)
+            row.penalty = processing.penalty_state(ids, len(prompt), len(prompt), 1, self.vocab_size)
         return row
 
     # -- the decoding thread --
@@ -497,7 +499,7 @@ class EmbeddedEngine:
         call fails (some row's parameters or grammar), each row is tried alone and only the one at fault fails."""
         rows = batch.rows
         try:
-            logprobs = invariants.processed_logprobs(self._adjusted(rows, batch.logits),
+            logprobs = processing.processed_logprobs(self._adjusted(rows, batch.logits),
                                                      *(torch.tensor([getattr(r.params, name) for r in rows])
                                                        for name in ("temperature", "top_p", "top_k", "min_p")))
             drawn = self._draw(rows, logprobs)      # [B, vocab] above
@@ -507,7 +509,7 @@ class EmbeddedEngine:
             try:
                 if drawn[b] is None:              # alone: this row's own distribution and draw
                     p = row.params
-                    row_logprobs = invariants.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
+                    row_logprobs = processing.processed_logprobs(self._adjusted([row], batch.logits[b:b + 1])[0],
                                                                  p.temperature, p.top_p, p.top_k, p.min_p)
                     token = int(multinomial(row_logprobs.exp()[None], row.generator)[0])
                     drawn[b] = (token, float(row_logprobs[token]))
@@ -521,7 +523,7 @@ class EmbeddedEngine:
                 row.error = error
 
     def _adjusted(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, vocab] with invariants.adjust_logits applied to each row that asked for a logit bias,
+        """logits [B, vocab] with processing.adjust_logits applied to each row that asked for a logit bias,
         penalties or a grammar, from its own state (matcher, penalty view); the other rows' logits are untouched
         and cost nothing."""
         special = [b for b, row in enumerate(rows) if row.matcher is not None or row.penalty is not None
@@ -532,7 +534,7 @@ class EmbeddedEngine:
         for b in special:
             row = rows[b]
             allowed = None if row.matcher is None else row.matcher.allowed().to(self.device)[None]
-            z = invariants.adjust_logits(logits[b:b + 1], row.sampling, allowed, *(row.penalty or (None, None)))
+            z = processing.adjust_logits(logits[b:b + 1], row.sampling, allowed, *(row.penalty or (None, None)))
             if not torch.isfinite(z).any():
                 raise ValueError(f"no token is left to sample: the request's grammar and logit_bias ban every id "
                                  f"(after {len(row.token_ids)} tokens); send a grammar and bans that leave one")
@@ -661,7 +663,7 @@ class EmbeddedEngine:
         holds position_ids and, for a VLM prefill, the pixel inputs."""
         if not self.is_moe:
             return self._logits(ids, mask, cache, extra), None
-        with invariants.capture_routes(self.model) as captured:
+        with r3.capture_routes(self.model) as captured:
             logits = self._logits(ids, mask, cache, extra)
         b, s = ids.shape
         routes = captured[-1].reshape(b, s, *captured[-1].shape[1:]).cpu().numpy().astype(np.int16)

@@ -40,8 +40,10 @@ import transformers
 import actor
 import algo
 import cpu_setup
+import constraints
 import invariants
 import models
+import recompute
 import runtime
 import viewer
 from agents import load_recipe, sandbox
@@ -557,8 +559,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
                                              [r.rollout_id for r, _ in rows], a.estimator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # a row sampled under a grammar has its masks replayed here, with the policy's tokenizer and logits width
-    batch = invariants.build_batch(segs, advantages, pad_id=pad_id, tokenizer=tokenizer,
-                                   vocab_size=policy.model.config.get_text_config().vocab_size)
+    batch = invariants.build_batch(segs, advantages, pad_id=pad_id, grammar_masks=constraints.mask_replayer(
+                                       tokenizer, policy.model.config.get_text_config().vocab_size))
     # invariant 1 on the whole batch, as the actor receives it (a VLM's rows: also each image on exactly its pad
     # run); what comes after only selects rows (minibatches, ranks, micro-batches: invariants.select_rows and index
     # tensors) or cuts trailing padding, so no token id is changed after this check
@@ -584,7 +586,7 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
             ref_logprobs = policy.recompute_logprobs(batch, model=reference)
         else:
             with torch.no_grad():
-                ref_logprobs = actor.batch_logprobs(reference, batch)
+                ref_logprobs = recompute.batch_logprobs(reference, batch)
         if a.estimator == "on_policy_distill":
             batch.advantages = algo.distill_advantages(ref_logprobs, prox_logprobs, batch.loss_mask, a.kl_coef)
         elif a.kl_in_reward:

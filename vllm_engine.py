@@ -31,7 +31,7 @@
 #     Generation's cached_prompt_tokens (vLLM's num_cached_tokens), as the embedded engine counts its own reuse;
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
-#     invariants.adjust_logits and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by
+#     processing.adjust_logits and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by
 #     field; a grammar runs on vLLM's llguidance backend as the very grammar text constraints.py replays); an MoE
 #     model returns the experts vLLM routed each position to
 #     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; a VLM's
@@ -142,7 +142,7 @@ class WorkerExtension:
     the loaders that vLLM's post-load processing (e.g. the CPU's weight repacking) took off the parameters."""
 
     def tracerl_exact_top_p(self) -> None:
-        """vLLM's exact top-k/top-p (sort, softmax, cumsum: the trainer's invariants.processed_logprobs) in place of
+        """vLLM's exact top-k/top-p (sort, softmax, cumsum: the trainer's processing.processed_logprobs) in place of
         its Triton pivot search, which a GPU batch of 8 or more rows takes: a bisection of at most 18 steps with a
         fast exp, so the nucleus of a token near its edge differs from the one the trainer recomputes."""
         from vllm.v1.sample.ops import topk_topp_sampler
@@ -621,7 +621,7 @@ def _vllm_params(request: _Request):
     """tracerl's SamplingParams -> vLLM's, with the same meaning: stop ids replace the model's eos ids (and are
     kept); the tokens that wrote a stop string are kept; the sampled token's processed logprob is always returned.
     min_p, the logit bias and the three penalties go in as themselves: vLLM's sampler applies them in the order
-    invariants.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids are the row before and
+    processing.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids are the row before and
     after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
     e^-100 against the rest, is below what an fp32 logprob resolves, and the trainer's -inf agrees (tested). A
     grammar goes in as constraints.lark_grammar, the text the embedded engine and the replay build their matchers

@@ -30,9 +30,9 @@
 # both define is an ImportError at import, never a silent shadowing (`_refuse_clashes`, `_take_names`). The SDK's
 # sandbox agents lose one thing: their default instructions file, read from the package folder, is not found
 # (they run without it). Why this way: `__path__` is Python's own means for a package spanning folders, so there
-# is no import hook to read; renaming ours breaks the design card's layout; running recipes in a process where the
-# SDK's package comes first loses tracerl's names there. The cost: importing `agents` imports the SDK too (about
-# 1 s on a 2-core CPU).
+# is no import hook to read; renaming ours breaks `agents.sandbox`, which the recipes and tests import; running
+# recipes in a process where the SDK's package comes first loses tracerl's names there. The cost: importing `agents`
+# imports the SDK too (about 1 s on a 2-core CPU).
 from __future__ import annotations
 
 import asyncio

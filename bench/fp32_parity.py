@@ -5,7 +5,7 @@
 #   spread like a trained model's; or --model FOLDER, e.g. the smollm2 folder) samples 64 prompts x 128 tokens in
 #   vLLM with processed logprobs (the project's mode: after temperature and top-p) and the top 20 of them per
 #   position, at T 0.8 with top_p 0.9 and again with top_p 1 (no nucleus: vLLM then skips its top-k/top-p code), under
-#   each ENGINE variant; every sampled token is recomputed by actor.sequence_logprobs under each TRAINER variant.
+#   each ENGINE variant; every sampled token is recomputed by recompute.sequence_logprobs under each TRAINER variant.
 #   Reported per pair: mean and max |diff| over the sampled tokens. For the project's trainer (sdpa, fp32) also where
 #   the gap comes from, from the top 20 at each position with |diff| > 1e-4: one shift shared by all of them (the
 #   nucleus' normaliser differs: top-p kept other tokens) or a scatter (the logits differ: matmuls, attention), and
@@ -65,9 +65,10 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-import actor  # noqa: E402
-import invariants  # noqa: E402
 import models  # noqa: E402
+import processing  # noqa: E402
+import r3  # noqa: E402
+import recompute  # noqa: E402
 import rollout  # noqa: E402
 
 TEMPERATURE, TOP_P, TOP_LOGPROBS = 0.8, 0.9, 20
@@ -222,13 +223,13 @@ def padded(rows: list, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def recompute(model, precision: str, rows: list, top_p: float, device: str) -> list[torch.Tensor]:
-    """actor.sequence_logprobs of every sampled token (the project's recompute), one padded forward."""
+def trainer_logprobs(model, precision: str, rows: list, top_p: float, device: str) -> list[torch.Tensor]:
+    """recompute.sequence_logprobs of every sampled token (the project's recompute), one padded forward."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
         ids, mask = padded(rows, device)
-        lp = actor.sequence_logprobs(model, ids, mask, TEMPERATURE, top_p=top_p).float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, mask, TEMPERATURE, top_p=top_p).float().cpu()
     finally:
         torch.set_float32_matmul_precision(before)
     return [lp[b, len(p):len(p) + len(t)] for b, (p, t, _, _) in enumerate(rows)]
@@ -237,7 +238,7 @@ def recompute(model, precision: str, rows: list, top_p: float, device: str) -> l
 @torch.no_grad()
 def top20_split(model, rows: list, top_p: float, device: str, threshold: float = 1e-4) -> dict:
     """Where the gap of the tokens with |diff| > threshold comes from: the top-20 processed logprobs vLLM reported at
-    that position against the trainer's processed distribution (invariants.processed_logprobs of fp32 logits, the
+    that position against the trainer's processed distribution (processing.processed_logprobs of fp32 logits, the
     sampled id kept). A shared shift (scatter below a tenth of the gap) is the nucleus' normaliser; a scatter is the
     logits. Also counted: positions where a top-20 token is kept on one side and dropped on the other."""
     counts = {"tokens": 0, "over_threshold": 0, "shift": 0, "scatter": 0, "nucleus_membership_differs": 0}
@@ -245,7 +246,7 @@ def top20_split(model, rows: list, top_p: float, device: str, threshold: float =
         ids = torch.tensor([prompt + tokens], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) + len(tokens) - 1].float()
         keep = torch.tensor(tokens, device=device)
-        lp = invariants.processed_logprobs(logits, TEMPERATURE, top_p, keep=keep).cpu()
+        lp = processing.processed_logprobs(logits, TEMPERATURE, top_p, keep=keep).cpu()
         for t, (token, b, top) in enumerate(zip(tokens, behavior, tops)):
             counts["tokens"] += 1
             ids_top = list(top)
@@ -303,7 +304,7 @@ def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
         entry = {"facts": sampled["facts"]}
         for top_p, rows in sampled["samples"].items():
             key = f"top_p_{top_p:g}"
-            entry[key] = {name: gap(rows, recompute(model, precision, rows, top_p, device))
+            entry[key] = {name: gap(rows, trainer_logprobs(model, precision, rows, top_p, device))
                           for name, (model, precision) in trainers.items()}
             entry[key]["sources_vs_sdpa_fp32"] = top20_split(trainers["sdpa_fp32"][0], rows, top_p, device)
         result["engines"][variant] = entry
@@ -315,7 +316,7 @@ def bench_parity(variants: list[str], model_arg: str, tiny: bool) -> dict:
 
 def captured_routes(model, ids: list[int], device: str) -> torch.Tensor:
     """transformers' own routes for one sequence: long [positions, layers, k], sorted (an expert set)."""
-    with torch.no_grad(), invariants.capture_routes(model) as captured:
+    with torch.no_grad(), r3.capture_routes(model) as captured:
         model(input_ids=torch.tensor([ids], device=device))
     return captured[0].sort(-1).values.cpu()
 
@@ -337,7 +338,7 @@ def replay_gap(model, gen, routes, tokens: slice, device: str) -> dict | None:
         replay[0, :len(routes)] = torch.as_tensor(routes).long()
         replay = replay.to(device)
     with torch.no_grad():
-        lp = actor.sequence_logprobs(model, ids, mask, 1.0, routes=replay)[0, len(gen.prompt_ids):].float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, mask, 1.0, routes=replay)[0, len(gen.prompt_ids):].float().cpu()
     diff = (torch.tensor(gen.behavior_logprobs) - lp[:len(gen.token_ids)])[tokens].abs()
     return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(diff.numel())}
 
@@ -393,7 +394,7 @@ def bench_r3_update(tiny: bool) -> dict:
     new = copy.deepcopy(old)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():        # every router gets new weights: most positions change experts
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     if on_gpu:
         import vllm_engine

@@ -45,6 +45,8 @@ import actor  # noqa: E402
 import algo  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
+import r3  # noqa: E402
+import recompute  # noqa: E402
 import rollout  # noqa: E402
 from router import Router  # noqa: E402
 
@@ -150,10 +152,10 @@ def bench_actor(steps: int) -> dict:
                     "tracerl_fp32_micro2": actor.ActorConfig(precision="fp32", micro_batch_size=2, compile="false")}
         for name, cfg in variants.items():
             record(name, lambda cfg=cfg: actor_step_fn(folder, cfg, config.vocab_size))
-        default_chunk = actor.LOGPROB_CHUNK
-        actor.LOGPROB_CHUNK = 4 * default_chunk       # the output projection in larger pieces: fewer launches
+        default_chunk = recompute.LOGPROB_CHUNK
+        recompute.LOGPROB_CHUNK = 4 * default_chunk       # the output projection in larger pieces: fewer launches
         record("tracerl_defaults_chunk4x", lambda: actor_step_fn(folder, actor.ActorConfig(), config.vocab_size))
-        actor.LOGPROB_CHUNK = default_chunk
+        recompute.LOGPROB_CHUNK = default_chunk
     base = results["baseline_transformers_bf16"].get("tokens_per_s")
     for name, value in results.items():
         if isinstance(value, dict) and "tokens_per_s" in value and base:
@@ -293,7 +295,7 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
     return results
 
 
-def recompute(model, gens, temperature: float, bf16: bool, routes: bool = False) -> list[torch.Tensor]:
+def trainer_logprobs(model, gens, temperature: float, bf16: bool, routes: bool = False) -> list[torch.Tensor]:
     """The actor's logprobs of every sampled token (one padded forward), in bf16 autocast as the actor trains on
     one GPU, or in fp32; optionally replaying each generation's routed experts."""
     seqs = [g.prompt_ids + g.token_ids for g in gens]
@@ -311,8 +313,8 @@ def recompute(model, gens, temperature: float, bf16: bool, routes: bool = False)
     device = next(model.parameters()).device
     precision = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cuda", enabled=False)
     with torch.no_grad(), precision:
-        lp = actor.sequence_logprobs(model, ids.to(device), mask.to(device), temperature,
-                                     routes=None if replay is None else replay.to(device)).float().cpu()
+        lp = recompute.sequence_logprobs(model, ids.to(device), mask.to(device), temperature,
+                                         routes=None if replay is None else replay.to(device)).float().cpu()
     return [lp[b, len(g.prompt_ids):len(g.prompt_ids) + len(g.token_ids)] for b, g in enumerate(gens)]
 
 
@@ -337,8 +339,8 @@ def bench_vllm_parity(model_dir: str, tokenizer=None, engine_kwargs: dict | None
     engine.shutdown()
     model = models.load_model(model_dir).cuda()
     return {"tokens": sum(len(g.token_ids) for g in gens),
-            "actor_bf16": mismatch(gens, recompute(model, gens, 1.0, bf16=True)),
-            "actor_fp32": mismatch(gens, recompute(model, gens, 1.0, bf16=False))}
+            "actor_bf16": mismatch(gens, trainer_logprobs(model, gens, 1.0, bf16=True)),
+            "actor_fp32": mismatch(gens, trainer_logprobs(model, gens, 1.0, bf16=False))}
 
 
 def bench_vllm_refit() -> dict:
@@ -372,7 +374,7 @@ def bench_vllm_refit() -> dict:
             worker.join(120)
             gen = got[0]
             n1 = gen.policy_versions.count(version - 1)
-            new_lp = recompute(policy.model, [gen], 1.0, bf16=True)[0]
+            new_lp = trainer_logprobs(policy.model, [gen], 1.0, bf16=True)[0]
             gap = (torch.tensor(gen.behavior_logprobs[n1:]) - new_lp[n1:]).abs()
             results["reprefill" if reprefill else "old_kv_cache"] = {
                 "versions_ok": gen.policy_versions == [version - 1] * n1 + [version] * (len(gen.token_ids) - n1),
@@ -402,7 +404,7 @@ def bench_vllm_r3() -> dict:
     for g in routed:
         ids = torch.tensor([g.prompt_ids + g.token_ids[:-1]], device="cuda")
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
-                invariants.capture_routes(model) as captured:
+                r3.capture_routes(model) as captured:
             model(input_ids=ids)
         own = captured[0].sort(-1).values.cpu()
         engine_routes = torch.from_numpy(g.routes).long().sort(-1).values
@@ -410,14 +412,14 @@ def bench_vllm_r3() -> dict:
         total += own.shape[0] * own.shape[1]
         # under replay, the experts the actor's routers select are the engine's, position by position
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), \
-                invariants.replay_routes(model, torch.from_numpy(g.routes).long()[None].cuda()), \
-                invariants.capture_routes(model) as captured:
+                r3.replay_routes(model, torch.from_numpy(g.routes).long()[None].cuda()), \
+                r3.capture_routes(model) as captured:
             model(input_ids=ids)
         replayed_same += int((captured[0].sort(-1).values.cpu() == engine_routes).all(-1).sum())
     return {**result, "routes_shape": list(routed[0].routes.shape), "positions_x_layers": total,
             "actor_picks_engine_experts": same / total, "replay_reproduces_engine_experts": replayed_same / total,
-            "with_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True, routes=True)),
-            "without_replay": mismatch(routed, recompute(model, routed, 1.0, bf16=True))}
+            "with_replay": mismatch(routed, trainer_logprobs(model, routed, 1.0, bf16=True, routes=True)),
+            "without_replay": mismatch(routed, trainer_logprobs(model, routed, 1.0, bf16=True))}
 
 
 def main() -> None:

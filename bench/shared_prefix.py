@@ -5,7 +5,7 @@
 # on the actor's defaults, split into the two minibatches train.py makes. One round times what train.py times per
 # RL step: the recompute of the second minibatch (time/recompute_s), then the first minibatch's step on its own
 # forward and the second's on the recomputed logprobs (time/train_s). Rounds alternate the two modes (the shared
-# forward, and actor.shared_prefixes replaced by a function returning None: the unshared forward), so a machine
+# forward, and recompute.shared_prefixes replaced by a function returning None: the unshared forward), so a machine
 # shared with other work slows both alike; reported as JSON: the median wall and CPU seconds (all threads: a busy
 # machine distorts them less) of each phase per mode and of its fastest round, and the ratios unshared / shared.
 #
@@ -28,6 +28,7 @@ import algo  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
+import recompute  # noqa: E402
 
 
 PHASES = ("recompute_s", "train_s", "recompute_cpu_s", "train_cpu_s")
@@ -64,11 +65,11 @@ def main() -> None:
                        args.max_tokens)
     half = len(batch.rollout_ids) // 2
     first, second = (invariants.select_rows(batch, list(r)) for r in (range(half), range(half, 2 * half)))
-    shared = actor.shared_prefixes
+    shared = recompute.shared_prefixes
     times = {"shared": [], "unshared": []}
     for round_ in range(args.rounds + 1):
         for mode in (("shared", "unshared") if round_ % 2 else ("unshared", "shared")):
-            actor.shared_prefixes = shared if mode == "shared" else (lambda *a: None)
+            recompute.shared_prefixes = shared if mode == "shared" else (lambda *a: None)
             t0, c0 = time.perf_counter(), time.process_time()
             old = policy.recompute_logprobs(second)
             t1, c1 = time.perf_counter(), time.process_time()
@@ -81,7 +82,7 @@ def main() -> None:
             if round_:                                  # the first round pays one-off costs (allocator, oneDNN)
                 times[mode].append({"recompute_s": t1 - t0, "train_s": t2 - t1, "recompute_cpu_s": c1 - c0,
                                     "train_cpu_s": c2 - c1, "prefix_tokens_saved": saved})
-    actor.shared_prefixes = shared
+    recompute.shared_prefixes = shared
     median = {mode: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for mode, runs in times.items()}
     fastest = {mode: {k: min(r[k] for r in runs) for k in runs[0]} for mode, runs in times.items()}
     summary = {"shape": f"{args.prompts} prompts x {args.samples} rows, replies <= {args.max_tokens} tokens, "

@@ -27,7 +27,7 @@ from PIL import Image
 import agents
 import data
 import models
-from actor import sequence_logprobs
+from recompute import sequence_logprobs
 from agents import Env, EnvRunner, Result, load_agent_runner
 from invariants import build_batch, check_sampled_once, check_token_identity
 from rollout import EmbeddedEngine, SamplingParams

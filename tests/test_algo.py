@@ -23,7 +23,7 @@ def float64_default():
 
 K_ARMS = 3
 ARM_REWARDS = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
-THETA_OLD = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
+THETA_PROX = torch.tensor([0.3, -0.2, 0.1], dtype=torch.float64)
 
 
 # ---- helpers ----
@@ -35,16 +35,16 @@ def exact_policy_gradient(theta: torch.Tensor, arm_rewards: torch.Tensor) -> tor
     return sum(pi[a] * arm_rewards[a] * (torch.eye(len(pi))[a] - pi) for a in range(len(pi)))
 
 
-def expected_bandit_loss(theta, theta_old, estimator: str, group_size: int, arm_rewards=ARM_REWARDS, **cfg_kw):
-    """Expected surrogate loss of one group of `group_size` pulls from pi_old, by enumerating all K^G outcomes.
+def expected_bandit_loss(theta, theta_prox, estimator: str, group_size: int, arm_rewards=ARM_REWARDS, **cfg_kw):
+    """Expected surrogate loss of one group of `group_size` pulls from pi_prox, by enumerating all K^G outcomes.
     Each pull is a 2-token row (position 0 context, position 1 the arm); each outcome is its own group."""
     outcomes = list(itertools.product(range(len(arm_rewards)), repeat=group_size))
     arms = torch.tensor(outcomes).reshape(-1)  # [O * G]
-    old_logp = torch.log_softmax(theta_old, 0)
-    weight = old_logp[arms].reshape(len(outcomes), group_size).sum(-1).exp().repeat_interleave(group_size)
+    prox_logp = torch.log_softmax(theta_prox, 0)
+    weight = prox_logp[arms].reshape(len(outcomes), group_size).sum(-1).exp().repeat_interleave(group_size)
     rows = len(arms)
     logprobs = torch.stack([torch.zeros(rows), torch.log_softmax(theta, 0)[arms]], dim=1)
-    prox_logprobs = torch.stack([torch.zeros(rows), old_logp[arms]], dim=1)
+    prox_logprobs = torch.stack([torch.zeros(rows), prox_logp[arms]], dim=1)
     loss_mask = torch.tensor([[0.0, 1.0]]).repeat(rows, 1)
     group_ids = [f"o{i // group_size}" for i in range(rows)]
     rollout_ids = [f"o{i // group_size}-{i % group_size}" for i in range(rows)]
@@ -53,7 +53,7 @@ def expected_bandit_loss(theta, theta_old, estimator: str, group_size: int, arm_
     cfg = AlgoConfig(estimator=estimator, **cfg_kw)
     token_loss, _ = algo.policy_loss(logprobs, prox_logprobs, advantages, loss_mask, cfg)
     weighted = token_loss * weight[:, None]
-    return (weighted * algo.loss_weights(loss_mask, "token_mean", global_tokens=group_size, global_seqs=1)).sum()
+    return (weighted * algo.loss_weights(loss_mask, "token_mean", global_tokens=group_size, global_rollouts=1)).sum()
 
 
 def grad_of(fn, theta: torch.Tensor) -> torch.Tensor:
@@ -163,29 +163,29 @@ def test_rollout_advantages_refuses_on_policy_distill():
 @pytest.mark.parametrize("estimator,scale", [("reinforce", 1.0), ("rloo", 1.0), ("dr_grpo", 2 / 3)])
 def test_expected_gradient_of_unbiased_estimators_is_the_exact_policy_gradient(estimator, scale):
     # rloo is unbiased; dr_grpo's baseline includes the sample itself, shrinking the gradient by (G-1)/G
-    grad = grad_of(lambda th: expected_bandit_loss(th, THETA_OLD, estimator, group_size=3), THETA_OLD)
-    torch.testing.assert_close(grad, -scale * exact_policy_gradient(THETA_OLD, ARM_REWARDS), rtol=0, atol=1e-12)
+    grad = grad_of(lambda th: expected_bandit_loss(th, THETA_PROX, estimator, group_size=3), THETA_PROX)
+    torch.testing.assert_close(grad, -scale * exact_policy_gradient(THETA_PROX, ARM_REWARDS), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])
 def test_grpo_with_two_samples_follows_the_pairwise_win_rate(estimator):
     # G=2: A_1 = sign(R_1 - R_2) / sqrt(2), so the expected gradient is -(1/sqrt 2) sum_a pi_a W_a (e_a - pi)
     # with the win rate W_a = sum_b pi_b sign(R_a - R_b): GRPO on two samples is REINFORCE on a rank reward
-    grad = grad_of(lambda th: expected_bandit_loss(th, THETA_OLD, estimator, group_size=2), THETA_OLD)
-    pi = torch.softmax(THETA_OLD, 0)
+    grad = grad_of(lambda th: expected_bandit_loss(th, THETA_PROX, estimator, group_size=2), THETA_PROX)
+    pi = torch.softmax(THETA_PROX, 0)
     win_rate = torch.stack([(pi * torch.sign(ARM_REWARDS[a] - ARM_REWARDS)).sum() for a in range(K_ARMS)])
-    expected = -exact_policy_gradient(THETA_OLD, win_rate) / math.sqrt(2)
+    expected = -exact_policy_gradient(THETA_PROX, win_rate) / math.sqrt(2)
     torch.testing.assert_close(grad, expected, rtol=0, atol=1e-5)  # 1e-5: the 1e-6 std epsilon
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gspo"])
-def test_autograd_of_expected_clipped_surrogate_matches_finite_differences_away_from_theta_old(estimator):
-    theta = THETA_OLD + torch.tensor([0.25, -0.15, 0.05])  # far enough that some ratios are clipped
-    pi_ratio = torch.softmax(theta, 0) / torch.softmax(THETA_OLD, 0)
+def test_autograd_of_expected_clipped_surrogate_matches_finite_differences_away_from_theta_prox(estimator):
+    theta = THETA_PROX + torch.tensor([0.25, -0.15, 0.05])  # far enough that some ratios are clipped
+    pi_ratio = torch.softmax(theta, 0) / torch.softmax(THETA_PROX, 0)
     assert ((pi_ratio < 0.8) | (pi_ratio > 1.28)).any() and ((pi_ratio > 0.8) & (pi_ratio < 1.28)).any()
 
     def loss(th):
-        return expected_bandit_loss(th, THETA_OLD, estimator, group_size=3)
+        return expected_bandit_loss(th, THETA_PROX, estimator, group_size=3)
 
     torch.testing.assert_close(grad_of(loss, theta), central_differences(loss, theta), rtol=0, atol=1e-9)
 
@@ -211,14 +211,14 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
 
 
 def test_ppo_clip_uses_separate_low_and_high_bounds():
-    old = torch.zeros(1, 5)
+    prox = torch.zeros(1, 5)
     logprobs = torch.log(torch.tensor([[1.0, 0.7, 0.85, 1.2, 1.4]]))
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])
     cfg = AlgoConfig(clip_low=0.2, clip_high=0.28)
-    loss_pos, m = algo.policy_loss(logprobs, old, mask.clone(), mask, cfg)
+    loss_pos, m = algo.policy_loss(logprobs, prox, mask.clone(), mask, cfg)
     torch.testing.assert_close(loss_pos, -torch.tensor([[0.0, 0.7, 0.85, 1.2, 1.28]]), rtol=0, atol=1e-12)
     assert m["clip_frac"] == 0.25
-    loss_neg, m = algo.policy_loss(logprobs, old, -mask, mask, cfg)
+    loss_neg, m = algo.policy_loss(logprobs, prox, -mask, mask, cfg)
     torch.testing.assert_close(loss_neg, torch.tensor([[0.0, 0.8, 0.85, 1.2, 1.4]]), rtol=0, atol=1e-12)
     assert m["clip_frac"] == 0.25
 
@@ -239,7 +239,7 @@ def test_is_weights_carry_no_gradient():
 # ---- GSPO ----
 
 
-def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantages():
+def test_gspo_token_gradient_equals_rollout_level_gspo_gradient_for_rollout_advantages():
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=1)
     prox_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
     seq_advantage = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3, 2.0])
@@ -250,7 +250,7 @@ def test_gspo_token_gradient_equals_sequence_gspo_gradient_for_sequence_advantag
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask, cfg)
         return (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 36.0, 6)).sum()
 
-    def seq_ratio(lg):  # s_i = exp(mean_t log(pi / pi_old)), differentiable
+    def seq_ratio(lg):  # s_i = exp(mean_t log(pi / pi_prox)), differentiable
         log_ratio = (token_logprobs(lg, input_ids) - prox_logprobs) * loss_mask
         return torch.exp(log_ratio.sum(-1) / loss_mask.sum(-1))
 
@@ -267,17 +267,17 @@ def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
     # rows 0+1 are one rollout sealed in two (its context was rewritten), rows 2..5 one row each
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=3)
     prox_logprobs = (token_logprobs(logits, input_ids) + 0.3 * torch.randn(loss_mask.shape, generator=gen)).detach()
-    seq_index = invariants.sequence_index(["r0", "r0", "r1", "r2", "r3", "r4"])
+    index = invariants.rollout_index(["r0", "r0", "r1", "r2", "r3", "r4"])
     seq_advantage = torch.tensor([1.0, 1.0, -0.5, 0.8, -1.2, 0.3])           # a rollout's rows share its advantage
     advantages = seq_advantage[:, None] * loss_mask
     cfg = AlgoConfig(estimator="gspo", clip_low=0.1, clip_high=0.1)
-    global_seqs = 5.0
-    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), global_seqs,
-                                seq_index=seq_index)
+    global_rollouts = 5.0
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), global_rollouts,
+                                rollout_index=index)
 
     def gspo_token(lg):
         token_loss, _ = algo.policy_loss(token_logprobs(lg, input_ids), prox_logprobs, advantages, loss_mask, cfg,
-                                         seq_index=seq_index)
+                                         rollout_index=index)
         return (token_loss * weights).sum()
 
     def gspo_sequence(lg):  # the rollout's ratio over the tokens of both its rows, then the mean over rollouts
@@ -288,7 +288,7 @@ def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
         return -torch.minimum(s * a, s.clamp(0.9, 1.1) * a).mean()
 
     torch.testing.assert_close(grad_of(gspo_token, logits), grad_of(gspo_sequence, logits), rtol=0, atol=1e-12)
-    # armed: one ratio per ROW (the rows as separate sequences) is another gradient
+    # armed: one ratio per ROW (the rows as separate rollouts) is another gradient
     per_row = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 6.0)
 
     def gspo_rows(lg):
@@ -297,20 +297,20 @@ def test_gspo_ratio_of_a_sealed_rollout_spans_all_its_rows():
     assert (grad_of(gspo_rows, logits) - grad_of(gspo_sequence, logits)).abs().max() > 1e-3
 
 
-def test_a_rollout_sealed_into_three_rows_weighs_once_in_the_sequence_mean():
+def test_a_rollout_sealed_into_three_rows_weighs_once_in_the_rollout_mean():
     loss_mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0],
                               [0.0, 1.0, 1.0, 0.0]])
-    seq_index = invariants.sequence_index(["sealed", "sealed", "sealed", "plain"])
-    assert invariants.count_sequences(loss_mask, seq_index) == 2
-    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 2.0, seq_index=seq_index)
+    index = invariants.rollout_index(["sealed", "sealed", "sealed", "plain"])
+    assert invariants.count_rollouts(loss_mask, index) == 2
+    weights = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 2.0, rollout_index=index)
     per_rollout = [weights[:3].sum().item(), weights[3].sum().item()]
     assert per_rollout == pytest.approx([0.5, 0.5], abs=1e-7)          # each rollout is half of the loss
     torch.testing.assert_close(weights[:3][loss_mask[:3] > 0], torch.full((6,), 1 / 12))  # its 6 tokens alike
-    rows_as_sequences = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 4.0)
-    assert rows_as_sequences[:3].sum().item() == pytest.approx(0.75)    # armed: per row it weighs three times
+    rows_as_rollouts = algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(), 4.0)
+    assert rows_as_rollouts[:3].sum().item() == pytest.approx(0.75)    # armed: per row it weighs three times
 
 
-def test_gspo_ratio_is_one_at_theta_old():
+def test_gspo_ratio_is_one_at_theta_prox():
     logits, input_ids, loss_mask, _ = random_sequence_batch()
     logprobs = token_logprobs(logits, input_ids)
     token_loss, metrics = algo.policy_loss(logprobs, logprobs, loss_mask, loss_mask, AlgoConfig(estimator="gspo"))
@@ -360,7 +360,7 @@ def test_kl_in_reward_with_reinforce_gives_the_exact_gradient_of_the_kl_regulari
     # two-step sequence bandit, tabular policy: theta1 [K] for y1, theta2 [K, K] for y2 given y1
     k, beta = 3, 0.4
     gen = torch.Generator().manual_seed(3)
-    theta_old = torch.randn(k + k * k, generator=gen)
+    theta_prox = torch.randn(k + k * k, generator=gen)
     ref = torch.randn(k + k * k, generator=gen)
     seq_reward = torch.randn(k, k, generator=gen)
 
@@ -380,23 +380,23 @@ def test_kl_in_reward_with_reinforce_gives_the_exact_gradient_of_the_kl_regulari
         l1, l2 = step_logprobs(theta)
         return torch.stack([torch.zeros(len(ys)), l1[y1], l2[y1, y2]], 1)
 
-    old, ref_rows = rows(theta_old), rows(ref)
-    prob = old.sum(-1).exp()
+    prox, ref_rows = rows(theta_prox), rows(ref)
+    prob = prox.sum(-1).exp()
     rewards = algo.rollout_advantages(seq_reward[y1, y2].tolist(), [f"s{i}" for i in range(len(ys))],
                                       [f"r{i}" for i in range(len(ys))], "reinforce")
-    penalty = algo.kl_reward_penalty(old, ref_rows, mask, beta, "k1")
+    penalty = algo.kl_reward_penalty(prox, ref_rows, mask, beta, "k1")
     cfg = AlgoConfig(estimator="reinforce", kl_coef=beta, kl_in_reward=True)
 
     def expected_loss(theta, advantages):
-        token_loss, _ = algo.policy_loss(rows(theta), old, advantages, mask, cfg)
+        token_loss, _ = algo.policy_loss(rows(theta), prox, advantages, mask, cfg)
         return (prob[:, None] * token_loss).sum()
 
     advantages = torch.tensor(rewards)[:, None] * mask + penalty
-    exact = -grad_of(exact_objective, theta_old)
-    torch.testing.assert_close(grad_of(lambda th: expected_loss(th, advantages), theta_old), exact, rtol=0, atol=1e-12)
+    exact = -grad_of(exact_objective, theta_prox)
+    torch.testing.assert_close(grad_of(lambda th: expected_loss(th, advantages), theta_prox), exact, rtol=0, atol=1e-12)
     # trap armed: a per-token penalty (no sum over later tokens) misses the effect of y1 on the KL of y2
-    per_token = torch.tensor(rewards)[:, None] * mask - beta * algo.kl_divergence(old, ref_rows, "k1") * mask
-    assert (grad_of(lambda th: expected_loss(th, per_token), theta_old) - exact).abs().max() > 1e-3
+    per_token = torch.tensor(rewards)[:, None] * mask - beta * algo.kl_divergence(prox, ref_rows, "k1") * mask
+    assert (grad_of(lambda th: expected_loss(th, per_token), theta_prox) - exact).abs().max() > 1e-3
 
 
 def test_on_policy_distill_expected_gradient_is_the_reverse_kl_gradient_to_the_teacher():
@@ -404,15 +404,15 @@ def test_on_policy_distill_expected_gradient_is_the_reverse_kl_gradient_to_the_t
     log_teacher = torch.log_softmax(P_LOGITS, 0)
     arms = torch.arange(4)
     mask = torch.tensor([[0.0, 1.0]]).repeat(4, 1)
-    old = torch.stack([torch.zeros(4), torch.log_softmax(Q_LOGITS, 0)], 1)
+    prox = torch.stack([torch.zeros(4), torch.log_softmax(Q_LOGITS, 0)], 1)
     teacher = torch.stack([torch.zeros(4), log_teacher[arms]], 1)
-    advantages = algo.distill_advantages(teacher, old, mask, kl_coef=strength)
+    advantages = algo.distill_advantages(teacher, prox, mask, kl_coef=strength)
     cfg = AlgoConfig(estimator="on_policy_distill", kl_coef=strength)
 
     def expected_loss(theta):
         logprobs = torch.stack([torch.zeros(4), torch.log_softmax(theta, 0)], 1)
-        token_loss, _ = algo.policy_loss(logprobs, old, advantages, mask, cfg)
-        return (old[:, 1].exp()[:, None] * token_loss).sum()
+        token_loss, _ = algo.policy_loss(logprobs, prox, advantages, mask, cfg)
+        return (prox[:, 1].exp()[:, None] * token_loss).sum()
 
     reverse_kl = lambda th: strength * categorical_kl(torch.log_softmax(th, 0), log_teacher)  # noqa: E731
     torch.testing.assert_close(grad_of(expected_loss, Q_LOGITS), grad_of(reverse_kl, Q_LOGITS), rtol=0, atol=1e-14)
@@ -433,10 +433,10 @@ def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=2)
     prox_logprobs = (token_logprobs(logits, input_ids) + 0.1 * torch.randn(loss_mask.shape, generator=gen)).detach()
     advantages = torch.randn(loss_mask.shape, generator=gen) * loss_mask
-    global_tokens, global_seqs, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
+    global_tokens, global_rollouts, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
     splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches with different token counts
 
-    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_seqs, max_len)   # once per step
+    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_rollouts, max_len)   # once per step
 
     def loss(lg, rows, weights):
         token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), prox_logprobs[rows],
@@ -458,7 +458,7 @@ def test_dr_grpo_aggregation_weights_every_token_equally_regardless_of_length():
     token_loss = torch.ones(2, 4, requires_grad=True)
     (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_sum_norm", 4.0, 2.0, token_budget=4)).sum().backward()
     torch.testing.assert_close(token_loss.grad, loss_mask / 8, rtol=0, atol=0)
-    token_loss.grad = None  # contrast: the GRPO per-sequence mean up-weights the short sequence's token
+    token_loss.grad = None  # contrast: the GRPO per-rollout mean up-weights the short rollout's token
     (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", 4.0, 2.0)).sum().backward()
     torch.testing.assert_close(token_loss.grad[:, 1], torch.tensor([0.5, 1 / 6]), rtol=0, atol=1e-15)
 

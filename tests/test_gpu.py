@@ -23,6 +23,8 @@ import algo
 import data
 import invariants
 import models
+import r3
+import recompute
 from conftest import import_vllm
 from rollout import EmbeddedEngine, SamplingParams
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
@@ -88,7 +90,7 @@ def test_the_embedded_engine_samples_on_the_gpu_and_the_actor_recomputes_it():
 
 def _routes_of(model, gen) -> torch.Tensor:
     """transformers' routes for gen's forwarded positions, each an expert set (sorted) [P + n - 1, L, k]."""
-    with invariants.capture_routes(model) as captured, torch.no_grad():
+    with r3.capture_routes(model) as captured, torch.no_grad():
         model(input_ids=torch.tensor([gen.prompt_ids + gen.token_ids[:-1]], device="cuda"))
     return captured[-1].sort(-1).values.cpu()
 
@@ -99,7 +101,7 @@ def _replay_gap(model, gen) -> float:
     replay = torch.full((1, ids.shape[1], *gen.routes.shape[1:]), -1, dtype=torch.long)
     replay[0, :len(gen.routes)] = torch.from_numpy(gen.routes).long()
     with torch.no_grad():
-        lp = actor.sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, routes=replay.cuda())[0].float().cpu()
+        lp = recompute.sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, routes=replay.cuda())[0].float().cpu()
     return (torch.tensor(gen.behavior_logprobs) - lp[len(gen.prompt_ids):]).abs().max().item()
 
 
@@ -156,7 +158,7 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
     new = copy.deepcopy(old)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     engine = VLLMEngine(path, dtype="float32", transfer="rpc", enforce_eager=True, gpu_memory_utilization=0.2,
                         max_model_len=512)

@@ -2,6 +2,7 @@
 # records exactly what the engine sampled and seals on any non-extension of its ids; batches are checked id by id;
 # on-policy data make every correction an exact no-op; staleness, gates and IS weights follow their formulas; each
 # token's recorded sampling rides into the batch. (Invariant 3 against a real engine: test_rollout.py, test_r3.py.)
+import itertools
 import logging
 import math
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import algo
 import constraints
 import invariants
 
 from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
-                        check_sampled_once, check_token_identity, correction_weights, gate_sequences, staleness,
+                        check_sampled_once, check_token_identity, correction_weights, gate_rollouts, staleness,
                         validate_correction)
 from rollout import Generation
 
@@ -245,32 +247,51 @@ def on_policy_batch(V=3):
     return prox, mask, versions, adv
 
 
-def surrogate(logp, old, adv, mask, w=None):
-    """-w * exp(logp - old) * A, token mean (float64)."""
-    ratio = torch.exp(logp - old)
-    per_token = -ratio * adv if w is None else -w * ratio * adv
-    return (per_token * mask).sum() / mask.sum()
+ROLLOUTS = ["sealed", "sealed", "plain"]   # on_policy_batch's rows 0 and 1 are one rollout sealed into two segments
+
+
+def step_loss(prox, adv, mask, index, estimator: str, loss_agg: str, is_weights=None):
+    """The loss of one optimizer step as actor.train_step builds it from algo.py, and its gradient: the clipped
+    surrogate at live logprobs pi a little off pi_prox (so some ratios clip), weighed per token by loss_weights over
+    the step's kept tokens and rollouts."""
+    gen = torch.Generator().manual_seed(1)
+    logprobs = (prox + 0.3 * torch.randn(prox.shape, generator=gen, dtype=prox.dtype)).requires_grad_(True)
+    cfg = algo.AlgoConfig(estimator=estimator, loss_agg=loss_agg)
+    token_loss, _ = algo.policy_loss(logprobs, prox, adv, mask, cfg, is_weights=is_weights, rollout_index=index)
+    weights = algo.loss_weights(mask, loss_agg, float(mask.sum()), float(invariants.count_rollouts(mask, index)),
+                                token_budget=mask.shape[1], rollout_index=index)
+    loss = (token_loss * weights).sum()
+    loss.backward()
+    return loss.detach(), logprobs.grad
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("mode", MODES)
 def test_on_policy_every_correction_is_an_exact_identity(level, mode):
+    """mu == pi_prox and every token at the trainer's version: invariant 2's correction (apply_correction: gates,
+    IS weights, the final mask) fed through algo.py's surrogate and loss weights as a step is gives the plain step's
+    loss and gradient bitwise, for every gate, estimator and loss aggregation. Armed: mu one nat off pi_prox on a
+    single token, every IS level changes the same step."""
     V = 3
     prox, mask, versions, adv = on_policy_batch(V)
+    index = invariants.rollout_index(ROLLOUTS)
     behavior = prox.clone()  # engine logprobs == trainer recompute, every token at version V
+    off_policy = prox.clone()
+    off_policy[2, 3] -= 1.0  # rho = e on one token of the plain rollout: outside [0.5, 2] for token and seq
     for seq_gate in SEQ_GATES:
         cfg = CorrectionConfig(level=level, mode=mode, low=0.5, high=2.0, seq_gate=seq_gate, veto=1e-4)
-        w, _ = correction_weights(prox, behavior, mask, cfg)
-        assert torch.equal(w, torch.ones_like(w))  # bitwise
-        keep, counts = gate_sequences(prox - behavior, mask, staleness(versions, mask, V), cfg)
-        assert keep.all() and counts["kept"] == 3
-        logp_plain = prox.clone().requires_grad_(True)
-        logp_corrected = prox.clone().requires_grad_(True)
-        plain = surrogate(logp_plain, prox, adv, mask)
-        corrected = surrogate(logp_corrected, prox, adv, mask, w)
-        plain.backward()
-        corrected.backward()
-        assert torch.equal(plain, corrected) and torch.equal(logp_plain.grad, logp_corrected.grad)
+        correction = invariants.apply_correction(prox, behavior, mask, versions, V, cfg, index)
+        assert torch.equal(correction.is_weights, torch.ones_like(prox))  # bitwise
+        assert correction.keep.all() and correction.gate_counts["kept"] == 2 and torch.equal(correction.mask, mask)
+        for estimator, loss_agg in itertools.product(("grpo", "gspo"), algo.LOSS_AGGREGATIONS):
+            plain = step_loss(prox, adv, mask, index, estimator, loss_agg)
+            corrected = step_loss(prox, adv, correction.mask, index, estimator, loss_agg, correction.is_weights)
+            assert all(torch.equal(a, b) for a, b in zip(plain, corrected)), (seq_gate, estimator, loss_agg)
+        if level != "off":
+            drifted = invariants.apply_correction(prox, off_policy, mask, versions, V, cfg, index)
+            plain = step_loss(prox, adv, mask, index, "grpo", "token_mean")
+            corrected = step_loss(prox, adv, drifted.mask, index, "grpo", "token_mean", drifted.is_weights)
+            assert not all(torch.equal(a, b) for a, b in zip(plain, corrected))
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -285,7 +306,7 @@ def test_is_weights_carry_no_gradient(level):
 # ---- invariant 2, policy version: staleness and gates ----
 
 
-def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
+def test_staleness_of_a_multi_version_rollout_and_the_version_gate():
     v = 5
     ledger = TokenLedger("r0")
     ledger.extend_or_seal([1, 2])
@@ -296,9 +317,9 @@ def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
     s = staleness(batch.policy_versions, batch.loss_mask, trainer_version=v + 2)
     assert s.tolist() == [2]  # V - oldest token version, not the newest
     log_ratio = torch.zeros_like(batch.loss_mask)
-    keep, counts = gate_sequences(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=1))
+    keep, counts = gate_rollouts(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=1))
     assert keep.tolist() == [False] and counts["drop_stale"] == 1
-    keep, _ = gate_sequences(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=2))
+    keep, _ = gate_rollouts(log_ratio, batch.loss_mask, s, CorrectionConfig(max_staleness=2))
     assert keep.tolist() == [True]
     assert torch.equal(batch.policy_versions, versions_before)  # tokens are never re-stamped
     assert batch.policy_versions[0].tolist() == [-1, -1, v, v, v + 1]
@@ -306,59 +327,59 @@ def test_staleness_of_a_multi_version_sequence_and_the_version_gate():
         staleness(batch.policy_versions, batch.loss_mask, trainer_version=v)
 
 
-def test_veto_drops_a_sequence_with_one_tiny_ratio():
+def test_veto_drops_a_rollout_with_one_tiny_ratio():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
     log_ratio = torch.zeros(2, 4)
     log_ratio[0, 2] = math.log(1e-6)
     log_ratio[1, 0] = math.log(1e-9)  # not trainable: ignored
     s = torch.zeros(2, dtype=torch.long)
-    keep, counts = gate_sequences(log_ratio, mask, s, CorrectionConfig(veto=1e-4))
+    keep, counts = gate_rollouts(log_ratio, mask, s, CorrectionConfig(veto=1e-4))
     assert keep.tolist() == [False, True] and counts["drop_veto"] == 1
-    assert gate_sequences(log_ratio, mask, s, CorrectionConfig())[0].all()  # veto 0 = off
+    assert gate_rollouts(log_ratio, mask, s, CorrectionConfig())[0].all()  # veto 0 = off
 
 
-def test_seq_and_geo_bands_drop_sequences_outside_the_band():
+def test_seq_and_geo_bands_drop_rollouts_outside_the_band():
     mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.float32)
     log_ratio = torch.tensor([[9.0, 0.2, 0.2, 0.2, 0.2], [0.0, 0.02, -0.02, 0.03, 0.0]])  # geo means 0.2 and 0.0075
     s = torch.zeros(2, dtype=torch.long)
-    keep, counts = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="geo", gate_low=0.9, gate_high=1.1))
+    keep, counts = gate_rollouts(log_ratio, mask, s, CorrectionConfig(seq_gate="geo", gate_low=0.9, gate_high=1.1))
     assert keep.tolist() == [False, True] and counts["drop_ratio_band"] == 1
-    keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0))
+    keep, _ = gate_rollouts(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0))
     assert keep.tolist() == [False, True]  # sums 0.8 and 0.03: exp(0.8) = 2.23 > 2 drops the first
-    keep, _ = gate_sequences(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.5))
+    keep, _ = gate_rollouts(log_ratio, mask, s, CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.5))
     assert keep.tolist() == [True, True]
 
 
 def test_a_veto_below_the_log_ratio_clamp_still_fires():
     mask = torch.tensor([[0, 1, 1]], dtype=torch.float32)
     log_ratio = torch.tensor([[0.0, 0.0, -40.0]])             # rho = e^-40, below the clamp at e^-30
-    keep, counts = gate_sequences(log_ratio, mask, torch.zeros(1, dtype=torch.long), CorrectionConfig(veto=1e-15))
+    keep, counts = gate_rollouts(log_ratio, mask, torch.zeros(1, dtype=torch.long), CorrectionConfig(veto=1e-15))
     assert keep.tolist() == [False] and counts["drop_veto"] == 1
 
 
-def test_a_sealed_rollout_is_one_sequence_for_staleness_and_every_gate():
+def test_a_sealed_rollout_is_one_rollout_for_staleness_and_every_gate():
     # rows 0 and 1: one rollout sealed in two; row 1 was sampled a version later. Row 2: another rollout.
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
     versions = torch.tensor([[-1, 3, 3, -1], [-1, -1, 4, 4], [-1, 4, 4, 4]])
-    seq_index = invariants.sequence_index(["a", "a", "b"])
-    s = staleness(versions, mask, trainer_version=4, seq_index=seq_index)
+    index = invariants.rollout_index(["a", "a", "b"])
+    s = staleness(versions, mask, trainer_version=4, rollout_index=index)
     assert s.tolist() == [1, 1, 0]                            # the rollout's oldest token decides, for both rows
     assert staleness(versions, mask, trainer_version=4).tolist() == [1, 0, 0]   # armed: per row, row 1 looks fresh
     zero = torch.zeros(3, 4)
-    keep, counts = gate_sequences(zero, mask, s, CorrectionConfig(max_staleness=0), seq_index)
+    keep, counts = gate_rollouts(zero, mask, s, CorrectionConfig(max_staleness=0), index)
     assert keep.tolist() == [False, False, True] and counts == {"drop_stale": 1, "drop_ratio_band": 0,
                                                                  "drop_veto": 0, "kept": 1}
     # the seq ratio multiplies over both rows: 0.5 + 0.5 nats is out of [1/2, 2], each row alone is inside
     log_ratio = torch.tensor([[0, 0.25, 0.25, 0], [0, 0, 0.25, 0.25], [0, 0, 0, 0]])
     cfg = CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0)
-    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg, seq_index)[0].tolist() == \
+    assert gate_rollouts(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg, index)[0].tolist() == \
         [False, False, True]
-    assert gate_sequences(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg)[0].all()
+    assert gate_rollouts(log_ratio, mask, torch.zeros(3, dtype=torch.long), cfg)[0].all()
     w, _ = correction_weights(log_ratio, torch.zeros(3, 4), mask, CorrectionConfig(level="seq", mode="trunc",
-                                                                                 high=10.0), seq_index)
+                                                                                   high=10.0), index)
     assert torch.allclose(w[:2][mask[:2] > 0], torch.full((4,), math.exp(1.0)))   # one weight for the rollout
     veto = torch.tensor([[0, 0, 0, 0], [0, 0, -20.0, 0], [0, 0, 0, 0]])
-    keep, _ = gate_sequences(veto, mask, torch.zeros(3, dtype=torch.long), CorrectionConfig(veto=1e-6), seq_index)
+    keep, _ = gate_rollouts(veto, mask, torch.zeros(3, dtype=torch.long), CorrectionConfig(veto=1e-6), index)
     assert keep.tolist() == [False, False, True]              # a vetoed row takes its whole rollout with it
 
 
@@ -497,5 +518,5 @@ def test_a_generation_that_does_not_start_at_its_generation_start_is_refused():
 def test_a_constrained_row_needs_the_tokenizer_to_replay_its_grammar():
     spec = constraints.bind(constraints.json_object_spec(), [2])
     rows = processed_ledger(Sampling(0.7, constraint=spec, generation_start=3), SAMPLED).rows()
-    with pytest.raises(ValueError, match="pass tokenizer= and vocab_size="):
+    with pytest.raises(ValueError, match="pass grammar_masks="):
         build_batch(rows, [1.0], pad_id=0)

@@ -32,7 +32,7 @@ import data
 import invariants
 import models
 import wire_anthropic
-from actor import sequence_logprobs
+from recompute import sequence_logprobs
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
 from rollout import EmbeddedEngine, SamplingParams
 from test_session import CountingEngine, teach

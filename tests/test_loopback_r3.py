@@ -16,7 +16,7 @@ import data
 import invariants
 import models
 import train
-from actor import sequence_logprobs
+from recompute import sequence_logprobs
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
 from test_rollout import _moe_pair, _perturbed

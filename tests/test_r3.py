@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
-from invariants import capture_routes, moe_routers, replay_routes
+from r3 import capture_routes, moe_routers, replay_routes
 
 B, T, LAYERS, TOP_K, EXPERTS, VOCAB = 4, 32, 2, 2, 8, 64
 SEED = 10            # with this seed the 1e-3 router perturbation below flips routes in both layers
@@ -100,7 +100,7 @@ def test_replay_forces_the_sampler_experts_and_removes_the_flip_gap(drift):
             capture_routes(drift.trainer) as used:
         replay_lp = token_logprobs(drift.trainer, drift.ids)
     assert torch.equal(as_batch(used[0]), drift.routes)  # 100% identical selections, same order
-    assert (stats.replayed_rows, stats.fallback_rows) == (B * T * LAYERS, 0)
+    assert (stats.replayed_choices, stats.fallback_choices) == (B * T * LAYERS, 0)
     gap_live = (drift.sampler_lp - drift.live_lp).abs().max()
     gap_replay = (drift.sampler_lp - replay_lp).abs().max()  # what remains is the gate-value drift only
     assert gap_replay < gap_live / 10
@@ -266,7 +266,7 @@ def test_rows_with_minus_one_fall_back_to_live_routing_and_are_counted():
     with torch.no_grad(), replay_routes(model, forced) as stats, capture_routes(model) as used:
         model(ids)
     used = as_batch(used[0])
-    assert (stats.fallback_rows, stats.replayed_rows) == (int(unknown.sum()), int((~unknown).sum()))
+    assert (stats.fallback_choices, stats.replayed_choices) == (int(unknown.sum()), int((~unknown).sum()))
     assert torch.equal(used[~unknown], forced[~unknown])
     # layer 0 sees the same hidden states with or without replay, so its fallback rows equal the live choice
     assert torch.equal(used[:, :, 0][unknown[:, :, 0]], as_batch(live[0])[:, :, 0][unknown[:, :, 0]])

@@ -16,9 +16,9 @@ from transformers.cache_utils import DynamicLayer
 import constraints
 import invariants
 import models
+import r3
 import rollout
-from actor import batch_logprobs, sequence_logprobs
-from invariants import processed_logprobs
+from recompute import batch_logprobs, sequence_logprobs
 from rollout import EmbeddedEngine, SamplingParams
 
 
@@ -85,16 +85,6 @@ def test_parity_check_fails_on_wrong_temperature_shift_or_weight(tiny):
     with torch.no_grad():
         perturbed.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0
     assert _max_gap(gens, _recompute(perturbed, gens, temperature=0.7)) > 1e-5
-
-
-def test_greedy_is_a_point_mass_and_top_p_renormalises():
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
-    greedy = processed_logprobs(logits, 1.0, top_k=1)
-    assert greedy[0] == 0 and torch.isinf(greedy[1:]).all()
-    nucleus = processed_logprobs(logits, 1.0, top_p=0.7)
-    kept = torch.isfinite(nucleus)
-    assert kept.tolist() == [True, True, False, False]
-    assert torch.allclose(nucleus.exp().sum(), torch.tensor(1.0))
 
 
 def test_stop_token_is_kept_and_finish_reasons(tiny):
@@ -197,7 +187,7 @@ def test_update_weights_requires_every_key_and_a_forward_version(tiny):
 
 
 def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
-    """Partial rollout across a weight swap (invariants-math §5e): tokens before the swap carry version
+    """Partial rollout across a weight swap (invariant 2, policy version): tokens before the swap carry version
     v and old-policy logprobs, tokens after carry v+1 and new-policy logprobs; the KV cache is rebuilt."""
     old, new = copy.deepcopy(tiny), copy.deepcopy(tiny)
     with torch.no_grad():
@@ -251,13 +241,13 @@ def test_pause_holds_requests_and_resume_finishes_them(tiny):
 def test_moe_routes_cover_every_forwarded_position_and_replay_to_parity():
     moe = models.tiny_model("qwen3_moe", seed=0)
     gens = EmbeddedEngine(moe).generate(PROMPTS, PARAMS)
-    layers = len(invariants.moe_routers(moe))
+    layers = len(r3.moe_routers(moe))
     for g in gens:
         assert g.routes.shape == (len(g.prompt_ids) + len(g.token_ids) - 1, layers, moe.config.num_experts_per_tok)
         assert g.routes.min() >= 0
     # the engine's routes are the routes of a full forward over the same tokens
     seq = gens[0].prompt_ids + gens[0].token_ids
-    with invariants.capture_routes(moe) as captured, torch.no_grad():
+    with r3.capture_routes(moe) as captured, torch.no_grad():
         moe(input_ids=torch.tensor([seq]))
     assert (captured[-1][:-1].numpy() == gens[0].routes).all()
     assert _max_gap(gens, _recompute(moe, gens, 0.7, routes=True)) <= 1e-5
@@ -381,7 +371,7 @@ def test_a_short_request_joins_mid_batch_and_is_not_held_by_a_long_one(kind):
         if kind == "qwen3_moe":
             seq = prompt + gen.token_ids
             assert gen.routes.shape[0] == len(seq) - 1 and gen.routes.min() >= 0
-            with invariants.capture_routes(model) as captured, torch.no_grad():
+            with r3.capture_routes(model) as captured, torch.no_grad():
                 model(input_ids=torch.tensor([seq]))
             assert (captured[-1][:-1].numpy() == gen.routes).all()
 
@@ -420,7 +410,7 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
     old = models.tiny_model("qwen3_moe", seed=0)
     new = copy.deepcopy(old)
     with torch.no_grad():
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.add_(2.0 * torch.randn_like(router.weight))
     engine = EmbeddedEngine(copy.deepcopy(old), version=0, drain_on_update=False)
     n_before, original = 4, engine._record
@@ -435,7 +425,7 @@ def test_a_reprefill_after_a_weight_swap_keeps_the_routes_already_recorded():
     assert gen.policy_versions == [0] * n_before + [1] * (8 - n_before)
 
     def routes_of(model):
-        with invariants.capture_routes(model) as captured, torch.no_grad():
+        with r3.capture_routes(model) as captured, torch.no_grad():
             model(input_ids=torch.tensor([prompt + gen.token_ids]))
         return captured[-1][:-1].numpy()
     before_swap = len(prompt) + n_before - 1               # positions forwarded by the old weights
@@ -454,7 +444,7 @@ def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step
     new = copy.deepcopy(old)
     torch.manual_seed(1)
     with torch.no_grad():
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.add_(2.0 * torch.randn_like(router.weight))
     engine = EmbeddedEngine(copy.deepcopy(old), version=0, drain_on_update=False)
     heard = threading.Event()
@@ -473,7 +463,7 @@ def test_a_weight_swap_from_another_thread_replaces_the_routes_of_the_stale_step
     assert 1 <= n1 < 120
 
     def routes_of(model):
-        with invariants.capture_routes(model) as captured, torch.no_grad():
+        with r3.capture_routes(model) as captured, torch.no_grad():
             model(input_ids=torch.tensor([prompt + gen.token_ids]))
         return captured[-1][:-1].numpy()
     before = len(prompt) + n1 - 1
@@ -499,14 +489,14 @@ def _moe_pair():
     new = copy.deepcopy(old)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for router in invariants.moe_routers(new):
+        for router in r3.moe_routers(new):
             router.weight.add_(2.0 * torch.randn(router.weight.shape, generator=generator))
     return old, new
 
 
 def _routes_of(model, gen) -> np.ndarray:
     """A fresh full forward's routes for every position of gen that was forwarded [P + n - 1, L, k]."""
-    with invariants.capture_routes(model) as captured, torch.no_grad():
+    with r3.capture_routes(model) as captured, torch.no_grad():
         model(input_ids=torch.tensor([gen.prompt_ids + gen.token_ids]))
     return captured[-1][:-1].numpy()
 
@@ -713,7 +703,7 @@ def test_a_weight_swap_keeps_a_rows_grammar_and_penalty_state(tiny):
     ledger = invariants.TokenLedger("r", "g")
     ledger.extend_or_seal(gen.prompt_ids)
     ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
-    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0, tokenizer=tok, vocab_size=690)
+    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0, grammar_masks=constraints.mask_replayer(tok, 690))
     with torch.no_grad():
         old_lp, new_lp = (batch_logprobs(m, batch)[0, 4:4 + len(gen.token_ids)] for m in (tiny, new))
     behavior = torch.tensor(gen.behavior_logprobs)

@@ -23,6 +23,9 @@ import actor
 import algo
 import invariants
 import models
+import processing
+import r3
+import recompute
 import runtime
 import train
 from rollout import EmbeddedEngine, Generation, SamplingParams
@@ -117,7 +120,7 @@ def test_the_pool_admits_no_rollout_that_would_be_trained_more_than_eta_steps_la
 # ---- a rollout that straddles a weight update, across processes ------------------------------------------
 
 def _processed(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return invariants.processed_logprobs(logits.float(), temperature, 1.0, -1)
+    return processing.processed_logprobs(logits.float(), temperature, 1.0, -1)
 
 
 def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_and_logprob():
@@ -194,7 +197,7 @@ def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_fl
     new = copy.deepcopy(old)
     torch.manual_seed(1)
     with torch.no_grad():
-        for router_layer in invariants.moe_routers(new):
+        for router_layer in r3.moe_routers(new):
             router_layer.weight.add_(2.0 * torch.randn_like(router_layer.weight))
     rt = runtime.start(runtime.RuntimeConfig(mode="ray", engines=1, object_store_mb=100), runtime.embedded_engine,
                        lambda i: (path, 0, 1), version=0)
@@ -217,7 +220,7 @@ def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_fl
     ids = torch.tensor([prompt + gen.token_ids])
 
     def routes_of(model):
-        with invariants.capture_routes(model) as captured, torch.no_grad():
+        with r3.capture_routes(model) as captured, torch.no_grad():
             model(input_ids=ids)
         return captured[-1][:-1].numpy()
     old_routes, new_routes = routes_of(old), routes_of(new)
@@ -228,8 +231,8 @@ def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_fl
     def replayed(routes):
         replay = torch.from_numpy(routes).long()[None]
         with torch.no_grad():
-            lp = actor.sequence_logprobs(old, ids, torch.ones_like(ids), T,
-                                         routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
+            lp = recompute.sequence_logprobs(old, ids, torch.ones_like(ids), T,
+                                             routes=torch.cat([replay, torch.full_like(replay[:, :1], -1)], 1))
         return (lp[0, len(prompt):len(prompt) + n1] - torch.tensor(gen.behavior_logprobs[:n1])).abs().max().item()
     assert replayed(gen.routes) <= 1e-5
     assert replayed(new_routes) > 1e-3

@@ -20,6 +20,7 @@ import constraints
 import data
 import invariants
 import models
+import recompute
 import train
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine, SamplingParams
@@ -47,7 +48,8 @@ def assert_recomputed_at_the_recorded_sampling(policy, batch: invariants.TrainBa
     trainer that ignores the record) does not: the trap is armed."""
     recorded_gap = gap(policy.recompute_logprobs(batch), batch)
     with torch.no_grad():
-        at_run_sampling = actor.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, RUN_TEMPERATURE)
+        at_run_sampling = recompute.sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask,
+                                                      RUN_TEMPERATURE)
     print(f"{what}: max |logprob gap| at the recorded sampling {recorded_gap:.2e}, at the run's sampling "
           f"{gap(at_run_sampling, batch):.2f}")
     assert recorded_gap < 1e-5 and gap(at_run_sampling, batch) > 0.5
@@ -140,15 +142,6 @@ def test_env_sampling_overrides_are_recomputed_at_each_turns_sampling(tiny_dir, 
     assert_recomputed_at_the_recorded_sampling(policy, batch, "Env sampling overrides")
 
 
-def test_a_sampled_token_outside_the_trainers_nucleus_keeps_a_finite_logprob():
-    logits = torch.tensor([[3.0, 2.999, -1.0, -2.0]])
-    alone = invariants.processed_logprobs(logits, 1.0, top_p=0.45)
-    assert torch.isinf(alone[0, 1])                 # armed: by its own logits the trainer would cut token 1
-    kept = invariants.processed_logprobs(logits, 1.0, top_p=0.45, keep=torch.tensor([1]))
-    assert torch.isfinite(kept[0, :2]).all() and torch.isinf(kept[0, 2:]).all()
-    assert torch.allclose(kept.exp().sum(), torch.tensor(1.0))
-
-
 # ---- min_p, logit_bias, the three penalties and a grammar: each honoured by the engine, recomputed by the trainer
 # A near-uniform random model hides a wrong penalty (its logits are ~0.16 apart, so dividing them by 1.6 moves a
 # logprob by ~0.01), so these tests sample from a sharpened copy: the same tiny model with its final norm scaled.
@@ -190,7 +183,8 @@ def without(field: str, s: invariants.Sampling) -> invariants.Sampling:
 def field_batches(rows: list[invariants.Segment], field: str, tokenizer, vocab_size: int):
     """The batch of the engine's rows, and the same batch with `field` stripped from every token's sampling."""
     stripped = [dataclasses.replace(row, sampling=[without(field, s) for s in row.sampling]) for row in rows]
-    batches = [invariants.build_batch(r, [1.0] * len(r), pad_id=0, tokenizer=tokenizer, vocab_size=vocab_size)
+    batches = [invariants.build_batch(r, [1.0] * len(r), pad_id=0,
+                                      grammar_masks=constraints.mask_replayer(tokenizer, vocab_size))
                for r in (rows, stripped)]
     invariants.check_token_identity(batches[0], rows)
     return batches
@@ -260,25 +254,3 @@ def test_each_turn_is_penalised_from_its_own_generation_start(sharp_dir, sharp_p
     trap = gap(sharp_policy.recompute_logprobs(batch), batch)
     print(f"two turns: gap {recorded_gap:.2e}; the second turn counted from the first's start {trap:.3f}")
     assert recorded_gap < 1e-5 and trap > 0.05
-
-
-def test_penalties_and_bias_by_hand_on_five_logits():
-    """vLLM's order on logits z = [2, -1, 0.5, 0, 3]: the bias first (+1 on id 0, a ban on id 3), then repetition
-    r = 2 on ids seen in the prompt [1] or the output [2, 2, 4] (a positive logit divided, a negative one
-    multiplied), then frequency f = 0.5 per output occurrence, then presence p = 0.25 per output id."""
-    s = invariants.Sampling(logit_bias=((0, 1.0), (3, -math.inf)), repetition_penalty=2.0, frequency_penalty=0.5,
-                            presence_penalty=0.25, generation_start=1)
-    row = torch.tensor([1, 2, 2, 4, 0])                     # prompt [1]; the token at position 4 is being predicted
-    seen, counts = invariants.penalty_state(row, generation_start=1, first=4, count=1, vocab_size=5)
-    assert seen.tolist() == [[False, True, True, False, True]] and counts.tolist() == [[0, 0, 2, 0, 1]]
-    z = invariants.adjust_logits(torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0]]), s, seen=seen, counts=counts)
-    by_hand = [2 + 1,                    # biased, never seen
-               -1 * 2,                   # prompt id, negative: multiplied by r
-               0.5 / 2 - 0.5 * 2 - 0.25,  # output id twice: divided, then f twice and p once
-               -math.inf,                # banned
-               3 / 2 - 0.5 - 0.25]       # output id once
-    assert z[0].tolist() == by_hand
-    # then min_p after the temperature: p(v) < 0.1 * max p drops v; ids 1 and 2 are at exp(-5) and exp(-4) of the
-    # max, id 4 at exp(-2.25) = 0.105 stays
-    kept = torch.isfinite(invariants.processed_logprobs(z, 1.0, min_p=0.1))[0].tolist()
-    assert kept == [True, False, False, False, True]

@@ -1,4 +1,4 @@
-# Invariant 1 (token identity) through chat sessions (invariants-math §1.3 and §5b): a real engine on a tiny model
+# Invariant 1 (token identity) through chat sessions (invariants.py, section 1): a real engine on a tiny model
 # that was *taught* to emit the dangerous outputs - non-canonical byte-level BPE splits, compact tool-call
 # JSON, <think> blocks - shows that trained ids equal sampled ids, seals happen exactly where they must,
 # and every sampled id is trainable in exactly one row.

@@ -19,7 +19,8 @@ import constraints  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
-from actor import sequence_logprobs  # noqa: E402
+import processing  # noqa: E402
+from recompute import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from test_actor import rows_from  # noqa: E402
 from test_rollout import PARAMS, PROMPTS, _perturbed, _recompute  # noqa: E402
@@ -512,7 +513,7 @@ def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
     under two images of other sizes, and under text alone; the trainer's recompute with the same ImageInputs
     matches its behavior logprobs. Trap: recomputing the first row with another picture of the same size (same
     pads, same positions, other pixels) does not."""
-    from actor import sequence_logprobs
+    from recompute import sequence_logprobs
     from test_vlm import ledger_rows, picture, row_gaps, vlm_prompt
     path = models.tiny_model_dir("qwen2_5_vl", head_dim=64)
     tok, processor = models.load_tokenizer(path), models.load_image_processor(path)
@@ -560,17 +561,17 @@ def sharp(tmp_path_factory):
 
 
 def test_adjust_logits_is_vllms_own_penalty_arithmetic():
-    """invariants.adjust_logits against vLLM's apply_penalties (repetition over prompt and output, frequency and
+    """processing.adjust_logits against vLLM's apply_penalties (repetition over prompt and output, frequency and
     presence over the output) on random logits of both signs: the same fp32 numbers."""
     from vllm.model_executor.layers.utils import apply_penalties
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=generator) * 3
     row = torch.randint(0, 50, (3, 30), generator=generator)           # prompt: the first 12 ids; output: the rest
     penalties = [(1.3, 0.4, -0.7), (0.8, -1.1, 0.9), (2.0, 2.0, 2.0)]
-    ours = torch.cat([invariants.adjust_logits(
+    ours = torch.cat([processing.adjust_logits(
         logits[b:b + 1], invariants.Sampling(repetition_penalty=r, frequency_penalty=f, presence_penalty=p,
                                              generation_start=12),
-        None, *invariants.penalty_state(row[b], 12, 30, 1, 50)) for b, (r, f, p) in enumerate(penalties)])
+        None, *processing.penalty_state(row[b], 12, 30, 1, 50)) for b, (r, f, p) in enumerate(penalties)])
     repetition, frequency, presence = (torch.tensor(x) for x in zip(*penalties))
     theirs = apply_penalties(logits.clone(), row[:, :12], row[:, 12:], presence, frequency, repetition)
     assert torch.equal(ours, theirs)

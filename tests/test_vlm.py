@@ -26,6 +26,7 @@ import algo
 import data
 import invariants
 import models
+import recompute
 import train
 from agents import Env, EnvRunner, Result
 from rollout import EmbeddedEngine, SamplingParams
@@ -141,8 +142,8 @@ def mixed_batch(vl, tok, processor, pad):
 def test_engine_logprobs_equal_trainer_recompute_over_a_padded_batch_with_images(vl, mixed):
     _, images, batch = mixed
     with torch.no_grad():
-        recomputed = actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                             images=batch.images)
+        recomputed = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+                                                 images=batch.images)
     gaps = row_gaps(recomputed, batch)
     print(f"engine vs trainer max |logprob diff| per row (16-token image, 6+1-token images, text): {gaps}")
     assert max(gaps) <= TOL
@@ -156,8 +157,8 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     # another picture of the same size: same pads, same positions, other pixels
     other = data.image_inputs(processor, [picture(112, 112, 99)])
     with torch.no_grad():
-        swapped = actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                          images=[other, *batch.images[1:]])
+        swapped = recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+                                              images=[other, *batch.images[1:]])
     # the pads embedded as plain tokens: no pixel values at all
     no_pixels = forward_logprobs(vl, batch, position_ids=correct["position_ids"])
     # 1-D positions 0..n-1 (what a text model uses) instead of M-RoPE
@@ -173,8 +174,8 @@ def test_trap_armed_another_image_no_pixels_or_text_positions_break_parity(vl, p
     assert gaps["text positions"][2] <= TOL                 # a text row's M-RoPE positions are its 1-D positions
     # and the trainer refuses rows whose images do not fill their pads, instead of guessing
     with pytest.raises(ValueError, match=r"pad runs of lengths \[6, 1\] but the images fill \[\]"):
-        actor.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                images=[batch.images[0], [], []])
+        recompute.sequence_logprobs(vl, batch.input_ids, batch.attention_mask, TEMPERATURE,
+                                    images=[batch.images[0], [], []])
 
 
 def test_a_weight_swap_mid_request_re_prefills_with_the_images(vl, mixed):
@@ -197,8 +198,8 @@ def test_a_weight_swap_mid_request_re_prefills_with_the_images(vl, mixed):
     rows = ledger_rows(gens, images)
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=0)
     with torch.no_grad():
-        old_lp, new_lp = (actor.sequence_logprobs(m, batch.input_ids, batch.attention_mask, TEMPERATURE,
-                                                  images=batch.images) for m in (vl, new))
+        old_lp, new_lp = (recompute.sequence_logprobs(m, batch.input_ids, batch.attention_mask, TEMPERATURE,
+                                                      images=batch.images) for m in (vl, new))
     before, after = batch.policy_versions == 0, batch.policy_versions == 1
     gap_before = ((old_lp - batch.behavior_logprobs).abs() * before).max().item()
     gap_after = ((new_lp - batch.behavior_logprobs).abs() * after).max().item()
@@ -388,11 +389,11 @@ def test_an_env_rollout_with_image_observations_trains_on_what_was_sampled(vl_di
     policy = actor.Actor(vl_dir, actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=1), total_steps=1)
     # the engine ran on CPU; an actor on a GPU (where there is one) computes the same fp32 math with other kernels
     tol = TOL if policy.device.type == "cpu" else 1e-4
-    old = policy.recompute_logprobs(batch)
-    gap = ((old - batch.behavior_logprobs).abs() * batch.loss_mask).max().item()
+    prox = policy.recompute_logprobs(batch)
+    gap = ((prox - batch.behavior_logprobs).abs() * batch.loss_mask).max().item()
     print(f"EnvRunner rollout with 2 images per row: recompute vs behavior max |diff| {gap:.2e}")
     assert gap <= tol
-    metrics = policy.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+    metrics = policy.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
                                 trainer_version=0).metrics
     assert metrics["actor/logprob_diff_max"] <= tol and metrics["actor/version"] == 1.0
     vision_grad = sum(float(p.grad.abs().sum()) for p in policy.model.model.visual.parameters() if p.grad is not None)
@@ -419,7 +420,7 @@ FSDP_VLM_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=
 
 def fsdp_vlm_worker(rank: int, world_size: int, port: int, vl_dir: str, batch, rows: list[list[int]],
                     out_dir: str, backend: str = "gloo") -> None:
-    """One rank: pi_old and one train_step on its rows; rank 0 saves the full gradients (gloo on CPU, or NCCL
+    """One rank: pi_prox and one train_step on its rows; rank 0 saves the full gradients (gloo on CPU, or NCCL
     with one GPU per rank)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -431,12 +432,12 @@ def fsdp_vlm_worker(rank: int, world_size: int, port: int, vl_dir: str, batch, r
     try:
         policy = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
         mine = select_rows(batch, rows[rank])
-        old = policy.recompute_logprobs(mine)
-        policy.train_step(mine, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+        prox = policy.recompute_logprobs(mine)
+        policy.train_step(mine, prox, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
                           0)
         full_grads = {name: p.grad.full_tensor().cpu() for name, p in policy.model.named_parameters()}
         if rank == 0:
-            torch.save({"grads": full_grads, "old": old}, os.path.join(out_dir, "fsdp_vlm.pt"))
+            torch.save({"grads": full_grads, "prox": prox}, os.path.join(out_dir, "fsdp_vlm.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -450,11 +451,11 @@ def check_fsdp_vlm_step(vl_dir: str, batch, tmp_path, backend: str) -> None:
              join=True)
     sharded = torch.load(tmp_path / "fsdp_vlm.pt", weights_only=True)
     single = actor.Actor(vl_dir, FSDP_VLM_CONFIG, total_steps=1)
-    old = single.recompute_logprobs(batch)
-    single.train_step(batch, old, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
+    prox = single.recompute_logprobs(batch)
+    single.train_step(batch, prox, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(),
                       0)
-    width = sharded["old"].shape[1]                                              # rank 0's rows, trimmed
-    assert (sharded["old"] - old[rows[0], :width]).abs().max() <= TOL            # the same pi_old
+    width = sharded["prox"].shape[1]                                             # rank 0's rows, trimmed
+    assert (sharded["prox"] - prox[rows[0], :width]).abs().max() <= TOL           # the same pi_prox
     single_grads = {name: p.grad.cpu() for name, p in single.model.named_parameters()}
     gap = max_abs_diff(sharded["grads"], single_grads)
     print(f"FSDP2 ({backend}), ranks with and without images vs one process: max |grad diff| {gap:.2e}")

@@ -815,8 +815,8 @@ def test_the_recompute_matches_under_each_honoured_field_and_misses_without_it(s
         info = server.create_session(sampling=SamplingParams(temperature=1.0, max_tokens=16, seed=3))
         openai_client(info).chat.completions.create(model="policy", messages=STORY, **fields)
         rows = server.close_session(info.session_id).ledger.rows()
-        batch = invariants.build_batch(rows, [1.0], pad_id=tok.pad_token_id, tokenizer=tok,
-                                       vocab_size=policy.model.config.vocab_size)
+        batch = invariants.build_batch(rows, [1.0], pad_id=tok.pad_token_id, grammar_masks=constraints.mask_replayer(
+                                           tok, policy.model.config.vocab_size))
         mask = batch.loss_mask.bool()
         gap = (policy.recompute_logprobs(batch) - batch.behavior_logprobs)[mask].abs().max().item()
         # armed: the same rows recomputed as if the field had not been sent

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import models
-from invariants import processed_logprobs
+from processing import processed_logprobs
 from session import parse_hermes_tool_calls
 from rollout import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, find_stop
 from wire_anthropic import decode_anthropic
