@@ -2,7 +2,7 @@
 # launch.sh — set up what is missing on this machine, then run tracerl.
 #
 #   ./launch.sh train [train.py flags]    the main job, e.g. ./launch.sh train --recipe math
-#   ./launch.sh test  [pytest flags]      the test suite (what CI runs)
+#   ./launch.sh test  [pytest flags]      the linter (ruff.toml), then the test suite (what CI runs)
 #   ./launch.sh setup                     only install the dependencies
 #   ./launch.sh cluster [train.py flags]  a Ray cluster, then train.py on it (--runtime.mode ray): one node here, or
 #                                         every node of a Slurm job (sbatch slurm.sbatch [train.py flags])
@@ -165,7 +165,8 @@ case "$cmd" in
   setup) setup ;;
   train) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; exec "$PY" train.py "$@" ;;
   # the tests' Ray clusters are their own, on this machine; `launch.sh cluster` run by a test turns auth back on
-  test)  setup test; RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
+  test)  setup test; phase "ruff check (ruff.toml)" "$PY" -m ruff check --quiet .
+         RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
   cluster) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; cluster "$@" ;;
   *) echo "usage: ./launch.sh {train [flags] | test [pytest flags] | setup | cluster [flags]}" >&2; exit 2 ;;
 esac

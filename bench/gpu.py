@@ -157,7 +157,7 @@ def bench_actor(steps: int) -> dict:
         record("tracerl_defaults_chunk4x", lambda: actor_step_fn(folder, actor.ActorConfig(), config.vocab_size))
         recompute.LOGPROB_CHUNK = default_chunk
     base = results["baseline_transformers_bf16"].get("tokens_per_s")
-    for name, value in results.items():
+    for value in results.values():
         if isinstance(value, dict) and "tokens_per_s" in value and base:
             value["ratio_to_baseline"] = value["tokens_per_s"] / base
     return results

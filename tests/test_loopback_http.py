@@ -453,7 +453,7 @@ def test_sixty_four_concurrent_sessions_have_no_cross_talk(server):
     async def converse(info, k: int) -> list[int]:
         client = openai.AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, max_retries=0)
         messages, sampled = [{"role": "user", "content": f"session-{k:02d} asks"}], []
-        for turn in range(2):
+        for _ in range(2):
             reply = await client.chat.completions.create(model="policy", messages=messages,
                                                          extra_body={"return_token_ids": True})
             sampled += reply.model_extra["token_ids"]
@@ -550,7 +550,7 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace(given):
                                                        "view_url"}
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
         messages, sampled = [{"role": "user", "content": "hi"}], []
-        for k in range(2):
+        for _ in range(2):
             reply = client.chat.completions.create(model="tiny-qwen3", messages=messages,
                                                    extra_body={"return_token_ids": True})
             sampled += reply.model_extra["token_ids"]

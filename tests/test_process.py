@@ -40,8 +40,11 @@ def policy():
     return EmbeddedEngine(models.load_model(path)), models.load_tokenizer(path)
 
 
+AGENT_SAMPLING = SamplingParams(max_tokens=8, seed=0)
+
+
 def run_agents(policy, agent_cls, prompts: list[str], max_turns: int = 1, step_timeout_s: float = 60.0,
-               sampling: SamplingParams = SamplingParams(max_tokens=8, seed=0)):
+               sampling: SamplingParams = AGENT_SAMPLING):
     engine, tokenizer = policy
     runner = type("Runner", (ChatAgentRunner,), {"agent_cls": agent_cls})(
         engine, tokenizer, max_turns=max_turns, max_length=2048, step_timeout_s=step_timeout_s)

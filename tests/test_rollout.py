@@ -784,7 +784,7 @@ def test_the_engines_output_projection_in_vocabulary_slices_gives_the_models_log
         logits = engine._forward(ids, mask, ours, extra)[0]
         assert torch.equal(logits, stock(input_ids=ids, attention_mask=mask, past_key_values=theirs, logits_to_keep=1,
                                          **extra).logits[:, -1])
-        for t, step in enumerate(steps):
+        for step in steps:
             mask = torch.cat([mask, mask.new_ones(3, 1)], 1)
             extra = {"position_ids": mask.sum(-1, keepdim=True) - 1}
             logits = engine._forward(step[:, None], mask, ours, extra)[0]

@@ -241,7 +241,7 @@ def test_each_turn_is_penalised_from_its_own_generation_start(sharp_dir, sharp_p
                             stop_token_ids=(9999,))
     ledger = invariants.TokenLedger("r0", "g")
     prompt = FIELD_PROMPTS[0]
-    for turn in range(2):
+    for _ in range(2):
         gen = engine.generate([prompt], params)[0]
         ledger.extend_or_seal(prompt)
         ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling)
