@@ -418,8 +418,9 @@ class TrainerGroup:
     group (one bundle of `cpus` CPUs and `gpus` GPUs per rank; `placement` is its strategy: PACK uses one node when
     the ranks fit there and spreads over the fewest nodes when they do not). The ranks rendezvous at rank 0's node.
     A step's rows are dealt to the ranks by whole rollouts, balanced by tokens (a rollout's rows stay on one rank:
-    its sequence-level terms need them together); each rank trains its own rows and the loss's global
-    denominators are all-reduced inside actor.train_step, so the step equals one process on the whole batch."""
+    its rollout-level terms, the gates, GSPO's ratio and the seq_mean aggregations, need them together); each rank
+    trains its own rows and the loss's global denominators are all-reduced inside actor.train_step, so the step equals
+    one process on the whole batch."""
 
     def __init__(self, ranks: int, model_path: str, cfg, total_steps: int, seed: int, cpus: float, gpus: float,
                  placement: str = "PACK", ready_timeout_s: float = 600.0):
