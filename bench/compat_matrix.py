@@ -77,6 +77,7 @@ from smolagents import OpenAIServerModel, ToolCallingAgent  # noqa: E402
 from smolagents import tool  # noqa: E402
 
 import actor  # noqa: E402
+import constraints  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
@@ -802,7 +803,8 @@ def recompute_gap(bench: Bench, rows: list[invariants.Segment]) -> float:
     """max |behavior - recompute| over the rows' trainable tokens: the batch train.py builds (train_on_rows: a row
     sampled under a grammar has its masks replayed with the policy's tokenizer) and the actor's recompute."""
     grammar = any(getattr(s, "constraint", None) for row in rows for s in row.sampling)   # (no such field before 17)
-    replay = {"tokenizer": bench.tokenizer, "vocab_size": bench.policy.model.config.vocab_size} if grammar else {}
+    replay = {"grammar_masks": constraints.mask_replayer(bench.tokenizer, bench.policy.model.config.vocab_size)} \
+        if grammar else {}
     batch = invariants.build_batch(rows, [1.0] * len(rows), pad_id=bench.tokenizer.pad_token_id, **replay)
     recomputed = bench.policy.recompute_logprobs(batch)
     trainable = batch.loss_mask > 0
