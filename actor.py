@@ -1,8 +1,8 @@
 # actor.py — the single trainable policy: load, FSDP2, micro-batches, train step, weight export, checkpoints.
 #
-# Owns: the policy model, its AdamW optimizer and LR schedule, the policy version (= optimizer steps taken), the
-# micro-batches of a step, one optimizer step over a whole TrainBatch, the weight export for the engine and
-# atomic checkpoints.
+# Owns: the policy model (or its LoRA adapter over a frozen base: lora.py), its AdamW optimizer and LR schedule,
+# the policy version (= optimizer steps taken), the micro-batches of a step, one optimizer step over a whole
+# TrainBatch, the weight export for the engine and atomic checkpoints.
 # Never does: compute rewards or advantages, sample tokens, talk to an engine, decide correction math itself, or
 # compute a logprob itself (recompute.py: the forward through the processed distribution).
 # Invariants kept:
@@ -22,7 +22,7 @@ import functools
 import math
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import psutil
 import torch
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 import algo
 import invariants
+import lora
 import models
 import r3
 import recompute
@@ -40,6 +41,7 @@ import recompute
 CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder without it was cut off mid-save
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
 RUN_STATE = "run_state.pt"                       # the training loop's own state (train.py), for an exact resume
+LORA_ADAPTER = "adapter"                         # under LoRA: the adapter in PEFT's format (lora.write_peft_folder)
 POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means reported by algo.policy_loss
 # the counts of invariants.gate_rollouts and the means of invariants.correction_weights, summed over a step: every
 # rank sums the same keys in the same order, also a rank whose micro-batches were all fillers
@@ -135,6 +137,8 @@ class ActorConfig:
     precision: str = "auto"                    # fp32 | bf16 | auto (bf16 on a GPU, fp32 on a CPU); see PRECISIONS
     activation_checkpointing: bool = False     # recompute each decoder layer in backward (memory for compute)
     compile: str = "auto"                      # torch.compile each decoder layer: true | false | auto (on a GPU)
+    lora_rank: int = 0                         # train LoRA adapters of this rank, the base frozen (0 = every weight)
+    lora_alpha: float = 32.0                   # LoRA's alpha: an adapter's update is scaled by lora_alpha / lora_rank
 
 
 def validate_actor(cfg: ActorConfig) -> None:
@@ -161,6 +165,16 @@ def validate_actor(cfg: ActorConfig) -> None:
         raise ValueError(f"unknown precision {cfg.precision!r}; expected one of {PRECISIONS}")
     if cfg.warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 1 to train LoRA adapters, or 0 to train every weight, got "
+                         f"{cfg.lora_rank}")
+    if cfg.lora_rank and not cfg.lora_alpha > 0:
+        raise ValueError(f"lora_alpha must be > 0, got {cfg.lora_alpha}; the usual choice is twice lora_rank")
+
+
+def lora_spec(cfg: ActorConfig) -> lora.LoraSpec | None:
+    """The adapter the actor trains, for the engines to build the same one (None: full fine-tuning)."""
+    return lora.LoraSpec(cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank else None
 
 
 def lr_factor(step: int, cfg: ActorConfig, total_steps: int) -> float:
@@ -207,8 +221,14 @@ class Actor:
         # routers in bf16 and flip expert choices away from the engine's) or bf16 (PRECISIONS)
         self.precision = cfg.precision if cfg.precision != "auto" else \
             ("bf16" if self.device.type == "cuda" else "fp32")
-        self.model = models.load_model(model_path, dtype=torch.float32).to(self.device).eval()
+        # LoRA (lora.py): the base is frozen, so it needs no fp32 master copy: in bf16 it is held in bf16, the dtype
+        # autocast would cast it to for every product anyway (the adapter stays fp32, its master weights)
+        self.lora = lora_spec(cfg)
+        base_dtype = torch.bfloat16 if self.lora and self.precision == "bf16" else torch.float32
+        self.model = models.load_model(model_path, dtype=base_dtype).to(self.device).eval()
         self.is_moe = bool(r3.moe_routers(self.model))
+        if self.lora:
+            lora.add_lora(self.model, self.lora)
         # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
         # (bench/gpu.py), paid in warm_up (or else the first steps); on a CPU it would add minutes of compile
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
@@ -219,7 +239,8 @@ class Actor:
             self._checkpoint_layers()
         if self.world_size > 1:
             self._shard()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+        trainable = [p for p in self.model.parameters() if p.requires_grad]    # the adapter alone under LoRA
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay,
                                            fused=self.world_size == 1)   # CPU too: 0.10 s a step, not 0.39 (135M)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
@@ -644,13 +665,14 @@ class Actor:
     @torch.no_grad()
     def export_weights(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """Full (unsharded) weights for the engine, copied to `device` (the CPU, or the GPU an engine shares with
-        the actor, where the copy never crosses PCIe): EVERY state_dict entry (a refit that filters by name can
+        the actor, where the copy never crosses PCIe), or under LoRA the adapter's tensors alone: EVERY state_dict entry (a refit that filters by name can
         silently ship a handful of a model's parameters), each in its own dtype (an fp32 router or norm cast to bf16
         changes the engine's model), minus the tied output embedding by its exact key (models.tied_output_key).
         Collective under FSDP2; every rank gets the full dict."""
         skip, full = models.tied_output_key(self.model), lambda t: t.full_tensor() if isinstance(t, DTensor) else t
-        return {name: full(value).detach().to(device, copy=True) for name, value in self.model.state_dict().items()
-                if name != skip}
+        # under LoRA the engines hold the frozen base already: a push is the adapter alone (lora.adapter_state)
+        state = lora.adapter_state(self.model) if self.lora else self.model.state_dict()
+        return {name: full(value).detach().to(device, copy=True) for name, value in state.items() if name != skip}
 
     # -- checkpoints --
 
@@ -659,8 +681,11 @@ class Actor:
         `path`.tmp, the marker is written last, then the folder is renamed into place (replacing an old one).
         `run_state`: what the training loop needs to continue exactly (its step, the engines' sampler streams,
         Python's RNG), saved beside the actor's own state and handed back by load_checkpoint."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # under LoRA the frozen base is the model folder's: only the adapter and its optimizer state are saved
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=bool(self.lora))
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.lora:      # (a tied head is reported beside the trainable tensors all the same)
+            model_state = {name: t for name, t in model_state.items() if lora.ADAPTER_MARK in name}
         path = os.path.normpath(path)
         tmp = path + ".tmp"
         if self.rank == 0:
@@ -669,7 +694,11 @@ class Actor:
         self._barrier()
         if self.rank == 0:
             torch.save({"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
-                        "version": self.version, "world_size": self.world_size}, os.path.join(tmp, CHECKPOINT_STATE))
+                        "version": self.version, "world_size": self.world_size,
+                        "lora": asdict(self.lora) if self.lora else None},
+                       os.path.join(tmp, CHECKPOINT_STATE))
+            if self.lora:     # the adapter as PEFT saves one too, for use outside tracerl (PeftModel, vLLM)
+                lora.write_peft_folder(model_state, self.lora, os.path.join(tmp, LORA_ADAPTER))
             torch.save(run_state or {}, os.path.join(tmp, RUN_STATE))
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
@@ -690,8 +719,16 @@ class Actor:
                 f"{path!r} is not a complete actor checkpoint: the marker file {CHECKPOINT_MARKER} is missing, so the "
                 f"save was interrupted or the folder is something else. Resume from an earlier complete checkpoint.")
         state = torch.load(os.path.join(path, CHECKPOINT_STATE), map_location="cpu", weights_only=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        saved_lora = state.get("lora")
+        if saved_lora != (asdict(self.lora) if self.lora else None):
+            raise ValueError(f"{path!r} was saved with LoRA {saved_lora} but this actor trains LoRA "
+                             f"{asdict(self.lora) if self.lora else None}; resume with the same "
+                             f"--actor.lora_rank and --actor.lora_alpha")
+        if self.lora and sorted(state["model"]) != sorted(lora.adapter_keys(self.model)):
+            raise ValueError(f"{path!r} holds another adapter than this model's ({len(state['model'])} tensors, "
+                             f"{len(lora.adapter_keys(self.model))} expected)")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, strict=not self.lora))
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")

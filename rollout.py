@@ -45,6 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import invariants
+import lora
 import models
 import processing
 import r3
@@ -303,8 +304,9 @@ class EmbeddedEngine:
         self._admit_again()
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full state dict from the actor and stamp `version` on every later token; under the drain
-        policy only once the requests in flight have finished (new ones wait, then start at `version`).
+        """Load a full state dict from the actor (or, into a model with a LoRA adapter, the adapter's tensors) and
+        stamp `version` on every later token; under the drain policy only once the requests in flight have finished
+        (new ones wait, then start at `version`).
         Every key must land (a refit that filters keys by name can silently ship a handful of a model's
         parameters); only a tied output embedding may be absent from the export (models.tied_output_key)."""
         if version < self.version:
@@ -323,8 +325,10 @@ class EmbeddedEngine:
             with self._step_lock:
                 # before the load, which may change weights and then fail: the KV kept is the old policy's
                 self.prefix_cache.drop()
+                # a model with a LoRA adapter (lora.add_lora) takes the adapter's tensors alone: its base is frozen
+                adapter = set(lora.adapter_keys(self.model))
                 result, tied = self.model.load_state_dict(state, strict=False), models.tied_output_key(self.model)
-                missing = [k for k in result.missing_keys if k != tied]
+                missing = [k for k in result.missing_keys if k != tied and (not adapter or k in adapter)]
                 if result.unexpected_keys or missing:
                     raise ValueError(f"weight update does not match the engine's model: unexpected keys "
                                      f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")

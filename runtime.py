@@ -49,6 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import algo
 import cpu_setup
 import invariants
+import lora
 import models
 from agents import load_recipe
 from router import Router
@@ -110,17 +111,21 @@ def validate_runtime(cfg: RuntimeConfig, correction, minibatches: int) -> None:
 
 # ---- an engine in its own process -----------------------------------------------------------------------
 
-def embedded_engine(model_path: str, seed: int, threads: int) -> EmbeddedEngine:
-    """The engine an EngineActor serves by default: the embedded engine on the GPU Ray gave the actor, else CPU."""
+def embedded_engine(model_path: str, seed: int, threads: int, adapter: lora.LoraSpec | None = None) -> EmbeddedEngine:
+    """The engine an EngineActor serves by default: the embedded engine on the GPU Ray gave the actor, else CPU;
+    serving a LoRA adapter over the frozen base where the actor trains one."""
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"    # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
     if device == "cpu":
         cpu_setup.prepare_cpu_process()
     model = models.load_model(model_path)
+    if adapter is not None:
+        lora.add_lora(model, adapter)
     return EmbeddedEngine(model.to(device), seed=seed, tokenizer=models.load_tokenizer(model_path))
 
 
-def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, memory: float) -> VLLMEngine:
+def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, memory: float,
+                adapter: lora.LoraSpec | None = None) -> VLLMEngine:
     """A vLLM engine in an EngineActor: bf16 on the actor's GPU, the exact fp32 mode on a CPU (vLLM's CPU build).
     On a GPU its weights arrive by CUDA IPC from a trainer on the same GPU, or over its weight channel and then by
     CUDA IPC inside this process; on a CPU, over the channel and then by collective_rpc (vllm_engine.py)."""
@@ -128,7 +133,8 @@ def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, me
     on_gpu = torch.cuda.is_available()
     return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32",
                       transfer="ipc" if on_gpu else "rpc",
-                      max_model_len=max_model_len, gpu_memory_utilization=memory, enforce_eager=not on_gpu)
+                      max_model_len=max_model_len, gpu_memory_utilization=memory, enforce_eager=not on_gpu,
+                      lora_spec=adapter)
 
 
 # Generation requests and control calls run in separate thread pools of the actor: a weight update must never
@@ -621,6 +627,11 @@ class Runtime:
         channel (NCCL between GPUs, gloo otherwise). Coverage by name is the engine's check."""
         t0 = time.monotonic()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        if lora.is_adapter_state(state):
+            # a LoRA adapter (megabytes) goes to every engine as a call argument, through Ray's object store
+            router.update_weights({name: t.cpu() for name, t in state.items()}, version)
+            return {"runtime/weight_sync_s": time.monotonic() - t0, "runtime/weight_sync_bytes": float(nbytes),
+                    "runtime/weight_sync_ipc_engines": 0.0}
         first = next(iter(state.values()))
         push = WeightPush(state, gpu_uuid(first.device.index or 0) if first.is_cuda else None)
         router.update_weights(push, version)

@@ -42,6 +42,7 @@ import algo
 import cpu_setup
 import constraints
 import invariants
+import lora
 import models
 import recompute
 import runtime
@@ -299,8 +300,9 @@ def main(argv: list[str]) -> None:
              and engine_kind(ro, cuda) == "vllm")
     if early:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    adapter = actor.lora_spec(cfg["actor"])     # None, or the LoRA adapter every engine serves (lora.py)
     starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start").submit(
-        build_engine, ro, model_path, cuda, 0, tokenizer, run.seed) if early else None
+        build_engine, ro, model_path, cuda, 0, tokenizer, run.seed, adapter) if early else None
     try:
         if rt_cfg.trainer_ranks > 1:    # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
             with phase(f"Ray and {rt_cfg.trainer_ranks} trainer ranks"):
@@ -327,11 +329,11 @@ def main(argv: list[str]) -> None:
         with phase(f"Ray and {rt_cfg.engines} {kind} engine actor(s)"):
             if kind == "vllm":
                 ray_rt = runtime.start(rt_cfg, runtime.vllm_engine, lambda i: (model_path, run.seed + i, threads,
-                                                                               ro.max_length, ro.engine_memory),
-                                       policy.version)
+                                                                               ro.max_length, ro.engine_memory,
+                                                                               adapter), policy.version)
             else:
-                ray_rt = runtime.start(rt_cfg, runtime.embedded_engine, lambda i: (model_path, run.seed + i, threads),
-                                       policy.version)
+                ray_rt = runtime.start(rt_cfg, runtime.embedded_engine,
+                                       lambda i: (model_path, run.seed + i, threads, adapter), policy.version)
         engine = Router(ray_rt.proxies)
 
         def push() -> dict[str, float]:
@@ -343,7 +345,8 @@ def main(argv: list[str]) -> None:
                 rollout_engine = starting.result()
         else:
             with phase(f"the {engine_kind(ro, policy.device)} rollout engine"):
-                rollout_engine = build_engine(ro, model_path, policy.device, policy.version, tokenizer, run.seed)
+                rollout_engine = build_engine(ro, model_path, policy.device, policy.version, tokenizer, run.seed,
+                                              adapter)
         engine = Router([rollout_engine])
         # a vLLM engine on the actor's GPU gives its memory back while the actor trains (weights to host, KV dropped)
         if isinstance(rollout_engine, VLLMEngine) and policy.device.type == "cuda":
@@ -493,17 +496,20 @@ def engine_kind(ro: RolloutConfig, device: torch.device) -> str:
     return ro.engine
 
 
-def build_engine(ro: RolloutConfig, model_path: str, device: torch.device, version: int, tokenizer, seed: int):
-    """The rollout engine `--rollout.engine` names, on the actor's device, at a version."""
+def build_engine(ro: RolloutConfig, model_path: str, device: torch.device, version: int, tokenizer, seed: int,
+                 adapter: lora.LoraSpec | None = None):
+    """The rollout engine `--rollout.engine` names, on the actor's device, at a version; serving a LoRA adapter
+    over the frozen base where the actor trains one."""
     if engine_kind(ro, device) == "embedded":
-        return EmbeddedEngine(models.load_model(model_path).to(device), version=version, seed=seed,
-                              tokenizer=tokenizer)
+        model = models.load_model(model_path)
+        return EmbeddedEngine((lora.add_lora(model, adapter) if adapter else model).to(device), version=version,
+                              seed=seed, tokenizer=tokenizer)
     on_gpu = device.type == "cuda"
     # bf16 on a GPU (the actor's recompute in fp32 logits measures the mismatch); fp32 on a CPU, the exact mode
     return VLLMEngine(model_path, version=version, seed=seed,
                       dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
                       sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
-                      enforce_eager=not on_gpu)
+                      enforce_eager=not on_gpu, lora_spec=adapter)
 
 
 def run_state_at(step: int, engine: Router) -> dict:

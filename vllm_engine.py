@@ -46,6 +46,12 @@
 # the weights travel under the checkpoint's names and layout (`checkpoint_state`: transformers 5 renames and fuses
 # some models' weights as it loads them) and every key of the engine's checkpoint must arrive. An engine on a GPU of its own gets the weights over the async
 # runtime's weight channel (runtime.py: NCCL into its process), then by CUDA IPC from there.
+# LoRA (`lora=`, lora.py): the engine serves the adapter unmerged (vLLM's LoRA layers add alpha/r * B(A x) to the
+# frozen base, as PEFT's layer does in the trainer; a merge would round W + alpha/r * B A in the engine's dtype, which
+# the trainer never does). A push is the adapter alone, written as a PEFT folder and registered as a new vLLM adapter
+# (`_load_adapter`): a request is sampled whole under the adapter of the version it started at (vLLM binds the
+# LoRARequest at admission), so a push needs no pause, no drain and no re-prefill, and every token of a request has
+# that one version (invariant 2); older adapters are dropped once no request uses them.
 # Never: computes rewards, touches the ledger, or trains.
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ import functools
 import io
 import json
 import os
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -65,9 +73,13 @@ import torch
 import transformers
 
 import invariants
+import lora
 import models
 from rollout import (Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling,
                      validate_sampling)
+
+LORA_SLOTS = 4     # adapters vLLM holds at once: the newest, and older ones while requests started under them finish
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
 
 
 def available() -> bool:
@@ -178,7 +190,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, version: int = 0, seed: int = 0, *, dtype: str = "auto",
                  transfer: str = "ipc", sleep_mode: bool = False, drain_on_update: bool | None = None,
                  reprefill_on_update: bool = True, prefix_caching: bool = True,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False):
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
+                 lora_spec: lora.LoraSpec | None = None):
         from vllm import AsyncEngineArgs
         from vllm.config import StructuredOutputsConfig
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -217,6 +230,12 @@ class VLLMEngine:
         self._drained = asyncio.Event()               # set when the last request in flight ends
         self._generation_paused = False               # vLLM's scheduler is paused (pause() when keeping requests)
         self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
+        self.lora_spec = lora_spec
+        self._adapters: dict[int, object] = {}       # version -> its vLLM LoRARequest, while current or still in use
+        self._adapter_root = tempfile.mkdtemp(prefix="tracerl-adapters-") if lora_spec else None
+        adapter_args = {} if lora_spec is None else dict(
+            enable_lora=True, max_loras=LORA_SLOTS,
+            max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= lora_spec.rank), lora_spec.rank))
         register_in_process(config.get("architectures") or [])
         args = AsyncEngineArgs(
             model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
@@ -229,7 +248,7 @@ class VLLMEngine:
             # request of bench/fp32_parity.py's r3_update had routes for every position (docs/gpu.md)
             async_scheduling=False if self.is_moe else None,
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # constraints.py's engine
-            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None)
+            weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None, **adapter_args)
         if transfer == "ipc":
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
             # pickle are this process and the engine it started
@@ -277,7 +296,11 @@ class VLLMEngine:
         """Load a full state dict from the actor and stamp `version` on every later token. Pauses unless already
         paused; then, draining, waits for the requests in flight to finish, or, keeping them, re-prefills them with
         the new weights. On a GPU the tensors go by CUDA IPC (a CPU tensor is copied to the engine's GPU first).
-        `state` may use the trainer's names or the checkpoint's (checkpoint_state)."""
+        `state` may use the trainer's names or the checkpoint's (checkpoint_state). An engine built with a LoRA
+        spec takes the adapter's tensors alone (lora.adapter_state) and serves them as a new adapter instead."""
+        if self.lora_spec is not None:
+            self._load_adapter(state, version)
+            return
         state = checkpoint_state(state, self.model_path)
         names = self.begin_weight_update(list(state), version)
         if self.transfer == "ipc":
@@ -286,6 +309,36 @@ class VLLMEngine:
             with self._control:
                 self._send_rpc({name: state[name] for name in names})
         self.finish_weight_update(version)
+
+    def _load_adapter(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """A LoRA push (the header): the adapter as a PEFT folder, registered with vLLM (loaded now, so an adapter
+        that does not fit the model fails the push, not a later request), then current for every request that
+        starts from here on; the requests in flight keep the adapter they started under."""
+        from vllm.lora.request import LoRARequest
+        if not lora.is_adapter_state(state):
+            raise ValueError(f"this engine serves a LoRA adapter: a weight update must hold the adapter's tensors "
+                             f"alone (lora.adapter_state), got keys such as {sorted(state)[:3]}")
+        if version < self.version:
+            raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
+        path = os.path.join(self._adapter_root, f"v{version}")
+        shutil.rmtree(path, ignore_errors=True)
+        lora.write_peft_folder(state, self.lora_spec, path)
+        # vLLM's adapter ids start at 1 (0 is the base); a reloaded version (a rejoin) replaces its own adapter
+        self._call(self._swap_adapter(version, LoRARequest(f"tracerl-v{version}", version + 1, path,
+                                                           load_inplace=version in self._adapters)))
+
+    async def _swap_adapter(self, version: int, request) -> None:
+        await self._llm.add_lora(request)
+        self._adapters[version] = request
+        self.version = version      # on the loop: a request starts under one (version, adapter) pair, never a mix
+        await self._drop_unused_adapters()
+
+    async def _drop_unused_adapters(self) -> None:
+        """Remove from vLLM, and from disk, every adapter that is neither current nor used by a request in flight."""
+        in_use = {request.version_starts[0][0] for request in self._active.values()} | {self.version}
+        for version in [v for v in self._adapters if v not in in_use]:
+            await self._llm.remove_lora(self._adapters.pop(version).lora_int_id)
+            shutil.rmtree(os.path.join(self._adapter_root, f"v{version}"), ignore_errors=True)
 
     # An update in three calls, so the trainer may sit in another process on the same GPU (the async runtime's
     # engine actor): begin, then the trainer's send_ipc_weights hands each chunk's CUDA IPC handles to
@@ -372,6 +425,8 @@ class VLLMEngine:
         # error) would be destroyed pending at exit, with asyncio's error log: cancel and await what is left
         self._call(self._cancel_pending())
         self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     @staticmethod
     async def _cancel_pending() -> None:
@@ -465,12 +520,15 @@ class VLLMEngine:
                                   cache_salt=salt)
         else:
             prompt = TokensPrompt(prompt_token_ids=request.prompt_ids, cache_salt=salt)
-        # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too
+        # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too; under LoRA
+        # the request is sampled whole by the adapter of this version (None at a version no adapter was pushed for:
+        # the base, which an adapter equals at its start, B = 0)
         request.version_starts.append((self.version, 0))
+        adapter = self._adapters.get(self.version)
         self._active[request_id] = request
         try:
             try:
-                queue = await self._llm.add_request(request_id, prompt, _vllm_params(request))
+                queue = await self._llm.add_request(request_id, prompt, _vllm_params(request), lora_request=adapter)
             except _client_errors() as e:  # the request's own bad input (an out-of-vocab stop id, too long a prompt)
                 raise ValueError(str(e)) from e
             while not request.finished:
@@ -485,6 +543,8 @@ class VLLMEngine:
             self._active.pop(request_id, None)
             if not self._active:
                 self._drained.set()
+            if self.lora_spec is not None and len(self._adapters) > 1:
+                await self._drop_unused_adapters()
 
     async def _close_admission(self) -> None:
         self._admitting.clear()

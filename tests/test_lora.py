@@ -1,0 +1,264 @@
+# Tests of lora.py and of LoRA through the actor and both engines: which layers are adapted, the adapted forward
+# against W x + alpha/r * B A x written by hand, a train step that moves the adapter alone, the push of the adapter
+# alone (engine and trainer agree after it, and a skipped push is caught: invariant 3's trap), R3 under an MoE base,
+# vLLM serving the adapter (every token of a request under the adapter it started at: invariant 2), and checkpoints
+# that hold the adapter alone, resume exactly and load in PEFT.
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import actor
+import algo
+import invariants
+import lora
+import models
+import r3
+import rollout
+from conftest import import_vllm
+from test_actor import make_batch, on_policy, rows_from
+
+TEMPERATURE = 0.8
+SPEC = lora.LoraSpec(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir() -> str:
+    return models.tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_dir() -> str:
+    return models.tiny_model_dir("qwen3_moe")
+
+
+def lora_actor(model_dir: str, **overrides) -> actor.Actor:
+    cfg = actor.ActorConfig(precision="fp32", lr=3e-2, micro_batch_size=2, lora_rank=SPEC.rank,
+                            lora_alpha=SPEC.alpha, **overrides)
+    return actor.Actor(model_dir, cfg, total_steps=8)
+
+
+def step(policy: actor.Actor, seed: int) -> dict:
+    """One REINFORCE step on a random batch, on-policy."""
+    batch = make_batch([10, 7, 9, 8], prompt_len=3, vocab=policy.model.config.vocab_size, seed=seed,
+                       version=policy.version)
+    return policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+                             invariants.CorrectionConfig(), policy.version).metrics
+
+
+# ---- which layers, and the adapted layer by hand ----
+
+def test_the_adapted_modules_are_the_language_models_linears_and_never_a_router_head_or_vision_tower():
+    dense = lora.adapted_modules(models.tiny_model("qwen3"))
+    assert len(dense) == 2 * 7 and all(name.startswith("model.layers.") for name in dense)
+    assert {name.rsplit(".", 1)[1] for name in dense} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}
+    moe = models.tiny_model("qwen3_moe")
+    moe_names = lora.adapted_modules(moe)
+    router_names = {name for name, module in moe.named_modules() if module in set(r3.moe_routers(moe))}
+    assert router_names and not router_names & set(moe_names)
+    assert {name.rsplit(".", 1)[1] for name in moe_names} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    vision = lora.adapted_modules(models.tiny_model("qwen2_5_vl"))
+    assert vision and all(".language_model." in name for name in vision)
+    assert not any("lm_head" in name or "embed" in name for name in dense + moe_names + vision)
+
+
+def test_an_adapted_layer_is_w_x_plus_alpha_over_r_b_a_x_and_the_fresh_adapter_changes_nothing(qwen3_dir):
+    base = models.load_model(qwen3_dir)
+    adapted = lora.add_lora(models.load_model(qwen3_dir), SPEC)
+    ids = torch.tensor([[5, 17, 42, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=ids).logits, adapted(input_ids=ids).logits), "B = 0 at the start"
+    assert all(p.requires_grad == (lora.ADAPTER_MARK in n) for n, p in adapted.named_parameters())
+    assert all(p.dtype == torch.float32 for n, p in adapted.named_parameters() if lora.ADAPTER_MARK in n)
+
+    layer = adapted.model.layers[0].self_attn.q_proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.copy_(torch.randn_like(b))
+        x = torch.randn(3, a.shape[1])
+        by_hand = x @ layer.base_layer.weight.T + SPEC.alpha / SPEC.rank * (x @ a.T) @ b.T
+        assert torch.allclose(layer(x), by_hand, atol=1e-5, rtol=0)
+        assert (layer(x) - x @ layer.base_layer.weight.T).abs().max() > 1e-2     # the path is live
+
+
+# ---- the actor ----
+
+def test_a_lora_step_moves_the_adapter_alone_and_exports_it_alone(qwen3_dir):
+    policy = lora_actor(qwen3_dir)
+    before = {name: t.clone() for name, t in policy.model.state_dict().items()}
+    assert {id(p) for group in policy.optimizer.param_groups for p in group["params"]} == \
+        {id(p) for n, p in policy.model.named_parameters() if lora.ADAPTER_MARK in n}
+    metrics = step(policy, seed=0)
+    assert metrics["actor/skipped"] == 0.0 and policy.version == 1
+    after = policy.model.state_dict()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all(".lora_B." in name for name in moved), "the first step moves B (A's gradient is 0 at B=0)"
+    assert all(torch.equal(before[n], after[n]) for n in before if lora.ADAPTER_MARK not in n), "the base is frozen"
+    step(policy, seed=1)
+    assert any(".lora_A." in n and not torch.equal(before[n], t) for n, t in policy.model.state_dict().items())
+
+    exported = policy.export_weights()
+    assert sorted(exported) == sorted(lora.adapter_keys(policy.model)) and lora.is_adapter_state(exported)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in exported.values())
+    model_bytes = sum(t.numel() * t.element_size() for t in policy.model.state_dict().values())
+    assert adapter_bytes < model_bytes / 5
+
+
+def test_the_engine_and_the_trainer_agree_after_an_adapter_push_and_a_skipped_push_is_caught(qwen3_dir):
+    policy = lora_actor(qwen3_dir)
+    for seed in range(3):
+        step(policy, seed)
+    engine = rollout.EmbeddedEngine(lora.add_lora(models.load_model(qwen3_dir), SPEC))
+    prompts, params = [[5, 17, 42], [7, 8, 9, 10, 11]], rollout.SamplingParams(temperature=TEMPERATURE,
+                                                                                max_tokens=8, seed=3)
+
+    def gap() -> float:
+        generations = engine.generate(prompts, params)
+        batch = invariants.build_batch(rows_from(generations), [1.0, -1.0], pad_id=0)
+        return ((policy.recompute_logprobs(batch) - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
+
+    stale = gap()          # the trap: the engine still serves the version-0 adapter (the base)
+    engine.update_weights(policy.export_weights(), policy.version)
+    synced = gap()
+    assert synced < 1e-5 < 1e-2 < stale, (synced, stale)
+    with pytest.raises(ValueError, match="missing keys"):       # half an adapter is refused, never half applied
+        engine.update_weights(dict(list(policy.export_weights().items())[:3]), policy.version + 1)
+
+
+def test_lora_over_an_moe_base_keeps_routes_replayed_and_the_routers_frozen(moe_dir):
+    policy = lora_actor(moe_dir)
+    step(policy, seed=0)
+    engine = rollout.EmbeddedEngine(lora.add_lora(models.load_model(moe_dir), SPEC))
+    engine.update_weights(policy.export_weights(), policy.version)
+    generations = engine.generate([[5, 17, 42], [7, 8, 9, 10]], rollout.SamplingParams(temperature=TEMPERATURE,
+                                                                                        max_tokens=8, seed=1))
+    assert all(g.routes is not None for g in generations)
+    rows = []
+    for i, gen in enumerate(generations):       # as a runner records them, routes included
+        ledger = invariants.TokenLedger(f"r{i}", "g")
+        ledger.extend_or_seal(gen.prompt_ids)
+        ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling, routed=True)
+        ledger.absorb_routes(gen.routes)
+        rows += ledger.rows()
+    batch = invariants.build_batch(rows, [1.0, -1.0], pad_id=0)
+    replayed = policy.recompute_logprobs(batch)
+    assert ((replayed - batch.behavior_logprobs) * batch.loss_mask).abs().max() < 1e-5
+    num_experts = policy.model.config.num_experts
+    shifted = invariants.TrainBatch(**{**vars(batch), "routes": torch.where(batch.routes >= 0,
+                                                                            (batch.routes + 1) % num_experts, -1)})
+    assert ((policy.recompute_logprobs(shifted) - replayed) * batch.loss_mask).abs().max() > 1e-3  # replay is live
+    routers = [p for router in r3.moe_routers(policy.model) for p in router.parameters()]
+    assert routers and not any(p.requires_grad for p in routers)
+    batch.behavior_logprobs = replayed * batch.loss_mask
+    metrics = policy.train_step(batch, replayed, algo.AlgoConfig(estimator="reinforce"),
+                                invariants.CorrectionConfig(), policy.version).metrics
+    assert metrics["actor/skipped"] == 0.0 and metrics["actor/r3_unreplayed_tokens"] == 0.0
+
+
+# ---- checkpoints ----
+
+def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_exactly_and_loads_in_peft(qwen3_dir, tmp_path):
+    straight = lora_actor(qwen3_dir, weight_decay=0.01)
+    straight_metrics = [step(straight, seed) for seed in range(4)]
+
+    first = lora_actor(qwen3_dir, weight_decay=0.01)
+    for seed in range(2):
+        step(first, seed)
+    path = str(tmp_path / "ckpt")
+    first.save_checkpoint(path)
+    saved = torch.load(os.path.join(path, actor.CHECKPOINT_STATE), weights_only=True)
+    assert sorted(saved["model"]) == sorted(lora.adapter_keys(first.model))
+    assert saved["lora"] == {"rank": SPEC.rank, "alpha": SPEC.alpha}
+
+    resumed = lora_actor(qwen3_dir, weight_decay=0.01)
+    resumed.load_checkpoint(path)
+    resumed_metrics = [step(resumed, seed) for seed in range(2, 4)]
+    assert [m["actor/loss"] for m in resumed_metrics] == [m["actor/loss"] for m in straight_metrics[2:]]
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+
+    # the PEFT folder: PEFT itself loads it over the base and computes the actor's logits
+    from peft import PeftModel
+    with open(os.path.join(path, actor.LORA_ADAPTER, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == SPEC.rank
+    peft_model = PeftModel.from_pretrained(models.load_model(qwen3_dir), os.path.join(path, actor.LORA_ADAPTER))
+    ids = torch.tensor([[5, 17, 42, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, first.model(input_ids=ids).logits, atol=1e-6)
+
+    other = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", lora_rank=8), total_steps=8)
+    with pytest.raises(ValueError, match="lora_rank"):
+        other.load_checkpoint(path)
+    full = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=8)
+    with pytest.raises(ValueError, match="LoRA"):
+        full.load_checkpoint(path)
+
+
+def test_bad_lora_settings_are_refused():
+    with pytest.raises(ValueError, match="lora_rank"):
+        actor.validate_actor(actor.ActorConfig(lora_rank=-1))
+    with pytest.raises(ValueError, match="lora_alpha"):
+        actor.validate_actor(actor.ActorConfig(lora_rank=8, lora_alpha=0.0))
+    assert actor.lora_spec(actor.ActorConfig()) is None
+    assert actor.lora_spec(actor.ActorConfig(lora_rank=8, lora_alpha=16)) == lora.LoraSpec(8, 16.0)
+
+
+# ---- vLLM serves the adapter (its CPU build) ----
+
+def test_vllm_serves_the_pushed_adapter_and_each_request_keeps_the_adapter_it_started_under():
+    import_vllm()
+    from vllm_engine import VLLMEngine
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model_dir = models.tiny_model_dir("qwen3", head_dim=32)     # vLLM's CPU attention needs head_dim >= 32
+    policy = lora_actor(model_dir)
+    for seed in range(3):
+        step(policy, seed)
+    engine = VLLMEngine(model_dir, dtype="float32", transfer="rpc", enforce_eager=True, max_model_len=512,
+                        lora_spec=SPEC)
+    try:
+        prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
+        params = rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=8, seed=3)
+
+        def gap(recomputing: actor.Actor, generations) -> float:
+            batch = invariants.build_batch(rows_from(generations), [1.0] * len(generations), pad_id=0)
+            lp = recomputing.recompute_logprobs(batch)
+            return ((lp - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
+
+        stale = gap(policy, engine.generate(prompts, params))      # the trap: no adapter pushed yet (the base)
+        engine.update_weights(policy.export_weights(), policy.version)
+        synced = gap(policy, engine.generate(prompts, params))
+        assert synced < 1e-4 < 1e-2 < stale, (synced, stale)
+        with pytest.raises(ValueError, match="adapter"):
+            engine.update_weights(models.load_model(model_dir).state_dict(), policy.version + 1)
+
+        # a push while a long request runs: that request keeps the adapter it started under, every token at its
+        # version; a request after the push is sampled by the new adapter; the trainer agrees with each
+        old_version, old_adapter = policy.version, policy.export_weights()
+        heard, count, kept = threading.Event(), [0], []
+
+        def listen(index, token_id):
+            count[0] += 1
+            if count[0] == 5:
+                heard.set()
+        long_params = rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=48, seed=5, stop_token_ids=(689,))
+        running = threading.Thread(target=lambda: kept.extend(engine.generate([[5, 6, 7]], long_params, listen)))
+        running.start()
+        assert heard.wait(timeout=120)
+        step(policy, seed=9)
+        engine.update_weights(policy.export_weights(), policy.version)
+        heard_at_push = count[0]
+        after = engine.generate(prompts, params)
+        running.join(timeout=120)
+        assert heard_at_push < len(kept[0].token_ids), "the request was still running when the push ended"
+        assert set(kept[0].policy_versions) == {old_version}
+        assert {v for g in after for v in g.policy_versions} == {policy.version}
+        assert gap(policy, after) < 1e-4
+        then = lora_actor(model_dir)
+        then.model.load_state_dict(old_adapter, strict=False)
+        assert gap(then, kept) < 1e-4 < gap(policy, kept)
+        assert list(engine._adapters) == [policy.version], "an adapter is dropped once no request uses it"
+    finally:
+        engine.shutdown()
