@@ -1,8 +1,8 @@
 # GPU claims, checked on a CUDA machine (the CPU suite covers the same logic with gloo): the actor on a GPU
 # recomputes the CPU engine's behavior logprobs (text rows, and a VLM's rows with their images), an MoE on vLLM
 # keeps R3 across a weight update (the drain: one version and vLLM's routes for every position of each request),
-# FSDP2 over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch, and an actor that fails
-# to start stops the vLLM engine that train.py started beside it.
+# FSDP2 over NCCL on two GPUs takes the same optimizer step as one GPU on the whole batch, vLLM serves a LoRA adapter
+# the trainer recomputes, and an actor that fails to start stops the vLLM engine that train.py started beside it.
 import contextlib
 import copy
 import dataclasses
@@ -279,3 +279,38 @@ def test_an_actor_that_fails_to_start_stops_the_vllm_engine_started_before_it(tm
     time.sleep(2)
     left = [p for p in started.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, (left, output[-3000:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_vllm_serves_the_lora_adapter_the_trainer_recomputes(dtype):
+    """vLLM on the GPU serving LoRA adapters unmerged (its punica kernels), pushed from an actor that trains them:
+    after a push the trainer's recompute meets vLLM's logprobs (fp32: to the exact mode's precision; bf16: within
+    bf16's), far closer than to the base the engine served before the push (armed); every request has one version."""
+    import_vllm()
+    from test_lora import SPEC, lora_actor, step
+    from vllm_engine import VLLMEngine
+    path = models.tiny_model_dir("qwen3", head_dim=64)
+    policy = lora_actor(path, compile="false", precision="fp32" if dtype == "float32" else "bf16")
+    for seed in range(3):
+        step(policy, seed)
+    engine = VLLMEngine(path, dtype=dtype, transfer="ipc", enforce_eager=True, gpu_memory_utilization=0.2,
+                        max_model_len=512, lora_spec=SPEC)
+    try:
+        prompts = [list(range(3, 20)), list(range(30, 41)), [5, 17, 42]]
+        params = SamplingParams(temperature=TEMPERATURE, max_tokens=32, seed=3)
+
+        def gaps() -> tuple[float, float]:
+            generations = engine.generate(prompts, params)
+            assert {v for g in generations for v in g.policy_versions} == {engine.version}
+            batch = invariants.build_batch(rows_from(generations), [1.0] * len(prompts), pad_id=0)
+            diff = ((policy.recompute_logprobs(batch) - batch.behavior_logprobs) * batch.loss_mask).abs()
+            return diff.sum().item() / batch.loss_mask.sum().item(), diff.max().item()
+
+        stale_mean, _ = gaps()
+        engine.update_weights(policy.export_weights(policy.device), policy.version)
+        mean, worst = gaps()
+        print(f"vLLM {dtype} LoRA: trainer gap mean {mean:.2e} max {worst:.2e} nats; before the push {stale_mean:.2e}")
+        assert stale_mean > 20 * mean
+        assert (mean, worst) < ((1e-5, 1e-4) if dtype == "float32" else (2e-2, 0.5))
+    finally:
+        engine.shutdown()
