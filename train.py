@@ -459,6 +459,9 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
         if sleeper is not None:
+            # the actor's cached activations go back to the device before the engine takes its share again, so the
+            # GPU's peak is the larger of the two phases rather than their sum
+            torch.cuda.empty_cache()
             sleeper.wake_up()
 
         # 3. push the new weights to the engines (pause, load, resume: a dense model's engines keep their requests
