@@ -2,7 +2,7 @@
 # against W x + alpha/r * B A x written by hand, a train step that moves the adapter alone, the push of the adapter
 # alone (engine and trainer agree after it, and a skipped push is caught: invariant 3's trap), R3 under an MoE base,
 # vLLM serving the adapter (every token of a request under the adapter it started at: invariant 2), and checkpoints
-# that hold the adapter alone, resume exactly and load in PEFT.
+# that hold the adapter alone, resume exactly and load in PEFT; two FSDP2 ranks take the one-process step.
 import json
 import os
 import threading
@@ -291,3 +291,54 @@ def test_a_lora_run_trains_the_adapter_the_engine_samples_with_and_resumes(mode,
     assert done.returncode == 0, done.stderr[-3000:]
     (record,) = metrics_of(resumed)
     assert record["step"] == 3 and record["actor/version"] == 6 and record["mismatch/logprob_diff_max"] < 1e-4
+
+
+# ---- FSDP2: two ranks take the one-process LoRA step ----
+
+LORA_FSDP = dict(precision="fp32", lr=1e-2, micro_batch_size=2, max_grad_norm=1e9, lora_rank=SPEC.rank,
+                 lora_alpha=SPEC.alpha)
+
+
+def _lora_fsdp_worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from test_actor import FSDP_LENGTHS, FSDP_PROMPT, select_rows
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        policy = actor.Actor(model_dir, actor.ActorConfig(**LORA_FSDP), total_steps=2)
+        for step_index in range(2):        # the second step has A's gradients too (B is off zero)
+            full = make_batch(FSDP_LENGTHS, FSDP_PROMPT, policy.model.config.vocab_size, seed=step_index,
+                              version=policy.version)
+            batch = select_rows(full, list(range(rank, len(FSDP_LENGTHS), world_size)))
+            policy.train_step(batch, on_policy(batch, policy), algo.AlgoConfig(estimator="reinforce"),
+                              invariants.CorrectionConfig(), policy.version)
+        grads = {name: p.grad.full_tensor() for name, p in policy.model.named_parameters() if p.grad is not None}
+        export = policy.export_weights()
+        policy.save_checkpoint(os.path.join(out_dir, "ckpt"))
+        if rank == 0:
+            torch.save({"grads": grads, "export": export}, os.path.join(out_dir, "fsdp.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU")
+def test_fsdp2_two_ranks_take_the_one_process_lora_step_and_their_checkpoint_resumes_in_one(qwen3_dir, tmp_path):
+    import torch.multiprocessing as mp
+    from test_actor import FSDP_LENGTHS, FSDP_PROMPT, free_port, max_abs_diff
+    mp.spawn(_lora_fsdp_worker, args=(2, free_port(), qwen3_dir, str(tmp_path)), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    single = actor.Actor(qwen3_dir, actor.ActorConfig(**LORA_FSDP), total_steps=2)
+    for step_index in range(2):
+        batch = make_batch(FSDP_LENGTHS, FSDP_PROMPT, single.model.config.vocab_size, seed=step_index,
+                           version=single.version)
+        single.train_step(batch, on_policy(batch, single), algo.AlgoConfig(estimator="reinforce"),
+                          invariants.CorrectionConfig(), single.version)
+    grads = {name: p.grad for name, p in single.model.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(sharded["grads"]) and all(lora.ADAPTER_MARK in name for name in grads)
+    assert max_abs_diff(sharded["grads"], grads) <= 1e-5
+    assert any(".lora_A." in name and g.abs().max() > 0 for name, g in grads.items())
+    assert max_abs_diff(sharded["export"], single.export_weights()) <= 1e-5
+    resumed = actor.Actor(qwen3_dir, actor.ActorConfig(**LORA_FSDP), total_steps=2)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.version == 2 and max_abs_diff(resumed.export_weights(), sharded["export"]) == 0.0
