@@ -46,6 +46,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import actor  # noqa: E402
+import config  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
@@ -226,11 +227,11 @@ def main() -> None:
     max_length = max(PREFIX + PROBE_TAIL, (256 if args.recipe else PREFIX + TAIL) + args.max_tokens) + 16
     cfg, policy, trainer, work = None, None, None, tempfile.mkdtemp(prefix="vllm-steps-")
     if args.actor:            # as train.py builds it: the recipe's defaults, this batch's shape; before the engine
-        cfg = train.parse_config(["--recipe", args.recipe, "--model", path, "--steps", str(args.steps),
-                                  "--rollout.prompts_per_step", str(args.prompts),
-                                  "--rollout.samples_per_prompt", str(args.samples),
-                                  "--rollout.max_tokens", str(args.max_tokens), "--rollout.max_length",
-                                  str(max_length), "--rollout.temperature", str(args.temperature)])
+        cfg = config.parse_config(["--recipe", args.recipe, "--model", path, "--steps", str(args.steps),
+                                   "--rollout.prompts_per_step", str(args.prompts),
+                                   "--rollout.samples_per_prompt", str(args.samples),
+                                   "--rollout.max_tokens", str(args.max_tokens), "--rollout.max_length",
+                                   str(max_length), "--rollout.temperature", str(args.temperature)])
         policy = actor.Actor(path, cfg["actor"], total_steps=args.steps * cfg["train"].minibatches)
         os.makedirs(os.path.join(work, "traces"))
     else:

@@ -6,7 +6,7 @@ from openai import AsyncOpenAI
 
 from agents import ChatAgent, ChatAgentRunner, Result
 from agents.graders import grade
-from recipes.math import DEFAULTS, tasks  # noqa: F401  (train.py reads both from this module)
+from recipes.math import DEFAULTS, tasks  # noqa: F401  (read from this module: config.py, train.py)
 
 
 class MathChatAgent(ChatAgent):

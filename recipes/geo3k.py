@@ -24,7 +24,7 @@ SYNTHETIC_ROWS = {"train": 512, "validation": 100, "test": 100}
 
 ON_GPU = models.gpu_defaults()
 
-# Overrides of train.py's config defaults (any of them can still be changed with --section.key value).
+# Overrides of the config's defaults (config.py); any of them can still be changed with --section.key value.
 DEFAULTS = {
     "run.model": GPU_MODEL if ON_GPU else CPU_MODEL,
     "run.steps": 100 if ON_GPU else 3,

@@ -12,7 +12,7 @@ from openai import AsyncOpenAI, BadRequestError
 from agents import ChatAgent, ChatAgentRunner, Result
 from agents.graders import extract_final_answer, grade
 from agents.tools import call_tool, python_tool
-from recipes.geo3k import DEFAULTS, notice, tasks  # noqa: F401  (train.py reads these from this module)
+from recipes.geo3k import DEFAULTS, notice, tasks  # noqa: F401  (read from this module: config.py, train.py)
 
 TOOLS = [python_tool()]
 

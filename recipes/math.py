@@ -6,7 +6,7 @@ import data
 from agents import Env, EnvRunner, Result
 from agents.graders import extract_final_answer, grade
 
-# Overrides of train.py's config defaults (any of them can still be changed with --section.key value).
+# Overrides of the config's defaults (config.py); any of them can still be changed with --section.key value.
 DEFAULTS = {
     "run.model": "smollm2",
     "run.steps": 24,

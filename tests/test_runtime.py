@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 import actor
 import algo
+import config
 import invariants
 import models
 import processing
@@ -409,18 +410,18 @@ def test_an_engine_dead_before_a_checkpoint_is_taken_out_and_the_checkpoint_name
 def test_async_without_is_correction_or_with_a_tighter_gate_is_refused():
     base = ["--model", "tiny-qwen3", "--runtime.mode", "ray", "--runtime.eta", "1"]
     with pytest.raises(SystemExit):
-        train.parse_config(base)
+        config.parse_config(base)
     with pytest.raises(SystemExit):
-        train.parse_config(base + ["--correction.level", "token"])       # max_staleness 0 < eta * minibatches
-    cfg = train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2"])
+        config.parse_config(base + ["--correction.level", "token"])       # max_staleness 0 < eta * minibatches
+    cfg = config.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2"])
     assert cfg["runtime"].eta == 1
     with pytest.raises(SystemExit):        # trainer ranks are Ray actors: the sync loop has none
-        train.parse_config(["--model", "tiny-qwen3", "--runtime.trainer_ranks", "2"])
+        config.parse_config(["--model", "tiny-qwen3", "--runtime.trainer_ranks", "2"])
     with pytest.raises(SystemExit):        # not one of Ray's placement strategies
-        train.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2",
-                                   "--runtime.trainer_placement", "spread"])
+        config.parse_config(base + ["--correction.level", "token", "--correction.max_staleness", "2",
+                                    "--runtime.trainer_placement", "spread"])
     with pytest.raises(SystemExit):        # runner actors are Ray actors too
-        train.parse_config(["--model", "tiny-qwen3", "--runtime.runners", "2"])
+        config.parse_config(["--model", "tiny-qwen3", "--runtime.runners", "2"])
 
 
 def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp_path):

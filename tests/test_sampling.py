@@ -16,6 +16,7 @@ import torch
 
 import actor
 import agents
+import config
 import constraints
 import data
 import invariants
@@ -99,8 +100,8 @@ def test_sdk_requests_with_their_own_sampling_are_recomputed_at_it(tiny_dir, pol
     assert recorded == {(0.3, 1.0, -1), (0.7, 0.8, -1), (1.6, 0.5, -1), (0.5, 1.0, 5)}   # each token's own
     assert_recomputed_at_the_recorded_sampling(policy, batch, "SDK per-request sampling")
     # and the trainer's own metric, through the real training path, reads the exact agreement
-    cfg = train.parse_config(["--recipe", "math", "--model", tiny_dir, "--rollout.temperature", str(RUN_TEMPERATURE),
-                              "--train.trace_rows", "0"])
+    cfg = config.parse_config(["--recipe", "math", "--model", tiny_dir, "--rollout.temperature", str(RUN_TEMPERATURE),
+                               "--train.trace_rows", "0"])
     (tmp_path / "traces").mkdir()
     metrics = train.train_on_rows(cfg, actor.Actor(tiny_dir, cfg["actor"], total_steps=1), None, tok, rows,
                                   str(tmp_path), 0)

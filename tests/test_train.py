@@ -1,6 +1,6 @@
 # The main job end to end, through its real command line: a short run on a tiny model writes every
-# artefact a user reads (metrics, TensorBoard, plot, traces, checkpoints), resumes, traces a sample token
-# by token, and refuses bad flags before anything loads.
+# artefact a user reads (metrics, TensorBoard, plot, traces, checkpoints), resumes, and traces a sample token
+# by token (the flags it refuses: test_config.py).
 import json
 import math
 import os
@@ -14,6 +14,7 @@ import torch
 
 import actor
 import algo
+import config
 import data
 import invariants
 import models
@@ -187,7 +188,7 @@ def test_the_trace_shows_each_tokens_actual_share_of_the_loss(tmp_path):
 
 
 def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
-    cfg = train.parse_config([*TINY_RUN, "--train.minibatches", "2", "--train.trace_rows", "0"])
+    cfg = config.parse_config([*TINY_RUN, "--train.minibatches", "2", "--train.trace_rows", "0"])
     model_path = models.resolve_model("tiny-qwen3")
     tok = models.load_tokenizer(model_path)
     runner = train.load_recipe("math").AgentRunner(rollout.EmbeddedEngine(models.load_model(model_path), seed=1), tok,
@@ -201,57 +202,6 @@ def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
     metrics = train.train_on_rows(cfg, policy, None, tok, rows, str(tmp_path), 0)
     sampled = sum(row.num_trainable for _, row in rows)
     assert metrics["actor/kept_tokens"] == sampled       # not halved by a minibatch that never ran
-
-
-@pytest.mark.parametrize("flags, reason", [
-    (["--no.such_flag", "1"], "unrecognized arguments"),
-    (["--rollout.top_p", "1.5"], "top_p must be in (0, 1]"),
-    (["--rollout.samples_per_prompt", "1"], "samples_per_prompt"),
-    (["--algo.kl_in_reward", "true", "--algo.kl_coef", "0.1"], "silently ignored"),
-    (["--correction.level", "token", "--correction.high", "0.9"], "high"),
-    (["--rollout.temperature", "0"], "temperature"),
-    (["--train.minibatches", "3"], "minibatches"),
-    (["--recipe", "nope"], "unknown recipe"),
-    (["--steps", "many"], "invalid"),
-    (["--run.sandbox_accept", "namespace"], "unknown protections ['namespace']"),
-    (["--rollout.max_length", "-1"], "rollout.max_length must be > 0, or 0 for the model's position limit"),
-])
-def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
-    out = str(tmp_path / "never")
-    done = run_cli(*flags, "--out", out, timeout=60)
-    assert done.returncode != 0 and reason in done.stderr, done.stderr[-2000:]
-    assert not os.path.exists(out)
-
-
-
-def test_a_context_past_the_models_position_limit_is_refused_naming_both_before_the_run_starts(tmp_path):
-    out = str(tmp_path / "never")
-    done = run_cli(*TINY_RUN, "--rollout.max_length", "70000", "--steps", "1", "--out", out)
-    assert done.returncode != 0 and "rollout.max_length (70000)" in done.stderr, done.stderr[-2000:]
-    assert "position limit (65536 positions" in done.stderr and not os.path.exists(out)
-
-
-def test_the_run_context_defaults_to_the_models_position_limit():
-    tiny, smollm2 = models.resolve_model("tiny-qwen3"), models.resolve_model("smollm2")
-    assert train.RolloutConfig().max_length == 0                       # the model's, whichever it is
-    assert train.resolve_context(train.RolloutConfig(), tiny).max_length == 65536
-    assert train.resolve_context(train.RolloutConfig(), smollm2).max_length == 8192
-    assert train.resolve_context(train.RolloutConfig(max_length=256), tiny).max_length == 256
-    with pytest.raises(SystemExit, match=r"rollout.max_length \(8193\) is above the model's position limit \(8192"):
-        train.resolve_context(train.RolloutConfig(max_length=8193), smollm2)
-    with pytest.raises(SystemExit, match="rollout.max_tokens"):
-        train.resolve_context(train.RolloutConfig(max_tokens=70000), tiny)
-
-def test_help_lists_every_flag_with_its_default():
-    done = run_cli("--help", timeout=60)
-    assert done.returncode == 0
-    for section, cls in train.config_sections().items():
-        for name in cls.__dataclass_fields__:
-            assert f"--{section}.{name}" in done.stdout
-    assert "(default: smollm2)" in done.stdout
-    # a choice list named in a field's comment is printed as the names it holds, not as the constant's name
-    assert "one of ESTIMATORS" not in done.stdout and "one of LR_SCHEDULES" not in done.stdout
-    assert f"one of {', '.join(algo.ESTIMATORS)}" in " ".join(done.stdout.split())
 
 
 def test_the_run_counts_the_prefill_computed_and_taken_from_the_engines_prefix_cache():
