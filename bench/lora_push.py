@@ -8,7 +8,7 @@
 # low-rank path to every adapted layer, so decoding under an adapter costs more than under merged weights).
 #
 #   python bench/lora_push.py --tiny                                        (vLLM's CPU build, a tiny Qwen3)
-#   python bench/lora_push.py --shape qwen3-8b --rank 16 --out lora-push.json          (one GPU)
+#   python bench/lora_push.py --shape qwen3-8b --tokenizer DIR --rank 16 --out lora-push.json     (one GPU)
 import argparse
 import json
 import os
@@ -22,38 +22,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from shapes import SHAPES, random_model_folder  # noqa: E402
 
 import lora  # noqa: E402
 import models  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
-SHAPES = {   # Qwen3's published architectures (random weights: no hub here)
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, tie_word_embeddings=True),
-}
-
 
 def model_folder(args, folder: str) -> str:
-    """The model under test, saved to `folder` (bf16 on a GPU, fp32 on a CPU)."""
+    """The model under test, saved to `folder`: a tiny Qwen3 (fp32) or one of bench/shapes.py's (bf16)."""
     if args.tiny:
         models.tiny_model("qwen3", head_dim=32).save_pretrained(folder)
         models.bpe_tokenizer().save_pretrained(folder)
         return folder
-    config = Qwen3Config(vocab_size=151936, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
-                         rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
-                         **SHAPES[args.shape])
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    torch.cuda.empty_cache()
-    return folder
+    return random_model_folder(args.shape, folder, args.tokenizer)
 
 
 def timed_pushes(engine: VLLMEngine, state: dict, pushes: int) -> dict:
@@ -84,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on vLLM's CPU build")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tokenizer", default="", help="the tokenizer folder a shape borrows (bench/shapes.py)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--pushes", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=64)
@@ -100,7 +84,8 @@ def main() -> None:
                          max_model_len=1024)
     with tempfile.TemporaryDirectory() as folder:
         path = model_folder(args, folder)
-        vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
         # the full push: every weight of the base, on the device, as Actor.export_weights hands it
         base = models.load_model(path, dtype=getattr(torch, dtype)).to(device)
         full_state = {name: t for name, t in base.state_dict().items() if name != models.tied_output_key(base)}

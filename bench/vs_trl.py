@@ -41,6 +41,9 @@ PRESETS = {   # the README's CPU math run, and the H200 shape of issue 19
                 engine="embedded", trl_sides=["trl-transformers"]),
     "h200": dict(prompts=32, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=3e-5, steps=10, bf16=True,
                  engine="vllm", trl_sides=["trl-vllm", "trl-transformers"]),
+    # LoRA at a size full fine-tuning does not fit on one GPU (--lora-rank; bench/shapes.py's qwen3-8b)
+    "h200-lora": dict(prompts=16, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=1e-4, steps=5,
+                      bf16=True, engine="vllm", trl_sides=["trl-vllm"]),
 }
 MICRO_BATCH = 8          # TRL's rows per forward/backward (its default; tracerl's micro-batches are its own defaults)
 MINIBATCHES = 2          # optimizer steps per rollout batch
@@ -110,6 +113,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
             "--rollout.temperature", str(cfg["temperature"]), "--rollout.engine", cfg["engine"],
             "--actor.lr", str(cfg["lr"]), "--actor.lr_schedule", "constant", "--train.minibatches", str(MINIBATCHES),
             "--algo.kl_coef", "0"]      # everything else (micro-batches, precision, compile) is tracerl's default
+    if cfg["lora_rank"]:
+        argv += ["--actor.lora_rank", str(cfg["lora_rank"]), "--actor.lora_alpha", str(2 * cfg["lora_rank"])]
     print("tracerl:", " ".join(argv[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
@@ -272,8 +277,13 @@ def trl_driver(job_path: str) -> None:
     settings.update(job["trl_set"])
     args = trl.GRPOConfig(**settings)
     dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "label": p["label"]} for p in job["prompts"]])
+    peft_config = None
+    if cfg["lora_rank"]:     # the same adapter as tracerl's: every linear of the decoder, alpha 2r, no dropout
+        import peft
+        peft_config = peft.LoraConfig(r=cfg["lora_rank"], lora_alpha=2 * cfg["lora_rank"], lora_dropout=0.0,
+                                      target_modules="all-linear")
     trainer = TimedGRPOTrainer(model=job["model"], reward_funcs=math_reward, args=args, train_dataset=dataset,
-                               processing_class=tokenizer, callbacks=[Clock()])
+                               processing_class=tokenizer, callbacks=[Clock()], peft_config=peft_config)
     trainer.train()
 
     # each generation's phases, from the blocks that ended inside its RL step
@@ -312,6 +322,25 @@ def mkl_avx512_on_amd() -> bool:
 
 # ---- the summary ------------------------------------------------------------------------------------------------
 
+class GpuMemoryWatch:
+    """The device's used memory, sampled by nvidia-smi every 200 ms while a side runs (every process on the GPU:
+    the engine's and the trainer's alike); stop() returns the peak in MiB (None without nvidia-smi)."""
+
+    def __init__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                          "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except FileNotFoundError:
+            self.proc = None
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        samples = [float(line.split(",")[0]) for line in self.proc.communicate()[0].split() if line.strip()]
+        return max(samples, default=None)
+
+
 def machine() -> dict:
     import torch
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -345,6 +374,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=0, help="RL steps per side (0 = the preset's)")
     parser.add_argument("--model", default="smollm2", help="a model folder or packaged name (models.resolve_model)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="both sides train LoRA adapters of this rank "
+                                                                 "(alpha 2r) instead of every weight")
     parser.add_argument("--trl-python", default="", help="the Python of TRL's own environment")
     parser.add_argument("--trl-pythonpath", default="", help="prepended to PYTHONPATH for the TRL side only")
     parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
@@ -364,7 +395,7 @@ def main(argv: list[str]) -> None:
     cfg = {k: preset[k] for k in ("prompts", "samples", "max_tokens", "max_length", "temperature", "lr", "bf16",
                                   "engine")}
     cfg.update(preset=args.preset, steps=args.steps or preset["steps"], seed=args.seed, micro_batch=MICRO_BATCH,
-               minibatches=MINIBATCHES, beta=0.0)
+               minibatches=MINIBATCHES, beta=0.0, lora_rank=args.lora_rank)
     sides = args.sides.split(",") if args.sides else ["tracerl"] + preset["trl_sides"]
     unknown = set(sides) - {"tracerl", "trl-transformers", "trl-vllm"}
     if unknown or ({"trl-transformers", "trl-vllm"} & set(sides) and not args.trl_python):
@@ -388,12 +419,14 @@ def main(argv: list[str]) -> None:
     model = models.resolve_model(args.model)
     prompts = math_prompts(cfg, model) if set(sides) - {"tracerl"} else []
     for side in sides:        # one after the other: each has the machine to itself
+        watch = GpuMemoryWatch()
         if side == "tracerl":
             source, commit = tracerl_source(args.tracerl_commit, out)
             result = {**run_tracerl(cfg, model, source, out), "commit": commit}
         else:
             result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set,
                              args.trl_mkl_avx512, out)
+        result["peak_gpu_memory_mib"] = watch.stop()
         result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         with open(os.path.join(out, f"{side}.json"), "w") as f:
             json.dump({"cfg": cfg, "result": result}, f, indent=1)
@@ -416,6 +449,9 @@ def main(argv: list[str]) -> None:
                 for name, key in (("s_per_step", "s_per_step"), ("cpu_s_per_step", "cpu_s_per_step"),
                                   ("to_first_step", "to_first_step_s")):
                     ratios[f"{side}_{name} / tracerl"] = results[side][key] / results["tracerl"][key]
+                memory = results[side].get("peak_gpu_memory_mib"), results["tracerl"].get("peak_gpu_memory_mib")
+                if None not in memory:      # > 1: tracerl's peak is the lower
+                    ratios[f"{side}_peak_gpu_memory / tracerl"] = memory[0] / memory[1]
     summary = {"what": "tracerl vs TRL GRPOTrainer, math recipe, one after the other on one machine; ratio > 1: "
                        "tracerl faster", "config": cfg, "model": model, "machine": machine(),
                "date": datetime.date.today().isoformat(), **results, "ratios": ratios}
