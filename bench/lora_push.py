@@ -8,7 +8,7 @@
 # low-rank path to every adapted layer, so decoding under an adapter costs more than under merged weights).
 #
 #   python bench/lora_push.py --tiny                                        (vLLM's CPU build, a tiny Qwen3)
-#   python bench/lora_push.py --shape qwen3-8b --tokenizer DIR --rank 16 --out lora-push.json     (one GPU)
+#   python bench/lora_push.py --model DIR --rank 16 --out lora-push.json     (one GPU; DIR: bench/shapes.py qwen3-8b)
 import argparse
 import json
 import os
@@ -22,21 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-from shapes import SHAPES, random_model_folder  # noqa: E402
 
 import lora  # noqa: E402
 import models  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
-
-
-def model_folder(args, folder: str) -> str:
-    """The model under test, saved to `folder`: a tiny Qwen3 (fp32) or one of bench/shapes.py's (bf16)."""
-    if args.tiny:
-        models.tiny_model("qwen3", head_dim=32).save_pretrained(folder)
-        models.bpe_tokenizer().save_pretrained(folder)
-        return folder
-    return random_model_folder(args.shape, folder, args.tokenizer)
 
 
 def timed_pushes(engine: VLLMEngine, state: dict, pushes: int) -> dict:
@@ -66,8 +56,7 @@ def generation(engine: VLLMEngine, vocab: int, prompts: int, new_tokens: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny Qwen3 on vLLM's CPU build")
-    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--tokenizer", default="", help="the tokenizer folder a shape borrows (bench/shapes.py)")
+    parser.add_argument("--model", default="", help="a model folder (bf16 on a GPU), e.g. one of bench/shapes.py's")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--pushes", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=64)
@@ -78,12 +67,18 @@ def main() -> None:
     dtype, transfer = ("bfloat16", "ipc") if gpu else ("float32", "rpc")
     device = "cuda" if gpu else "cpu"
     spec = lora.LoraSpec(args.rank, 2.0 * args.rank)
-    result = {"shape": "tiny" if args.tiny else args.shape, "rank": args.rank, "dtype": dtype,
+    if not args.tiny and not args.model:
+        parser.error("give --model DIR, or --tiny")
+    result = {"model": "tiny" if args.tiny else args.model, "rank": args.rank, "dtype": dtype,
               "device": torch.cuda.get_device_name() if gpu else "cpu"}
     engine_kwargs = dict(dtype=dtype, transfer=transfer, enforce_eager=not gpu, gpu_memory_utilization=0.4,
                          max_model_len=1024)
     with tempfile.TemporaryDirectory() as folder:
-        path = model_folder(args, folder)
+        path = args.model
+        if args.tiny:
+            path = folder
+            models.tiny_model("qwen3", head_dim=32).save_pretrained(folder)
+            models.bpe_tokenizer().save_pretrained(folder)
         with open(os.path.join(path, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         # the full push: every weight of the base, on the device, as Actor.export_weights hands it
