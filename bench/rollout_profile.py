@@ -10,15 +10,19 @@
 #   runner        the recipe's AgentRunner.run: env threads, chat rendering, the token ledger, grading (train.py's
 #                 rollout phase, as its sync loop calls it)
 #   sleep_wake    VLLMEngine.sleep + wake_up, which a GPU run pays once a step beside the rollout
+# and the runner's own Python once more under cProfile (the functions with the most time of their own).
 # Each layer's cost is its time less the one below it; the JSON says each layer's tokens/s and its ratio to raw_llm.
 #
 #   python bench/rollout_profile.py --tiny                                  (vLLM's CPU build, a tiny Qwen3)
 #   python bench/rollout_profile.py --model DIR --prompts 32 --samples 8 --max-tokens 256 --out profile.json
 import argparse
 import asyncio
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -117,6 +121,13 @@ def main() -> None:
         seconds["runner"] = best_seconds(lambda warm_up: runner.run(
             group_tasks[:8] if warm_up else group_tasks, group_ids[:8] if warm_up else group_ids, params),
             args.repeats)
+        # the runner's own Python, function by function (this thread only: vLLM's loop thread is not in it)
+        profile = cProfile.Profile()
+        profile.runcall(runner.run, group_tasks, group_ids, params)
+        for order in ("tottime", "cumulative"):
+            listing = io.StringIO()
+            pstats.Stats(profile, stream=listing).sort_stats(order).print_stats(20)
+            result[f"runner_profile_by_{order}"] = listing.getvalue().splitlines()[-22:]
         if gpu:
             def cycle(warm_up: bool) -> None:
                 engine.sleep()

@@ -35,8 +35,8 @@ def moe_dir() -> str:
 
 
 def lora_actor(model_dir: str, **overrides) -> actor.Actor:
-    cfg = actor.ActorConfig(precision="fp32", lr=3e-2, micro_batch_size=2, lora_rank=SPEC.rank,
-                            lora_alpha=SPEC.alpha, **overrides)
+    cfg = actor.ActorConfig(**{"precision": "fp32", "lr": 3e-2, "micro_batch_size": 2, "lora_rank": SPEC.rank,
+                               "lora_alpha": SPEC.alpha, **overrides})
     return actor.Actor(model_dir, cfg, total_steps=8)
 
 
