@@ -230,6 +230,9 @@ class VLLMEngine:
         self._drained = asyncio.Event()               # set when the last request in flight ends
         self._generation_paused = False               # vLLM's scheduler is paused (pause() when keeping requests)
         self._served = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}   # over the engine's life
+        if lora_spec is not None and dtype == "float32" and torch.cuda.is_available():
+            raise ValueError("vLLM's LoRA kernels on a GPU take fp16 and bf16 weights only: serve a LoRA adapter in "
+                             "bfloat16 (the fp32 mode serves adapters on vLLM's CPU build)")
         self.lora_spec = lora_spec
         self._adapters: dict[int, object] = {}       # version -> its vLLM LoRARequest, while current or still in use
         self._adapter_root = tempfile.mkdtemp(prefix="tracerl-adapters-") if lora_spec else None

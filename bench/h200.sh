@@ -50,7 +50,7 @@ for name in "$@"; do
       --out "$OUT/$name.json" ;;
     rollout-profile-1.7b) part "$name" 240 python3 bench/rollout_profile.py --model "$(shape qwen3-1.7b)" \
       --out "$OUT/$name.json" ;;
-    vs-trl-lora-8b) part "$name" 560 python3 bench/vs_trl.py --preset h200-lora --lora-rank 16 --steps 4 \
+    vs-trl-lora-8b) part "$name" 480 python3 bench/vs_trl.py --preset h200-lora --lora-rank 16 --steps 3 \
       --model "$(shape qwen3-8b)" --trl-python python3 --trl-pythonpath /tmp/trl-site --out /tmp/vs-trl-lora \
       --json "$OUT/$name.json"
       cp /tmp/vs-trl-lora/*.log "$OUT/" 2>/dev/null ;;
