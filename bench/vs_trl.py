@@ -42,8 +42,9 @@ PRESETS = {   # the README's CPU math run, and the H200 shape of issue 19
     "h200": dict(prompts=32, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=3e-5, steps=10, bf16=True,
                  engine="vllm", trl_sides=["trl-vllm", "trl-transformers"]),
     # LoRA at a size full fine-tuning does not fit on one GPU (--lora-rank; bench/shapes.py's qwen3-8b)
+    # (an 8B engine's CUDA graphs with LoRA take 15 GiB beside its 14 GiB of weights: both engines get half the card)
     "h200-lora": dict(prompts=16, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=1e-4, steps=5,
-                      bf16=True, engine="vllm", trl_sides=["trl-vllm"]),
+                      bf16=True, engine="vllm", trl_sides=["trl-vllm"], engine_memory=0.5),
 }
 MICRO_BATCH = 8          # TRL's rows per forward/backward (its default; tracerl's micro-batches are its own defaults)
 MINIBATCHES = 2          # optimizer steps per rollout batch
@@ -115,6 +116,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
             "--algo.kl_coef", "0"]      # everything else (micro-batches, precision, compile) is tracerl's default
     if cfg["lora_rank"]:
         argv += ["--actor.lora_rank", str(cfg["lora_rank"]), "--actor.lora_alpha", str(2 * cfg["lora_rank"])]
+    if cfg["engine_memory"]:
+        argv += ["--rollout.engine_memory", str(cfg["engine_memory"])]
     print("tracerl:", " ".join(argv[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
@@ -274,6 +277,8 @@ def trl_driver(job_path: str) -> None:
                     max_steps=cfg["steps"] * MINIBATCHES, seed=cfg["seed"], shuffle_dataset=False, bf16=cfg["bf16"],
                     use_vllm=side == "trl-vllm", vllm_mode="colocate", report_to="none", save_strategy="no",
                     disable_tqdm=True)
+    if cfg["engine_memory"]:
+        settings["vllm_gpu_memory_utilization"] = cfg["engine_memory"]
     settings.update(job["trl_set"])
     args = trl.GRPOConfig(**settings)
     dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "label": p["label"]} for p in job["prompts"]])
@@ -395,7 +400,8 @@ def main(argv: list[str]) -> None:
     cfg = {k: preset[k] for k in ("prompts", "samples", "max_tokens", "max_length", "temperature", "lr", "bf16",
                                   "engine")}
     cfg.update(preset=args.preset, steps=args.steps or preset["steps"], seed=args.seed, micro_batch=MICRO_BATCH,
-               minibatches=MINIBATCHES, beta=0.0, lora_rank=args.lora_rank)
+               minibatches=MINIBATCHES, beta=0.0, lora_rank=args.lora_rank,
+               engine_memory=preset.get("engine_memory", 0))     # 0: each side's default (both 0.3)
     sides = args.sides.split(",") if args.sides else ["tracerl"] + preset["trl_sides"]
     unknown = set(sides) - {"tracerl", "trl-transformers", "trl-vllm"}
     if unknown or ({"trl-transformers", "trl-vllm"} & set(sides) and not args.trl_python):
