@@ -207,7 +207,7 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
 
     torch.testing.assert_close(grad_of(ppo, logits), grad_of(reinforce, logits), rtol=0, atol=1e-12)
     _, metrics = algo.policy_loss(prox_logprobs, prox_logprobs, advantages, loss_mask, AlgoConfig(), is_weights)
-    assert metrics == {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
+    assert metrics == {"clip_frac": 0.0, "dual_clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
 
 
 def test_ppo_clip_uses_separate_low_and_high_bounds():

@@ -258,8 +258,10 @@ def step_loss(prox, adv, mask, index, estimator: str, loss_agg: str, is_weights=
     logprobs = (prox + 0.3 * torch.randn(prox.shape, generator=gen, dtype=prox.dtype)).requires_grad_(True)
     cfg = algo.AlgoConfig(estimator=estimator, loss_agg=loss_agg)
     token_loss, _ = algo.policy_loss(logprobs, prox, adv, mask, cfg, is_weights=is_weights, rollout_index=index)
+    groups = invariants.rollout_index(["g"] * len(mask))     # both rollouts answer one prompt
     weights = algo.loss_weights(mask, loss_agg, float(mask.sum()), float(invariants.count_rollouts(mask, index)),
-                                token_budget=mask.shape[1], rollout_index=index)
+                                token_budget=mask.shape[1], rollout_index=index, group_index=groups,
+                                global_groups=float(invariants.count_rollouts(mask, groups)))
     loss = (token_loss * weights).sum()
     loss.backward()
     return loss.detach(), logprobs.grad
@@ -368,7 +370,7 @@ def test_a_sealed_rollout_is_one_rollout_for_staleness_and_every_gate():
     zero = torch.zeros(3, 4)
     keep, counts = gate_rollouts(zero, mask, s, CorrectionConfig(max_staleness=0), index)
     assert keep.tolist() == [False, False, True] and counts == {"drop_stale": 1, "drop_ratio_band": 0,
-                                                                 "drop_veto": 0, "kept": 1}
+                                                                 "drop_divergence": 0, "drop_veto": 0, "kept": 1}
     # the seq ratio multiplies over both rows: 0.5 + 0.5 nats is out of [1/2, 2], each row alone is inside
     log_ratio = torch.tensor([[0, 0.25, 0.25, 0], [0, 0, 0.25, 0.25], [0, 0, 0, 0]])
     cfg = CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0)
