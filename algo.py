@@ -63,7 +63,7 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | 
         raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}; a negative coefficient rewards drifting away")
     if not (cfg.dual_clip == 0.0 or 1.0 < cfg.dual_clip < math.inf):
         raise ValueError(f"dual_clip must be 0 (off) or a finite bound > 1, got {cfg.dual_clip}; at <= 1 it would "
-                         f"cut the loss of negative advantages below the PPO clip's own (verl's default is 3.0)")
+                         f"cap tokens whose ratio is 1, on-policy ones included (verl's default is 3.0)")
     if cfg.dual_clip and cfg.estimator == "gspo":
         raise ValueError("dual_clip bounds a token's PPO ratio, but GSPO's ratio is its rollout's geometric mean "
                          "(one value per rollout, clipped at 3e-4-scale bounds); set dual_clip=0 with gspo")
