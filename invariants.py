@@ -745,8 +745,7 @@ def gate_rollouts(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: 
             band = (s < lo) | (s > math.log(cfg.gate_high))
         divergent = torch.zeros_like(stale)
         if cfg.gating != "ratio":
-            d = torch.where(trainable, token_divergence(behavior_logprobs, behavior_logprobs + log_ratio, cfg.gating),
-                            0.0)
+            d = torch.where(trainable, token_divergence(behavior_logprobs, behavior_logprobs + lr, cfg.gating), 0.0)
             tokens = per_rollout(trainable.sum(-1).double(), rollout_index).clamp_min(1.0)
             divergent = per_rollout(d.sum(-1), rollout_index) / tokens > cfg.gate_divergence
         veto = torch.zeros_like(stale)
