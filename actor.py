@@ -42,10 +42,11 @@ CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder withou
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
 RUN_STATE = "run_state.pt"                       # the training loop's own state (train.py), for an exact resume
 LORA_ADAPTER = "adapter"                         # under LoRA: the adapter in PEFT's format (lora.write_peft_folder)
-POLICY_LOSS_METRICS = ("clip_frac", "approx_kl", "ratio_mean")  # token means reported by algo.policy_loss
+# token means reported by algo.policy_loss
+POLICY_LOSS_METRICS = ("clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean")
 # the counts of invariants.gate_rollouts and the means of invariants.correction_weights, summed over a step: every
 # rank sums the same keys in the same order, also a rank whose micro-batches were all fillers
-GATE_COUNTS = ("drop_stale", "drop_ratio_band", "drop_veto", "kept")
+GATE_COUNTS = ("drop_stale", "drop_ratio_band", "drop_divergence", "drop_veto", "kept")
 IS_METRICS = ("is_masked_frac", "is_clipped_frac", "mismatch_abs_log_ratio", "mismatch_k3_kl")
 STEP_SUMS = ("loss", "entropy", "kl_ref", "prefix_tokens_saved", "r3_unreplayed_tokens", "trainable_tokens",
              "gated_tokens", "rollouts", "staleness", "logprob_diff", *POLICY_LOSS_METRICS,
@@ -101,6 +102,7 @@ class _Step:
     weights: Tensor | None = None
     global_tokens: float = 0.0     # kept tokens of the step over every rank, once known
     global_rollouts: float = 0.0   # kept rollouts of the step over every rank, once known
+    global_groups: float = 0.0     # kept prompt groups of the step over every rank, once known
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_SUMS, 0.0))
     maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_MAXES, 0.0))
 
@@ -351,17 +353,19 @@ class Actor:
             tokens = int(self._reduce([tokens], dist.ReduceOp.MIN)[0])
         return rows, tokens
 
-    def _micro_batches(self, batch: invariants.TrainBatch) -> list[Tensor | None]:
+    def _micro_batches(self, batch: invariants.TrainBatch, whole_groups: bool = False) -> list[Tensor | None]:
         """Row indices of this rank's micro-batches: whole rollouts (GSPO's rollout ratio and the rollout gates need
-        all of a rollout's rows in one forward), the rollouts of one prompt together (recompute.shared_prefixes computes
-        it once), longest first so that rows of like length share a micro-batch and little padding is computed, at most
-        _micro_batch_limits() rows and padded tokens (rows x longest row) unless one rollout alone is larger; padded
+        all of a rollout's rows in one forward; with `whole_groups`, whole prompt groups: an aggregation over groups,
+        algo.GROUP_AGGREGATIONS, weighs a token by its group's kept tokens), the rollouts of one prompt together
+        (recompute.shared_prefixes computes it once), longest first so that rows of like length share a micro-batch and
+        little padding is computed, at most _micro_batch_limits() rows and padded tokens (rows x longest row) unless
+        one rollout (group) alone is larger; padded
         with None up to the most any rank has: FSDP2 runs collectives in every forward/backward, so a rank that ran
         fewer would leave the others waiting in a collective forever."""
         lengths = batch.attention_mask.sum(-1).tolist()
-        rollouts: dict[str, list[int]] = {}
-        for b, rollout_id in enumerate(batch.rollout_ids):
-            rollouts.setdefault(rollout_id, []).append(b)
+        rollouts: dict[str, list[int]] = {}     # the rows no micro-batch may split: a rollout's, or a group's
+        for b, unit in enumerate(batch.group_ids if whole_groups else batch.rollout_ids):
+            rollouts.setdefault(unit, []).append(b)
         # rollouts that may share a prefix (the same ids up to their first row's recompute.prefix_limits) form a unit,
         # kept in one micro-batch when it fits in one (else split into whole rollouts): units longest first, and
         # within a unit its rollouts longest first
@@ -451,7 +455,8 @@ class Actor:
     #     the first backward;
     #   own forward (prox_logprobs None: the batch's first minibatch, whose weights ARE the proximal ones): each
     #     micro-batch's forward gives its pi_prox, invariant 2 runs on it there (every gate is per rollout or per
-    #     token, and a micro-batch holds whole rollouts), its tokens are weighed by algo.loss_numerators, and the
+    #     token, and a micro-batch holds whole rollouts, whole groups where the loss weighs a token by its group's
+    #     kept tokens), its tokens are weighed by algo.loss_numerators, and the
     #     summed gradient is divided by algo.loss_denominator once the last micro-batch has given the global counts
     #     (_divide_by_global_counts; the gradient is linear in the weights).
     # Both give the same update as one backward over the whole step (tests/test_actor.py).
@@ -475,7 +480,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         if prox_logprobs is not None and not self._correct_whole_step(step, prox_logprobs):
             return step.report.done(self._step_metrics(step, 0.0, skipped=True))   # nothing kept, on any rank
-        for rows in self._micro_batches(batch):
+        for rows in self._micro_batches(batch, algo_cfg.loss_agg in algo.GROUP_AGGREGATIONS):
             if rows is None:
                 self._filler_forward().backward()
             else:
@@ -514,11 +519,14 @@ class Actor:
         step.report.write(slice(None), batch.input_ids.shape[1], prox_logprobs=prox_logprobs,
                           is_weights=correction.is_weights, mask=correction.mask, kept=correction.keep,
                           staleness=correction.staleness)
-        step.global_tokens, step.global_rollouts = self._global_counts(correction.mask, rollout_index)
+        group_index = invariants.rollout_index(batch.group_ids)
+        step.global_tokens, step.global_rollouts, step.global_groups = self._global_counts(
+            correction.mask, rollout_index, group_index)
         if step.global_tokens == 0:
             return False
         step.weights = algo.loss_weights(correction.mask, step.algo_cfg.loss_agg, step.global_tokens,
-                                         step.global_rollouts, step.token_budget, rollout_index)
+                                         step.global_rollouts, step.token_budget, rollout_index, group_index,
+                                         step.global_groups)
         return True
 
     def _micro_batch_backward(self, step: _Step, rows: Tensor) -> None:
@@ -531,6 +539,7 @@ class Actor:
         cut = functools.partial(self._cut, rows=rows, width=width)
         loss_mask, advantages = cut(batch.loss_mask), cut(batch.advantages).float()
         rollout_index = invariants.rollout_index([batch.rollout_ids[b] for b in rows.tolist()]).to(self.device)
+        group_index = invariants.rollout_index([batch.group_ids[b] for b in rows.tolist()]).to(self.device)
         step.sums["r3_unreplayed_tokens"] += self._unreplayed_tokens(routes, loss_mask)
         # MoE routes stay replayed through the backward too (an activation-checkpointed recompute would otherwise
         # route live and disagree with the forward)
@@ -546,7 +555,7 @@ class Actor:
                 step.report.write(rows, width, prox_logprobs=prox, is_weights=correction.is_weights,
                                   mask=correction.mask, kept=correction.keep, staleness=correction.staleness)
                 is_weights, mask = correction.is_weights, correction.mask
-                weights = algo.loss_numerators(mask, cfg.loss_agg, step.token_budget, rollout_index)
+                weights = algo.loss_numerators(mask, cfg.loss_agg, step.token_budget, rollout_index, group_index)
             else:
                 prox, is_weights, mask = (cut(t) for t in (step.report.prox_logprobs, step.report.is_weights,
                                                            step.report.mask))
@@ -579,11 +588,13 @@ class Actor:
     def _divide_by_global_counts(self, step: _Step) -> bool:
         """Own-forward path, after the last backward: the global counts of the step, known now, divide the summed
         gradient, the tokens' shares and the loss once. False if the gates left no token on any rank."""
-        step.global_tokens, step.global_rollouts = self._global_counts(
-            step.report.mask, invariants.rollout_index(step.batch.rollout_ids))
+        step.global_tokens, step.global_rollouts, step.global_groups = self._global_counts(
+            step.report.mask, invariants.rollout_index(step.batch.rollout_ids),
+            invariants.rollout_index(step.batch.group_ids))
         if step.global_tokens == 0:
             return False
-        denominator = algo.loss_denominator(step.algo_cfg.loss_agg, step.global_tokens, step.global_rollouts)
+        denominator = algo.loss_denominator(step.algo_cfg.loss_agg, step.global_tokens, step.global_rollouts,
+                                            step.global_groups)
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.div_(denominator)
@@ -607,9 +618,12 @@ class Actor:
         metrics["actor/version"] = float(self.version)
         return step.report.done(metrics)
 
-    def _global_counts(self, mask: Tensor, rollout_index: Tensor) -> tuple[float, float]:
-        """Kept tokens and kept rollouts of the step over every rank (rollouts are rank-local, so counts add up)."""
-        return tuple(self._reduce([float(mask.sum()), float(invariants.count_rollouts(mask.cpu(), rollout_index))]))
+    def _global_counts(self, mask: Tensor, rollout_index: Tensor, group_index: Tensor) -> tuple[float, float, float]:
+        """Kept tokens, rollouts and groups of the step over every rank (rollouts are rank-local, and so are groups
+        wherever a loss counts them: runtime.TrainerGroup deals them whole then, so counts add up)."""
+        mask = mask.cpu()
+        return tuple(self._reduce([float(mask.sum()), float(invariants.count_rollouts(mask, rollout_index)),
+                                   float(invariants.count_rollouts(mask, group_index))]))
 
     @staticmethod
     def _correct(step: _Step, prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor, versions: Tensor,

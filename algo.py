@@ -1,7 +1,8 @@
 # algo.py — the RL math of tracerl, as pure tensor functions.
 #
-# Owns: the algorithm config and its validation; advantage estimators (REINFORCE, REINFORCE++-baseline, RLOO,
-# GRPO, Dr.GRPO, GSPO, on-policy distillation); Schulman's KL estimators k1/k2/k3; the PPO-clip and GSPO-token
+# Owns: the algorithm config and its validation; reward shaping by reply length (DAPO's soft overlong punishment,
+# ProRL's stop-properly penalty); advantage estimators (REINFORCE, REINFORCE++-baseline, RLOO, GRPO, Dr.GRPO, GSPO,
+# on-policy distillation); Schulman's KL estimators k1/k2/k3; the PPO-clip (with dual clip) and GSPO-token
 # surrogates; loss aggregation over GLOBAL denominators; DAPO dynamic filtering.
 # Never does: touch a model, a tokenizer, a file, a process group or an engine; compute importance-sampling weights.
 # Invariant kept: 2 (policy version). The train/infer correction weights come in as `is_weights`, computed in
@@ -9,6 +10,7 @@
 # Tensor convention: per-token arrays are [B, T], aligned to tokens, `loss_mask` float 0/1, position 0 never trainable.
 # Names (invariants.py's glossary): a row is a segment; a rollout is all the segments of one episode, `rollout_index`
 # [B] maps rows to rollouts; `prox_logprobs` are the proximal policy pi_prox's, `logprobs` the live policy pi's.
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,9 @@ from invariants import MAX_LOG_RATIO, per_rollout
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo", "gspo")  # need >= 2 samples per prompt
 ESTIMATORS = ("reinforce",) + GROUP_ESTIMATORS + ("on_policy_distill",)
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "prompt_mean_token_mean")
+GROUP_AGGREGATIONS = ("prompt_mean_token_mean",)  # weigh a token by its group's kept tokens: a micro-batch and a
+                                                  # rank hold whole groups, not only whole rollouts (actor, runtime)
 STD_EPS = 1e-6  # added to a std before dividing (GRPO, REINFORCE++-baseline)
 
 
@@ -30,15 +34,20 @@ class AlgoConfig:
     estimator: str = "grpo"  # one of ESTIMATORS
     clip_low: float = 0.2  # ratio lower bound is 1 - clip_low (GSPO paper uses 3e-4)
     clip_high: float = 0.28  # ratio upper bound is 1 + clip_high (DAPO clip-higher; GSPO paper uses 4e-4)
+    dual_clip: float = 0.0  # dual-clip PPO: a token with A < 0 loses at most -dual_clip * A (0 = off; verl: 3.0)
     loss_agg: str = "token_mean"  # one of LOSS_AGGREGATIONS
     kl_coef: float = 0.0  # beta of the KL to the reference model; for on_policy_distill: distillation strength
     kl_estimator: str = "k3"  # k1 | k2 | k3 (as a loss use k2 for reverse-KL gradients, k3 gives forward-KL ones)
     kl_in_reward: bool = False  # KL enters as a per-token reward (only `reinforce` reads per-token rewards)
     filter_zero_variance: bool = False  # DAPO dynamic filtering: drop groups whose rollouts all share one reward
+    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last N tokens of rollout.max_tokens (0 = off)
+    overlong_penalty: float = 1.0  # what that punishment takes from the reward of a reply of rollout.max_tokens
+    stop_penalty: float = 1.0  # ProRL stop-properly: a truncated reply's reward x this (1 = off; < 0: replaces it)
 
 
-def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int) -> None:
-    """Refuse configurations that would train silently wrong. Raises ValueError naming the fix."""
+def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | None = None) -> None:
+    """Refuse configurations that would train silently wrong. Raises ValueError naming the fix. max_tokens: the
+    run's reply cap (rollout.max_tokens), the length the soft overlong punishment counts back from."""
     if cfg.estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {cfg.estimator!r}; expected one of {ESTIMATORS}")
     if cfg.kl_estimator not in KL_ESTIMATORS:
@@ -52,6 +61,13 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int) -> None:
         )
     if cfg.kl_coef < 0.0:
         raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}; a negative coefficient rewards drifting away")
+    if not (cfg.dual_clip == 0.0 or 1.0 < cfg.dual_clip < math.inf):
+        raise ValueError(f"dual_clip must be 0 (off) or a finite bound > 1, got {cfg.dual_clip}; at <= 1 it would "
+                         f"cap tokens whose ratio is 1, on-policy ones included (verl's default is 3.0)")
+    if cfg.dual_clip and cfg.estimator == "gspo":
+        raise ValueError("dual_clip bounds a token's PPO ratio, but GSPO's ratio is its rollout's geometric mean "
+                         "(one value per rollout, clipped at 3e-4-scale bounds); set dual_clip=0 with gspo")
+    _validate_shaping(cfg, max_tokens)
     if cfg.kl_in_reward and cfg.estimator == "on_policy_distill":
         raise ValueError(
             "on_policy_distill already uses the teacher's per-token KL as its advantage; set kl_in_reward=False"
@@ -77,11 +93,57 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int) -> None:
         )
 
 
+def _validate_shaping(cfg: AlgoConfig, max_tokens: int | None) -> None:
+    shaping = cfg.overlong_buffer != 0 or cfg.stop_penalty != 1.0
+    if shaping and cfg.estimator == "on_policy_distill":
+        raise ValueError("overlong_buffer and stop_penalty shape the reward, which on_policy_distill never reads "
+                         "(its advantage is the teacher's per-token KL); set overlong_buffer=0 and stop_penalty=1")
+    if cfg.overlong_buffer < 0 or (cfg.overlong_buffer and not 0.0 < cfg.overlong_penalty < math.inf):
+        raise ValueError(f"overlong_buffer must be >= 0 (0 = off) and, when on, overlong_penalty a finite value > 0; "
+                         f"got {cfg.overlong_buffer} and {cfg.overlong_penalty}")
+    if cfg.overlong_buffer and max_tokens is not None and cfg.overlong_buffer > max_tokens:
+        raise ValueError(f"overlong_buffer ({cfg.overlong_buffer}) is longer than rollout.max_tokens ({max_tokens}): "
+                         f"even an empty reply would be punished; use a buffer of at most max_tokens (DAPO: 4096 of "
+                         f"20480)")
+    if not (cfg.stop_penalty <= 1.0 and math.isfinite(cfg.stop_penalty)):
+        raise ValueError(f"stop_penalty must be in [0, 1] (a factor on a truncated reply's reward; 1 = off) or "
+                         f"negative (the reward it gets instead), got {cfg.stop_penalty}; above 1 it would reward "
+                         f"running out of tokens")
+
+
 def kl_loss_coef(cfg: AlgoConfig) -> float:
     """Coefficient of the KL-to-reference LOSS term: 0 when KL is a reward, or when the reference is a teacher."""
     if cfg.kl_in_reward or cfg.estimator == "on_policy_distill":
         return 0.0
     return cfg.kl_coef
+
+
+# ---- reward shaping by reply length (before the advantages) ----
+# Both read the rollout's replies (rollout.Generation) against the run's cap rollout.max_tokens: the soft overlong
+# punishment takes the longest reply's penalty, the stop-properly penalty fires when any reply ran out of tokens
+# (finish_reason "length": agents.Rollout.max_tokens_turns > 0). They apply in that order (OpenRLHF's), so a
+# truncated reply's reward is the overlong-shaped one, scaled.
+
+
+def overlong_penalty(reply_tokens: int, max_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (2503.14476 §3.4, times factor): 0 up to max_tokens - buffer tokens, then
+    falling linearly to -factor at max_tokens, and -factor beyond."""
+    return -min(max(reply_tokens - (max_tokens - buffer), 0), buffer) / buffer * factor
+
+
+def shape_rewards(rewards: list[float], reply_tokens: list[int], hit_max_tokens: list[bool], cfg: AlgoConfig,
+                  max_tokens: int) -> list[float]:
+    """Per row: the rollout's reward, plus overlong_penalty of its longest reply (reply_tokens) when
+    cfg.overlong_buffer > 0, then, where a reply hit max_tokens before a stop (ProRL's "stop properly"), times
+    cfg.stop_penalty, or replaced by it when it is negative."""
+    shaped = []
+    for reward, tokens, truncated in zip(rewards, reply_tokens, hit_max_tokens):
+        if cfg.overlong_buffer:
+            reward += overlong_penalty(tokens, max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        if truncated and cfg.stop_penalty != 1.0:
+            reward = cfg.stop_penalty if cfg.stop_penalty < 0 else reward * cfg.stop_penalty
+        shaped.append(float(reward))
+    return shaped
 
 
 # ---- advantages (estimators) ----
@@ -198,7 +260,9 @@ def policy_loss(
     rollout_index: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token clipped surrogate loss [B, T] (0 off the mask) and monitoring metrics.
-    PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_prox.
+    PPO (Schulman 2017, clip-higher from DAPO): loss = -w * min(r A, clip(r, 1-lo, 1+hi) A), r = pi / pi_prox; with
+    dual_clip c, a token with A < 0 loses min(that, -c A), so a huge ratio cannot blow up a negative advantage's loss
+    (nor its gradient: a token at -c A has none).
     GSPO-token (2507.18071): r_t = sg[s_i] * pi_t / sg[pi_t], s_i = exp(masked mean_t log(pi_t / pi_prox_t)) over
     every token of the rollout i (all its rows; rollout_index [B] maps rows to rollouts, None = each row its own).
     Every token of a rollout has the value r_t = s_i, so where A is constant within the rollout the clip takes one
@@ -220,6 +284,10 @@ def policy_loss(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
     token_loss = -torch.minimum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(token_loss, dtype=torch.bool)
+    if cfg.dual_clip:  # dual-clip PPO (Ye et al. 1912.09729): for A < 0 the loss is at most -c A, whatever the ratio
+        dual_clipped = (advantages < 0) & (token_loss > -cfg.dual_clip * advantages)
+        token_loss = torch.where(dual_clipped, -cfg.dual_clip * advantages, token_loss)
     if is_weights is not None:
         token_loss = token_loss * is_weights.detach()
     token_loss = token_loss * loss_mask
@@ -229,6 +297,7 @@ def policy_loss(
         k3_prox_to_live = torch.expm1(token_log_ratio) - token_log_ratio  # k3 estimate of KL(pi_prox || pi)
         metrics = {
             "clip_frac": ((clipped < unclipped).to(loss_mask.dtype) * loss_mask).sum().div(n).item(),
+            "dual_clip_frac": (dual_clipped.to(loss_mask.dtype) * loss_mask).sum().div(n).item(),
             "approx_kl": (k3_prox_to_live * loss_mask).sum().div(n).item(),
             "ratio_mean": (ratio * loss_mask).sum().div(n).item(),
         }
@@ -239,14 +308,15 @@ def policy_loss(
 # The loss of an optimizer step is sum_{b,t} token_loss[b,t] * weight[b,t], with weights built from GLOBAL counts of
 # the whole step (all micro-batches, all ranks), so summing micro-batch gradients gives the full-batch gradient
 # however the batch is split (verl #7321, prime-rl #2562). The seq_mean_* modes count rollouts (all their rows,
-# rollout_index), and the mask is the FINAL mask of the step: a token or rollout a correction rejected is not
-# counted anywhere (invariants.py, section 2). The weight of a token is also its exact share of the loss: the trace
-# reports token_loss * weight as each token's contribution.
+# rollout_index), prompt_mean_token_mean counts groups (all their rollouts, group_index), and the mask is the FINAL
+# mask of the step: a token or rollout a correction rejected is not counted anywhere (invariants.py, section 2). The
+# weight of a token is also its exact share of the loss: the trace reports token_loss * weight as each token's
+# contribution.
 
 
 def loss_weights(
     loss_mask: Tensor, mode: str, global_tokens: float, global_rollouts: float, token_budget: int | None = None,
-    rollout_index: Tensor | None = None,
+    rollout_index: Tensor | None = None, group_index: Tensor | None = None, global_groups: float = 0.0,
 ) -> Tensor:
     """[B, T] weight of each token's loss in the step's scalar loss (0 off the mask): loss_numerators / the
     step's global count loss_denominator picks.
@@ -254,16 +324,20 @@ def loss_weights(
     seq_mean_token_mean (GRPO): 1 / (global_rollouts * tokens of its rollout), i.e. the mean over kept rollouts of
       each rollout's token mean, so a rollout sealed into three rows weighs once.
     seq_mean_token_sum_norm (Dr.GRPO, 2503.20783): 1 / (global_rollouts * token_budget), token_budget a constant of
-      the run (train.py: the most sampled tokens a rollout can hold), so no rollout's length changes any weight."""
-    return loss_numerators(loss_mask, mode, token_budget, rollout_index) / loss_denominator(mode, global_tokens,
-                                                                                            global_rollouts)
+      the run (train.py: the most sampled tokens a rollout can hold), so no rollout's length changes any weight.
+    prompt_mean_token_mean (DAPO's token-level loss within a group, 2503.14476 §3.3): 1 / (global_groups * kept
+      tokens of its group), i.e. the mean over kept groups of each group's token mean: within a prompt every token
+      weighs the same however long its rollout, and every prompt weighs the same however long its rollouts."""
+    numerators = loss_numerators(loss_mask, mode, token_budget, rollout_index, group_index)
+    return numerators / loss_denominator(mode, global_tokens, global_rollouts, global_groups)
 
 
 def loss_numerators(loss_mask: Tensor, mode: str, token_budget: int | None = None,
-                    rollout_index: Tensor | None = None) -> Tensor:
-    """The part of loss_weights that the rows themselves decide (every row of a rollout must be in the call). A
-    trainer that learns the global counts only after its micro-batches ran (actor.train_step) weighs each token by
-    this and divides the summed gradient by loss_denominator once: the gradient is linear in the weights."""
+                    rollout_index: Tensor | None = None, group_index: Tensor | None = None) -> Tensor:
+    """The part of loss_weights that the rows themselves decide (every row of a rollout must be in the call, and for
+    prompt_mean_token_mean every row of a group). A trainer that learns the global counts only after its
+    micro-batches ran (actor.train_step) weighs each token by this and divides the summed gradient by
+    loss_denominator once: the gradient is linear in the weights."""
     if mode == "token_mean":
         return loss_mask
     if mode == "seq_mean_token_mean":
@@ -273,15 +347,24 @@ def loss_numerators(loss_mask: Tensor, mode: str, token_budget: int | None = Non
             raise ValueError("seq_mean_token_sum_norm divides by a constant token budget per rollout; pass "
                              "token_budget (the most sampled tokens a rollout can hold)")
         return loss_mask / _positive("token_budget", token_budget)
+    if mode == "prompt_mean_token_mean":
+        if group_index is None:
+            raise ValueError("prompt_mean_token_mean divides by the kept tokens of each prompt group; pass "
+                             "group_index (invariants.rollout_index(batch.group_ids)), with every row of a group")
+        return loss_mask / per_rollout(loss_mask.sum(-1), group_index).clamp_min(1.0).unsqueeze(-1)
     raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
 
 
-def loss_denominator(mode: str, global_tokens: float, global_rollouts: float) -> float:
-    """The global count of the step that loss_weights divides by: kept tokens (token_mean) or kept rollouts."""
+def loss_denominator(mode: str, global_tokens: float, global_rollouts: float, global_groups: float = 0.0) -> float:
+    """The global count of the step that loss_weights divides by: kept tokens (token_mean), kept groups
+    (prompt_mean_token_mean) or kept rollouts."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_agg {mode!r}; expected one of {LOSS_AGGREGATIONS}")
-    return _positive("global_tokens", global_tokens) if mode == "token_mean" else \
-        _positive("global_rollouts", global_rollouts)
+    if mode == "token_mean":
+        return _positive("global_tokens", global_tokens)
+    if mode in GROUP_AGGREGATIONS:
+        return _positive("global_groups", global_groups)
+    return _positive("global_rollouts", global_rollouts)
 
 
 def _positive(name: str, value: float) -> float:

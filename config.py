@@ -158,7 +158,7 @@ def parse_config(argv: list[str]) -> dict:
 def validate_config(cfg: dict) -> None:
     """Every cross-section rule, checked before any model loads."""
     ro, run, tr = cfg["rollout"], cfg["run"], cfg["train"]
-    algo.validate_algo(cfg["algo"], ro.samples_per_prompt)
+    algo.validate_algo(cfg["algo"], ro.samples_per_prompt, max_tokens=ro.max_tokens)
     invariants.validate_correction(cfg["correction"])
     actor.validate_actor(cfg["actor"])
     runtime.validate_runtime(cfg["runtime"], cfg["correction"], tr.minibatches)

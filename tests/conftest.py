@@ -1,5 +1,5 @@
 # Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread; and
-# import_vllm, how a test that needs vLLM gets it.
+# import_vllm and import_peer, how a test that needs vLLM or a peer's loss code gets it.
 import importlib
 import os
 import sys
@@ -33,3 +33,17 @@ def import_vllm():
     if os.environ.get("TRACERL_REQUIRE_VLLM"):
         return importlib.import_module("vllm")
     return pytest.importorskip("vllm")
+
+
+PEERS = os.path.join(ROOT, ".peers")   # requirements-peers.txt, installed there by ./launch.sh test
+
+
+def import_peer(module: str):
+    """A module of a peer framework's own code (verl, OpenRLHF: requirements-peers.txt), for an oracle test: .peers
+    goes to the END of sys.path, so the environment's packages always win. A skip where it is not installed, but a
+    failure under TRACERL_REQUIRE_PEERS (./launch.sh test installs it, so in CI it is a broken setup)."""
+    if not os.path.isdir(PEERS) and not os.environ.get("TRACERL_REQUIRE_PEERS"):
+        pytest.skip("the peers' loss code is not installed: ./launch.sh setup test puts requirements-peers.txt in .peers")
+    if PEERS not in sys.path:
+        sys.path.append(PEERS)
+    return importlib.import_module(module)

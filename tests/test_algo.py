@@ -207,7 +207,7 @@ def test_ppo_clip_gradient_at_theta_old_equals_the_weighted_reinforce_gradient()
 
     torch.testing.assert_close(grad_of(ppo, logits), grad_of(reinforce, logits), rtol=0, atol=1e-12)
     _, metrics = algo.policy_loss(prox_logprobs, prox_logprobs, advantages, loss_mask, AlgoConfig(), is_weights)
-    assert metrics == {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
+    assert metrics == {"clip_frac": 0.0, "dual_clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0}
 
 
 def test_ppo_clip_uses_separate_low_and_high_bounds():
@@ -428,15 +428,20 @@ def test_kl_loss_term_is_off_when_kl_is_a_reward_or_the_reference_is_a_teacher()
 # ---- loss aggregation ----
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+GROUPS = invariants.rollout_index(["p", "p", "q", "r", "r", "r"])   # random_sequence_batch's rows as 3 prompts
+
+
+@pytest.mark.parametrize("mode", algo.LOSS_AGGREGATIONS)
 def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
     logits, input_ids, loss_mask, gen = random_sequence_batch(seed=2)
     prox_logprobs = (token_logprobs(logits, input_ids) + 0.1 * torch.randn(loss_mask.shape, generator=gen)).detach()
     advantages = torch.randn(loss_mask.shape, generator=gen) * loss_mask
     global_tokens, global_rollouts, max_len = loss_mask.sum().item(), float(len(loss_mask)), loss_mask.shape[1]
-    splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches with different token counts
+    splits = [slice(0, 2), slice(2, 3), slice(3, 6)]  # micro-batches (or ranks) with different token counts, each
+                                                      # holding whole groups, as actor.py and runtime.py deal them
 
-    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_rollouts, max_len)   # once per step
+    step_weights = algo.loss_weights(loss_mask, mode, global_tokens, global_rollouts, max_len, group_index=GROUPS,
+                                     global_groups=3.0)                                          # once per step
 
     def loss(lg, rows, weights):
         token_loss, _ = algo.policy_loss(token_logprobs(lg[rows], input_ids[rows]), prox_logprobs[rows],
@@ -444,13 +449,53 @@ def test_global_aggregation_gradient_is_unchanged_by_micro_batch_split(mode):
         return (token_loss * weights).sum()
 
     full = grad_of(lambda lg: loss(lg, slice(0, 6), step_weights), logits)
+    # the micro-batch way (actor.py's own forward): each split's numerators, the step's denominator at the end
+    summed = sum(grad_of(lambda lg: loss(lg, rows, algo.loss_numerators(
+        loss_mask[rows], mode, max_len, group_index=invariants.rollout_index(GROUPS[rows].tolist()))), logits)
+        for rows in splits) / algo.loss_denominator(mode, global_tokens, global_rollouts, 3.0)
     accumulated = sum(grad_of(lambda lg: loss(lg, rows, step_weights[rows]), logits) for rows in splits)
     torch.testing.assert_close(accumulated, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(summed, full, rtol=0, atol=1e-12)
     if mode == "token_mean":  # trap armed: a per-micro-batch token mean (averaged over micro-batches) is wrong
         local = sum(grad_of(lambda lg: loss(lg, rows, algo.loss_weights(loss_mask[rows], mode,
                                                                         loss_mask[rows].sum().item(), 1.0)), logits)
                     for rows in splits)
         assert (local / len(splits) - full).abs().max() > 1e-4
+    if mode == "prompt_mean_token_mean":  # trap armed: a micro-batch that splits a group miscounts its tokens
+        torn = [slice(0, 1), slice(1, 3), slice(3, 6)]
+        split_group = sum(grad_of(lambda lg: loss(lg, rows, algo.loss_numerators(
+            loss_mask[rows], mode, group_index=invariants.rollout_index(GROUPS[rows].tolist()))), logits)
+            for rows in torn) / 3.0
+        assert (split_group - full).abs().max() > 1e-4
+
+
+def test_prompt_mean_token_mean_is_the_mean_over_prompts_of_each_prompts_token_mean():
+    """Reference from the definition (DAPO's token-level loss, per prompt group, then a mean over prompts), written
+    with loops; rows of one rollout sealed in two count in their group once, as one rollout's tokens."""
+    gen = torch.Generator().manual_seed(4)
+    loss_mask = (torch.rand(6, 7, generator=gen) > 0.3).double()
+    loss_mask[:, 0] = 0.0
+    loss_mask[4] = 0.0                                # a row with no kept token: its group still counts once
+    token_loss = torch.randn(6, 7, generator=gen)
+    groups = ["p", "p", "p", "q", "r", "r"]           # rows 0 and 1: one rollout sealed in two
+    index = invariants.rollout_index(groups)
+    kept_groups = float(invariants.count_rollouts(loss_mask, index))
+    ours = (token_loss * algo.loss_weights(loss_mask, "prompt_mean_token_mean", loss_mask.sum().item(), 5.0,
+                                           group_index=index, global_groups=kept_groups)).sum()
+    prompt_means = []
+    for g in dict.fromkeys(groups):
+        tokens = [token_loss[b, t] for b in range(6) for t in range(7) if groups[b] == g and loss_mask[b, t]]
+        if tokens:
+            prompt_means.append(sum(tokens) / len(tokens))
+    assert kept_groups == 3 and abs(ours - sum(prompt_means) / len(prompt_means)) <= 1e-12
+    # negative control: the rollout mean (GRPO's) weighs rollouts, not prompts, and is another number here
+    rollouts = invariants.rollout_index(["a", "a", "b", "c", "d", "e"])
+    grpo = (token_loss * algo.loss_weights(loss_mask, "seq_mean_token_mean", loss_mask.sum().item(),
+                                           float(invariants.count_rollouts(loss_mask, rollouts)),
+                                           rollout_index=rollouts)).sum()
+    assert abs(grpo - ours) > 1e-3
+    with pytest.raises(ValueError, match="pass group_index"):
+        algo.loss_weights(loss_mask, "prompt_mean_token_mean", 1.0, 1.0, global_groups=1.0)
 
 
 def test_dr_grpo_aggregation_weights_every_token_equally_regardless_of_length():
@@ -489,6 +534,15 @@ def test_aggregation_refuses_a_non_positive_global_count():
     (dict(estimator="grpo"), 1, "estimator 'grpo' compares samples of one prompt"),
     (dict(estimator="reinforce_baseline"), 1, "compares samples of one prompt"),
     (dict(estimator="reinforce", filter_zero_variance=True), 1, "filter_zero_variance compares samples"),
+    (dict(dual_clip=1.0), 4, "dual_clip must be 0"),
+    (dict(dual_clip=math.inf), 4, "dual_clip must be 0"),
+    (dict(estimator="gspo", dual_clip=3.0), 4, "GSPO's ratio is its rollout's geometric mean"),
+    (dict(estimator="on_policy_distill", kl_coef=1.0, overlong_buffer=8), 1, "on_policy_distill never reads"),
+    (dict(estimator="on_policy_distill", kl_coef=1.0, stop_penalty=0.0), 1, "on_policy_distill never reads"),
+    (dict(overlong_buffer=-1), 4, "overlong_buffer must be >= 0"),
+    (dict(overlong_buffer=8, overlong_penalty=0.0), 4, "overlong_penalty a finite value > 0"),
+    (dict(stop_penalty=1.5), 4, "would reward running out of tokens"),
+    (dict(stop_penalty=math.nan), 4, "stop_penalty must be in"),
 ])
 def test_validate_algo_refuses_silently_wrong_configs(kwargs, n_samples, match):
     with pytest.raises(ValueError, match=match):
@@ -501,9 +555,40 @@ def test_validate_algo_refuses_silently_wrong_configs(kwargs, n_samples, match):
     (dict(estimator="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="seq_mean_token_mean"), 8),
     (dict(estimator="on_policy_distill", kl_coef=1.0), 1),
     (dict(estimator="dr_grpo", loss_agg="seq_mean_token_sum_norm", filter_zero_variance=True), 2),
+    (dict(dual_clip=3.0, loss_agg="prompt_mean_token_mean", overlong_buffer=16, stop_penalty=0.0), 4),
 ])
 def test_validate_algo_accepts_sound_configs(kwargs, n_samples):
     algo.validate_algo(AlgoConfig(**kwargs), n_samples)
+
+
+def test_an_overlong_buffer_longer_than_the_reply_cap_is_refused_and_one_within_accepted():
+    with pytest.raises(ValueError, match=r"longer than rollout.max_tokens \(64\): even an empty reply"):
+        algo.validate_algo(AlgoConfig(overlong_buffer=65), 4, max_tokens=64)
+    algo.validate_algo(AlgoConfig(overlong_buffer=64, overlong_penalty=0.5, stop_penalty=-0.5), 4, max_tokens=64)
+
+
+# ---- reward shaping ----
+
+
+def dapo_length_reward(length: int, max_length: int, cache: int) -> float:
+    """DAPO (2503.14476) Soft Overlong Punishment, as the paper writes it: 0 while |y| <= L_max - L_cache,
+    ((L_max - L_cache) - |y|) / L_cache up to L_max, -1 beyond."""
+    if length <= max_length - cache:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - cache) - length) / cache
+    return -1.0
+
+
+def test_the_overlong_punishment_is_dapos_piecewise_length_reward_times_the_factor():
+    lengths = list(range(0, 70))
+    rewards = [(-1.0) ** n for n in lengths]
+    cfg = AlgoConfig(overlong_buffer=16, overlong_penalty=0.5)
+    shaped = algo.shape_rewards(rewards, lengths, [False] * len(lengths), cfg, max_tokens=64)
+    expected = [r + 0.5 * dapo_length_reward(n, 64, 16) for r, n in zip(rewards, lengths)]
+    assert max(abs(a - b) for a, b in zip(shaped, expected)) <= 1e-15
+    assert sum(a != r for a, r in zip(shaped, rewards)) == 69 - 48, "armed: replies past the edge only"
+    assert algo.shape_rewards(rewards, lengths, [True] * len(lengths), AlgoConfig(), 64) == rewards  # defaults: off
 
 
 # ---- dynamic filtering ----

@@ -22,6 +22,9 @@ from test_train import TINY_RUN, run_cli
     (["--steps", "many"], "invalid"),
     (["--run.sandbox_accept", "namespace"], "unknown protections ['namespace']"),
     (["--rollout.max_length", "-1"], "rollout.max_length must be > 0, or 0 for the model's position limit"),
+    (["--algo.dual_clip", "0.5"], "dual_clip must be 0 (off) or a finite bound > 1"),
+    (["--algo.overlong_buffer", "1000"], "overlong_buffer (1000) is longer than rollout.max_tokens"),
+    (["--correction.gating", "binary_kl", "--correction.seq_gate", "geo"], "seq_gate 'geo' would be ignored"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
     out = str(tmp_path / "never")

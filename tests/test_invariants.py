@@ -15,7 +15,7 @@ import algo
 import constraints
 import invariants
 
-from invariants import (LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
+from invariants import (GATINGS, LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
                         check_sampled_once, check_token_identity, correction_weights, gate_rollouts, staleness,
                         validate_correction)
 from rollout import Generation
@@ -258,8 +258,10 @@ def step_loss(prox, adv, mask, index, estimator: str, loss_agg: str, is_weights=
     logprobs = (prox + 0.3 * torch.randn(prox.shape, generator=gen, dtype=prox.dtype)).requires_grad_(True)
     cfg = algo.AlgoConfig(estimator=estimator, loss_agg=loss_agg)
     token_loss, _ = algo.policy_loss(logprobs, prox, adv, mask, cfg, is_weights=is_weights, rollout_index=index)
+    groups = invariants.rollout_index(["g"] * len(mask))     # both rollouts answer one prompt
     weights = algo.loss_weights(mask, loss_agg, float(mask.sum()), float(invariants.count_rollouts(mask, index)),
-                                token_budget=mask.shape[1], rollout_index=index)
+                                token_budget=mask.shape[1], rollout_index=index, group_index=groups,
+                                global_groups=float(invariants.count_rollouts(mask, groups)))
     loss = (token_loss * weights).sum()
     loss.backward()
     return loss.detach(), logprobs.grad
@@ -278,15 +280,16 @@ def test_on_policy_every_correction_is_an_exact_identity(level, mode):
     behavior = prox.clone()  # engine logprobs == trainer recompute, every token at version V
     off_policy = prox.clone()
     off_policy[2, 3] -= 1.0  # rho = e on one token of the plain rollout: outside [0.5, 2] for token and seq
-    for seq_gate in SEQ_GATES:
-        cfg = CorrectionConfig(level=level, mode=mode, low=0.5, high=2.0, seq_gate=seq_gate, veto=1e-4)
+    gates = [dict(seq_gate=g) for g in SEQ_GATES] + [dict(gating=g, gate_divergence=1e-9) for g in GATINGS[1:]]
+    for gate in gates:
+        cfg = CorrectionConfig(level=level, mode=mode, low=0.5, high=2.0, veto=1e-4, **gate)
         correction = invariants.apply_correction(prox, behavior, mask, versions, V, cfg, index)
         assert torch.equal(correction.is_weights, torch.ones_like(prox))  # bitwise
         assert correction.keep.all() and correction.gate_counts["kept"] == 2 and torch.equal(correction.mask, mask)
         for estimator, loss_agg in itertools.product(("grpo", "gspo"), algo.LOSS_AGGREGATIONS):
             plain = step_loss(prox, adv, mask, index, estimator, loss_agg)
             corrected = step_loss(prox, adv, correction.mask, index, estimator, loss_agg, correction.is_weights)
-            assert all(torch.equal(a, b) for a, b in zip(plain, corrected)), (seq_gate, estimator, loss_agg)
+            assert all(torch.equal(a, b) for a, b in zip(plain, corrected)), (gate, estimator, loss_agg)
         if level != "off":
             drifted = invariants.apply_correction(prox, off_policy, mask, versions, V, cfg, index)
             plain = step_loss(prox, adv, mask, index, "grpo", "token_mean")
@@ -350,6 +353,60 @@ def test_seq_and_geo_bands_drop_rollouts_outside_the_band():
     assert keep.tolist() == [True, True]
 
 
+def bernoulli_divergence(logp_mu: float, logp_prox: float, gating: str) -> float:
+    """From the definitions, on Python floats: KL(Bern(p) || Bern(q)) = p log(p/q) + (1-p) log((1-p)/(1-q)) and the
+    total variation |p - q| of the two policies' probabilities p, q of the sampled token (clamped to [1e-6,
+    1 - 1e-6] as the gate does)."""
+    p, q = (min(max(math.exp(x), 1e-6), 1 - 1e-6) for x in (logp_mu, logp_prox))
+    if gating == "tv":
+        return abs(p - q)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+@pytest.mark.parametrize("gating", GATINGS[1:])
+def test_the_divergence_gate_keeps_a_rollout_iff_its_mean_divergence_is_within_the_bound(gating):
+    gen = torch.Generator().manual_seed(7)
+    behavior = torch.log(torch.rand(4, 6, generator=gen) * 0.9 + 0.05)
+    drift = torch.tensor([[0.01], [0.3], [1.0], [0.05]])
+    prox = (behavior + drift * torch.randn(4, 6, generator=gen)).clamp(max=0.0)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]],
+                        dtype=torch.float32)
+    means = [sum(bernoulli_divergence(behavior[b, t].item(), prox[b, t].item(), gating)
+                 for t in range(6) if mask[b, t]) / mask[b].sum().item() for b in range(4)]
+    d = invariants.token_divergence(behavior, prox, gating)
+    assert max(abs(d[b, t].item() - bernoulli_divergence(behavior[b, t].item(), prox[b, t].item(), gating))
+               for b in range(4) for t in range(6) if mask[b, t]) <= 1e-12
+    bound = sorted(means)[1] * 1.01                   # between the second and third smallest rollout means
+    cfg = CorrectionConfig(gating=gating, gate_divergence=bound)
+    keep, counts = gate_rollouts(prox - behavior, mask, torch.zeros(4, dtype=torch.long), cfg,
+                                 behavior_logprobs=behavior)
+    assert keep.tolist() == [m <= bound for m in means] and counts["drop_divergence"] == 2 == counts["kept"]
+    with pytest.raises(ValueError, match="pass behavior_logprobs"):
+        gate_rollouts(prox - behavior, mask, torch.zeros(4, dtype=torch.long), cfg)
+    # a sealed rollout is one rollout: rows 2 (far) and 3 (near) of one rollout are gated on their joint mean
+    index = invariants.rollout_index(["a", "b", "c", "c"])
+    joint = (means[2] * 4 + means[3] * 2) / 6
+    keep, _ = gate_rollouts(prox - behavior, mask, torch.zeros(4, dtype=torch.long),
+                            CorrectionConfig(gating=gating, gate_divergence=joint * 1.001), index, behavior)
+    assert keep.tolist() == [True, True, True, True]
+    keep, _ = gate_rollouts(prox - behavior, mask, torch.zeros(4, dtype=torch.long),
+                            CorrectionConfig(gating=gating, gate_divergence=joint * 0.999), index, behavior)
+    assert keep.tolist() == [True, True, False, False]
+
+
+def test_the_binary_kl_of_all_but_identical_policies_is_zero_not_below():
+    """fp32 rounding puts the binary KL of logprobs -1.0 (mu) and -0.99999 (pi_prox) at -4.5e-8; a divergence is never
+    below 0 (here its exact value, 3e-11), and the gate keeps such a rollout under a bound of 1e-9."""
+    behavior, prox = torch.tensor([[0.0, -1.0]]), torch.tensor([[0.0, -0.99999]])
+    p, q = behavior.exp(), prox.exp()
+    assert (p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log())[0, 1] < -4e-8        # the trap, in fp32
+    d = invariants.token_divergence(behavior, prox, "binary_kl")[0, 1].item()
+    assert 0.0 <= d == pytest.approx(bernoulli_divergence(-1.0, prox[0, 1].item(), "binary_kl"), abs=1e-15)
+    keep, _ = gate_rollouts(prox - behavior, torch.tensor([[0.0, 1.0]]), torch.zeros(1, dtype=torch.long),
+                            CorrectionConfig(gating="binary_kl", gate_divergence=1e-9), behavior_logprobs=behavior)
+    assert keep.all()
+
+
 def test_a_veto_below_the_log_ratio_clamp_still_fires():
     mask = torch.tensor([[0, 1, 1]], dtype=torch.float32)
     log_ratio = torch.tensor([[0.0, 0.0, -40.0]])             # rho = e^-40, below the clamp at e^-30
@@ -368,7 +425,7 @@ def test_a_sealed_rollout_is_one_rollout_for_staleness_and_every_gate():
     zero = torch.zeros(3, 4)
     keep, counts = gate_rollouts(zero, mask, s, CorrectionConfig(max_staleness=0), index)
     assert keep.tolist() == [False, False, True] and counts == {"drop_stale": 1, "drop_ratio_band": 0,
-                                                                 "drop_veto": 0, "kept": 1}
+                                                                 "drop_divergence": 0, "drop_veto": 0, "kept": 1}
     # the seq ratio multiplies over both rows: 0.5 + 0.5 nats is out of [1/2, 2], each row alone is inside
     log_ratio = torch.tensor([[0, 0.25, 0.25, 0], [0, 0, 0.25, 0.25], [0, 0, 0, 0]])
     cfg = CorrectionConfig(seq_gate="seq", gate_low=0.5, gate_high=2.0)
@@ -454,6 +511,9 @@ def test_non_finite_log_ratio_on_a_trainable_token_is_refused():
     (dict(max_staleness=-1), "max_staleness"),
     (dict(veto=1.0), "veto"),
     (dict(veto=-1e-4), "veto"),
+    (dict(gating="kl"), "gating 'kl' unknown"),
+    (dict(gating="binary_kl", seq_gate="geo"), "seq_gate 'geo' would be ignored"),
+    (dict(gating="tv", gate_divergence=0.0), "gate_divergence must be a finite bound > 0"),
 ])
 def test_validate_correction_refuses_bad_configs(bad, message):
     validate_correction(CorrectionConfig())  # defaults are valid

@@ -477,6 +477,18 @@ def two_ray_nodes():
         cluster.shutdown()
 
 
+def test_ranks_are_dealt_whole_groups_where_the_loss_counts_a_groups_tokens():
+    """prompt_mean_token_mean weighs a token by its group's kept tokens, which one rank must hold: the deal keeps
+    groups whole then, and whole rollouts (a finer balance) otherwise."""
+    batch = make_batch([14, 6, 10, 5, 9, 7], 3, vocab=50)          # groups g0 {0, 1}, g1 {2, 3}, g2 {4, 5}
+    group = SimpleNamespace(ranks=[0, 1])
+    by_group = runtime.TrainerGroup._deal(group, batch, whole_groups=True)
+    assert sorted(by_group) == [[0, 1], [2, 3, 4, 5]]
+    by_rollout = runtime.TrainerGroup._deal(group, batch)
+    assert any({batch.group_ids[b] for b in rows} & {batch.group_ids[b] for b in other}
+               for rows, other in [by_rollout]), "armed: rollouts alone split a group over the ranks"
+
+
 def test_trainer_ranks_on_two_ray_nodes_meet_at_rank_0s_node_and_train_as_one_process_does(two_ray_nodes):
     """Two gloo ranks forced onto two nodes (STRICT_SPREAD) rendezvous at rank 0's node; two steps on the same
     batches give the one-process actor's metrics, per-token losses and weights. A placement the cluster cannot

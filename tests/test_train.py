@@ -204,6 +204,38 @@ def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
     assert metrics["actor/kept_tokens"] == sampled       # not halved by a minibatch that never ran
 
 
+def test_the_step_trains_on_rewards_shaped_by_the_replies_lengths(tmp_path):
+    """--algo.stop_penalty and --algo.overlong_buffer reach the advantages train_on_rows trains: under REINFORCE
+    (advantage = reward) a rollout whose reply ran into max_tokens trains at stop_penalty (< 0 replaces the reward),
+    and one that stopped at its reward less DAPO's overlong punishment of its reply's length."""
+    cfg = config.parse_config([*TINY_RUN, "--algo.estimator", "reinforce", "--algo.stop_penalty", "-1.0",
+                              "--algo.overlong_buffer", "4", "--algo.overlong_penalty", "0.5",
+                              "--rollout.max_tokens", "8", "--train.trace_rows", "100"])
+    model_path = models.resolve_model("tiny-qwen3")
+    tok = models.load_tokenizer(model_path)
+    runner = train.load_recipe("math").AgentRunner(rollout.EmbeddedEngine(models.load_model(model_path), seed=1), tok,
+                                                   max_length=cfg["rollout"].max_length)
+    stops = tuple(range(0, len(tok), 8))        # an eighth of the ids stop a reply: some stop, some run to 8 tokens
+    sampled = runner.run(data.arithmetic_tasks(4, seed=0), [f"g{i // 2}" for i in range(4)],
+                         rollout.SamplingParams(max_tokens=8, seed=0, stop_token_ids=stops))
+    rows = [(r, row) for r in sampled for row in r.rows]
+    os.makedirs(tmp_path / "traces")
+    train.train_on_rows(cfg, actor.Actor(model_path, cfg["actor"], total_steps=1), None, tok, rows, str(tmp_path), 0)
+    by_id = {r.rollout_id: r for r in sampled}
+    traced = [json.loads(line) for line in open(tmp_path / "traces" / "step_000001.jsonl")]
+    assert {t["rollout_id"] for t in traced} == set(by_id)
+    for t in traced:
+        r = by_id[t["rollout_id"]]
+        longest = max(len(g.token_ids) for g in r.generations)
+        want = -1.0 if r.max_tokens_turns else r.reward - 0.5 * max(longest - 4, 0) / 4
+        trained = [a for a, why in zip(t["advantage"], t["mask_reason"]) if why != "context"]
+        assert trained == pytest.approx([want] * len(trained), abs=1e-6), (t["rollout_id"], longest)
+    cut = [r.max_tokens_turns > 0 for r in sampled]
+    longest = [max(len(g.token_ids) for g in r.generations) for r in sampled]
+    assert any(cut) and not all(cut), "armed: replies that stopped and replies cut at max_tokens"
+    assert any(n > 4 and not c for n, c in zip(longest, cut)), "armed: a reply that stopped inside the buffer"
+
+
 def test_the_run_counts_the_prefill_computed_and_taken_from_the_engines_prefix_cache():
     """rollout/prefill_tokens is the prompt tokens the engine computed per rollout, rollout/prefill_cached_frac the
     share of all prompt tokens it took from its prefix cache instead: a multi-turn episode's later turns take every
