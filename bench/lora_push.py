@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,40 +72,35 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if gpu else "cpu"}
     engine_kwargs = dict(dtype=dtype, transfer=transfer, enforce_eager=not gpu, gpu_memory_utilization=0.4,
                          max_model_len=1024)
-    with tempfile.TemporaryDirectory() as folder:
-        path = args.model
-        if args.tiny:
-            path = folder
-            models.tiny_model("qwen3", head_dim=32).save_pretrained(folder)
-            models.bpe_tokenizer().save_pretrained(folder)
-        with open(os.path.join(path, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-        # the full push: every weight of the base, on the device, as Actor.export_weights hands it
-        base = models.load_model(path, dtype=getattr(torch, dtype)).to(device)
-        full_state = {name: t for name, t in base.state_dict().items() if name != models.tied_output_key(base)}
-        engine = VLLMEngine(path, **engine_kwargs)
-        try:
-            result["full"] = timed_pushes(engine, full_state, args.pushes)
-            result["full"]["generation"] = generation(engine, vocab, args.prompts, args.new_tokens)
-        finally:
-            engine.shutdown()
-        del full_state
-        # the adapter: PEFT's layers over the same base, B moved off zero so the adapter is live
-        lora.add_lora(base, spec)
-        with torch.no_grad():
-            for name, parameter in base.named_parameters():
-                if ".lora_B." in name:
-                    parameter.normal_(0.0, 1e-3)
-        adapter = {name: t.detach() for name, t in lora.adapter_state(base).items()}
-        del base
-        if gpu:
-            torch.cuda.empty_cache()
-        engine = VLLMEngine(path, lora_spec=spec, **engine_kwargs)
-        try:
-            result["adapter"] = timed_pushes(engine, adapter, args.pushes)
-            result["adapter"]["generation"] = generation(engine, vocab, args.prompts, args.new_tokens)
-        finally:
-            engine.shutdown()
+    path = models.tiny_model_dir("qwen3", head_dim=32) if args.tiny else args.model
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    # the full push: every weight of the base, on the device, as Actor.export_weights hands it
+    base = models.load_model(path, dtype=getattr(torch, dtype)).to(device)
+    full_state = {name: t for name, t in base.state_dict().items() if name != models.tied_output_key(base)}
+    engine = VLLMEngine(path, **engine_kwargs)
+    try:
+        result["full"] = timed_pushes(engine, full_state, args.pushes)
+        result["full"]["generation"] = generation(engine, vocab, args.prompts, args.new_tokens)
+    finally:
+        engine.shutdown()
+    del full_state
+    # the adapter: PEFT's layers over the same base, B moved off zero so the adapter is live
+    lora.add_lora(base, spec)
+    with torch.no_grad():
+        for name, parameter in base.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0.0, 1e-3)
+    adapter = {name: t.detach() for name, t in lora.adapter_state(base).items()}
+    del base
+    if gpu:
+        torch.cuda.empty_cache()
+    engine = VLLMEngine(path, lora_spec=spec, **engine_kwargs)
+    try:
+        result["adapter"] = timed_pushes(engine, adapter, args.pushes)
+        result["adapter"]["generation"] = generation(engine, vocab, args.prompts, args.new_tokens)
+    finally:
+        engine.shutdown()
     result["push_time_ratio_full_over_adapter"] = result["full"]["median_s"] / result["adapter"]["median_s"]
     result["bytes_ratio_full_over_adapter"] = result["full"]["bytes"] / result["adapter"]["bytes"]
     result["decode_tokens_per_s_ratio_adapter_over_full"] = (result["adapter"]["generation"]["tokens_per_s"]

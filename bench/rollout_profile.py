@@ -24,7 +24,6 @@ import json
 import os
 import pstats
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,10 +67,7 @@ def main() -> None:
     import vllm
     from vllm.sampling_params import RequestOutputKind
     gpu = torch.cuda.is_available()
-    folder = tempfile.mkdtemp() if args.tiny else args.model
-    if args.tiny:
-        models.tiny_model("qwen3", head_dim=32).save_pretrained(folder)
-        models.bpe_tokenizer().save_pretrained(folder)
+    folder = models.tiny_model_dir("qwen3", head_dim=32) if args.tiny else args.model
     tokenizer = models.load_tokenizer(folder)
     vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
     never = vocab - 1                      # a stop id that ends nothing: every reply runs to max_tokens
