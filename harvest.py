@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import invariants
-from rollout import Generation
+from rollout import Generation, params_per_prompt
 
 
 class ScriptEngine:
@@ -26,10 +26,13 @@ class ScriptEngine:
     def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
         reply = self.replies.pop(0) if self.replies else ""
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.end_id]
+        max_tokens = params_per_prompt(params, 1)[0].max_tokens     # a reply longer than that is cut, as sampled
+        finish = "length" if len(ids) > max_tokens else "stop"
+        ids = ids[:max_tokens]
         for token_id in ids:
             if on_token is not None:
                 on_token(0, token_id)
-        return [Generation(list(prompts[0]), ids, [0.0] * len(ids), [0] * len(ids), None, "stop",
+        return [Generation(list(prompts[0]), ids, [0.0] * len(ids), [0] * len(ids), None, finish,
                            sampling=invariants.UNSAMPLED)]
 
 

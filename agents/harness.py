@@ -151,6 +151,14 @@ class HarnessAgent(ProcessAgent):
         """What the harness reported (its own JSON output), as numbers for Result.info."""
         return {}
 
+    def harness_cut(self, stdout: str) -> bool:
+        """Whether the harness's output says it stopped because the model's reply was cut at max_tokens or the
+        context was full: an episode that ended truncated (graded, Result.truncated), not a failed process."""
+        return False
+
+    def accepts_exit(self, run) -> bool:
+        return self.harness_cut(run.stdout)
+
     def prepare(self, ctx, ws) -> None:
         swe_fix.write_repository(ctx, ws)
         for path, text in self.settings(ctx, ws).items():
@@ -170,6 +178,7 @@ class HarnessAgent(ProcessAgent):
         info = self.harness_info(run.stdout)           # the harness's report, read before the hidden tests run
         result = swe_fix.grade_repository(ctx, ws)
         result.info.update(info)
+        result.truncated = result.truncated or run.exit_code != 0      # only a cut reply or a full context (above)
         return result
 
 

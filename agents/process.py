@@ -210,7 +210,7 @@ class Workspace:
 class ProcessRun:
     stdout: str                  # the last `output_bytes` it wrote to stdout (decoded, invalid bytes replaced)
     stderr: str                  # the same for stderr
-    exit_code: int               # 0 (any other status fails the rollout before `grade`)
+    exit_code: int               # 0, or a status accepts_exit took (any other fails the rollout before `grade`)
     seconds: float               # wall-clock time from start to the end of its whole tree
     dropped_bytes: int           # output beyond the tails, read and dropped
 
@@ -274,8 +274,15 @@ class ProcessAgent(ChatAgent):
         """Variables beyond the session's (header). None by default."""
         return {}
 
+    def accepts_exit(self, run: ProcessRun) -> bool:
+        """Whether a program that exited with a non-zero status still ended its episode, to be graded like one that
+        exited 0 (a harness that stops when the model's reply was cut at max_tokens). No by default: the rollout
+        fails, counted as process_exit. A program killed by a signal always fails."""
+        return False
+
     def grade(self, ctx: ChatContext, ws: Workspace, run: ProcessRun) -> Result:
-        """The Result of a program that exited 0. By default its last stdout line (reward_from_stdout)."""
+        """The Result of a program that exited 0 (or whose exit accepts_exit took). By default its last stdout line
+        (reward_from_stdout)."""
         return reward_from_stdout(run.stdout)
 
     async def run(self, ctx: ChatContext) -> Result:
@@ -383,10 +390,13 @@ class ProcessAgent(ChatAgent):
         code = os.waitstatus_to_exitcode(report["wait_status"])
         if spec["jail"] is not None and code > 128:           # bwrap reports a program killed by signal N as 128 + N
             code = 128 - code
-        if code != 0:
+        run = ProcessRun(out.text(), err.text(), code, seconds, out.dropped + err.dropped)
+        if code < 0 or (code > 0 and not self.accepts_exit(run)):
             how = f"was killed by {sandbox.signal_name(-code)}" if code < 0 else f"exited with status {code}"
-            raise ProcessFailure("process_exit", f"{spec['argv'][0]!r} {how}: {_last_line(err.text())}")
-        return ProcessRun(out.text(), err.text(), code, seconds, out.dropped + err.dropped)
+            # a program that reports its errors on stdout (a harness's JSON events) says why there, not on stderr
+            raise ProcessFailure("process_exit", f"{spec['argv'][0]!r} {how}: {_last_line(run.stderr)} "
+                                                 f"(last stdout line: {_last_line(run.stdout)})")
+        return run
 
 
 class SessionRelay:
@@ -474,7 +484,7 @@ async def _stop(launcher: asyncio.subprocess.Process) -> None:
 
 def _last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1][:500] if lines else "(no stderr)"
+    return lines[-1][:500] if lines else "(none)"
 
 
 def _remove(top: str) -> None:

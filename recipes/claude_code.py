@@ -79,6 +79,13 @@ class ClaudeCodeAgent(HarnessAgent):
                 "claude_error": float(bool(report.get("is_error")))}
 
 
+    def harness_cut(self, stdout: str) -> bool:
+        # `claude -p` reports an error, and exits 1, on a reply cut at its output limit and on a prompt too long
+        reports = [line for line in json_lines(stdout) if line.get("type") == "result"]
+        return bool(reports) and (reports[-1].get("api_error") == "max_output_tokens"
+                                  or reports[-1].get("terminal_reason") == "prompt_too_long")
+
+
 class AgentRunner(ChatAgentRunner):
     agent_cls = ClaudeCodeAgent
 

@@ -108,6 +108,13 @@ class CodexAgent(HarnessAgent):
                 "codex_answered": float("agent_message" in kinds)}
 
 
+    def harness_cut(self, stdout: str) -> bool:
+        # `codex exec` ends its turn failed, and exits 1, on a reply cut at max_output_tokens and on a full context
+        failed = [event.get("error") for event in json_lines(stdout) if event.get("type") == "turn.failed"]
+        message = str(failed[-1].get("message", "")) if failed and isinstance(failed[-1], dict) else ""
+        return "reason: max_output_tokens" in message or "out of room in the model's context window" in message
+
+
 class AgentRunner(ChatAgentRunner):
     agent_cls = CodexAgent
 

@@ -54,10 +54,10 @@ def probe(recipe, **attributes):
     return type("Probe", (agent_class(recipe),), {"grade": grade, **attributes})
 
 
-def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams):
+def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams, max_length: int = 1 << 16):
     """The recipe's runner over `agent_cls`, every request's wire and stream flag recorded at the server."""
     runner = type("Runner", (recipe.AgentRunner,), {"agent_cls": agent_cls})(engine, tokenizer, max_turns=6,
-                                                                              max_length=1 << 16)
+                                                                              max_length=max_length)
     requests, body = [], runner.server._body
 
     async def recorded(request, optional=False):
@@ -140,7 +140,8 @@ def test_each_harness_runs_unchanged_streaming_through_tool_episodes_and_every_s
         seals = sealed_turns(rollout)
         print(f"{recipe.__name__} {task.task_id}: {rollout.num_turns} turns ({tool_turns(tokenizer, rollout)} tool "
               f"calls), sealed per turn {seals}, reward {rollout.reward:.2f}, info {rollout.info}")
-        assert rollout.num_turns >= 3 and len(seals) == rollout.num_turns     # a tool call, its result, and on
+        # a tool call, its result, and on (or a sampled reply cut at max_tokens ended it, truncated: test above)
+        assert (rollout.num_turns >= 3 or rollout.truncated) and len(seals) == rollout.num_turns
         assert seals == [False] * rollout.num_turns               # each turn's prompt extends the record
         assert rollout.info["tests_passed"] == rollout.reward
         check_sampled_once(rollout.rows, rollout.generations)
@@ -155,6 +156,37 @@ def test_each_harness_runs_unchanged_streaming_through_tool_episodes_and_every_s
     complete = sum(tool_turns(tokenizer, r) >= 3 and r.num_turns >= 4 for r in rollouts)
     print(f"{recipe.__name__}: {complete} of {len(rollouts)} episodes read, edited, tested and answered")
     assert complete >= len(rollouts) * 2 // 3
+
+
+# ---- an episode cut short: a reply at max_tokens, a full context ---------------------------------------------------
+
+def test_a_reply_cut_at_max_tokens_or_a_full_context_ends_the_episode_truncated_and_graded_and_other_exits_fail(
+        taught):
+    # Both harnesses exit 1 when the model's reply is cut at its token limit or the prompt outgrows the context: the
+    # episode ended there (truncated, graded on what the harness left), which is the policy's doing and is trained on,
+    # not a failed process. A sampled reply of the taught model that runs to max_tokens did this in the suite.
+    recipe, _, tokenizer, _ = taught
+    task = swe_fix.tasks("train", 0)[0]
+    engine = ScriptEngine(tokenizer)
+    for sampling, max_length in [(SamplingParams(max_tokens=20), 1 << 16), (SamplingParams(max_tokens=256), 1000)]:
+        engine.replies = recipe.script(task)
+        rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
+                                             sampling, max_length)
+        assert failures == {} and len(rollouts) == 1
+        rollout, = rollouts
+        finishes = [g.finish_reason for g in rollout.generations]
+        print(f"{recipe.__name__}, max_tokens {sampling.max_tokens}, context {max_length}: finishes {finishes}, "
+              f"reward {rollout.reward:.2f}, truncated {rollout.truncated}")
+        assert rollout.truncated and rollout.reward < 1.0          # the fix never applied: the bug's tests fail
+        assert rollout.reward == rollout.info["tests_passed"]
+        assert finishes[-1:] == ["length"] if max_length > 1000 else finishes == []    # cut, or never sampled
+        check_sampled_once(rollout.rows, rollout.generations)
+    # any other non-zero exit still fails the rollout (here the harness refuses an unknown flag)
+    engine.replies = recipe.script(task)
+    bad_flag = probe(recipe, short_prompt=True)
+    bad_flag.arguments = lambda self, ctx, ws: [*agent_class(recipe).arguments(self, ctx, ws), "--no-such-flag"]
+    rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, bad_flag, [task], SamplingParams(max_tokens=256))
+    assert rollouts == [] and failures == {"process_exit": 1}
 
 
 # ---- on its defaults: the whole prompt ----------------------------------------------------------------------------
