@@ -234,8 +234,11 @@ class Actor:
         # compiling fuses each layer's norms and activations: 1.7x the eager step at the 0.6B shape on an H200
         # (bench/gpu.py), paid in warm_up (or else the first steps); on a CPU it would add minutes of compile
         self.compiled = cfg.compile == "true" or (cfg.compile == "auto" and self.device.type == "cuda")
+        # The language model's layers only: a VLM's vision block splits its attention by image (transformers' sdpa
+        # path takes each image's, or window's, length as a Python list), so torch._dynamo compiled it again for
+        # every new count of images and windows, past its recompile limit of 8 in geo3k's step 2
         if self.compiled:          # in place: parameter names, hooks and the state dict stay the module's own
-            for layer in models.decoder_layers(self.model):
+            for layer in models.language_model_layers(self.model):
                 layer.compile()
         if cfg.activation_checkpointing:
             self._checkpoint_layers()

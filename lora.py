@@ -46,9 +46,8 @@ class LoraSpec:
 def adapted_modules(model: nn.Module) -> list[str]:
     """The full names of the linears LoRA adapts: every nn.Linear inside the language model's decoder layers, less MoE
     routers (see the header). Raises if there is none."""
-    language_model = model.get_decoder()
     routers = set(r3.moe_routers(model))
-    layers = [m for m in models.decoder_layers(model) if any(m is x for x in language_model.modules())]
+    layers = models.language_model_layers(model)
     inside = {id(sub) for layer in layers for sub in layer.modules()}
     names = [name for name, module in model.named_modules()
              if id(module) in inside and isinstance(module, nn.Linear) and module not in routers]

@@ -437,6 +437,12 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return layers
 
 
+def language_model_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of the language model alone: a VLM's vision blocks left out."""
+    inside = {id(module) for module in model.get_decoder().modules()}
+    return [layer for layer in decoder_layers(model) if id(layer) in inside]
+
+
 # ---- vision-language forward inputs (engine and trainer) ----
 # Qwen2.5-VL places each image's features on its run of <|image_pad|> ids and gives those tokens 3-D positions
 # (t, h, w over the merged patch grid); the text after an image resumes at max(position) + 1, which is smaller

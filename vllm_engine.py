@@ -81,6 +81,13 @@ from rollout import (Generation, SamplingParams, images_per_prompt, params_per_p
 LORA_SLOTS = 4     # adapters vLLM holds at once: the newest, and older ones while requests started under them finish
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
 
+# vLLM's client gives its engine-core process 5 s after SIGTERM, then kills it. The process does end itself on
+# SIGTERM, but its orderly teardown (its workers' exit, a full collection of the heap it froze at start, the spawned
+# interpreter's finalisation) took 4.2-8.3 s on a shared 2-core CPU at the tiny test model (killed in 2 of 3 there)
+ENGINE_EXIT_S = 30.0
+# vLLM's layerwise reload logs "<class>: Failed to load weights" under this logger for a module that got no weight
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
 
 def available() -> bool:
     """Whether vLLM can be imported here (the `--rollout.engine auto` choice needs it and a GPU)."""
@@ -159,6 +166,28 @@ class WorkerExtension:
         fast exp, so the nucleus of a token near its edge differs from the one the trainer recomputes."""
         from vllm.v1.sample.ops import topk_topp_sampler
         topk_topp_sampler.apply_top_k_top_p = topk_topp_sampler.apply_top_k_top_p_pytorch
+
+    def tracerl_quiet_reload(self) -> None:
+        """Drop vLLM's "Failed to load weights" warning for the modules a full push leaves out by design; it printed
+        once each push for two (a tied SmolLM2 on an H200), though the push took effect: modules whose tensors are all
+        non-persistent buffers, computed from the config and in no checkpoint (the rotary embedding's cos/sin
+        cache), and modules whose every parameter is an earlier module's (a tied output head: the embedding's weight,
+        which the push loads through the embedding). vLLM keeps such a module's own tensors, which is right for both.
+        The warning names a class: a class with any instance that does load keeps its warnings, and so does any
+        other module that got nothing."""
+        import logging
+        by_design, loaded, seen = set(), set(), set()
+        for module in self.model_runner.model.modules():
+            params = [p for p in module._parameters.values() if p is not None]
+            buffers = {name for name, b in module._buffers.items() if b is not None}
+            if params or buffers:
+                computed = not params and buffers <= module._non_persistent_buffers_set
+                tied = bool(params) and all(id(p) in seen for p in params)
+                (by_design if computed or tied else loaded).add(type(module).__name__)
+            seen.update(id(p) for p in params)
+        quiet = by_design - loaded
+        logging.getLogger(RELOAD_LOGGER).addFilter(
+            lambda record: not (record.msg == "%s: Failed to load weights" and record.args[0] in quiet))
 
     def tracerl_load_weights(self, serialized_state: bytes) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -267,6 +296,7 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True).start()
         self._llm = self._call(_build(AsyncLLM, args))
+        self._call(self._llm.collective_rpc("tracerl_quiet_reload"))
         if exact:    # ... and its top-p is the exact sort, not the approximate kernel
             self._call(self._llm.collective_rpc("tracerl_exact_top_p"))
         if transfer == "ipc":
@@ -422,7 +452,9 @@ class VLLMEngine:
         # vLLM stops its engine processes before it cancels its client's output task, which then logs the engine's
         # exit as a failure (EngineDeadError): cancel that task first
         self._call(self._stop_output_handler())
-        self._llm.shutdown()
+        # SIGTERM, then up to ENGINE_EXIT_S for the engine core to end itself (it returns as soon as it has): past
+        # vLLM's default 5 s it was killed midway through its teardown
+        self._llm.shutdown(timeout=ENGINE_EXIT_S)
         del self._llm           # its finaliser shuts down again: let it run now, not at interpreter exit
         # a task vLLM's client leaves on the loop (its engine-core output queue, after a run that ended on an
         # error) would be destroyed pending at exit, with asyncio's error log: cancel and await what is left

@@ -413,6 +413,31 @@ def test_train_runs_a_text_recipe_on_a_vlm(tmp_path):
     assert record["step"] == 1 and record["mismatch/logprob_diff_max"] <= TOL and record["actor/bf16"] == 0.0
 
 
+def test_a_compiled_vlm_compiles_its_language_models_layers_not_its_vision_blocks(vl_dir, vl, processor):
+    """A vision block splits its attention by image (transformers' sdpa path takes each image's, or window's, length
+    as a Python list), so torch._dynamo compiles a compiled block again for every new count of images: geo3k's step 2
+    passed its recompile limit (8) and the block ran uncompiled. The trap first: a vision tower whose blocks are
+    compiled traces new graphs for one, two, three and four images (eager backend: tracing alone). The compiled actor
+    compiles the language model's decoder layers and no vision block."""
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    tower = copy.deepcopy(vl.model.visual)
+    for block in tower.blocks:
+        block.compile(backend="eager")
+    torch._dynamo.reset()
+    traced = []
+    for count in range(1, 5):
+        inputs = processor(images=[picture(56, 56, seed) for seed in range(count)], return_tensors="pt")
+        with torch.no_grad():
+            tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        traced.append(graphs())
+    torch._dynamo.reset()
+    assert traced == sorted(set(traced))                        # more graphs at each new count of images
+    policy = actor.Actor(vl_dir, actor.ActorConfig(precision="fp32", compile="true"), total_steps=1)
+    compiled = [type(layer).__name__ for layer in models.decoder_layers(policy.model)
+                if layer._compiled_call_impl is not None]
+    assert compiled == ["Qwen2_5_VLDecoderLayer"] * policy.model.config.text_config.num_hidden_layers
+
+
 # ---- FSDP2: a rank whose rows hold no image keeps in step with a rank whose rows do ----
 
 FSDP_VLM_CONFIG = actor.ActorConfig(precision="fp32", lr=1e-3, micro_batch_size=2, max_grad_norm=1e9)
