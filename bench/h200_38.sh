@@ -111,10 +111,11 @@ for part in "${PARTS[@]}"; do
 done
 
 # ---- the summary: each part's figures that matter -----------------------------------------------------------------
-python3 - "$OUT" <<'EOF'
+COMMIT=$(git rev-parse HEAD 2>/dev/null || echo "${COMMIT:-unknown}") python3 - "$OUT" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
-summary = {"parts": [json.loads(line) for line in open(os.path.join(out, "parts.jsonl"))]}
+summary = {"commit": os.environ.get("COMMIT", ""),
+           "parts": [json.loads(line) for line in open(os.path.join(out, "parts.jsonl"))]}
 for path in sorted(glob.glob(os.path.join(out, "profile-*.json"))):
     d = json.load(open(path))
     tracerl = d.get("phases_instrumented_round", {}).get("tracerl", {})

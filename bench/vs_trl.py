@@ -658,7 +658,11 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, Deadline.on_sigterm)     # a side's processes never outlive this one
     for side in [] if args.summary_only else sides:        # one after the other: each has the machine to itself
         left = started + args.budget_s - time.time() - 20 if args.budget_s else None   # 20 s kept for the summary
+        saved = os.path.join(out, f"{side}.json")
         if left is not None and left < 60:
+            print(f"{side}: skipped, {left + 20:.0f} s of --budget-s left", flush=True)
+            if os.path.exists(saved):        # an earlier run's result of this side stays
+                continue
             result = {"error": f"{side} skipped: {left + 20:.0f} s of --budget-s left", "skipped": True}
         else:
             watch = GpuMemoryWatch()
@@ -674,7 +678,7 @@ def main(argv: list[str]) -> None:
                 result = failed.record
             result["peak_gpu_memory_mib"] = watch.stop()
         result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-        with open(os.path.join(out, f"{side}.json"), "w") as f:
+        with open(saved, "w") as f:
             json.dump({"cfg": cfg, "result": result}, f, indent=1)
         if "s_per_step" in result:
             print(f"{side}: {result['s_per_step']:.2f} s per RL step, reward {result['reward'][0]:.2f} -> "
