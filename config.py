@@ -52,6 +52,7 @@ class RolloutConfig:
     top_p: float = 1.0          # nucleus mass (1 = off); the trainer recomputes logprobs over the same nucleus
     top_k: int = -1             # most likely tokens kept (-1 = off)
     max_tokens: int = 64        # new tokens per turn
+    ignore_eos: bool = False    # the model's eos ids end no reply: every turn runs to max_tokens (fixed-length benches)
     max_turns: int = 1
     max_length: int = 0         # prompt + all turns, in tokens; 0 = the model's position limit (never more)
     step_timeout_s: float = 60.0  # an env reset/step slower than this fails its rollout

@@ -71,6 +71,8 @@ class SamplingParams:
     top_k: int = -1                    # -1 = whole vocabulary; 1 = greedy (a point mass, logprob 0)
     max_tokens: int = 64               # new tokens at most
     stop_token_ids: tuple[int, ...] = ()  # empty = the model's eos ids; a stop token is kept and trainable
+    ignore_eos: bool = False           # the model's eos ids end nothing (stop_token_ids and stop strings still do):
+                                       # every reply of a model that samples eos runs on, for fixed-length benches
     stop: tuple[str, ...] = ()         # stop strings: sampling ends at the token that completes one (kept,
                                        # trainable); matched in the decoded text, so the engine needs a tokenizer
     seed: int | None = None            # per-request seed; None draws from the engine's generator
@@ -125,6 +127,11 @@ def validate_sampling(params: SamplingParams, vocab_size: int | None = None) -> 
                                                for s in params.stop):
         raise ValueError(f"stop must be at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                          f"characters each, got {len(params.stop)} of lengths {[len(s) for s in params.stop][:8]}")
+    if not isinstance(params.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be true or false, got {params.ignore_eos!r:.40}")
+    if params.ignore_eos and params.constraint is not None and not params.stop_token_ids:
+        raise ValueError("a grammar ends on the request's stop ids, and ignore_eos leaves it none: pass "
+                         "stop_token_ids with the grammar, or drop ignore_eos")
     if not integer(params.top_logprobs) or not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs!r:.40}")
     invariants.check_logit_processing(params, "sampling", vocab_size)
@@ -399,7 +406,7 @@ class EmbeddedEngine:
             p = dataclasses.replace(p, max_tokens=min(p.max_tokens, self.max_model_len - len(prompt)))
             self.check_images(prompt, row_images)
             generator = torch.Generator(self.device).manual_seed(p.seed) if p.seed is not None else self._generator
-            stop = frozenset(p.stop_token_ids) if p.stop_token_ids else self.eos_ids
+            stop = frozenset(p.stop_token_ids) if p.stop_token_ids else frozenset() if p.ignore_eos else self.eos_ids
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
             rows.append(self._row(list(prompt), p, stop, generator, row_images, listener))
         if rows:

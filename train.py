@@ -226,7 +226,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
     tasks = recipe_tasks(recipe, "train", run)
     if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
         print(recipe.notice(cfg), flush=True)
-    sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens)
+    sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens, ignore_eos=ro.ignore_eos)
     logger = MetricsLogger(out, run.wandb, {name: dataclasses.asdict(c) for name, c in cfg.items()})
     print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
     held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []
@@ -277,14 +277,22 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
                 pool.trained_step(step + 1)
             continue
         if sleeper is not None:
+            t1 = time.time()
             sleeper.sleep()
+            m["time/engine_sleep_s"] = time.time() - t1
         train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
         m.update(train_metrics)
+        if isinstance(policy, actor.Actor) and policy.device.type == "cuda":
+            # this process's peak of the step (the actor's; a vLLM engine's memory is its own process's)
+            m["perf/gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(policy.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(policy.device)
         if sleeper is not None:
             # the actor's cached activations go back to the device before the engine takes its share again, so the
             # GPU's peak is the larger of the two phases rather than their sum
+            t1 = time.time()
             torch.cuda.empty_cache()
             sleeper.wake_up()
+            m["time/engine_wake_s"] = time.time() - t1
 
         # 3. push the new weights to the engines (pause, load, resume: a dense model's engines keep their requests
         # in flight across it, an MoE model's let them finish first, rollout.py's drain_on_update); every later

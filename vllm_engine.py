@@ -714,10 +714,10 @@ def _collapse_pad_runs(token_ids: list[int], pad_id: int) -> list[int]:
 
 def _vllm_params(request: _Request):
     """tracerl's SamplingParams -> vLLM's, with the same meaning: stop ids replace the model's eos ids (and are
-    kept); the tokens that wrote a stop string are kept; the sampled token's processed logprob is always returned.
-    min_p, the logit bias and the three penalties go in as themselves: vLLM's sampler applies them in the order
-    processing.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids are the row before and
-    after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
+    kept), as ignore_eos drops them; the tokens that wrote a stop string are kept; the sampled token's processed
+    logprob is always returned. min_p, the logit bias and the three penalties go in as themselves: vLLM's sampler
+    applies them in the order processing.adjust_logits and processed_logprobs repeat (vLLM's prompt and output ids
+    are the row before and after generation_start). vLLM clamps a bias to [-100, 100], so a ban (-inf) goes in as -100: its probability,
     e^-100 against the rest, is below what an fp32 logprob resolves, and the trainer's -inf agrees (tested). A
     grammar goes in as constraints.lark_grammar, the text the embedded engine and the replay build their matchers
     from, with its stop ids as the request's (so it ends where the grammar does). Logprobs come flat (a few lists
@@ -730,7 +730,7 @@ def _vllm_params(request: _Request):
     stop_ids = json.loads(grammar)["stop"] if grammar is not None else list(p.stop_token_ids)
     return VLLMSamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1, max_tokens=p.max_tokens,
-        stop_token_ids=stop_ids or None, ignore_eos=bool(stop_ids), stop=list(p.stop) or None,
+        stop_token_ids=stop_ids or None, ignore_eos=bool(stop_ids) or p.ignore_eos, stop=list(p.stop) or None,
         structured_outputs=None if grammar is None else
         StructuredOutputsParams(grammar=constraints.lark_grammar(grammar, request.tokenizer)),
         include_stop_str_in_output=True, seed=p.seed, logprobs=p.top_logprobs,

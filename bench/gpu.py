@@ -218,12 +218,10 @@ def bench_refit() -> dict:
 # ---- the vLLM engine ---------------------------------------------------------------------------------------------
 
 def smollm2_shape_dir(folder: str) -> str:
-    """SmolLM2-135M's architecture with random weights, saved with the packaged tokenizer (no hub here)."""
-    from transformers import LlamaConfig
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=2)
+    """SmolLM2-135M's architecture (bench/shapes.py) with random weights and SmolLM2's ids, no tokenizer."""
+    from shapes import SHAPES
+    config_class, fields = SHAPES["smollm2-135m"]
+    config = config_class(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **fields)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     return folder
 

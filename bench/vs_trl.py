@@ -8,7 +8,17 @@
 # temperature, lr (constant), beta 0, seed, and two optimizer steps per rollout batch (tracerl: --train.minibatches 2;
 # TRL: micro-batches of 8, gradient accumulation A, steps_per_generation 2A, so a generation batch gives two optimizer
 # steps and its logprobs are recomputed once before them, as tracerl's are). TRL keeps its other defaults (loss
-# "dapo", clip 0.2, gradient checkpointing on); --trl-set changes any GRPOConfig field.
+# "dapo", clip 0.2, gradient checkpointing on); --trl-set changes any GRPOConfig field. A side whose name ends in
+# -nogc is TRL with gradient_checkpointing=False.
+#
+# The sizes people train (the h200-qwen3-* presets): the math recipe at Qwen3-0.6B, 1.7B, 4B (and 8B) shapes, random
+# weights with a borrowed tokenizer (bench/shapes.py; --tokenizer, SmolLM2's), every reply at its full length on both
+# sides (--fixed-lengths: tracerl's --rollout.ignore_eos, TRL's min_tokens / min_new_tokens = max_tokens), so both do
+# the same work; TRL with gradient checkpointing off and on as two sides. A side that runs out of memory (or time,
+# --budget-s) is recorded as failed and the next one runs: the largest size each side fits is read off the presets.
+# Per side: its peak GPU memory (the device's, nvidia-smi sampled every 200 ms, every process; and its trainer process's
+# own torch.cuda.max_memory_reserved, which on TRL's side holds its colocated vLLM too), and each phase's seconds
+# beside its physical lower bound on an H200 (bench/limits.py).
 #
 # tracerl runs as `python train.py --recipe math ...` (flags only); its seconds per step and phases come from its
 # OUT/metrics.jsonl (time/*) and the times its progress lines arrive. TRL is never a dependency of tracerl: it runs in
@@ -18,6 +28,10 @@
 #   python bench/vs_trl.py --preset cpu --trl-python .cache/trl-venv/bin/python [--steps 5] [--tracerl-commit REV]
 #   python bench/vs_trl.py --preset h200 --model DIR --trl-python python3 --trl-pythonpath /tmp/trl-site
 #   python bench/vs_trl.py ... --sides trl-vllm --out runs/vs_trl-h200    # one side; the summary gathers all in --out
+#   python bench/vs_trl.py --preset h200-qwen3-4b --tokenizer SMOLLM2_DIR --trl-python python3 \
+#       --trl-pythonpath /tmp/trl-site --caches shared --budget-s 560 --out /tmp/vs-trl-4b
+#   python bench/vs_trl.py --preset cpu --shape qwen3-tiny --tokenizer DIR --fixed-lengths --steps 2 \
+#       --sides tracerl,trl-transformers-nogc --trl-python .cache/trl-venv/bin/python    (the paths, on a CPU)
 #
 # Seconds per RL step: the median, over every step after the first, of the time from one step's end to the next's
 # (the same clock on both sides). Only this file's standard-library imports load at the top: the TRL side imports it.
@@ -29,9 +43,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +55,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = {   # the README's CPU math run, and the H200 shape of issue 19
     "cpu": dict(prompts=8, samples=4, max_tokens=40, max_length=256, temperature=0.7, lr=3e-5, steps=5, bf16=False,
                 engine="embedded", trl_sides=["trl-transformers"]),
+    # the vLLM paths of both sides on vLLM's CPU build (a tiny --shape: the code, not the speed)
+    "cpu-vllm": dict(prompts=8, samples=4, max_tokens=40, max_length=256, temperature=0.7, lr=3e-5, steps=3, bf16=False,
+                     engine="vllm", trl_sides=["trl-vllm"]),
     "h200": dict(prompts=32, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=3e-5, steps=10, bf16=True,
                  engine="vllm", trl_sides=["trl-vllm", "trl-transformers"]),
     # LoRA at a size full fine-tuning does not fit on one GPU (--lora-rank; bench/shapes.py's qwen3-8b)
@@ -46,18 +65,29 @@ PRESETS = {   # the README's CPU math run, and the H200 shape of issue 19
     "h200-lora": dict(prompts=16, samples=8, max_tokens=256, max_length=512, temperature=0.7, lr=1e-4, steps=5,
                       bf16=True, engine="vllm", trl_sides=["trl-vllm"], engine_memory=0.5),
 }
+# the sizes people train: h200's batch, every reply at its full length, TRL without and with gradient checkpointing
+PRESETS.update({f"h200-{size}": dict(PRESETS["h200"], steps=3, shape=size, fixed_lengths=True,
+                                     trl_sides=["trl-vllm-nogc", "trl-vllm"])
+                for size in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")})
+TRL_SIDES = ("trl-vllm", "trl-vllm-nogc", "trl-transformers", "trl-transformers-nogc")
 MICRO_BATCH = 8          # TRL's rows per forward/backward (its default; tracerl's micro-batches are its own defaults)
 MINIBATCHES = 2          # optimizer steps per rollout batch
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
+OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.IGNORECASE)
 
 
-def cold_caches(out: str, side: str) -> dict:
-    """Compile caches of one side's own, empty at its start (vLLM's torch.compile and AOT cache, inductor's, Triton's):
-    each side pays its own cold start, and the side run second cannot load kernels the first one compiled (vLLM's
-    cache key is the model and compilation config, which the two sides may share)."""
-    root = os.path.join(out, f"{side}.caches")
-    shutil.rmtree(root, ignore_errors=True)
+def compile_caches(out: str, side: str, mode: str, shared_root: str = "") -> dict:
+    """The compile caches a side runs with (vLLM's torch.compile and AOT cache, inductor's, Triton's). cold: its own,
+    empty at its start: each side pays its own cold start, and the side run second cannot load kernels the first one
+    compiled (vLLM's cache key is the model and compilation config, which the two sides may share). shared: one
+    folder for every side (`shared_root`, default OUT/shared.caches), kept: a later side (or run) of the same model
+    loads what an earlier one compiled, so time to the first step no longer compares, seconds per step still do."""
+    if mode == "shared":
+        root = shared_root or os.path.join(out, "shared.caches")
+    else:
+        root = os.path.join(out, f"{side}.caches")
+        shutil.rmtree(root, ignore_errors=True)
     return {"VLLM_CACHE_ROOT": os.path.join(root, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
             "TRITON_CACHE_DIR": os.path.join(root, "triton")}
 
@@ -85,6 +115,89 @@ def step_intervals(start: float, ends: list[float]) -> list[float]:
     return [b - a for a, b in zip([start] + ends[:-1], ends)]
 
 
+# ---- a side's process: its deadline, and what is left of it when it fails ------------------------------------------
+
+class SideFailed(Exception):
+    """A side that did not finish; `record` says why (exit status, out of memory, out of time, its log's tail)."""
+
+    def __init__(self, record: dict):
+        super().__init__(record["error"])
+        self.record = record
+
+
+class Deadline:
+    """Stops a side's process tree (its engines and compile workers too) at `at` (time.time(); None: never), and on
+    SIGTERM to this process (the driver's own time cap), so no side outlives the bench holding the GPU."""
+    running: list[subprocess.Popen] = []
+
+    def __init__(self, proc: subprocess.Popen, at: float | None):
+        self.proc, self.expired = proc, False
+        self.timer = threading.Timer(max(at - time.time(), 0), self.expire) if at is not None else None
+        if self.timer is not None:
+            self.timer.start()
+        Deadline.running.append(proc)
+
+    def expire(self) -> None:
+        self.expired = True
+        stop_tree(self.proc)
+
+    def done(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        Deadline.running.remove(self.proc)
+
+    @staticmethod
+    def on_sigterm(signum, frame) -> None:
+        for proc in list(Deadline.running):
+            stop_tree(proc)
+        raise SystemExit(128 + signum)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process and every descendant (collected first: an engine whose parent dies is re-parented),
+    SIGKILL to what is still alive 15 s later. From /proc, so it needs nothing outside the standard library."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, i = [proc.pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        end = time.time() + wait
+        while time.time() < end and any(alive(pid) for pid in tree):
+            proc.poll()             # reaps our own child, which would otherwise stay a zombie
+            time.sleep(0.2)
+        if not any(alive(pid) for pid in tree):
+            return
+
+
+def failure(side: str, code: int, log_path: str, timed_out: bool, detail: str = "") -> SideFailed:
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    why = "out of time (--budget-s)" if timed_out else f"exited with {code}"
+    return SideFailed({"error": f"{side} {why}{detail}; see {log_path}", "exit_code": code, "timed_out": timed_out,
+                       "out_of_memory": bool(OOM.search(log)), "log_tail": log[-3000:].splitlines()[-40:]})
+
+
 # ---- tracerl side: train.py as a subprocess ------------------------------------------------------------------------
 
 def tracerl_source(commit: str, out: str) -> tuple[str, str]:
@@ -105,7 +218,7 @@ def tracerl_source(commit: str, out: str) -> tuple[str, str]:
     return ROOT, head + ("+dirty" if dirty else "")
 
 
-def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
+def run_tracerl(cfg: dict, model: str, source: str, out: str, deadline: float | None, cache_dir: str) -> dict:
     run_dir = os.path.join(out, "tracerl")
     argv = [sys.executable, os.path.join(source, "train.py"), "--recipe", "math", "--model", model,
             "--steps", str(cfg["steps"]), "--seed", str(cfg["seed"]), "--out", run_dir,
@@ -114,6 +227,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
             "--rollout.temperature", str(cfg["temperature"]), "--rollout.engine", cfg["engine"],
             "--actor.lr", str(cfg["lr"]), "--actor.lr_schedule", "constant", "--train.minibatches", str(MINIBATCHES),
             "--algo.kl_coef", "0"]      # everything else (micro-batches, precision, compile) is tracerl's default
+    if cfg["fixed_lengths"]:
+        argv += ["--rollout.ignore_eos", "true"]
     if cfg["lora_rank"]:
         argv += ["--actor.lora_rank", str(cfg["lora_rank"]), "--actor.lora_alpha", str(2 * cfg["lora_rank"])]
     if cfg["engine_memory"]:
@@ -121,41 +236,49 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
     print("tracerl:", " ".join(argv[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
-    proc = subprocess.Popen(argv, cwd=source, env={**os.environ, **OFFLINE, **cold_caches(out, "tracerl")},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    log_path = os.path.join(out, "tracerl.log")
+    env = {**os.environ, **OFFLINE, **compile_caches(out, "tracerl", cfg["caches"], cache_dir)}
+    proc = subprocess.Popen(argv, cwd=source, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    watch = Deadline(proc, deadline)
     startup, step_ends, step_cpu, phase, mkl_avx512 = {}, [], [], None, False
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tracerl.log"), "w") as log:
-        for line in proc.stdout:         # each line timed as it arrives: train.py flushes every one
-            log.write(f"{time.time() - t0:7.2f} {line}")      # the log is the start-up's timeline
-            if re.match(r"step\s+\d+/\d+ \|", line):
-                step_ends.append(time.time())
-                step_cpu.append(process_cpu_s(proc.pid))
-                print("  " + line.rstrip(), flush=True)
-            elif line.startswith("tracerl: fp32 products on MKL's AVX-512 kernels"):
-                mkl_avx512 = True
-            elif found := re.match(r"tracerl: (.+?) \.\.\.(?: ([\d.]+) s)?$", line.strip()):
-                phase = found.group(1)                            # a start-up phase train.py prints
-                if found.group(2):
-                    startup[phase], phase = float(found.group(2)), None
-            elif phase and (found := re.match(r"([\d.]+) s$", line.strip())):
-                startup[phase], phase = float(found.group(1)), None  # its time, after the engine's log lines
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:         # each line timed as it arrives: train.py flushes every one
+                log.write(f"{time.time() - t0:7.2f} {line}")      # the log is the start-up's timeline
+                if re.match(r"step\s+\d+/\d+ \|", line):
+                    step_ends.append(time.time())
+                    step_cpu.append(process_cpu_s(proc.pid))
+                    print("  " + line.rstrip(), flush=True)
+                elif line.startswith("tracerl: fp32 products on MKL's AVX-512 kernels"):
+                    mkl_avx512 = True
+                elif found := re.match(r"tracerl: (.+?) \.\.\.(?: ([\d.]+) s)?$", line.strip()):
+                    phase = found.group(1)                            # a start-up phase train.py prints
+                    if found.group(2):
+                        startup[phase], phase = float(found.group(2)), None
+                elif phase and (found := re.match(r"([\d.]+) s$", line.strip())):
+                    startup[phase], phase = float(found.group(1)), None  # its time, after the engine's log lines
+        code = proc.wait()
+    finally:
+        watch.done()
     wall = time.time() - t0
-    if proc.wait() != 0 or len(step_ends) != cfg["steps"]:
-        raise SystemExit(f"tracerl exited with {proc.returncode} after {len(step_ends)} of {cfg['steps']} steps; "
-                         f"see {os.path.join(out, 'tracerl.log')}")
+    if code != 0 or len(step_ends) != cfg["steps"]:
+        raise failure("tracerl", code, log_path, watch.expired, f" after {len(step_ends)} of {cfg['steps']} steps")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f]
     loop_start = step_ends[0] - steps[0]["time/step_s"]
     per_step = step_intervals(loop_start, step_ends)
-    phase_keys = {"rollout": "time/rollout_s", "recompute": "time/recompute_s", "train": "time/train_s",
-                  "weight_push": "time/weight_push_s"}
-    timed = [{name: s.get(key, 0.0) for name, key in phase_keys.items()} for s in steps]
-    phases, rows = phase_medians(per_step, timed, "other")    # other: logging, the progress line
+    timed = [{"rollout": s.get("time/rollout_s", 0.0), "recompute": s.get("time/recompute_s", 0.0),
+              "train": s.get("time/train_s", 0.0), "weight_push": s.get("time/weight_push_s", 0.0),
+              "sleep_wake": s.get("time/engine_sleep_s", 0.0) + s.get("time/engine_wake_s", 0.0)} for s in steps]
+    phases, rows = phase_medians(per_step, timed, "other")    # other: the batch's build and checks, logging, traces
+    peaks = [s["perf/gpu_peak_reserved_gib"] for s in steps if "perf/gpu_peak_reserved_gib" in s]
     return {"s_per_step": median_after_first(per_step), "steps_s": per_step, "phases": phases, "steps_phases": rows,
             "cpu_s_per_step": median_after_first(step_intervals(step_cpu[0], step_cpu)),
             "reward": [s["rollout/reward"] for s in steps],
             "sampled_tokens": [s["rollout/sampled_tokens"] for s in steps],
+            "trainer_peak_reserved_gib": max(peaks) if peaks else None,
             "wall_s": wall, "to_first_step_s": step_ends[0] - t0, "startup_s": loop_start - t0,
             "exit_s": t0 + wall - step_ends[-1], "startup_phases": startup, "mkl_avx512_on_amd": mkl_avx512,
             "load_avg_1min": [load, os.getloadavg()[0]]}
@@ -164,25 +287,33 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str) -> dict:
 # ---- TRL side: this file's trl-driver mode, in TRL's own Python ------------------------------------------------------
 
 def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: str, trl_pythonpath: str,
-            trl_set: dict, mkl_avx512: bool, out: str) -> dict:
+            trl_set: dict, mkl_avx512: bool, out: str, deadline: float | None, cache_dir: str) -> dict:
     os.makedirs(out, exist_ok=True)
     job = {"side": side, "cfg": cfg, "model": model, "prompts": prompts, "trl_set": trl_set, "mkl_avx512": mkl_avx512,
            "output_dir": os.path.join(out, side), "result": os.path.join(out, f"{side}.driver.json")}
     job_path = os.path.join(out, f"{side}.job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    env = {**os.environ, **OFFLINE, **cold_caches(out, side)}
+    if os.path.exists(job["result"]):
+        os.remove(job["result"])
+    env = {**os.environ, **OFFLINE, **compile_caches(out, side, cfg["caches"], cache_dir)}
     if trl_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (trl_pythonpath, env.get("PYTHONPATH", "")) if p)
     print(f"{side}: {trl_python} {os.path.relpath(__file__, ROOT)} trl-driver {job_path}", flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
-    with open(os.path.join(out, f"{side}.log"), "w") as log:
-        code = subprocess.run([trl_python, os.path.abspath(__file__), "trl-driver", job_path], env=env,
-                              stdout=log, stderr=subprocess.STDOUT).returncode
+    log_path = os.path.join(out, f"{side}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([trl_python, os.path.abspath(__file__), "trl-driver", job_path], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        watch = Deadline(proc, deadline)
+        try:
+            code = proc.wait()
+        finally:
+            watch.done()
     wall = time.time() - t0
     if code != 0:
-        raise SystemExit(f"{side} exited with {code}; see {os.path.join(out, side + '.log')}")
+        raise failure(side, code, log_path, watch.expired)
     with open(job["result"]) as f:
         d = json.load(f)
     ends = d["optimizer_step_ends"][MINIBATCHES - 1::MINIBATCHES]      # an RL step ends with its last optimizer step
@@ -194,10 +325,10 @@ def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: s
     cpu = d["optimizer_step_cpu_s"][MINIBATCHES - 1::MINIBATCHES]
     return {"s_per_step": median_after_first(per_step), "steps_s": per_step, "phases": phases, "steps_phases": rows,
             "cpu_s_per_step": median_after_first(step_intervals(cpu[0], cpu)), "reward": d["reward"],
-            "sampled_tokens": d["sampled_tokens"], "wall_s": wall,
-            "to_first_step_s": ends[0] - t0, "startup_s": d["train_begin"] - t0, "exit_s": t0 + wall - ends[-1],
-            "versions": d["versions"], "grpo_config": d["grpo_config"], "mkl_avx512_on_amd": d["mkl_avx512_on_amd"],
-            "load_avg_1min": [load, os.getloadavg()[0]]}
+            "sampled_tokens": d["sampled_tokens"], "trainer_peak_reserved_gib": d["peak_reserved_gib"],
+            "wall_s": wall, "to_first_step_s": ends[0] - t0, "startup_s": d["train_begin"] - t0,
+            "exit_s": t0 + wall - ends[-1], "versions": d["versions"], "grpo_config": d["grpo_config"],
+            "mkl_avx512_on_amd": d["mkl_avx512_on_amd"], "load_avg_1min": [load, os.getloadavg()[0]]}
 
 
 def trl_driver(job_path: str) -> None:
@@ -270,16 +401,21 @@ def trl_driver(job_path: str) -> None:
 
     batch = cfg["prompts"] * cfg["samples"]
     accumulation = batch // MINIBATCHES // MICRO_BATCH
+    use_vllm = side.startswith("trl-vllm")
     settings = dict(output_dir=job["output_dir"], learning_rate=cfg["lr"], lr_scheduler_type="constant", beta=0.0,
                     num_generations=cfg["samples"], per_device_train_batch_size=MICRO_BATCH,
                     gradient_accumulation_steps=accumulation, steps_per_generation=accumulation * MINIBATCHES,
                     max_completion_length=cfg["max_tokens"], temperature=cfg["temperature"],
                     max_steps=cfg["steps"] * MINIBATCHES, seed=cfg["seed"], shuffle_dataset=False, bf16=cfg["bf16"],
-                    use_vllm=side == "trl-vllm", vllm_mode="colocate", report_to="none", save_strategy="no",
+                    use_vllm=use_vllm, vllm_mode="colocate", report_to="none", save_strategy="no",
                     disable_tqdm=True)
     if cfg["engine_memory"]:
         settings["vllm_gpu_memory_utilization"] = cfg["engine_memory"]
+    if cfg["fixed_lengths"]:     # every reply max_tokens long: eos is masked until then (vLLM's and transformers' own)
+        settings["generation_kwargs"] = {"min_tokens" if use_vllm else "min_new_tokens": cfg["max_tokens"]}
     settings.update(job["trl_set"])
+    if side.endswith("-nogc"):
+        settings["gradient_checkpointing"] = False
     args = trl.GRPOConfig(**settings)
     dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "label": p["label"]} for p in job["prompts"]])
     peft_config = None
@@ -305,15 +441,18 @@ def trl_driver(job_path: str) -> None:
                         "scoring_other": total("generate_and_score") - rollout - push - recompute})
     versions = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                 "datasets": datasets.__version__}
-    if side == "trl-vllm":
+    if use_vllm:
         import vllm
         versions["vllm"] = vllm.__version__
+    # this process's peak: the trainer's and, colocated, its vLLM engine's (weights, KV cache)
+    peak = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
     with open(job["result"], "w") as f:
         json.dump({**clock, "phase_s": phase_s, "reward": rewards, "sampled_tokens": sampled, "versions": versions,
-                   "mkl_avx512_on_amd": mkl_avx512,
+                   "mkl_avx512_on_amd": mkl_avx512, "peak_reserved_gib": peak,
                    "grpo_config": {k: getattr(args, k) for k in sorted(settings) if k != "output_dir"}
                    | {"loss_type": args.loss_type, "epsilon": args.epsilon, "gradient_checkpointing":
-                      args.gradient_checkpointing, "scale_rewards": args.scale_rewards}}, f, indent=1, default=str)
+                      args.gradient_checkpointing, "scale_rewards": args.scale_rewards,
+                      "generation_kwargs": args.generation_kwargs}}, f, indent=1, default=str)
 
 
 def mkl_avx512_on_amd() -> bool:
@@ -323,6 +462,8 @@ def mkl_avx512_on_amd() -> bool:
     cpu_setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu_setup)
     return cpu_setup.mkl_avx512_on_amd()
+
+
 
 
 # ---- the summary ------------------------------------------------------------------------------------------------
@@ -371,13 +512,89 @@ def math_prompts(cfg: dict, model: str) -> list[dict]:
             for t in picked]
 
 
+def shape_folder(shape: str, tokenizer: str, root: str) -> str:
+    """bench/shapes.py's random-weight folder of `shape` with `tokenizer`'s tokenizer under `root` (made once), in a
+    process of its own: it initialises on the GPU, and its memory is gone before any side starts."""
+    folder = os.path.join(root, f"shape-{shape}")
+    print(f"a random-weight {shape} in {folder} (the tokenizer of {tokenizer})", flush=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "shapes.py"), shape, folder, "--tokenizer",
+                    tokenizer], check=True, stdout=subprocess.DEVNULL)
+    return folder
+
+
+def limits_table(side: str, result: dict, cfg: dict, model: str, prompts: list[dict]) -> dict | None:
+    """Each phase's median seconds beside its lower bound on an H200 (bench/limits.py), for the prompts and reply
+    lengths the side's steps had; None for a model the bounds do not cover (an MoE)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import limits
+    try:
+        shape = limits.Shape.of(model)
+    except (ValueError, KeyError):
+        return None
+    P, S = cfg["prompts"], cfg["samples"]
+    # pi_prox takes a forward of its own for tracerl's later minibatches only, for all of TRL's rows
+    recomputed = (MINIBATCHES - 1) / MINIBATCHES if side == "tracerl" else 1.0
+    per_step = [limits.phase_bounds(shape, [len(p["tracerl_ids"]) for p in prompts[k * P:(k + 1) * P]], S,
+                                    tokens / (P * S), MINIBATCHES, recomputed)
+                for k, tokens in enumerate(result["sampled_tokens"])]
+    bounds = {name: median_after_first([b[name] for b in per_step]) for name in per_step[0]}
+    if side != "tracerl":
+        del bounds["sleep_wake"]        # TRL's colocated engine stays awake (its default)
+    if side.startswith("trl-transformers"):
+        del bounds["weight_push"]       # transformers' generate samples from the trained weights themselves
+    table = limits.beside(result["phases"], bounds)
+    table["step"] = limits.beside({"step": result["s_per_step"]}, {"step": sum(bounds.values())})["step"]
+    return {"phases": table, "shape": vars(shape), "parameters": shape.params, "constants": limits.CONSTANTS}
+
+
+def summary(out: str, cfg: dict, model: str, prompts: list[dict]) -> dict:
+    """Every side in --out measured with this configuration, the ratios to tracerl, what fit."""
+    results = {}
+    for side in ("tracerl",) + TRL_SIDES:
+        path = os.path.join(out, f"{side}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved["cfg"] == cfg:
+                results[side] = saved["result"]
+    expected = cfg["prompts"] * cfg["samples"] * cfg["max_tokens"]
+    for side, result in results.items():
+        if "s_per_step" in result:
+            result["limits"] = limits_table(side, result, cfg, model, prompts)
+            result["every_reply_full_length"] = all(t == expected for t in result["sampled_tokens"])
+    ratios = {}
+    ours = results.get("tracerl", {})
+    for side in TRL_SIDES:
+        theirs = results.get(side, {})
+        if "s_per_step" in ours and "s_per_step" in theirs:
+            for name, key in (("s_per_step", "s_per_step"), ("cpu_s_per_step", "cpu_s_per_step"),
+                              ("to_first_step", "to_first_step_s")):
+                ratios[f"{side}_{name} / tracerl"] = theirs[key] / ours[key]
+        for key in ("peak_gpu_memory_mib", "trainer_peak_reserved_gib"):
+            if ours.get(key) and theirs.get(key):     # > 1: tracerl's peak is the lower
+                ratios[f"{side}_{key} / tracerl"] = theirs[key] / ours[key]
+    return {"what": "tracerl vs TRL GRPOTrainer, math recipe, one after the other on one machine; ratio > 1: "
+                    "tracerl faster", "config": cfg, "model": model, "machine": machine(),
+            "date": datetime.date.today().isoformat(), **results,
+            # True: it ran; False: out of GPU memory; None: not known (skipped, out of time, another failure)
+            "fits": {side: True if "s_per_step" in r else False if r.get("out_of_memory") else None
+                     for side, r in results.items()}, "ratios": ratios}
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["trl-driver"]:
         return trl_driver(argv[1])
     parser = argparse.ArgumentParser(description="tracerl against TRL's GRPOTrainer on the math recipe, side by side")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--steps", type=int, default=0, help="RL steps per side (0 = the preset's)")
-    parser.add_argument("--model", default="smollm2", help="a model folder or packaged name (models.resolve_model)")
+    parser.add_argument("--model", default="", help="a model folder or packaged name (models.resolve_model); default: "
+                                                    "the preset's shape, else smollm2")
+    parser.add_argument("--shape", default="", help="a bench/shapes.py shape, random weights (default: the preset's)")
+    parser.add_argument("--tokenizer", default="", help="the folder whose tokenizer a shape borrows (default: "
+                                                        "SmolLM2's, models.smollm2_path)")
+    parser.add_argument("--shapes-dir", default="", help="where shape folders are made (default: tracerl's cache)")
+    parser.add_argument("--fixed-lengths", action="store_true", help="every reply runs to max_tokens on both sides "
+                                                                     "(the h200-qwen3-* presets' default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-rank", type=int, default=0, help="both sides train LoRA adapters of this rank "
                                                                  "(alpha 2r) instead of every weight")
@@ -390,21 +607,31 @@ def main(argv: list[str]) -> None:
                              "does (cpu_setup.mkl_avx512_on_amd); by default TRL runs as its users run it")
     parser.add_argument("--tracerl-commit", default="", help="run tracerl as of this commit (git archive) instead "
                                                              "of the working tree")
-    parser.add_argument("--sides", default="", help="comma list of tracerl, trl-transformers, trl-vllm "
-                                                    "(default: tracerl and the preset's TRL runs)")
+    parser.add_argument("--sides", default="", help=f"comma list of {', '.join(('tracerl',) + TRL_SIDES)} "
+                                                    f"(default: tracerl and the preset's TRL runs)")
+    parser.add_argument("--caches", choices=("cold", "shared"), default="cold",
+                        help="compile caches: each side's own and empty, or one kept for every side of --out")
+    parser.add_argument("--cache-dir", default="", help="with --caches shared: the caches' folder (default "
+                                                        "OUT/shared.caches)")
+    parser.add_argument("--budget-s", type=float, default=0, help="seconds for every side together (0: no limit); a "
+                        "side is stopped when they run out, and one that cannot get a minute is skipped")
+    parser.add_argument("--summary-only", action="store_true", help="run nothing: the summary of the sides in --out")
     parser.add_argument("--out", default="", help="work folder (default runs/vs_trl-PRESET); a side's result stays "
                                                   "there, so runs of single sides add up to one summary")
     parser.add_argument("--json", default="", help="the summary (default docs/vs-trl-PRESET.json)")
     args = parser.parse_args(argv)
+    started = time.time()
     preset = PRESETS[args.preset]
     cfg = {k: preset[k] for k in ("prompts", "samples", "max_tokens", "max_length", "temperature", "lr", "bf16",
                                   "engine")}
     cfg.update(preset=args.preset, steps=args.steps or preset["steps"], seed=args.seed, micro_batch=MICRO_BATCH,
                minibatches=MINIBATCHES, beta=0.0, lora_rank=args.lora_rank,
-               engine_memory=preset.get("engine_memory", 0))     # 0: each side's default (both 0.3)
+               engine_memory=preset.get("engine_memory", 0),     # 0: each side's default (both 0.3)
+               fixed_lengths=args.fixed_lengths or preset.get("fixed_lengths", False), caches=args.caches,
+               shape=None if args.model else args.shape or preset.get("shape"))
     sides = args.sides.split(",") if args.sides else ["tracerl"] + preset["trl_sides"]
-    unknown = set(sides) - {"tracerl", "trl-transformers", "trl-vllm"}
-    if unknown or ({"trl-transformers", "trl-vllm"} & set(sides) and not args.trl_python):
+    unknown = set(sides) - {"tracerl", *TRL_SIDES}
+    if unknown or (set(TRL_SIDES) & set(sides) and not args.trl_python and not args.summary_only):
         parser.error(f"unknown sides {sorted(unknown)}" if unknown else "the TRL sides need --trl-python (TRL's own "
                      "environment; docs/vs-trl.md says how to make one)")
     if cfg["prompts"] * cfg["samples"] % (MINIBATCHES * MICRO_BATCH):
@@ -422,49 +649,48 @@ def main(argv: list[str]) -> None:
 
     sys.path.insert(0, ROOT)
     import models
-    model = models.resolve_model(args.model)
-    prompts = math_prompts(cfg, model) if set(sides) - {"tracerl"} else []
-    for side in sides:        # one after the other: each has the machine to itself
-        watch = GpuMemoryWatch()
-        if side == "tracerl":
-            source, commit = tracerl_source(args.tracerl_commit, out)
-            result = {**run_tracerl(cfg, model, source, out), "commit": commit}
+    if cfg["shape"]:
+        model = shape_folder(cfg["shape"], args.tokenizer or models.smollm2_path(),
+                             args.shapes_dir or models.cache_root())
+    else:
+        model = models.resolve_model(args.model or "smollm2")
+    prompts = math_prompts(cfg, model)
+    signal.signal(signal.SIGTERM, Deadline.on_sigterm)     # a side's processes never outlive this one
+    for side in [] if args.summary_only else sides:        # one after the other: each has the machine to itself
+        left = started + args.budget_s - time.time() - 20 if args.budget_s else None   # 20 s kept for the summary
+        saved = os.path.join(out, f"{side}.json")
+        if left is not None and left < 60:
+            print(f"{side}: skipped, {left + 20:.0f} s of --budget-s left", flush=True)
+            if os.path.exists(saved):        # an earlier run's result of this side stays
+                continue
+            result = {"error": f"{side} skipped: {left + 20:.0f} s of --budget-s left", "skipped": True}
         else:
-            result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set,
-                             args.trl_mkl_avx512, out)
-        result["peak_gpu_memory_mib"] = watch.stop()
+            watch = GpuMemoryWatch()
+            deadline = None if left is None else time.time() + left
+            try:
+                if side == "tracerl":
+                    source, commit = tracerl_source(args.tracerl_commit, out)
+                    result = {**run_tracerl(cfg, model, source, out, deadline, args.cache_dir), "commit": commit}
+                else:
+                    result = run_trl(side, cfg, model, prompts, args.trl_python, args.trl_pythonpath, trl_set,
+                                     args.trl_mkl_avx512, out, deadline, args.cache_dir)
+            except SideFailed as failed:
+                result = failed.record
+            result["peak_gpu_memory_mib"] = watch.stop()
         result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-        with open(os.path.join(out, f"{side}.json"), "w") as f:
+        with open(saved, "w") as f:
             json.dump({"cfg": cfg, "result": result}, f, indent=1)
-        print(f"{side}: {result['s_per_step']:.2f} s per RL step, reward {result['reward'][0]:.2f} -> "
-              f"{result['reward'][-1]:.2f}, {result['wall_s']:.0f} s in all", flush=True)
+        if "s_per_step" in result:
+            print(f"{side}: {result['s_per_step']:.2f} s per RL step, reward {result['reward'][0]:.2f} -> "
+                  f"{result['reward'][-1]:.2f}, {result['wall_s']:.0f} s in all", flush=True)
+        else:
+            print(f"{side}: FAILED: {result['error']}", flush=True)
 
-    # the summary: every side in --out measured with this configuration
-    results = {}
-    for side in ("tracerl", "trl-vllm", "trl-transformers"):
-        path = os.path.join(out, f"{side}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if saved["cfg"] == cfg:
-                results[side] = saved["result"]
-    ratios = {}
-    if "tracerl" in results:
-        for side in ("trl-vllm", "trl-transformers"):
-            if side in results:
-                for name, key in (("s_per_step", "s_per_step"), ("cpu_s_per_step", "cpu_s_per_step"),
-                                  ("to_first_step", "to_first_step_s")):
-                    ratios[f"{side}_{name} / tracerl"] = results[side][key] / results["tracerl"][key]
-                memory = results[side].get("peak_gpu_memory_mib"), results["tracerl"].get("peak_gpu_memory_mib")
-                if None not in memory:      # > 1: tracerl's peak is the lower
-                    ratios[f"{side}_peak_gpu_memory / tracerl"] = memory[0] / memory[1]
-    summary = {"what": "tracerl vs TRL GRPOTrainer, math recipe, one after the other on one machine; ratio > 1: "
-                       "tracerl faster", "config": cfg, "model": model, "machine": machine(),
-               "date": datetime.date.today().isoformat(), **results, "ratios": ratios}
+    result = summary(out, cfg, model, prompts)
     path = args.json or os.path.join(ROOT, "docs", f"vs-trl-{args.preset}.json")
     with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-    print(json.dumps(ratios, indent=1))
+        json.dump(result, f, indent=1)
+    print(json.dumps({"ratios": result["ratios"], "fits": result["fits"]}, indent=1))
     print(f"wrote {path}")
 
 

@@ -98,6 +98,22 @@ def test_stop_token_is_kept_and_finish_reasons(tiny):
     assert capped.finish_reason == "length" and len(capped.token_ids) == 2
 
 
+def test_ignore_eos_runs_a_reply_past_the_models_eos_to_max_tokens(tiny):
+    """A bias that makes the model's eos nearly certain: the reply is that one eos, unless ignore_eos, where it runs
+    to max_tokens through every eos it draws; a stop id still ends it, and a grammar without stop ids is refused."""
+    engine = EmbeddedEngine(tiny)
+    eos = min(engine.eos_ids)
+    eager = SamplingParams(max_tokens=12, seed=0, logit_bias=((eos, 50.0),))
+    ended = engine.generate([[5, 6, 7]], eager)[0]
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop"          # the trap is armed
+    ran = engine.generate([[5, 6, 7]], dataclasses.replace(eager, ignore_eos=True))[0]
+    assert len(ran.token_ids) == 12 and ran.token_ids.count(eos) >= 11 and ran.finish_reason == "length"
+    stopped = engine.generate([[5, 6, 7]], dataclasses.replace(eager, ignore_eos=True, stop_token_ids=(eos,)))[0]
+    assert stopped.token_ids == [eos] and stopped.finish_reason == "stop"
+    with pytest.raises(ValueError, match="ignore_eos"):
+        rollout.validate_sampling(SamplingParams(ignore_eos=True, constraint=constraints.json_object_spec()))
+
+
 def test_a_stop_string_ends_sampling_at_the_token_that_completes_it(tiny):
     tok = models.bpe_tokenizer()
     engine = EmbeddedEngine(tiny, tokenizer=tok)

