@@ -9,10 +9,10 @@
 # (`AnthropicStream`), its usage naming the prompt tokens the engine took from its prefix cache as Anthropic does
 # (cache_read_input_tokens, apart from input_tokens).
 # Thinking: a reply that opens with <think>...</think> is a thinking block, whose signature carries the opening exactly
-# as sampled (wires.split_thinking, wires._signature: the Responses wire's reasoning item carries the same), and a text
-# block. Echoed, they decode back to that text byte for byte, so the echo extends the record (invariant 1); a thought
-# the agent edited is rendered as edited (the session then sees an edit and seals), and a redacted_thinking block this
-# server did not sign is refused (no model here can read another's encrypted thought).
+# as sampled (wires.split_thinking, wires.opening_signature: the Responses wire's reasoning item carries the same),
+# and a text block. Echoed, they decode back to that text byte for byte, so the echo extends the record (invariant
+# 1); a thought the agent edited is rendered as edited (the session then sees an edit and seals), and a
+# redacted_thinking block this server did not sign is refused (no model here can read another's encrypted thought).
 # Tools: a deferred tool (defer_loading) is offered but not rendered (TurnOptions.deferred_tools), and enters the
 # context where a tool_reference names it, so the rendered tools (and the record) stay the same when a harness's tool
 # search finds one; a server tool cannot run here and is refused (a server-side tool search is dropped).
@@ -26,10 +26,11 @@ import json
 import constraints
 from rollout import Generation, SamplingParams
 from wire_params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
-from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, WireError, WireRequest, _arguments_to_json,
-                   _assistant, _call, _finish_reason, _flag, _function_tool, _join_parts, _object, _partial_suffix,
-                   _real, _signature, _spec, _stop_strings, _template_kwargs, _text_only, _token_extras, _tool_options,
-                   check_fields, number_field, require, sampling_from, signed_opening, split_thinking)
+from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, WireError, WireRequest, arguments_to_json,
+                   assistant_message, check_fields, constraint_spec, flag_field, function_call_record, function_tool,
+                   join_parts, number_field, object_field, opening_signature, partial_suffix, real_field, require,
+                   sampling_from, signed_opening, split_thinking, stop_strings_field, template_kwargs_of, text_only,
+                   token_extras, tool_options_of, wire_finish_reason)
 
 
 # ---- decoding: an Anthropic messages request -> the canonical request ---------------------------------
@@ -151,10 +152,10 @@ def _anthropic_messages(message, where: str, tools: dict[str, dict]) -> list[dic
         elif kind == "tool_use" and role == "assistant":
             require(isinstance(block.get("name"), str) and isinstance(block.get("input"), dict),
                     f"{at} (tool_use) needs 'id', a string 'name' and an object 'input'")
-            calls.append(_call(block.get("id"), block["name"], block["input"]))
+            calls.append(function_call_record(block.get("id"), block["name"], block["input"]))
         elif kind == "tool_result" and role == "user":
             if parts:               # keep the order: text before a tool result is its own user turn
-                out.append({"role": "user", "content": _join_parts(parts)})
+                out.append({"role": "user", "content": join_parts(parts)})
                 parts = []
             out.append({"role": "tool", "content": _tool_result_text(block.get("content"), tools, f"{at}.content"),
                         "tool_call_id": block.get("tool_use_id")})
@@ -164,8 +165,8 @@ def _anthropic_messages(message, where: str, tools: dict[str, dict]) -> list[dic
             raise WireError(400, f"{at}: a {role} message takes {takes} blocks (server tools' blocks are not "
                                  f"served), got {block!r:.80}")
     if role == "assistant":
-        return [_assistant(_text_only(_join_parts(parts), f"{where}.content"), calls)]
-    return out + ([{"role": "user", "content": _join_parts(parts)}] if parts or not out else [])
+        return [assistant_message(text_only(join_parts(parts), f"{where}.content"), calls)]
+    return out + ([{"role": "user", "content": join_parts(parts)}] if parts or not out else [])
 
 
 TOOL_SEARCH_TYPES = ("tool_search_tool_bm25", "tool_search_tool_regex")   # server-side tool search (any date suffix)
@@ -191,7 +192,7 @@ def _anthropic_tools(tools) -> tuple[list[dict], list[dict]]:
                 f"tools[{i}] is the server tool {tool.get('type')!r:.40}, which runs on Anthropic's servers and not "
                 f"here; declare a client tool {{'name', 'description', 'input_schema'}} and run it in the agent")
         require(isinstance(tool.get("defer_loading", False), bool), f"tools[{i}].defer_loading must be true or false")
-        canonical = _function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+        canonical = function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
                                    f"tools[{i}]", tool.get("strict"))
         (deferred if tool.get("defer_loading") and not searched else rendered).append(canonical)
     return rendered, deferred
@@ -234,7 +235,7 @@ def _output_format(config: dict) -> str | None:
         return None
     require(isinstance(form, dict) and form.get("type") == "json_schema" and isinstance(form.get("schema"), dict),
             f"output_config.format must be {{'type': 'json_schema', 'schema': <a JSON schema>}}, got {form!r:.80}")
-    return _spec(constraints.json_schema_spec, form["schema"], True)
+    return constraint_spec(constraints.json_schema_spec, form["schema"], True)
 
 
 def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
@@ -256,18 +257,18 @@ def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
         canonical += _anthropic_messages(message, f"messages[{i}]", offered)
     tools = rendered or None
     enable_thinking, omit_thinking = _anthropic_thinking(body.get("thinking"))
-    kwargs = _template_kwargs(body, enable_thinking, {})
+    kwargs = template_kwargs_of(body, enable_thinking, {})
     mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
-    options, forced = _tool_options(mode, name, tools, parallel, kwargs, deferred)
+    options, forced = tool_options_of(mode, name, tools, parallel, kwargs, deferred)
     require(body.get("context_management") is None or isinstance(body["context_management"], dict),
             f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
-                             repetition_penalty=_real(body, "repetition_penalty"), max_tokens=max_tokens,
-                             stop=_stop_strings(body.get("stop_sequences"), "stop_sequences"),
-                             constraint=forced or _output_format(_object(body, "output_config")))
-    return WireRequest(canonical, tools, sampling, _flag(body, "stream"), False, _flag(body, "return_token_ids"),
-                       options, no_ops=no_ops, omit_thinking=omit_thinking,
+                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
+                             repetition_penalty=real_field(body, "repetition_penalty"), max_tokens=max_tokens,
+                             stop=stop_strings_field(body.get("stop_sequences"), "stop_sequences"),
+                             constraint=forced or _output_format(object_field(body, "output_config")))
+    return WireRequest(canonical, tools, sampling, flag_field(body, "stream"), False,
+                       flag_field(body, "return_token_ids"), options, no_ops=no_ops, omit_thinking=omit_thinking,
                        context_management=body.get("context_management") is not None)
 
 
@@ -295,7 +296,7 @@ def _anthropic_blocks(message: dict, omit_thinking: bool) -> list[dict]:
     if (thinking := split_thinking(text)) is not None:
         opening, thought, text = thinking
         blocks.append({"type": "thinking", "thinking": "" if omit_thinking else thought,
-                       "signature": _signature(opening)})
+                       "signature": opening_signature(opening)})
     if text or not (calls or blocks):
         blocks.append({"type": "text", "text": text})
     return blocks + [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
@@ -306,9 +307,9 @@ def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: 
     gen = turn.generation
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(turn.message, request.omit_thinking),
-            "stop_reason": _finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
+            "stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
             "usage": _anthropic_usage(gen),
-            **_context_management(request), **_token_extras(turn, request)}
+            **_context_management(request), **token_extras(turn, request)}
 
 
 def _context_management(request: WireRequest) -> dict:
@@ -344,7 +345,7 @@ class AnthropicStream(LiveStream):
         if not rest:                                 # the thought, or the whitespace after it, may go on
             inside = content[len(THINK_OPEN):]
             return [("thinking", thought if thought != inside else
-                     inside[:len(inside) - _partial_suffix(inside, (THINK_CLOSE,))], None)]
+                     inside[:len(inside) - partial_suffix(inside, (THINK_CLOSE,))], None)]
         return [("thinking", thought, opening), ("text", rest, None)]
 
     def _events(self, blocks: list[tuple[str, str, str | None]], final: bool) -> list:
@@ -366,7 +367,7 @@ class AnthropicStream(LiveStream):
             if not sent[2] and (index < len(blocks) - 1 or final):
                 if kind == "thinking":
                     events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "signature_delta", "signature": _signature(opening)}}))
+                        "type": "signature_delta", "signature": opening_signature(opening)}}))
                 events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
                 sent[2] = True
         return events
@@ -383,7 +384,7 @@ class AnthropicStream(LiveStream):
                                for b in blocks if b["type"] != "tool_use"], final=True)
         for index, block in enumerate(blocks):
             if block["type"] == "tool_use":
-                json_delta = {"type": "input_json_delta", "partial_json": _arguments_to_json(block["input"])}
+                json_delta = {"type": "input_json_delta", "partial_json": arguments_to_json(block["input"])}
                 events += [("content_block_start", {"type": "content_block_start", "index": index,
                                                     "content_block": {**block, "input": {}}}),
                            ("content_block_delta", {"type": "content_block_delta", "index": index,
@@ -393,8 +394,8 @@ class AnthropicStream(LiveStream):
         # the whole usage again: message_start's was counted before the engine knew its prefix-cache reuse, and the
         # SDK's accumulated message takes message_delta's counts
         return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(gen),
-                                            "delta": {"stop_reason": _finish_reason(turn, ANTHROPIC_STOP),
+                                            "delta": {"stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP),
                                                       "stop_sequence": turn.stop_sequence},
                                             **_context_management(self.request),
-                                            **_token_extras(turn, self.request)}),
+                                            **token_extras(turn, self.request)}),
                          ("message_stop", {"type": "message_stop"})]

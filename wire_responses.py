@@ -35,10 +35,11 @@ import wires
 from rollout import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
 from session import tool_call_blocks
 from wire_params import RESPONSES_FIELDS
-from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, WireError, WireRequest, _arguments_from_json, _assistant, _call,
-                   _flag, _function_tool, _join_parts, _object, _partial_suffix, _real, _response_format, _signature,
-                   _template_kwargs, _text_only, _token_extras, _tool_options, check_fields, number_field, require,
-                   sampling_from, signed_opening, split_thinking)
+from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, WireError, WireRequest, arguments_from_json, assistant_message,
+                   check_fields, flag_field, function_call_record, function_tool, join_parts, number_field,
+                   object_field, opening_signature, partial_suffix, real_field, require, response_format_kind,
+                   sampling_from, signed_opening, split_thinking, template_kwargs_of, text_only, token_extras,
+                   tool_options_of)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -127,7 +128,7 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str]]:
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            canonical.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
+            canonical.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                             f"tools[{i}]", tool.get("strict")))
         elif kind == "namespace":
             require(isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list),
@@ -136,7 +137,7 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str]]:
                 require(isinstance(function, dict) and function.get("type") == "function",
                         f"tools[{i}].tools[{j}] must be a function tool ({REFUSED_TOOLS['custom']}: declare a "
                         f"function tool with a JSON schema)")
-                canonical.append(_function_tool(function.get("name"), function.get("description"),
+                canonical.append(function_tool(function.get("name"), function.get("description"),
                                                 function.get("parameters"), f"tools[{i}].tools[{j}]",
                                                 function.get("strict")))
                 namespaces[function["name"]] = tool["name"]
@@ -180,7 +181,7 @@ def _text_format(text: dict) -> str | None:
     require(form is None or isinstance(form, dict) and form.get("type") in ("text", "json_object", "json_schema"),
             "text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'name', "
             f"'schema': <a JSON schema>, 'strict': bool}}, got {form!r:.80}")
-    return _response_format(form)
+    return response_format_kind(form)
 
 
 def _reasoning(reasoning: dict) -> str | None:
@@ -214,7 +215,7 @@ def _parts(content, where: str, role: str):
             raise WireError(400, f"{at}: a {role} message takes input_text, output_text and refusal parts"
                                  f"{' and input_image' if role == 'user' else ''}, got {part!r:.80}"
                                  + (f"; {why}" if why else ""))
-    return _join_parts(parts)
+    return join_parts(parts)
 
 
 def _reasoning_text(item: dict, where: str) -> str:
@@ -261,24 +262,25 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
                         and isinstance(item.get("call_id"), str),
                         f"{where} (function_call) needs a string 'call_id', 'name' and 'arguments' (a JSON string)")
                 if item.get("status") != "incomplete":      # a block that never became a call: its text is a message's
-                    calls.append(_call(item["call_id"], item["name"], _arguments_from_json(item["arguments"])))
+                    calls.append(function_call_record(item["call_id"], item["name"],
+                                                      arguments_from_json(item["arguments"])))
             else:
-                texts.append(_text_only(_parts(item.get("content"), where, "assistant"), f"{where}.content"))
+                texts.append(text_only(_parts(item.get("content"), where, "assistant"), f"{where}.content"))
             continue
         if turn_open:
-            out.append(_assistant("".join(texts), calls))
+            out.append(assistant_message("".join(texts), calls))
             texts, calls, turn_open = [], [], False
         if kind == "message":
             require(role in ("user", "system", "developer"),
                     f"{where}.role must be user, system, developer or assistant, got {role!r:.40}")
             content = _parts(item.get("content"), where, role)
             out.append({"role": "user", "content": content} if role == "user" else
-                       {"role": "system", "content": _text_only(content, f"{where}.content")})
+                       {"role": "system", "content": text_only(content, f"{where}.content")})
         elif kind == "function_call_output":
             output = item.get("output")
             require(isinstance(item.get("call_id"), str), f"{where} (function_call_output) needs a string 'call_id'")
             text = output if isinstance(output, str) else _parts(output, f"{where}.output", "tool")
-            out.append({"role": "tool", "content": _text_only(text, f"{where}.output"),
+            out.append({"role": "tool", "content": text_only(text, f"{where}.output"),
                         "tool_call_id": item["call_id"]})
         else:
             require(False, f"{where}: a {kind!r:.40} item is not served here"
@@ -286,7 +288,7 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
                               if kind in HOSTED_ITEMS else "")
                            + "; send message, function_call, function_call_output, reasoning or item_reference items")
     if turn_open:
-        out.append(_assistant("".join(texts), calls))
+        out.append(assistant_message("".join(texts), calls))
     return out
 
 
@@ -300,7 +302,7 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore) -> 
     include = body.get("include") or []
     require(isinstance(include, list) and all(value in INCLUDABLE for value in include),
             f"'include' must be a list of {list(INCLUDABLE)}, got {include!r:.80}")
-    require(set(_object(body, "stream_options")) <= {"include_obfuscation"}, "'stream_options' takes "
+    require(set(object_field(body, "stream_options")) <= {"include_obfuscation"}, "'stream_options' takes "
                                                                              "include_obfuscation")
     number_field(body, "max_tool_calls", integer=True)
     top_logprobs = number_field(body, "top_logprobs", integer=True)
@@ -314,20 +316,20 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore) -> 
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     require(bool(messages), "'input' must hold at least one item (or name a previous_response_id)")
     tools, namespaces, dropped = _tools(body.get("tools"))
-    effort = _reasoning(_object(body, "reasoning"))
-    kwargs = _template_kwargs(body, None if effort is None else effort != "none",
+    effort = _reasoning(object_field(body, "reasoning"))
+    kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
                               {} if effort is None else {"reasoning_effort": effort})
     mode, name = _tool_choice(body.get("tool_choice"))
-    options, forced = _tool_options(mode, name, tools or None, _flag(body, "parallel_tool_calls", True), kwargs)
+    options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
-                             repetition_penalty=_real(body, "repetition_penalty"),
+                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
+                             repetition_penalty=real_field(body, "repetition_penalty"),
                              max_tokens=number_field(body, "max_output_tokens", integer=True),
-                             top_logprobs=top_logprobs, constraint=forced or _text_format(_object(body, "text")))
-    request = WireRequest(messages, tools or None, sampling, _flag(body, "stream"),
-                          "message.output_text.logprobs" in include, _flag(body, "return_token_ids"), options,
+                             top_logprobs=top_logprobs, constraint=forced or _text_format(object_field(body, "text")))
+    request = WireRequest(messages, tools or None, sampling, flag_field(body, "stream"),
+                          "message.output_text.logprobs" in include, flag_field(body, "return_token_ids"), options,
                           no_ops=no_ops, prompt_field="input")
-    return ResponsesRequest(request, body, history, namespaces, dropped, _flag(body, "store", True))
+    return ResponsesRequest(request, body, history, namespaces, dropped, flag_field(body, "store", True))
 
 
 # ---- layout: a reply's text -> its output items -------------------------------------------------------
@@ -389,7 +391,7 @@ def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, 
     name = _head(text, at, close)
     if name is not None and live:
         start = _HEAD.match(text, at).end()
-        limit = close if close >= 0 else len(text) if final else len(text) - _partial_suffix(text, (CALL_CLOSE,))
+        limit = close if close >= 0 else len(text) if final else len(text) - partial_suffix(text, (CALL_CLOSE,))
         end = _object_end(text, start, limit)
         status = "completed" if close >= 0 and call is not None else "incomplete"
         return Item("function_call", text[start:end or limit], close >= 0 or final, name=name, call_id=call_id,
@@ -399,7 +401,7 @@ def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, 
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
     if name is not None and (end := _object_end(text, _HEAD.match(text, at).end(), close)) is not None:
         raw = text[_HEAD.match(text, at).end():end]       # the object as sampled, when it is the parser's
-        arguments = raw if _arguments_from_json(raw) == call["arguments"] else arguments
+        arguments = raw if arguments_from_json(raw) == call["arguments"] else arguments
     return Item("function_call", arguments, True, name=call["name"], call_id=call_id)
 
 
@@ -421,7 +423,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
         if inner >= 0:                                  # a call inside the thought: laid out from the parsed message
             return _parsed_layout(message) if final else [Item("reasoning", region[:inner], False)]
         if end < 0:                                     # the thought goes on (or max_output_tokens cut it)
-            thought = region if final else region[:len(region) - _partial_suffix(region, markers)]
+            thought = region if final else region[:len(region) - partial_suffix(region, markers)]
             return [Item("reasoning", thought, final, opening=text if final else "")]
         after = text[end + len(THINK_CLOSE):].lstrip()
         if not final and (not after or calls_parsed and len(after) < len(CALL_OPEN) and CALL_OPEN.startswith(after)):
@@ -445,7 +447,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
             shown = content[start:]
             return items + [Item("message", shown, True)] if shown or not items else items
         shown = text[start:pending if pending >= 0 else len(text)]
-        shown = shown[:len(shown) - (_partial_suffix(shown, (CALL_OPEN,)) if calls_parsed else 0)].rstrip()
+        shown = shown[:len(shown) - (partial_suffix(shown, (CALL_OPEN,)) if calls_parsed else 0)].rstrip()
         return items + ([Item("message", shown, False)] if shown else [])
     before = text[start:first].rstrip()
     if before:
@@ -497,7 +499,7 @@ def _output_item(item: Item, index: int, reply_id: str, namespaces: dict[str, st
     status = item.status if done else "in_progress"
     if item.kind == "reasoning":
         return {**head, "summary": [], "content": [{"type": "reasoning_text", "text": item.text}] if done else [],
-                "encrypted_content": _signature(item.opening) if done else None, "status": status}
+                "encrypted_content": opening_signature(item.opening) if done else None, "status": status}
     if item.kind == "message":
         return {**head, "role": "assistant", "status": status,
                 "content": [_text_part(item.text, logprobs)] if done else []}
@@ -543,7 +545,7 @@ def responses_reply(turn: ChatTurn, request: ResponsesRequest, tokenizer, model:
                     created: float | None = None) -> dict:
     """The finished turn as a Response (usage in the Responses shape; token ids when asked)."""
     items = layout(turn.text, request.request.options.tool_choice != "none", turn.call_prefix, turn.message)
-    logprobs = wires._openai_logprobs(tokenizer, turn.generation)["content"] if request.request.logprobs else None
+    logprobs = wires.openai_logprobs(tokenizer, turn.generation)["content"] if request.request.logprobs else None
     first_message = next((i for i, item in enumerate(items) if item.kind == "message"), None)
     output = [_output_item(item, i, reply_id, request.namespaces, True, logprobs if i == first_message else None)
               for i, item in enumerate(items)]
@@ -556,7 +558,7 @@ def responses_reply(turn: ChatTurn, request: ResponsesRequest, tokenizer, model:
     return _response(request, reply_id, model, time.time() if created is None else created,
                      "incomplete" if cut else "completed", output, usage=usage, completed_at=time.time(),
                      incomplete_details={"reason": "max_output_tokens"} if cut else None,
-                     **_token_extras(turn, request.request))
+                     **token_extras(turn, request.request))
 
 
 class ResponsesStream(wires.LiveStream):

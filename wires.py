@@ -182,7 +182,7 @@ class WireRequest:
     context_management: bool = False   # Anthropic: the request set it, so the reply says which edits applied (none)
 
 
-def _arguments_from_json(text: str):
+def arguments_from_json(text: str):
     """OpenAI carries tool arguments as a JSON string, the template and parser the object; non-JSON stays text."""
     try:
         arguments = json.loads(text)
@@ -192,21 +192,21 @@ def _arguments_from_json(text: str):
     return arguments
 
 
-def _arguments_to_json(arguments) -> str:
+def arguments_to_json(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _call(call_id, name: str, arguments) -> dict:
+def function_call_record(call_id, name: str, arguments) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _assistant(content, tool_calls: list[dict]) -> dict:
+def assistant_message(content, tool_calls: list[dict]) -> dict:
     if tool_calls:
         return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
     return {"role": "assistant", "content": content or ""}
 
 
-def _function_tool(name, description, parameters, where: str, strict=None) -> dict:
+def function_tool(name, description, parameters, where: str, strict=None) -> dict:
     """A tool as the template renders it and constraints.tool_call_spec reads it (strict: a forced call's arguments
     follow the schema strictly)."""
     require(isinstance(name, str) and name, f"{where} needs a string 'name'")
@@ -222,13 +222,13 @@ def _function_tool(name, description, parameters, where: str, strict=None) -> di
     return {"type": "function", "function": function}
 
 
-def _join_parts(parts: list[dict]) -> str | list[dict]:
+def join_parts(parts: list[dict]) -> str | list[dict]:
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
 
 
-def _text_only(content, where: str) -> str:
+def text_only(content, where: str) -> str:
     require(isinstance(content, str), f"{where} must be text (a string or text parts), got images or {content!r:.60}")
     return content
 
@@ -243,24 +243,24 @@ def number_field(body: dict, key: str, integer: bool = False):
     return value
 
 
-def _real(body: dict, key: str) -> float | None:
+def real_field(body: dict, key: str) -> float | None:
     value = number_field(body, key)
     return None if value is None else float(value)
 
 
-def _flag(body: dict, key: str, default: bool = False) -> bool:
+def flag_field(body: dict, key: str, default: bool = False) -> bool:
     value = body.get(key)
     require(isinstance(value, bool) or value is None, f"'{key}' must be true or false, got {value!r:.40}")
     return default if value is None else value
 
 
-def _object(body: dict, key: str) -> dict:
+def object_field(body: dict, key: str) -> dict:
     value = body.get(key)
     require(value is None or isinstance(value, dict), f"'{key}' must be an object, got {value!r:.60}")
     return value or {}
 
 
-def _stop_strings(value, key: str) -> tuple[str, ...] | None:
+def stop_strings_field(value, key: str) -> tuple[str, ...] | None:
     """OpenAI `stop` (a string or a list) or Anthropic `stop_sequences` (a list) -> a tuple of stop strings."""
     if value is None:
         return None
@@ -285,7 +285,7 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted(biases.items()))
 
 
-def _spec(make, *args) -> str:
+def constraint_spec(make, *args) -> str:
     """A constraints.py spec, its ValueError (what is wrong, what is accepted) a 400."""
     try:
         return make(*args)
@@ -308,9 +308,9 @@ def sampling_from(base: SamplingParams, **overrides) -> SamplingParams:
     return replace(params, temperature=float(params.temperature), top_p=float(params.top_p))
 
 
-def _template_kwargs(body: dict, enable_thinking: bool | None, extra: dict) -> dict:
+def template_kwargs_of(body: dict, enable_thinking: bool | None, extra: dict) -> dict:
     """chat_template_kwargs, with the thinking switch a wire field asked for (a contradiction is refused)."""
-    kwargs = _object(body, "chat_template_kwargs")
+    kwargs = object_field(body, "chat_template_kwargs")
     require(all(isinstance(k, str) and k.isidentifier() for k in kwargs)
             and all(v is None or isinstance(v, (bool, int, float, str)) for v in kwargs.values()),
             "'chat_template_kwargs' must map names to true/false, numbers, strings or null, got "
@@ -323,13 +323,13 @@ def _template_kwargs(body: dict, enable_thinking: bool | None, extra: dict) -> d
     return kwargs
 
 
-def _tool_options(mode: str, name: str | None, tools: list[dict] | None, parallel: bool, kwargs: dict,
+def tool_options_of(mode: str, name: str | None, tools: list[dict] | None, parallel: bool, kwargs: dict,
                   deferred: list[dict] | None = None) -> tuple[TurnOptions, str | None]:
     """The turn options and, for a forced call, the grammar of a call to any tool offered, deferred ones included (the
     text after the forced '<tool_call>\\n'; no tools, or a name that is none of theirs, is refused by
     constraints.tool_call_spec saying so)."""
     offered = (tools or []) + (deferred or [])
-    forced = _spec(constraints.tool_call_spec, offered, name) if mode in ("required", "named") else None
+    forced = constraint_spec(constraints.tool_call_spec, offered, name) if mode in ("required", "named") else None
     return TurnOptions(mode, name, parallel, kwargs, deferred or []), forced
 
 
@@ -350,7 +350,7 @@ def _openai_tool_choice(choice) -> tuple[str, str | None]:
     return "named", function["name"]
 
 
-def _response_format(value) -> str | None:
+def response_format_kind(value) -> str | None:
     """OpenAI response_format -> the grammar spec its reply is masked by (None: unconstrained text)."""
     kind = value.get("type") if isinstance(value, dict) else None
     if value is None or kind == "text":
@@ -362,7 +362,7 @@ def _response_format(value) -> str | None:
             and isinstance(schema.get("strict", False), (bool, type(None))),
             "response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', "
             f"'json_schema': {{'name', 'schema': <a JSON schema>, 'strict': bool}}}}, got {value!r:.80}")
-    return _spec(constraints.json_schema_spec, schema.get("schema", {}), bool(schema.get("strict")))
+    return constraint_spec(constraints.json_schema_spec, schema.get("schema", {}), bool(schema.get("strict")))
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -383,7 +383,7 @@ def _openai_content(content, where: str):
         else:
             raise WireError(400, f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} or "
                                  f"{{'type': 'image_url', 'image_url': {{'url': str}}}}, got {part!r:.80}")
-    return _join_parts(parts)
+    return join_parts(parts)
 
 
 def _openai_message(message, where: str) -> dict:
@@ -391,11 +391,11 @@ def _openai_message(message, where: str) -> dict:
     role = message.get("role")
     content = _openai_content(message.get("content"), where)
     if role in ("system", "developer"):
-        return {"role": "system", "content": _text_only(content, f"{where}.content")}
+        return {"role": "system", "content": text_only(content, f"{where}.content")}
     if role == "user":
         return {"role": "user", "content": content if content is not None else ""}
     if role == "tool":
-        return {"role": "tool", "content": _text_only(content, f"{where}.content"),
+        return {"role": "tool", "content": text_only(content, f"{where}.content"),
                 "tool_call_id": message.get("tool_call_id")}
     require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}"
                                  + ("; 'function' messages go with the deprecated 'functions': send tool messages"
@@ -409,8 +409,9 @@ def _openai_message(message, where: str) -> dict:
                 and isinstance(function.get("arguments"), str),
                 f"{where}.tool_calls[{i}] must be {{'id', 'type': 'function', 'function': {{'name': str, "
                 f"'arguments': a JSON string}}}}")
-        canonical.append(_call(call.get("id"), function["name"], _arguments_from_json(function["arguments"])))
-    return _assistant(_text_only(content or "", f"{where}.content"), canonical)
+        canonical.append(function_call_record(call.get("id"), function["name"],
+                                              arguments_from_json(function["arguments"])))
+    return assistant_message(text_only(content or "", f"{where}.content"), canonical)
 
 
 def _openai_tools(tools) -> list[dict]:
@@ -422,7 +423,7 @@ def _openai_tools(tools) -> list[dict]:
                                             + ("; custom (free-form or grammar) tools are not served: declare a "
                                                "function tool with a JSON schema" if isinstance(tool, dict)
                                                and tool.get("type") == "custom" else ""))
-        canonical.append(_function_tool(function.get("name"), function.get("description"),
+        canonical.append(function_tool(function.get("name"), function.get("description"),
                                         function.get("parameters"), f"tools[{i}].function", function.get("strict")))
     return canonical
 
@@ -433,7 +434,7 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     require(body.get("n") in (None, 1), f"n must be 1 (got {body.get('n')!r:.20}): {OPENAI_FIELDS['n'][1]}")
     require(body.get("modalities") in (None, ["text"]), f"'modalities' must be ['text']: this server writes text, "
                                                         f"not audio; got {body.get('modalities')!r:.60}")
-    stream_options = _object(body, "stream_options")
+    stream_options = object_field(body, "stream_options")
     require(set(stream_options) <= {"include_usage", "include_obfuscation"}, "'stream_options' takes include_usage "
                                                                              "and include_obfuscation")
     top_logprobs = number_field(body, "top_logprobs", integer=True)
@@ -447,24 +448,24 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     effort = body.get("reasoning_effort")
     require(effort is None or effort in REASONING_EFFORTS,
             f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r:.40}")
-    kwargs = _template_kwargs(body, None if effort is None else effort != "none",
+    kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
                               {} if effort is None else {"reasoning_effort": effort})
     mode, name = _openai_tool_choice(body.get("tool_choice"))
-    options, forced = _tool_options(mode, name, tools, _flag(body, "parallel_tool_calls", True), kwargs)
+    options, forced = tool_options_of(mode, name, tools, flag_field(body, "parallel_tool_calls", True), kwargs)
     max_tokens = number_field(body, "max_completion_tokens", integer=True)
     max_tokens = number_field(body, "max_tokens", integer=True) if max_tokens is None else max_tokens
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=_real(body, "min_p"),
+                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
                              max_tokens=max_tokens, seed=number_field(body, "seed", integer=True),
-                             stop=_stop_strings(body.get("stop"), "stop"), top_logprobs=top_logprobs,
+                             stop=stop_strings_field(body.get("stop"), "stop"), top_logprobs=top_logprobs,
                              logit_bias=_logit_bias(body.get("logit_bias")),
-                             frequency_penalty=_real(body, "frequency_penalty"),
-                             presence_penalty=_real(body, "presence_penalty"),
-                             repetition_penalty=_real(body, "repetition_penalty"),
-                             constraint=forced or _response_format(body.get("response_format")))
+                             frequency_penalty=real_field(body, "frequency_penalty"),
+                             presence_penalty=real_field(body, "presence_penalty"),
+                             repetition_penalty=real_field(body, "repetition_penalty"),
+                             constraint=forced or response_format_kind(body.get("response_format")))
     return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)], tools, sampling,
-                       _flag(body, "stream"), _flag(body, "logprobs"), _flag(body, "return_token_ids"), options,
-                       _flag(stream_options, "include_usage"), no_ops)
+                       flag_field(body, "stream"), flag_field(body, "logprobs"), flag_field(body, "return_token_ids"),
+                       options, flag_field(stream_options, "include_usage"), no_ops)
 
 
 # ---- thinking: a reply's opening <think>...</think>, signed as it was sampled -------------------------
@@ -488,7 +489,7 @@ def split_thinking(content: str) -> tuple[str, str, str] | None:
     return content[:len(content) - len(rest)], content[len(THINK_OPEN):end], rest
 
 
-def _signature(opening: str) -> str:
+def opening_signature(opening: str) -> str:
     return _SIGNATURE + base64.b64encode(opening.encode()).decode()
 
 
@@ -509,7 +510,7 @@ def signed_opening(sealed) -> str | None:
 OPENAI_FINISH = {"stop": "stop", "stop_string": "stop", "length": "length", "tool": "tool_calls"}
 
 
-def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
+def wire_finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
     gen = turn.generation
     if turn.message.get("tool_calls") and gen.finish_reason == "stop":
         return names["tool"]
@@ -518,11 +519,11 @@ def _finish_reason(turn: ChatTurn, names: dict[str, str]) -> str:
 
 def _openai_tool_calls(message: dict) -> list[dict]:
     return [{"id": c["id"], "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": _arguments_to_json(c["function"]["arguments"])}}
+             "function": {"name": c["function"]["name"], "arguments": arguments_to_json(c["function"]["arguments"])}}
             for c in message.get("tool_calls") or []]
 
 
-def _openai_logprobs(tokenizer, gen: Generation) -> dict:
+def openai_logprobs(tokenizer, gen: Generation) -> dict:
     """Each sampled token's behavior logprob (the distribution it was drawn from), with the top alternatives that
     distribution could draw: one a ban, a grammar, top-k or greedy decoding removed has logprob -inf, which JSON
     cannot carry and no client should read as a choice, so it is left out (fewer than top_logprobs remain)."""
@@ -541,7 +542,7 @@ def sampling_json(sampling: Sampling) -> dict:
     return record
 
 
-def _token_extras(turn: ChatTurn, request: WireRequest) -> dict:
+def token_extras(turn: ChatTurn, request: WireRequest) -> dict:
     """What `return_token_ids` asks for: the ids, the sampling every sampled token was drawn with (what the server
     enforced: greedy, a grammar, a ban), and the no-op fields the request held."""
     if not request.return_token_ids:
@@ -565,10 +566,10 @@ def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, re
     if turn.message.get("tool_calls"):
         message["tool_calls"] = _openai_tool_calls(turn.message)
     choice = {"index": 0, "message": message,
-              "finish_reason": _finish_reason(turn, OPENAI_FINISH),
-              "logprobs": _openai_logprobs(tokenizer, turn.generation) if request.logprobs else None}
+              "finish_reason": wire_finish_reason(turn, OPENAI_FINISH),
+              "logprobs": openai_logprobs(tokenizer, turn.generation) if request.logprobs else None}
     return {"id": reply_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": _openai_usage(turn), **_token_extras(turn, request)}
+            "choices": [choice], "usage": _openai_usage(turn), **token_extras(turn, request)}
 
 
 # Streaming sends each token's text as it is sampled, but only text the final message is sure to begin
@@ -578,7 +579,7 @@ def openai_reply(turn: ChatTurn, request: WireRequest, tokenizer, model: str, re
 # the streamed text always equals the non-streamed reply. A reply the server opened ('<tool_call>\n' for a
 # forced call) is read with its opening, so nothing of a forced call is sent as text.
 
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper prefix of one of `markers`. Called once per sampled
     token, so only the prefixes that end in text's last character are compared (a 1,000-character stop string
     costs a few comparisons per token, not a thousand)."""
@@ -607,13 +608,13 @@ class LiveText:
         hit = find_stop(text, self.stops) if self.stops else None
         if hit:
             return self.opening + text[:hit[0]]
-        return self.opening + text[:len(text) - _partial_suffix(text, self.stops)]
+        return self.opening + text[:len(text) - partial_suffix(text, self.stops)]
 
     def push(self, token_id: int) -> str:
         """Add a sampled id; returns the newly sendable text ('' when it must wait)."""
         self.decoded.push(token_id)
         safe = self.settled()
-        safe = safe[:len(safe) - _partial_suffix(safe, ("<tool_call>",))]
+        safe = safe[:len(safe) - partial_suffix(safe, ("<tool_call>",))]
         call = safe.find("<tool_call>")
         safe = (safe[:call] if call >= 0 else safe).rstrip()
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
@@ -664,10 +665,10 @@ class OpenAIStream(LiveStream):
         events = self.text(rest) if rest else []
         events += [self._chunk({"tool_calls": [{"index": i, **call}]})
                    for i, call in enumerate(_openai_tool_calls(turn.message))]
-        logprobs = _openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
-        finish = _finish_reason(turn, OPENAI_FINISH)
+        logprobs = openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
+        finish = wire_finish_reason(turn, OPENAI_FINISH)
         if self.request.include_usage:
-            return events + [self._chunk({}, finish, logprobs, **_token_extras(turn, self.request)),
+            return events + [self._chunk({}, finish, logprobs, **token_extras(turn, self.request)),
                              self._chunk(None, usage=_openai_usage(turn))]
         return events + [self._chunk({}, finish, logprobs, usage=_openai_usage(turn),
-                                     **_token_extras(turn, self.request))]
+                                     **token_extras(turn, self.request))]

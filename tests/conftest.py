@@ -1,5 +1,6 @@
-# Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread; and
-# import_vllm and import_peer, how a test that needs vLLM or a peer's loss code gets it.
+# Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread; import_vllm
+# and import_peer, how a test that needs vLLM or a peer's loss code gets it; and the tiny model folders the trainer's
+# tests share (qwen3_dir, moe_dir).
 import importlib
 import os
 import sys
@@ -26,6 +27,8 @@ import cpu_setup  # noqa: E402
 
 cpu_setup.mkl_avx512_on_amd()
 
+import models  # noqa: E402
+
 
 def import_vllm():
     """vLLM, for a test that needs it: a skip where it is not installed, but a failure under TRACERL_REQUIRE_VLLM
@@ -47,3 +50,15 @@ def import_peer(module: str):
     if PEERS not in sys.path:
         sys.path.append(PEERS)
     return importlib.import_module(module)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir() -> str:
+    """A tiny dense Qwen3 folder (models.tiny_model_dir, made once per machine)."""
+    return models.tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_dir() -> str:
+    """A tiny Qwen3-MoE folder (the R3 tests' policy)."""
+    return models.tiny_model_dir("qwen3_moe")

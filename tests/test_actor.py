@@ -30,16 +30,6 @@ SAMPLING = invariants.Sampling(TEMPERATURE)     # how the hand-made batches' tok
 
 # ---- fixtures and builders ----
 
-@pytest.fixture(scope="module")
-def qwen3_dir() -> str:
-    return models.tiny_model_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def moe_dir() -> str:
-    return models.tiny_model_dir("qwen3_moe")
-
-
 def make_batch(lengths: list[int], prompt_len: int, vocab: int, seed: int = 0, version: int = 0,
                advantages: list[float] | None = None) -> invariants.TrainBatch:
     """Right-padded rows of random ids; tokens from `prompt_len` on are 'sampled' at weight `version`."""

@@ -24,16 +24,6 @@ TEMPERATURE = 0.8
 SPEC = lora.LoraSpec(rank=4, alpha=8.0)
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir() -> str:
-    return models.tiny_model_dir("qwen3")
-
-
-@pytest.fixture(scope="module")
-def moe_dir() -> str:
-    return models.tiny_model_dir("qwen3_moe")
-
-
 def lora_actor(model_dir: str, **overrides) -> actor.Actor:
     cfg = actor.ActorConfig(**{"precision": "fp32", "lr": 3e-2, "micro_batch_size": 2, "lora_rank": SPEC.rank,
                                "lora_alpha": SPEC.alpha, **overrides})

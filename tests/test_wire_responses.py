@@ -264,7 +264,7 @@ def test_the_items_of_any_reply_echo_back_to_the_parsers_message():
     assert [item["type"] for item in whole] == ["reasoning", "message", "function_call"]
     assert whole[1]["content"][0]["text"] == "Hi" and whole[2]["arguments"] == '{"cmd": "ls"}'
     # armed: an encrypted_content carrying another opening, or other arguments, decode to another message
-    for index, key, value in [(0, "encrypted_content", wires._signature("<think>plan</think>\n")),
+    for index, key, value in [(0, "encrypted_content", wires.opening_signature("<think>plan</think>\n")),
                               (2, "arguments", '{"cmd": "pwd"}')]:
         changed = [{**item, key: value} if i == index else item for i, item in enumerate(whole)]
         assert decode_responses({"input": echo_items(changed)}, BASE, ResponseStore()).request.messages[1] != message
@@ -468,7 +468,7 @@ def test_a_reasoning_item_echoed_with_its_encrypted_content_extends(tutor):
     assert segments(bare) == ["non_extension", ""]
     # armed: an encrypted_content of another opening (ours, well-formed) seals as well
     altered = tutor.server.create_session(sampling=GREEDY)
-    other = wires._signature("<think>count them</think>\n")
+    other = wires.opening_signature("<think>count them</think>\n")
     thought_conversation(altered, lambda item: {**item, "encrypted_content": other} if item["type"] == "reasoning"
                          else item)
     assert segments(altered) == ["non_extension", ""]
