@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 import algo
+import centering
 import invariants
 import lora
 import models
@@ -548,9 +549,11 @@ class Actor:
         # route live and disagree with the forward)
         replay = r3.replay_routes(self.model, routes) if routes is not None else contextlib.nullcontext()
         with replay:
+            heads = cut(centering.batch_heads(batch, cfg.score_centering)) if cfg.score_centering else None
             with self._compute():
-                logprobs, entropy = recompute.forward_logprobs(self.model, input_ids, attention_mask,
-                                                               images=images, with_entropy=True, **sampling)
+                logprobs, entropy, head_logprobs = recompute.forward_logprobs(
+                    self.model, input_ids, attention_mask, images=images, with_entropy=True, candidates=heads,
+                    **sampling)
             if step.weights is None:      # own forward: these logprobs, detached, are the proximal ones
                 prox = logprobs.detach().float()
                 correction = self._correct(step, prox, cut(batch.behavior_logprobs).float(), loss_mask.float(),
@@ -563,8 +566,12 @@ class Actor:
                 prox, is_weights, mask = (cut(t) for t in (step.report.prox_logprobs, step.report.is_weights,
                                                            step.report.mask))
                 weights = cut(step.weights)
-            token_loss, loss_metrics = algo.policy_loss(logprobs, prox, advantages, mask, cfg, is_weights=is_weights,
-                                                        rollout_index=rollout_index)
+            if cfg.score_centering:
+                token_loss, loss_metrics = centering.centered_policy_loss(
+                    logprobs, head_logprobs, cut(batch.top_behavior_logprobs).float(), prox, advantages, mask)
+            else:
+                token_loss, loss_metrics = algo.policy_loss(logprobs, prox, advantages, mask, cfg,
+                                                            is_weights=is_weights, rollout_index=rollout_index)
             if step.kl_coef > 0:  # KL to the reference as a loss term, not IS-weighted
                 kl = algo.kl_divergence(logprobs, cut(step.ref_logprobs).float(), cfg.kl_estimator) * mask
                 token_loss = token_loss + step.kl_coef * kl

@@ -43,6 +43,7 @@ class AlgoConfig:
     overlong_buffer: int = 0  # DAPO soft overlong punishment over the last N tokens of rollout.max_tokens (0 = off)
     overlong_penalty: float = 1.0  # what that punishment takes from the reward of a reply of rollout.max_tokens
     stop_penalty: float = 1.0  # ProRL stop-properly: a truncated reply's reward x this (1 = off; < 0: replaces it)
+    score_centering: int = 0  # k in 1..20 (0 = off): ratio-free REINFORCE, score centered on the sampler's top-k
 
 
 def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | None = None) -> None:

@@ -22,11 +22,12 @@ import transformers
 
 import actor
 import algo
+import centering
 import invariants
 import models
 import runtime
 from agents import load_recipe, sandbox
-from rollout import SamplingParams, validate_sampling
+from rollout import MAX_TOP_LOGPROBS, SamplingParams, validate_sampling
 
 # ---- the job's own sections; the other sections live in the module each configures -----------------------------
 
@@ -161,6 +162,9 @@ def validate_config(cfg: dict) -> None:
     ro, run, tr = cfg["rollout"], cfg["run"], cfg["train"]
     algo.validate_algo(cfg["algo"], ro.samples_per_prompt, max_tokens=ro.max_tokens)
     invariants.validate_correction(cfg["correction"])
+    al = cfg["algo"]
+    centering.validate_centering(al.score_centering, al.estimator, al.dual_clip, cfg["correction"].level,
+                                 MAX_TOP_LOGPROBS)
     actor.validate_actor(cfg["actor"])
     runtime.validate_runtime(cfg["runtime"], cfg["correction"], tr.minibatches)
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))

@@ -191,6 +191,11 @@ class Segment:
     seal_reason: str = ""            # "" while open; why it was sealed
     common_prefix_len: int = -1      # LCP with the prompt that caused the seal (-1 if not sealed by a prompt)
     images: list[ImageInput] = field(default_factory=list)  # the images of its pad runs, in order (VLMs)
+    # score centering (centering.py): the engine's k most likely ids of the distribution that drew each sampled token,
+    # and their behavior logprobs, recorded with the token (invariant 2); id 0 at -inf on context and empty slots.
+    # None = not recorded (the run does not center)
+    top_ids: np.ndarray | None = None                # int64 [n, k]
+    top_behavior_logprobs: np.ndarray | None = None  # float32 [n, k]
 
     @property
     def is_open(self) -> bool:
@@ -248,6 +253,10 @@ class TokenLedger:
         if seg.routes is not None:  # new positions are not routed yet
             pad = np.full((len(ids),) + seg.routes.shape[1:], -1, dtype=np.int16)
             seg.routes = np.concatenate([seg.routes, pad])
+        if seg.top_ids is not None:  # positions without a head (context); append_sampled writes the sampled ones
+            seg.top_ids = np.concatenate([seg.top_ids, np.zeros((len(ids), seg.top_ids.shape[1]), np.int64)])
+            seg.top_behavior_logprobs = np.concatenate(
+                [seg.top_behavior_logprobs, np.full((len(ids), seg.top_ids.shape[1]), -np.inf, np.float32)])
 
     def extend_or_seal(self, prompt_ids: Sequence[int], images: Sequence[ImageInput] = ()) -> bool:
         """Record the prompt of a new engine call with ALL its images. Returns True if it extends the open segment
@@ -285,9 +294,12 @@ class TokenLedger:
         self._grow(seg, ids, False, [0.0] * len(ids), [-1] * len(ids))
 
     def append_sampled(self, token_ids: Sequence[int], behavior_logprobs: Sequence[float],
-                       policy_versions: Sequence[int], sampling: Sampling, routed: bool = False) -> None:
+                       policy_versions: Sequence[int], sampling: Sampling, routed: bool = False,
+                       top: Sequence[Sequence[tuple[int, float]]] | None = None, top_k: int = 0) -> None:
         """Append engine-sampled tokens with the logprob and weight version each was sampled with, and the
-        sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it. An MoE
+        sampling (temperature, top_p, top_k) that drew them: the trainer recomputes their logprobs with it. With
+        `top_k` > 0 (score centering) each token also keeps the first top_k of its `top` (the engine's
+        Generation.top_logprobs: per token, its distribution's best (id, logprob), best first). An MoE
         segment (one holding routes, or `routed`: the new tokens' call reported routes) that sampled at other
         versions than the new tokens' first is sealed first (reason "route_version"), and they open a segment whose
         context is all of it: a segment's routes are one version's (invariant 3)."""
@@ -307,6 +319,12 @@ class TokenLedger:
             if isinstance(lp, bool) or not isinstance(lp, Real) or not math.isfinite(lp):
                 raise ValueError(f"{where}: behavior logprob of sampled token {i} (id {ids[i]}) is {lp!r}; "
                                  f"it must be a finite float (engine processed logprob of the sampled id)")
+        head = _head_arrays(top, top_k, len(ids), where) if top_k else None
+        if any(seg.trainable) and (seg.top_ids is None) != (head is None):
+            raise ValueError(f"{where}: segment {seg.segment_id} {'records' if head is None else 'lacks'} the "
+                             f"engine's top logprobs of its sampled tokens but these tokens "
+                             f"{'lack' if head is None else 'carry'} them; one run records them for every token or "
+                             f"none (algo.score_centering)")
         held = {v for v, tr in zip(seg.policy_versions, seg.trainable) if tr}   # the versions the segment sampled at
         last = max(held, default=-1)
         for i, v in enumerate(versions):
@@ -328,7 +346,15 @@ class TokenLedger:
             self.append_context(seg.token_ids)
             self._open.images = list(seg.images)
             seg = self._open
+        if head is not None and seg.top_ids is None:   # the first head of the segment: its context has none
+            seg.top_ids = np.zeros((len(seg.token_ids), top_k), np.int64)
+            seg.top_behavior_logprobs = np.full((len(seg.token_ids), top_k), -np.inf, np.float32)
+        if head is not None and seg.top_ids.shape[1] != top_k:
+            raise ValueError(f"{where}: {top_k} top logprobs per token but segment {seg.segment_id} records "
+                             f"{seg.top_ids.shape[1]}; a run records one k (algo.score_centering)")
         self._grow(seg, ids, True, [float(x) for x in logprobs], [int(v) for v in versions], sampling)
+        if head is not None:
+            seg.top_ids[-len(ids):], seg.top_behavior_logprobs[-len(ids):] = head
 
     def absorb_routes(self, routes: np.ndarray, start: int = 0) -> None:
         """Store MoE routes [n, L, k] at absolute positions start..start+n of the open segment. Rows of -1 mean
@@ -368,7 +394,7 @@ class TokenLedger:
             raise ValueError(f"seal (rollout {self.rollout_id}): no open segment to seal")
         n = len(seg.token_ids)
         if not (len(seg.trainable) == len(seg.behavior_logprobs) == len(seg.policy_versions) == len(seg.sampling) == n
-                and (seg.routes is None or len(seg.routes) == n)):
+                and (seg.routes is None or len(seg.routes) == n) and (seg.top_ids is None or len(seg.top_ids) == n)):
             raise AssertionError(f"segment {seg.segment_id} of rollout {self.rollout_id}: per-position arrays differ "
                                  f"in length from its {n} tokens; change segments only through the ledger")
         seg.seal_reason = reason
@@ -376,6 +402,29 @@ class TokenLedger:
     def rows(self) -> list[Segment]:
         """Segments (sealed or open) with at least one trainable token, in order."""
         return [s for s in self.segments if s.num_trainable > 0]
+
+
+def _head_arrays(top: Sequence[Sequence[tuple[int, float]]] | None, k: int, n: int,
+                 where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The first k (id, logprob) of each of n tokens' heads as arrays [n, k] (int64, float32), an engine's shorter
+    head (it left out ids its distribution excludes) padded with id 0 at -inf. Refuses a missing head, an id that is
+    not a vocabulary index, a logprob that is NaN or above 0, or ids that repeat."""
+    if top is None or len(top) != n:
+        raise ValueError(f"{where}: score centering records the engine's top {k} logprobs of every sampled token, but "
+                         f"got {'none' if top is None else len(top)} for {n} tokens; ask the engine for them "
+                         f"(SamplingParams.top_logprobs >= {k})")
+    ids, logprobs = np.zeros((n, k), np.int64), np.full((n, k), -np.inf, np.float32)
+    for i, best in enumerate(top):
+        best = list(best)[:k]
+        row_ids = [t for t, _ in best]
+        if any(isinstance(t, bool) or not isinstance(t, Integral) or t < 0 for t in row_ids) or \
+                len(set(row_ids)) != len(row_ids) or \
+                any(not isinstance(lp, Real) or math.isnan(lp) or lp > 0 for _, lp in best):
+            raise ValueError(f"{where}: top logprobs of sampled token {i} are {best!r:.120}; each must be distinct "
+                             f"(id >= 0, logprob <= 0 or -inf) pairs, best first, as the engine reports them")
+        ids[i, :len(best)] = row_ids
+        logprobs[i, :len(best)] = [lp for _, lp in best]
+    return ids, logprobs
 
 
 # the per-token sampling a TrainBatch carries as [B, T] tensors: field -> (dtype, value on context and padding)
@@ -402,6 +451,9 @@ class TrainBatch:
     images: list[list[ImageInput]]  # per row, the images of its pad runs in order; [] for a text row
     runs: list[list[AdjustedRun]]   # per row, its tokens drawn from adjusted logits (bias, penalties, a grammar);
                                     # [] for a plain row
+    top_ids: Tensor | None = None   # long [B, T, k]; the sampler's top-k ids at each sampled token (0 elsewhere);
+                                    # None unless the rows record them (score centering)
+    top_behavior_logprobs: Tensor | None = None  # float32 [B, T, k]; their behavior logprobs, -inf elsewhere
 
 
 # a grammar's masks replayed over a run's ids: (constraint spec, the run's ids) -> bool [len(ids), V], the ids the
@@ -431,6 +483,13 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
     if len(shapes) > 1:
         raise ValueError(f"build_batch: rows carry routes of different [layers, top_k] shapes {sorted(shapes)}")
     routes = torch.full((B, T) + shapes.pop(), -1, dtype=torch.long) if shapes else None
+    heads = {r.top_ids.shape[1] for r in rows if r.top_ids is not None}
+    if len(heads) > 1 or (heads and any(r.top_ids is None for r in rows)):
+        raise ValueError(f"build_batch: rows record top-k heads of sizes {sorted(heads)} and some none; a run's rows "
+                         f"all record one k (algo.score_centering)")
+    k = heads.pop() if heads else 0
+    top_ids = torch.zeros((B, T, k), dtype=torch.long) if k else None
+    top_behavior = torch.full((B, T, k), -math.inf, dtype=torch.float32) if k else None
     for b, row in enumerate(rows):
         n = len(row.token_ids)
         if row.trainable and row.trainable[0]:
@@ -456,10 +515,14 @@ def build_batch(rows: list[Segment], advantages: Sequence[float] | Sequence[Sequ
         adv[b, :n] = torch.where(mask, per_token, 0.0)
         if row.routes is not None:
             routes[b, :n] = torch.from_numpy(row.routes.astype(np.int64))
+        if k:
+            top_ids[b, :n] = torch.from_numpy(row.top_ids)
+            top_behavior[b, :n] = torch.from_numpy(row.top_behavior_logprobs)
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, versions, adv, **sampled, routes=routes,
                       rollout_ids=[r.rollout_id for r in rows], group_ids=[r.group_id for r in rows],
                       images=[list(r.images) for r in rows],
-                      runs=[adjusted_runs(r, grammar_masks) for r in rows])
+                      runs=[adjusted_runs(r, grammar_masks) for r in rows], top_ids=top_ids,
+                      top_behavior_logprobs=top_behavior)
 
 
 def select_rows(batch: TrainBatch, index: list[int]) -> TrainBatch:
@@ -518,6 +581,7 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
                 raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}) position {p}: the "
                                  f"batch's {what} {in_batch[b, p].item()} differs from the one the token was sampled "
                                  f"with, {in_row[p].item()}; build batches with invariants.build_batch")
+        _check_head(batch, b, row, t)
         runs, spans = [(run.start, run.end, run.sampling) for run in batch.runs[b]], _adjusted_spans(row)
         if runs != spans:
             raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}): the batch adjusts the "
@@ -534,6 +598,26 @@ def check_token_identity(batch: TrainBatch, rows: list[Segment], image_pad_id: i
                              f"feed the ledger's images, never re-processed ones")
         if image_pad_id is not None:
             check_image_pads(row.token_ids, images, image_pad_id, f"token identity violated: row {b}")
+
+
+def _check_head(batch: TrainBatch, b: int, row: Segment, trainable: Tensor) -> None:
+    """Row b of the batch carries the row's recorded top-k head (ids and behavior logprobs) at every sampled
+    position, or neither records one."""
+    if (batch.top_ids is None) != (row.top_ids is None):
+        raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}): the "
+                         f"{'row' if batch.top_ids is None else 'batch'} records the sampler's top-k heads and the "
+                         f"{'batch' if batch.top_ids is None else 'row'} does not; build batches with "
+                         f"invariants.build_batch")
+    if row.top_ids is None:
+        return
+    t = trainable.tolist()
+    same = batch.top_ids.shape[2] == row.top_ids.shape[1] and \
+        np.array_equal(batch.top_ids[b, t].cpu().numpy(), row.top_ids[t]) and \
+        np.array_equal(batch.top_behavior_logprobs[b, t].cpu().numpy(), row.top_behavior_logprobs[t])
+    if not same:
+        raise ValueError(f"token identity violated: row {b} (rollout {row.rollout_id}): the batch's top-k heads at its "
+                         f"sampled tokens differ from the ones the engine reported with them (invariant 2); build "
+                         f"batches with invariants.build_batch")
 
 
 def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
@@ -557,6 +641,19 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
         raise ValueError(f"sampled-once violated (rollout {rows[0].rollout_id if rows else '?'}): {len(sampled)} "
                          f"sampled tokens vs {len(trained)} trainable ones; first difference at sampled index {i}"
                          f"{what}; a sampled token was lost, duplicated or altered between engine and rows")
+    recorded = [r for r in rows if r.top_ids is not None]
+    if recorded:     # score centering: each sampled token's head, as the engine reported it with the token
+        where = f"sampled-once violated (rollout {rows[0].rollout_id})"
+        if len(recorded) != len(rows):
+            raise ValueError(f"{where}: {len(recorded)} of its {len(rows)} rows record the sampler's top-k heads")
+        k = recorded[0].top_ids.shape[1]
+        ids, logprobs = _head_arrays([top for g in generations for top in (g.top_logprobs or [])],
+                                     k, len(sampled), where)
+        kept = [np.asarray(r.trainable, dtype=bool) for r in rows]
+        if not (np.array_equal(np.concatenate([r.top_ids[m] for r, m in zip(rows, kept)]), ids) and np.array_equal(
+                np.concatenate([r.top_behavior_logprobs[m] for r, m in zip(rows, kept)]), logprobs)):
+            raise ValueError(f"{where}: the top-k heads its rows record differ from the ones the engine reported "
+                             f"with the sampled tokens; a head was lost or altered between engine and rows")
 
 
 # ---- 2. policy version ----

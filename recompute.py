@@ -14,6 +14,7 @@
 # logprobs against this recompute).
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,13 +78,15 @@ def _per_position(x: Tensor | float | int, real: Tensor) -> Tensor | float | int
 
 def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tensor, temperature, top_p, top_k, min_p,
                            with_entropy: bool, adjust=None, compiled: bool = False) -> Tensor:
-    """[N, 2]: each position's logprob of its next id under the processed distribution, and that distribution's
-    detached entropy, from hidden states [N, H]. The output projection runs LOGPROB_CHUNK positions at a time, and
+    """[N, m + 1]: each position's logprob of its next id under the processed distribution, and that distribution's
+    detached entropy, from hidden states [N, H]; next_ids [N] (m = 1), or [N, m]: the next id and the ids of a
+    score-centering head, each read from the same distribution (-inf where the processing excludes one). The
+    output projection runs LOGPROB_CHUNK positions at a time, and
     under autograd, past KEPT_LOGITS, each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab]
     logits never exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits,
     begin)` (_run_adjuster) applies processing.adjust_logits to the positions of a chunk starting at `begin` that
     need it. `compiled` (the model's layers are): untruncated chunks run _untruncated_head compiled."""
-    fused = _compiled_untruncated_head() if compiled and adjust is None and not any(
+    fused = _compiled_untruncated_head() if compiled and adjust is None and next_ids.dim() == 1 and not any(
         bool((x != off).any()) if isinstance(x, Tensor) else x != off
         for x, off in ((top_p, 1.0), (top_k, -1), (min_p, 0.0))) else None
 
@@ -94,13 +97,13 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
         logits = logits.float()                                 # fp32 BEFORE any processing, as the engine
         if adjust is not None:
             logits = adjust(logits, begin)
-        log_probs = processing.processed_logprobs(logits, t, p, k, m, keep=ids)
-        token = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        log_probs = processing.processed_logprobs(logits, t, p, k, m, keep=ids if ids.dim() == 1 else ids[:, 0])
+        tokens = log_probs.gather(-1, ids.view(len(ids), -1))                   # [n, m]
         if not with_entropy:
-            return torch.stack([token, torch.zeros_like(token)], -1)
+            return torch.cat([tokens, torch.zeros_like(tokens[:, :1])], -1)
         with torch.no_grad():   # H = -sum_v p log p of the same distribution (entr(0) = 0 off the nucleus)
             entropy = torch.special.entr(log_probs.exp()).sum(-1)
-        return torch.stack([token, entropy], -1)
+        return torch.cat([tokens, entropy.unsqueeze(-1)], -1)
 
     recompute = torch.is_grad_enabled() and len(hidden) * head.weight.shape[0] > KEPT_LOGITS  # CPU math: kept
     pieces, bounds = [], list(range(0, len(hidden), LOGPROB_CHUNK)) + [len(hidden)]
@@ -111,7 +114,8 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
         args = [start, hidden[part], next_ids[part]] + [x[part] if isinstance(x, Tensor) and x.dim() else x
                                                         for x in (temperature, top_p, top_k, min_p)]
         pieces.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
-    return torch.cat(pieces) if pieces else hidden.new_zeros((0, 2), dtype=torch.float32)
+    width = 2 if next_ids.dim() == 1 else next_ids.shape[1] + 1
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, width), dtype=torch.float32)
 
 
 def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, with_entropy: bool) -> Tensor:
@@ -286,13 +290,16 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatu
                      images: list[list[invariants.ImageInput]] | None = None, with_entropy: bool = False,
                      top_p: Tensor | float = 1.0, top_k: Tensor | int = -1, min_p: Tensor | float = 0.0,
                      runs: list[list[invariants.AdjustedRun]] | None = None, positions: Tensor | None = None,
-                     prefixes: SharedPrefixes | None = None) -> tuple[Tensor, Tensor | None]:
+                     prefixes: SharedPrefixes | None = None,
+                     candidates: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """[B,T] logprob of each token given its prefix (position 0, padding and tokens outside `positions` = 0.0) under the
     distribution that drew it, and, if asked, the detached [B,T] entropy of that distribution. temperature, top_p,
     top_k, min_p: scalars, or [B,T] tensors aligned to tokens (a TrainBatch's: each token's own recorded sampling);
     runs: per row, its TrainBatch.runs (bias, penalties, a grammar; right-padded rows). `images`: per row, for a VLM.
     Only real positions (bool [B,T], default every real token) reach the output projection, in chunks. `prefixes`
-    (shared_prefixes of these rows and positions): each shared prefix computed once, where the model allows it."""
+    (shared_prefixes of these rows and positions): each shared prefix computed once, where the model allows it.
+    `candidates` (long [B,T,k], a TrainBatch's top_ids: score centering) also returns the [B,T,k] logprobs of those
+    ids in the distribution that drew each token (third value; None without candidates), with gradient."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
@@ -303,8 +310,12 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatu
     head = model.get_output_embeddings()
     adjust = _run_adjuster(runs, real, input_ids) if runs else None
 
+    next_ids = input_ids[:, 1:][real]
+    if candidates is not None:                           # [N, 1 + k]: the sampled id, then its head's
+        next_ids = torch.cat([next_ids.unsqueeze(-1), candidates[:, 1:][real].to(next_ids.device)], -1)
+
     def head_logprobs(hidden: Tensor) -> Tensor:         # [N, H]: the hidden states of `real`, row-major
-        return _chunked_head_logprobs(hidden, head, input_ids[:, 1:][real],
+        return _chunked_head_logprobs(hidden, head, next_ids,
                                       *(_per_position(x, real) for x in (temperature, top_p, top_k, min_p)),
                                       with_entropy, adjust, _is_compiled(model))
 
@@ -316,12 +327,17 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatu
         # would cost a [B, 1, T, T] tensor (two rows of 24K tokens: 6.2 GB and 43 s on a CPU, 0.65 GB and 4 s without)
         with _head_returns(model, lambda hidden: head_logprobs(hidden[:, :width - 1][real])):  # T' > T: blank image
             per_position = model(input_ids=ids, attention_mask=None, use_cache=False,
-                                 **forward_inputs(model, ids, mask, images)).logits          # [N, 2]
+                                 **forward_inputs(model, ids, mask, images)).logits          # [N, m + 1]
     grid = torch.zeros(real.shape, dtype=torch.float32, device=per_position.device)
 
     def on_tokens(values: Tensor) -> Tensor:             # [N] -> [B, T], 0 at position 0 and on padding
         return F.pad(grid.masked_scatter(real, values), (1, 0))
-    return on_tokens(per_position[:, 0]), (on_tokens(per_position[:, 1].detach()) if with_entropy else None)
+    entropy = on_tokens(per_position[:, -1].detach()) if with_entropy else None
+    if candidates is None:
+        return on_tokens(per_position[:, 0]), entropy, None
+    heads = per_position.new_full(real.shape + (candidates.shape[-1],), -math.inf)   # -inf off the sampled positions
+    heads = F.pad(heads.masked_scatter(real.unsqueeze(-1), per_position[:, 1:-1]), (0, 0, 1, 0), value=-math.inf)
+    return on_tokens(per_position[:, 0]), entropy, heads
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,

@@ -455,9 +455,16 @@ class ChatSession:
         relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id, call_prefix))
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.rollout_id]} if isinstance(self.engine, Router) else {}
-        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room))
+        # the session's own sampling's top_logprobs are recorded with every token (a run's score centering), whatever
+        # a request asks for: the engine reports the larger count, the client gets its own
+        recorded_top = self.sampling.top_logprobs
+        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room),
+                                top_logprobs=max(params.top_logprobs, recorded_top))
         gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
                                    **sticky)[0]
+        answered = gen if engine_params.top_logprobs == params.top_logprobs else \
+            replace(gen, top_logprobs=[top[:params.top_logprobs] for top in gen.top_logprobs]
+                    if params.top_logprobs else None)
         text = opening_text + reply_text(self.tokenizer, gen, params.stop)
         message = {"role": "assistant", "content": text} if options.tool_choice == "none" else \
             parse_hermes_tool_calls(text, call_prefix)
@@ -479,7 +486,7 @@ class ChatSession:
                 self._label_lines()
             extended = line.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
             line.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
-                                       routed=gen.routes is not None)
+                                       routed=gen.routes is not None, top=gen.top_logprobs, top_k=recorded_top)
             if gen.routes is not None:
                 line.ledger.absorb_routes(gen.routes)
             line.generations.append(gen)
@@ -489,7 +496,7 @@ class ChatSession:
         line.expected = [*messages, message]
         line.expected_prompt_text = prompt_text
         line.echo_text = echo_text
-        return line, wires.ChatTurn(message, gen, extended, stop_sequence, text, call_prefix)
+        return line, wires.ChatTurn(message, answered, extended, stop_sequence, text, call_prefix)
 
     def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'

@@ -226,7 +226,9 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
     tasks = recipe_tasks(recipe, "train", run)
     if hasattr(recipe, "notice"):                  # what the run is (e.g. a pipeline run on a tiny model)
         print(recipe.notice(cfg), flush=True)
-    sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens, ignore_eos=ro.ignore_eos)
+    # score centering: every sampled token keeps the engine's top-k logprobs (the runners and sessions record them)
+    sampling = SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens, ignore_eos=ro.ignore_eos,
+                              top_logprobs=cfg["algo"].score_centering)
     logger = MetricsLogger(out, run.wandb, {name: dataclasses.asdict(c) for name, c in cfg.items()})
     print(f"tracerl: recipe {run.recipe}, model {model_path}, {len(tasks)} tasks, run folder {out}", flush=True)
     held_out = recipe_tasks(recipe, cfg["eval"].split, run) if cfg["eval"].every else []

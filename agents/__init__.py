@@ -290,8 +290,10 @@ class EnvRunner:
                 # a VLM puts image features on every pad id, so this row could never be forwarded again
                 self._fail(ep, "sampled_image_pad", f"the model sampled the image placeholder {data.IMAGE_PAD}")
                 continue
+            # the top logprobs the run's sampling asks for are kept with each token (score centering)
             ep.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
-                                     routed=gen.routes is not None)
+                                     routed=gen.routes is not None, top=gen.top_logprobs,
+                                     top_k=ep.sampling.top_logprobs)
             ep.generations.append(gen)
             if gen.routes is not None:
                 ep.ledger.absorb_routes(gen.routes)
