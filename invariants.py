@@ -4,8 +4,8 @@
 #   1. token identity: what the trainer trains on is exactly what the engine sampled over (TokenLedger, segment
 #      sealing, TrainBatch and build_batch, the proofs check_token_identity and check_sampled_once);
 #   2. policy version (policy-version semantics): every sampled token keeps the version and behavior logprob it
-#      was sampled with; the staleness gate and importance-sampling (IS) corrections over whole rollouts, and what a
-#      rejection removes (apply_correction);
+#      was sampled with (and, for score centering, the sampler's top-k head: Segment.top_ids); the staleness gate
+#      and importance-sampling (IS) corrections over whole rollouts, and what a rejection removes (apply_correction);
 #   3. forward consistency: one processed distribution for engine and trainer (processing.py, at each token's
 #      recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it) and MoE
 #      rollout routing replay (R3, r3.py): the trainer uses the experts the engine used. This module holds what a
@@ -624,7 +624,8 @@ def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
     """Every token the engine sampled for one rollout is trainable in exactly one of its rows, with its own
     behavior logprob, policy version and sampling: the trainable positions of the rows, read in segment order,
     equal the rollout's engine generations (rollout.Generation, or anything with token_ids, behavior_logprobs,
-    policy_versions and sampling) concatenated in call order. One pass over the tokens; train.py runs it on every
+    policy_versions and sampling) concatenated in call order, and rows that record top-k heads (score centering)
+    hold each token's first k of its generation's top_logprobs. One pass over the tokens; train.py runs it on every
     rollout, so a runner or session that loses, duplicates or alters a sampled token fails the run loudly instead of
     training on it."""
     if len({r.rollout_id for r in rows}) > 1:

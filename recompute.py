@@ -81,11 +81,11 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
     """[N, m + 1]: each position's logprob of its next id under the processed distribution, and that distribution's
     detached entropy, from hidden states [N, H]; next_ids [N] (m = 1), or [N, m]: the next id and the ids of a
     score-centering head, each read from the same distribution (-inf where the processing excludes one). The
-    output projection runs LOGPROB_CHUNK positions at a time, and
-    under autograd, past KEPT_LOGITS, each chunk is recomputed in backward (torch.utils.checkpoint), so [N, vocab]
-    logits never exist at once: at a 152K vocabulary that tensor is the largest of the whole step. `adjust(logits,
-    begin)` (_run_adjuster) applies processing.adjust_logits to the positions of a chunk starting at `begin` that
-    need it. `compiled` (the model's layers are): untruncated chunks run _untruncated_head compiled."""
+    output projection runs LOGPROB_CHUNK positions at a time, and under autograd, past KEPT_LOGITS, each chunk is
+    recomputed in backward (torch.utils.checkpoint), so [N, vocab] logits never exist at once: at a 152K vocabulary
+    that tensor is the largest of the whole step. `adjust(logits, begin)` (_run_adjuster) applies
+    processing.adjust_logits to the positions of a chunk starting at `begin` that need it. `compiled` (the model's
+    layers are): untruncated chunks run _untruncated_head compiled (the sampled ids alone)."""
     fused = _compiled_untruncated_head() if compiled and adjust is None and next_ids.dim() == 1 and not any(
         bool((x != off).any()) if isinstance(x, Tensor) else x != off
         for x, off in ((top_p, 1.0), (top_k, -1), (min_p, 0.0))) else None

@@ -57,9 +57,9 @@ def loss_gradient(z: torch.Tensor, a: torch.Tensor, A: torch.Tensor, log_q: torc
     """-d(loss)/dz of centering.centered_policy_loss on one row of n tokens, the sampler's head given as its ids."""
     z = z.clone().requires_grad_(True)
     log_p = torch.log_softmax(z, -1)
-    loss, _ = centering.centered_policy_loss(log_p.gather(-1, a[:, None])[:, 0][None], log_p.gather(-1, head)[None],
-                                             log_q.gather(-1, head)[None], log_p.detach().gather(-1, a[:, None])[:, 0][None],
-                                             A[None], torch.ones(1, len(a), dtype=z.dtype))
+    sampled = log_p.gather(-1, a[:, None])[:, 0][None]                       # [1, n]
+    loss, _ = centering.centered_policy_loss(sampled, log_p.gather(-1, head)[None], log_q.gather(-1, head)[None],
+                                             sampled.detach(), A[None], torch.ones(1, len(a), dtype=z.dtype))
     loss.sum().backward()
     return -z.grad
 

@@ -25,7 +25,7 @@ import invariants  # noqa: E402
 import models  # noqa: E402
 import processing  # noqa: E402
 import recompute  # noqa: E402
-from recompute import sequence_logprobs  # noqa: E402
+from recompute import forward_logprobs, sequence_logprobs  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from test_actor import rows_from  # noqa: E402
 from test_rollout import PARAMS, PROMPTS, _perturbed, _recompute  # noqa: E402
@@ -171,6 +171,29 @@ def test_truncated_sampling_and_top_logprobs_match_the_processed_distribution(fr
     assert (gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k) == (1.3, 0.8, 20)
     assert all(len(best) == 3 and [lp for _, lp in best] == sorted((lp for _, lp in best), reverse=True)
                for best in gen.top_logprobs)
+
+
+def test_score_centering_records_vllms_top_k_and_the_trainer_reads_them_at_the_same_ids(fresh, model):
+    """The heads vLLM reports (its processed logprobs) go through the ledger to the TrainBatch unchanged, and the
+    trainer's recompute of the same ids, from the distribution that drew each token, equals them."""
+    k = 4
+    gen = fresh.generate([PROMPTS[0]], SamplingParams(temperature=0.8, max_tokens=8, seed=2, top_logprobs=k))[0]
+    ledger = invariants.TokenLedger("r")
+    ledger.extend_or_seal(gen.prompt_ids)
+    ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
+                          top=gen.top_logprobs, top_k=k)
+    invariants.check_sampled_once(ledger.rows(), [gen])
+    batch = invariants.build_batch(ledger.rows(), [1.0], pad_id=0)
+    sampled = batch.loss_mask.bool()
+    assert batch.top_ids[sampled].tolist() == [[t for t, _ in best] for best in gen.top_logprobs]
+    with torch.no_grad():
+        _, _, heads = forward_logprobs(model, batch.input_ids, batch.attention_mask, batch.temperature,
+                                       positions=batch.loss_mask.bool(), candidates=batch.top_ids)
+    assert (heads[sampled] - batch.top_behavior_logprobs[sampled]).abs().max() <= 1e-5
+    with torch.no_grad():                                         # trap armed: another temperature is seen
+        _, _, other = forward_logprobs(model, batch.input_ids, batch.attention_mask, 1.0,
+                                       positions=batch.loss_mask.bool(), candidates=batch.top_ids)
+    assert (other[sampled] - batch.top_behavior_logprobs[sampled]).abs().max() > 1e-2
 
 
 # ---- the same contract as the embedded engine ----------------------------------------------------------------------
