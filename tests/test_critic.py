@@ -213,16 +213,21 @@ def test_the_critics_gradient_is_the_hand_derived_and_finite_difference_one(qwen
         assert torch.allclose(head.bias.grad, error.sum().reshape(1), atol=1e-12)
         by_hand = (error[:, 1:, None] * hidden[:, :-1]).sum((0, 1))
         assert torch.allclose(head.weight.grad[0], by_hand, atol=1e-12)
-        weight = value_model.model.model.layers[0].mlp.up_proj.weight
-        for index in [(0, 0), (5, 3), (17, 11)]:
-            eps, saved = 1e-6, float(weight[index])
+        # transformers' RMSNorm computes in fp32 whatever the model's dtype, so a weight before a norm sees fp32
+        # round-off (~1e-8 of the loss) and takes a wide step; the final norm's weight scales a fixed fp32 result
+        # and is exact in float64
+        final_norm = value_model.model.model.norm.weight
+        up_proj = value_model.model.model.layers[0].mlp.up_proj.weight
+        for weight, index, eps, tol in [(final_norm, (3,), 1e-6, 1e-6), (final_norm, (40,), 1e-6, 1e-6),
+                                        (up_proj, (5, 3), 1e-3, 1e-2), (up_proj, (17, 11), 1e-3, 1e-2)]:
+            saved = float(weight[index])
             weight[index] = saved + eps
             up = float(loss())
             weight[index] = saved - eps
             down = float(loss())
             weight[index] = saved
-            assert math.isclose(weight.grad[index], (up - down) / (2 * eps), rel_tol=1e-5, abs_tol=1e-10)
-    assert head.weight.grad.abs().max() > 0 and weight.grad.abs().max() > 0
+            assert abs(float(weight.grad[index])) > 1e-5, "armed: a weight the loss depends on"
+            assert math.isclose(weight.grad[index], (up - down) / (2 * eps), rel_tol=tol), (index, eps)
 
 
 def test_the_critic_learns_the_returns_and_its_clip_holds_it_near_the_old_values(qwen3_dir):
@@ -271,8 +276,8 @@ def test_the_critics_values_replay_the_recorded_moe_routes():
 
 def test_a_critic_checkpoint_resumes_exactly(qwen3_dir, tmp_path):
     cfg, machinery = critic.CriticConfig(lr=1e-3), actor.ActorConfig(precision="fp32", micro_batch_size=2)
-    batch = make_batch([12, 6, 9], 3, 768)
     first = critic.Critic(qwen3_dir, machinery, cfg, total_steps=4)
+    batch = make_batch([12, 6, 9], 3, first.model.config.vocab_size)
     rewards = torch.tensor([1.0, 0.0, 1.0])
 
     def step(model) -> None:
