@@ -504,9 +504,8 @@ def train_critic(value_model, batch: invariants.TrainBatch, parts: list[list[int
             metrics[name] = metrics.get(name, 0.0) + value / len(parts)
     metrics["critic/version"] = last["critic/version"]     # a state, not an average: after the last step
     mask = batch.loss_mask.bool()
-    if int(mask.sum()) > 1:
-        metrics["critic/explained_variance"] = float(1 - (returns - values)[mask].var() / returns[mask].var()
-                                                     .clamp_min(1e-8))
+    if int(mask.sum()) > 1 and float(returns[mask].var()) > 1e-8:    # (returns all alike: nothing to explain)
+        metrics["critic/explained_variance"] = float(1 - (returns - values)[mask].var() / returns[mask].var())
     return metrics
 
 
