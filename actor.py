@@ -228,7 +228,7 @@ class Actor:
         # autocast would cast it to for every product anyway (the adapter stays fp32, its master weights)
         self.lora = lora_spec(cfg)
         base_dtype = torch.bfloat16 if self.lora and self.precision == "bf16" else torch.float32
-        self.model = models.load_model(model_path, dtype=base_dtype).to(self.device).eval()
+        self.model = self._load_model(model_path, base_dtype).to(self.device).eval()
         self.is_moe = bool(r3.moe_routers(self.model))
         if self.lora:
             lora.add_lora(self.model, self.lora)
@@ -252,6 +252,10 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, cfg, total_steps))
         self.version = 0  # optimizer steps taken = version of the current weights
+
+    def _load_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """The trained model as the folder holds it (critic.Critic puts a value head in place of its LM head)."""
+        return models.load_model(model_path, dtype=dtype)
 
     def warm_up(self) -> None:
         """Compile now what the first steps would (no-op unless compiled): a train forward and backward and a
@@ -310,6 +314,9 @@ class Actor:
             if self.precision == "bf16" else MixedPrecisionPolicy()
         for layer in models.decoder_layers(self.model):
             fully_shard(layer, mesh=mesh, mp_policy=mixed)
+        for module in self.model.modules():   # a module that computes in fp32 (a critic's value head) in fp32 shards
+            if getattr(module, "computes_in_fp32", False):
+                fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy())
         fully_shard(self.model, mesh=mesh, mp_policy=mixed)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):

@@ -2,8 +2,9 @@
 #
 # Owns: the algorithm config and its validation; reward shaping by reply length (DAPO's soft overlong punishment,
 # ProRL's stop-properly penalty); advantage estimators (REINFORCE, REINFORCE++-baseline, RLOO, GRPO, Dr.GRPO, GSPO,
-# on-policy distillation); Schulman's KL estimators k1/k2/k3; the PPO-clip (with dual clip) and GSPO-token
-# surrogates; loss aggregation over GLOBAL denominators; DAPO dynamic filtering.
+# on-policy distillation, and GAE over a critic's values with observation gaps transparent); Schulman's KL estimators
+# k1/k2/k3; the PPO-clip (with dual clip) and GSPO-token surrogates; PPO's clipped value loss (the critic's, critic.py);
+# loss aggregation over GLOBAL denominators; DAPO dynamic filtering.
 # Never does: touch a model, a tokenizer, a file, a process group or an engine; compute importance-sampling weights.
 # Invariant kept: 2 (policy version). The train/infer correction weights come in as `is_weights`, computed in
 # invariants.py; this module only multiplies them in, detached, so they can never carry gradient.
@@ -11,6 +12,7 @@
 # Names (invariants.py's glossary): a row is a segment; a rollout is all the segments of one episode, `rollout_index`
 # [B] maps rows to rollouts; `prox_logprobs` are the proximal policy pi_prox's, `logprobs` the live policy pi's.
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +23,14 @@ from invariants import MAX_LOG_RATIO, per_rollout
 # ---- config + validation ----
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo", "gspo")  # need >= 2 samples per prompt
-ESTIMATORS = ("reinforce",) + GROUP_ESTIMATORS + ("on_policy_distill",)
+TOKEN_ESTIMATORS = ("on_policy_distill", "gae")  # a per-token advantage: from a teacher, or from a critic's values
+ESTIMATORS = ("reinforce",) + GROUP_ESTIMATORS + TOKEN_ESTIMATORS
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "prompt_mean_token_mean")
 GROUP_AGGREGATIONS = ("prompt_mean_token_mean",)  # weigh a token by its group's kept tokens: a micro-batch and a
                                                   # rank hold whole groups, not only whole rollouts (actor, runtime)
 STD_EPS = 1e-6  # added to a std before dividing (GRPO, REINFORCE++-baseline)
+WHITEN_EPS = 1e-8  # added to a variance before its inverse square root (GAE's whitening, verl's masked_whiten)
 
 
 @dataclass
@@ -44,6 +48,9 @@ class AlgoConfig:
     overlong_penalty: float = 1.0  # what that punishment takes from the reward of a reply of rollout.max_tokens
     stop_penalty: float = 1.0  # ProRL stop-properly: a truncated reply's reward x this (1 = off; < 0: replaces it)
     score_centering: int = 0  # k in 1..20 (0 = off): ratio-free REINFORCE, score centered on the sampler's top-k
+    gae_gamma: float = 1.0  # gae: discount per sampled token, in [0, 1] (observation tokens between turns do not count)
+    gae_lambda: float = 1.0  # gae: GAE's lambda in [0, 1] (1: Monte-Carlo return minus V; 0: one-step TD error)
+    gae_whiten: bool = True  # gae: whiten the advantages over the step's sampled tokens (the returns stay raw)
 
 
 def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | None = None) -> None:
@@ -85,6 +92,7 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | 
             "on_policy_distill needs a teacher: kl_coef is the distillation strength and kl_coef > 0 loads the "
             "teacher in the reference slot; set kl_coef (1.0 is the usual choice)"
         )
+    _validate_gae(cfg)
     needs_group = cfg.estimator in GROUP_ESTIMATORS or cfg.filter_zero_variance
     if needs_group and n_samples_per_prompt < 2:
         what = f"estimator {cfg.estimator!r}" if cfg.estimator in GROUP_ESTIMATORS else "filter_zero_variance"
@@ -92,6 +100,20 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | 
             f"{what} compares samples of one prompt but n_samples_per_prompt={n_samples_per_prompt}; "
             f"use n_samples_per_prompt >= 2 or estimator 'reinforce'"
         )
+
+
+def _validate_gae(cfg: AlgoConfig) -> None:
+    for name in ("gae_gamma", "gae_lambda"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}; 1 is the usual choice for an LLM's sparse "
+                             f"final reward (a discount below 1 shrinks it toward the first tokens)")
+    defaults = AlgoConfig()
+    changed = [name for name in ("gae_gamma", "gae_lambda", "gae_whiten") if getattr(cfg, name) != getattr(defaults,
+                                                                                                       name)]
+    if changed and cfg.estimator != "gae":
+        raise ValueError(f"{', '.join(changed)} set, but estimator {cfg.estimator!r} never reads them: only 'gae' "
+                         f"does; use estimator gae, or leave them at their defaults")
 
 
 def _validate_shaping(cfg: AlgoConfig, max_tokens: int | None) -> None:
@@ -183,7 +205,8 @@ def _group_advantages(rewards: Tensor, estimator: str) -> Tensor:
         if n == 1:
             return torch.zeros_like(rewards)
         return (rewards - rewards.mean()) / (rewards.std(correction=1) + STD_EPS)
-    raise ValueError(f"no rollout-level advantage for estimator {estimator!r}; expected one of {ESTIMATORS[:-1]}")
+    raise ValueError(f"no rollout-level advantage for estimator {estimator!r}; expected one of "
+                     f"{ESTIMATORS[:-len(TOKEN_ESTIMATORS)]}")
 
 
 def rollout_advantages(
@@ -192,8 +215,10 @@ def rollout_advantages(
     """Per-ROW advantages. Rollouts are deduped by rollout_id (each counts once in its group), their advantage
     is computed per group, then scattered back to every row (segment) of the rollout.
     on_policy_distill has no reward advantage: it is refused here, use distill_advantages."""
-    if estimator == "on_policy_distill":
-        raise ValueError("on_policy_distill advantages are per token; call distill_advantages, not rollout_advantages")
+    if estimator in TOKEN_ESTIMATORS:
+        raise ValueError(f"{estimator} advantages are per token; call "
+                         f"{'distill_advantages' if estimator == 'on_policy_distill' else 'gae_advantages'}, not "
+                         f"rollout_advantages")
     rollouts = _rollouts(rewards, group_ids, rollout_ids)
     members: dict[str, list[str]] = {}
     for rollout_id, (group_id, _) in rollouts.items():
@@ -216,6 +241,119 @@ def distill_advantages(
     kl_coef * (log pi_teacher - log pi_prox) on the sampled token, i.e. minus a k1 reverse-KL estimate, discount 0.
     Returns a detached [B, T] tensor, 0 off the mask. Pass cfg.kl_coef (the distillation strength)."""
     return (kl_coef * (teacher_logprobs - prox_logprobs) * loss_mask).detach()
+
+
+# ---- GAE: per-token advantages from a critic's values (critic.py) ----
+# A row's sampled tokens are the agent's actions; the context tokens between two turns (a tool's output, the
+# template) are observations the agent did not choose. They are TRANSPARENT: no TD error, no discount and no value
+# there, the next action's V and A carried across them to the previous action, so a multi-turn episode is one chain
+# of decisions and the final reward reaches the first turn's tokens. A rollout sealed into several rows (a context
+# rewrite: the same episode, its later turns on a new prompt) is ONE chain too: its rows in segment order, end to end
+# (segment_chains), so the last action of a row bootstraps from the first action of the next row, and only the last
+# row holds the reward. V after the chain's last action is 0 (the episode ends there).
+
+
+def segment_chains(rollout_ids: Sequence[str], segment_ids: Sequence[int]) -> list[list[int]]:
+    """The rows of each rollout, in segment order: one chain of decisions per episode (a sealed rollout's rows are
+    consecutive parts of it). Rollouts in order of first appearance."""
+    chains: dict[str, list[int]] = {}
+    for row in sorted(range(len(rollout_ids)), key=lambda b: segment_ids[b]):
+        chains.setdefault(rollout_ids[row], []).append(row)
+    return [chains[r] for r in dict.fromkeys(rollout_ids)]
+
+
+def token_rewards(rewards: Tensor, loss_mask: Tensor, chains: list[list[int]] | None = None) -> Tensor:
+    """[B, T] per-token rewards: the episode's reward on its LAST sampled token, 0 elsewhere (an outcome reward; an
+    intermediate token earns nothing). rewards [B]: per row, its rollout's. Without `chains` each row is an episode;
+    with them (segment_chains) only a chain's last row with a sampled token holds it, once."""
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(loss_mask)
+    last = torch.where(loss_mask > 0, positions, -1).amax(-1)        # [B]; -1 for a row with no sampled token
+    holders = [b for b in range(len(last)) if last[b] >= 0] if chains is None else \
+        [sampled[-1] for chain in chains if (sampled := [b for b in chain if last[b] >= 0])]
+    out = torch.zeros(loss_mask.shape, dtype=torch.float64, device=loss_mask.device)
+    rows = torch.tensor(holders, dtype=torch.long, device=loss_mask.device)
+    out[rows, last[rows]] = rewards.to(out)[rows]
+    return out
+
+
+def gae_advantages(token_rewards: Tensor, values: Tensor, loss_mask: Tensor, gamma: float, lam: float,
+                   whiten: bool = True, chains: list[list[int]] | None = None) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 1506.02438) over each episode's sampled tokens, observation
+    gaps transparent (see above). Backwards over t, for a sampled token t:
+        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next,   then V_next = V_t, A_next = A_t
+    and for a context token nothing changes (V_next, A_next carried); V_next = A_next = 0 after the episode's end.
+    An episode is a row, or with `chains` (segment_chains) the rows of one rollout end to end. values [B, T]: the
+    critic's V of the state before each token (critic.Critic.compute_values). Returns (advantages, returns), float32
+    [B, T], 0 off the mask: returns = A + V before any whitening (the critic's target); advantages whitened over
+    every sampled token of the batch, (A - mean) / sqrt(var + 1e-8) with the unbiased variance (verl's
+    masked_whiten), when `whiten`. Computed in float64."""
+    mask = loss_mask.double()
+    rewards, values = token_rewards.double(), values.double() * mask
+    if chains is None:
+        advantages = _gae_backwards(rewards, values, mask, gamma, lam)
+    else:     # each chain's rows end to end ([R, K * T]; a shorter chain padded with masked rows), then back
+        B, T = mask.shape
+        index = torch.full((len(chains), max(map(len, chains))), -1, dtype=torch.long)
+        for c, chain in enumerate(chains):
+            index[c, :len(chain)] = torch.tensor(chain)
+        real = index >= 0
+        if sorted(index[real].tolist()) != list(range(B)):
+            raise ValueError(f"gae_advantages: chains must hold every one of the {B} rows once, got {chains}")
+
+        def end_to_end(x: Tensor) -> Tensor:
+            return torch.where(real[..., None], x[index.clamp(min=0)], 0.0).reshape(len(chains), -1)
+        chained = _gae_backwards(end_to_end(rewards), end_to_end(values), end_to_end(mask), gamma, lam)
+        advantages = torch.zeros_like(mask)
+        advantages[index[real]] = chained.reshape(len(chains), -1, T)[real]
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = whiten_advantages(advantages, mask)
+    return advantages.float(), returns.float()
+
+
+def _gae_backwards(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
+    """The GAE recursion above over [N, L] episodes, right to left; 0 off the mask."""
+    advantages = torch.zeros_like(mask)
+    next_value = next_advantage = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)
+    for t in range(mask.shape[1] - 1, -1, -1):
+        sampled = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(sampled, values[:, t], next_value)
+        next_advantage = torch.where(sampled, advantage, next_advantage)
+        advantages[:, t] = torch.where(sampled, advantage, 0.0)
+    return advantages
+
+
+def whiten_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
+    """(A - mean) * rsqrt(var + WHITEN_EPS) over the sampled tokens (unbiased variance), 0 off the mask; a batch
+    of fewer than two sampled tokens has no spread and is returned as it is."""
+    n = loss_mask.sum()
+    if n < 2:
+        return advantages * loss_mask
+    mean = (advantages * loss_mask).sum() / n
+    var = ((advantages - mean).square() * loss_mask).sum() / (n - 1)
+    return (advantages - mean) * torch.rsqrt(var + WHITEN_EPS) * loss_mask
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor,
+               clip: float) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped value loss per token [B, T] (0 off the mask), and its metrics:
+        0.5 * max((V - R)^2, (old_V + clip(V - old_V, -clip, +clip) - R)^2)
+    old_V the values the step's returns were computed with (the critic's before this step), R = A + old_V; the clip
+    keeps V from moving further than `clip` from old_V where that would lower the loss (PPO2's cliprange_value;
+    0 = no clip: the plain 0.5 (V - R)^2). The caller weighs the tokens (a global token mean, algo.loss_weights)."""
+    unclipped = (values - returns).square()
+    if clip > 0:
+        clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+        token_loss = 0.5 * torch.maximum(unclipped, clipped)
+    else:
+        clipped = unclipped
+        token_loss = 0.5 * unclipped
+    with torch.no_grad():
+        n = loss_mask.sum().clamp_min(1.0)
+        metrics = {"value_clip_frac": ((clipped > unclipped).to(loss_mask.dtype) * loss_mask).sum().div(n).item()}
+    return token_loss * loss_mask, metrics
 
 
 # ---- KL estimators ----

@@ -2,7 +2,8 @@
 #
 # Owns: the job's own sections (RunConfig, RolloutConfig, TrainConfig, EvalConfig: --run.*, --rollout.*, --train.*,
 # --eval.*), the table of every section (`config_sections`; the others live in the module they configure: ActorConfig
-# in actor.py, AlgoConfig in algo.py, CorrectionConfig in invariants.py, RuntimeConfig in runtime.py), the command
+# in actor.py, AlgoConfig in algo.py, CriticConfig in critic.py, CorrectionConfig in invariants.py, RuntimeConfig in
+# runtime.py), the command
 # line (`parse_config`: a flag for every field, its --help text the field's comment; field defaults < the recipe's
 # DEFAULTS < flags), the rules across sections (`validate_config`, each section's own rules called from there), and
 # the run's context once the model is known (`resolve_context`).
@@ -23,6 +24,7 @@ import transformers
 import actor
 import algo
 import centering
+import critic
 import invariants
 import models
 import runtime
@@ -83,8 +85,8 @@ class EvalConfig:
 def config_sections() -> dict[str, type]:
     """section name -> dataclass type: the job's own four here, the others in the module each configures."""
     return {"run": RunConfig, "rollout": RolloutConfig, "train": TrainConfig, "actor": actor.ActorConfig,
-            "algo": algo.AlgoConfig, "correction": invariants.CorrectionConfig, "eval": EvalConfig,
-            "runtime": runtime.RuntimeConfig}
+            "algo": algo.AlgoConfig, "critic": critic.CriticConfig, "correction": invariants.CorrectionConfig,
+            "eval": EvalConfig, "runtime": runtime.RuntimeConfig}
 
 
 ENGINES = ("auto", "embedded", "vllm")
@@ -166,6 +168,7 @@ def validate_config(cfg: dict) -> None:
     centering.validate_centering(al.score_centering, al.estimator, al.dual_clip, cfg["correction"].level,
                                  MAX_TOP_LOGPROBS)
     actor.validate_actor(cfg["actor"])
+    critic.validate_critic(cfg["critic"], cfg["algo"].estimator, run.steps)
     runtime.validate_runtime(cfg["runtime"], cfg["correction"], tr.minibatches)
     validate_sampling(SamplingParams(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens))
     positive = {"run.steps": run.steps, "rollout.prompts_per_step": ro.prompts_per_step,

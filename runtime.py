@@ -6,7 +6,7 @@
 # interface in the driver, so router.Router places requests, fails over and fans out the control plane as it does
 # for local engines), the weights' way to an engine actor (CUDA IPC on the trainer's GPU, else the engine's
 # weight_channel.WeightChannel: a two-rank NCCL or gloo group, dtype-faithful buckets), `TrainerGroup` (the actor
-# as FSDP2 ranks in Ray actors), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that
+# as FSDP2 ranks in Ray actors; with `CriticGroup`, gae's critic shards beside them), `RolloutPool` (prompt groups in flight, admitted by AReaL's capacity rule so that
 # no rollout is trained more than eta policy steps after it started), `Runtime.push_weights` (pause, move, bump the
 # version, resume) and the runtime's metrics (engine idle fraction, queue depth, staleness histogram, weight-sync
 # seconds and bytes; tokens/s per engine and retried/failed requests are the router's). An engine actor or trainer
@@ -393,10 +393,11 @@ class TrainerRank:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), free_port()
 
     def join(self, rank: int, world_size: int, master_ip: str, master_port: int, socket_env: dict[str, str],
-             model_path: str, cfg, total_steps: int, seed: int) -> None:
+             model_path: str, cfg, total_steps: int, seed: int, critic_cfg=None) -> None:
         import torch.distributed as dist
 
         import actor
+        import critic
         # An interface named on this node (its `ray start` environment) wins over the driver's. Named nowhere,
         # gloo binds the address this host's name resolves to (loopback when it resolves to none), which serves
         # one machine; across hosts that may be a loopback alias, and only the user knows which interface the
@@ -406,9 +407,14 @@ class TrainerRank:
         os.environ.update(MASTER_ADDR=master_ip, MASTER_PORT=str(master_port))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
         self.policy = actor.Actor(model_path, cfg, total_steps=total_steps, seed=seed)
+        # gae: the critic's shard beside the actor's, over the same process group (critic.Critic)
+        self.critic = critic.Critic(model_path, cfg, critic_cfg, total_steps, seed) if critic_cfg else None
 
     def call(self, method: str, *args, **kwargs):
         return getattr(self.policy, method)(*args, **kwargs)
+
+    def call_critic(self, method: str, *args, **kwargs):
+        return getattr(self.critic, method)(*args, **kwargs)
 
     def version(self) -> int:
         return self.policy.version
@@ -430,7 +436,7 @@ class TrainerGroup:
     one process on the whole batch."""
 
     def __init__(self, ranks: int, model_path: str, cfg, total_steps: int, seed: int, cpus: float, gpus: float,
-                 placement: str = "PACK", ready_timeout_s: float = 600.0):
+                 placement: str = "PACK", ready_timeout_s: float = 600.0, critic_cfg=None):
         from transformers import AutoConfig
         bundle = {"CPU": cpus, "GPU": gpus}
         self.placement = placement_group([bundle] * ranks, strategy=placement)
@@ -456,7 +462,7 @@ class TrainerGroup:
             _, master_ip, master_port = ray.get(self.ranks[0].locate.remote())
             self.ranks += [rank_actor(r) for r in range(1, ranks)]
             ray.get([rank.join.remote(r, ranks, master_ip, master_port, socket_env, model_path, cfg, total_steps,
-                                      seed) for r, rank in enumerate(self.ranks)])
+                                      seed, critic_cfg) for r, rank in enumerate(self.ranks)])
         except BaseException:           # a rank that failed to start must not keep the others' resources
             self.shutdown()
             raise
@@ -520,6 +526,35 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
         remove_placement_group(self.placement)
+
+
+class CriticGroup:
+    """critic.Critic's interface over a TrainerGroup built with a critic_cfg: each rank holds a critic shard beside
+    its actor shard; rows are dealt as the actor's are (whole rollouts, balanced by tokens) and the value loss's
+    global token count is all-reduced inside critic.Critic.train_step."""
+
+    def __init__(self, trainers: TrainerGroup):
+        self.trainers = trainers
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([r.call_critic.remote(method, *args) for r in self.trainers.ranks])
+
+    def compute_values(self, batch) -> torch.Tensor:
+        shares = self.trainers._deal(batch)
+        parts = ray.get([r.call_critic.remote("compute_values", invariants.select_rows(batch, rows))
+                         for r, rows in zip(self.trainers.ranks, shares)])
+        return _gather(parts, shares, batch.input_ids.shape)
+
+    def train_step(self, batch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        shares = self.trainers._deal(batch)
+        return ray.get([r.call_critic.remote("train_step", invariants.select_rows(batch, rows), returns[rows],
+                                             old_values[rows]) for r, rows in zip(self.trainers.ranks, shares)])[0]
+
+    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
+        self._all("save_checkpoint", path, run_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self._all("load_checkpoint", path)[0]
 
 
 class _ConfigOnly:

@@ -37,6 +37,7 @@ import transformers
 import actor
 import algo
 import config
+import critic
 import cpu_setup
 import constraints
 import invariants
@@ -126,16 +127,25 @@ def main(argv: list[str]) -> None:
     starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start").submit(
         build_engine, ro, model_path, cuda, 0, tokenizer, run.seed, adapter) if early else None
     try:
+        gae, value_model = cfg["algo"].estimator == "gae", None    # gae: the critic, trained beside the actor
         if rt_cfg.trainer_ranks > 1:    # FSDP2 ranks as Ray actors; the driver deals each step's rows to them
             with phase(f"Ray and {rt_cfg.trainer_ranks} trainer ranks"):
                 runtime.connect(rt_cfg)
                 policy = runtime.TrainerGroup(rt_cfg.trainer_ranks, model_path, cfg["actor"],
                                               run.steps * tr.minibatches, run.seed, cpus=1, gpus=rt_cfg.trainer_gpus,
-                                              placement=rt_cfg.trainer_placement)
+                                              placement=rt_cfg.trainer_placement,
+                                              critic_cfg=cfg["critic"] if gae else None)
+                value_model = runtime.CriticGroup(policy) if gae else None
         else:
             with phase("the actor (model, optimizer)"):
                 policy = actor.Actor(model_path, cfg["actor"], total_steps=run.steps * tr.minibatches, seed=run.seed)
+            if gae:
+                with phase("the critic (the policy's model with a value head, its optimizer)"):
+                    value_model = critic.Critic(model_path, cfg["actor"], cfg["critic"],
+                                                total_steps=run.steps * tr.minibatches, seed=run.seed)
         run_state = policy.load_checkpoint(tr.resume) if tr.resume else {}
+        if value_model is not None and tr.resume:
+            value_model.load_checkpoint(os.path.join(tr.resume, critic.CRITIC_FOLDER))
     except BaseException:
         if starting is not None and starting.exception() is None:    # no engine process outlives a failed start
             starting.result().shutdown()
@@ -187,7 +197,8 @@ def main(argv: list[str]) -> None:
         # collector's reach, a full collection mid-run scans only what the steps make (0.93 s -> 0.14 s measured)
         gc.collect()
         gc.freeze()
-        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper)
+        train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step, out, ray_rt, sleeper,
+                   value_model)
     finally:
         if isinstance(policy, runtime.TrainerGroup):
             policy.shutdown()           # its ranks, and the placement group that holds their resources
@@ -208,10 +219,11 @@ def phase(what: str):
 
 
 def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_step: int, out: str,
-               ray_rt: runtime.Runtime | None, sleeper) -> None:
+               ray_rt: runtime.Runtime | None, sleeper, value_model=None) -> None:
     """The RL loop: rollouts of a step -> advantages -> optimizer step(s) -> weights to the engines. In ray mode the
     rollouts come from runtime.RolloutPool, which keeps the engines busy while this loop trains; `sleeper` is a
-    vLLM engine that gives the GPU back while the actor trains."""
+    vLLM engine that gives the GPU back while the actor trains; `value_model` is gae's critic (critic.Critic, or
+    runtime.CriticGroup over the trainer ranks)."""
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
     reference = _reference_model(cfg, model_path, policy)
     image_processor = models.load_image_processor(model_path)     # None for a text model
@@ -282,7 +294,7 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
             t1 = time.time()
             sleeper.sleep()
             m["time/engine_sleep_s"] = time.time() - t1
-        train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step)
+        train_metrics = train_on_rows(cfg, policy, reference, tokenizer, rows, out, step, value_model)
         m.update(train_metrics)
         if isinstance(policy, actor.Actor) and policy.device.type == "cuda":
             # this process's peak of the step (the actor's; a vLLM engine's memory is its own process's)
@@ -300,7 +312,8 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         # in flight across it, an MoE model's let them finish first, rollout.py's drain_on_update); every later
         # token carries the new version; then the pool may start the groups this step made room for
         t1 = time.time()
-        m.update(push())
+        if not (value_model is not None and critic.actor_frozen(cfg["critic"], step)):
+            m.update(push())        # (the critic's warm-up left the actor's weights, and the engines', as they are)
         m["time/weight_push_s"] = time.time() - t1
         if pool is not None:
             pool.trained_step(step + 1)
@@ -313,9 +326,9 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         logger.log(step + 1, m)
         print(progress_line(step + 1, run.steps, m), flush=True)
         if tr.save_every and (step + 1) % tr.save_every == 0:
-            policy.save_checkpoint(os.path.join(out, "checkpoints", f"step_{step + 1:06d}"),
-                                   run_state_at(step + 1, engine))
-    policy.save_checkpoint(os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
+            save_checkpoint(policy, value_model, os.path.join(out, "checkpoints", f"step_{step + 1:06d}"),
+                            run_state_at(step + 1, engine))
+    save_checkpoint(policy, value_model, os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
     logger.close()
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
@@ -345,6 +358,14 @@ def build_engine(ro: config.RolloutConfig, model_path: str, device: torch.device
                       dtype="bfloat16" if on_gpu else "float32", transfer="ipc" if on_gpu else "rpc",
                       sleep_mode=on_gpu, max_model_len=ro.max_length, gpu_memory_utilization=ro.engine_memory,
                       enforce_eager=not on_gpu, lora_spec=adapter)
+
+
+def save_checkpoint(policy, value_model, path: str, run_state: dict) -> None:
+    """The actor's checkpoint at `path` (with the loop's run_state), and gae's critic in its subfolder
+    critic.CRITIC_FOLDER, a complete checkpoint of its own (a resume loads both)."""
+    policy.save_checkpoint(path, run_state)
+    if value_model is not None:
+        value_model.save_checkpoint(os.path.join(path, critic.CRITIC_FOLDER))
 
 
 def run_state_at(step: int, engine: Router) -> dict:
@@ -389,17 +410,18 @@ def _reference_model(cfg, model_path: str, policy):
     return ref.eval().requires_grad_(False)
 
 
-def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) -> dict:
-    """Rows -> TrainBatch -> pi_prox recompute -> optimizer step(s). Returns metrics."""
+def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int, value_model=None) -> dict:
+    """Rows -> TrainBatch -> (gae: the critic's values, GAE) -> pi_prox recompute -> optimizer step(s) of the actor,
+    then of the critic. Returns metrics."""
     a, ro, tr = cfg["algo"], cfg["rollout"], cfg["train"]
     segs = [row for _, row in rows]
-    if a.estimator == "on_policy_distill":
-        advantages = [0.0] * len(segs)      # replaced per token below, from the teacher
+    # the rewards, shaped by the length of the rollout's replies (DAPO's overlong punishment, ProRL's stop penalty)
+    rewards = algo.shape_rewards([r.reward for r, _ in rows],
+                                 [max((len(g.token_ids) for g in r.generations), default=0) for r, _ in rows],
+                                 [r.max_tokens_turns > 0 for r, _ in rows], a, ro.max_tokens)
+    if a.estimator in algo.TOKEN_ESTIMATORS:
+        advantages = [0.0] * len(segs)      # replaced per token below: from the teacher, or the critic's GAE
     else:
-        # the rewards, shaped by the length of the rollout's replies (DAPO's overlong punishment, ProRL's stop penalty)
-        rewards = algo.shape_rewards([r.reward for r, _ in rows],
-                                     [max((len(g.token_ids) for g in r.generations), default=0) for r, _ in rows],
-                                     [r.max_tokens_turns > 0 for r, _ in rows], a, ro.max_tokens)
         advantages = algo.rollout_advantages(rewards, [r.group_id for r, _ in rows],
                                              [r.rollout_id for r, _ in rows], a.estimator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -412,10 +434,19 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     invariants.check_token_identity(batch, segs, image_pad_id=getattr(policy.model.config, "image_token_id", None))
 
     t0 = time.time()
+    parts = minibatch_indices(batch.group_ids, tr.minibatches)
+    if value_model is not None:   # gae: the critic's values of the rows as sampled, then GAE over each episode
+        values = value_model.compute_values(batch)
+        chains = algo.segment_chains(batch.rollout_ids, [s.segment_id for s in segs])    # a sealed rollout: one
+        batch.advantages, returns = algo.gae_advantages(                                  # episode, one chain
+            algo.token_rewards(torch.tensor(rewards), batch.loss_mask, chains), values, batch.loss_mask, a.gae_gamma,
+            a.gae_lambda, a.gae_whiten, chains)
+        if critic.actor_frozen(cfg["critic"], step):    # the critic's warm-up: it learns alone, the actor waits
+            return {"actor/frozen": 1.0, **train_critic(value_model, batch, parts, returns, values),
+                    "time/train_s": time.time() - t0}
     # every minibatch is gated against version V, the weights pi_prox is taken at, not the weights a minibatch's
     # step starts from: that is why a sync run's tokens have staleness 0 in every minibatch (invariant 2)
     trainer_version = policy.version
-    parts = minibatch_indices(batch.group_ids, tr.minibatches)
     # pi_prox at version V, each token at its own sampling. The first minibatch's optimizer step runs at version V
     # itself, so its own forward gives those logprobs (Actor.train_step with prox_logprobs=None) and only the later
     # minibatches need a recompute, taken now, before any step moves the weights. Distillation's advantages and a
@@ -457,6 +488,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
     for name in ("actor/version", "actor/lr"):          # states, not averages: the value after the last step
         metrics[name] = float(last.metrics[name])
     metrics = {(k if "/" in k else f"train/{k}"): v for k, v in metrics.items()}
+    if value_model is not None:       # the critic after the actor, one step per minibatch too (Molt's order)
+        metrics.update(train_critic(value_model, batch, parts, returns, values))
     metrics["time/recompute_s"] = t_recompute
     metrics["time/train_s"] = time.time() - t0 - t_recompute
     mismatch = invariants.mismatch_metrics(prox_logprobs, batch.behavior_logprobs, batch.loss_mask)
@@ -466,6 +499,24 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int) 
         metrics["kl/k3_to_reference"] = algo.kl_divergence(prox_logprobs, ref_logprobs, "k3")[mask].mean().item()
     write_traces(out, step, batch, segs, [r for r, _ in rows], prox_logprobs, ref_logprobs, reports, cfg, tokenizer,
                  trainer_version)
+    return metrics
+
+
+def train_critic(value_model, batch: invariants.TrainBatch, parts: list[list[int]], returns: torch.Tensor,
+                 values: torch.Tensor) -> dict[str, float]:
+    """One critic optimizer step per minibatch, toward the GAE returns, its value clip centred on `values` (the
+    ones GAE used); metrics averaged over the minibatches, and the explained variance of the returns by those
+    values, 1 - Var(R - V) / Var(R) over the sampled tokens (1: V predicts every return; 0: no better than their
+    mean)."""
+    metrics: dict[str, float] = {}
+    for part in parts:
+        last = value_model.train_step(invariants.select_rows(batch, part), returns[part], values[part])
+        for name, value in last.items():
+            metrics[name] = metrics.get(name, 0.0) + value / len(parts)
+    metrics["critic/version"] = last["critic/version"]     # a state, not an average: after the last step
+    mask = batch.loss_mask.bool()
+    if int(mask.sum()) > 1 and float(returns[mask].var()) > 1e-8:    # (returns all alike: nothing to explain)
+        metrics["critic/explained_variance"] = float(1 - (returns - values)[mask].var() / returns[mask].var())
     return metrics
 
 
