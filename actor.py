@@ -1,12 +1,12 @@
 # actor.py — the single trainable policy: load, FSDP2, micro-batches, train step, weight export, checkpoints.
 #
-# Owns: the policy model (or its LoRA adapter over a frozen base: lora.py), its AdamW optimizer and LR schedule,
+# Owns: the policy model (or its LoRA adapter over a frozen base: trainer/lora.py), its AdamW optimizer and LR schedule,
 # the policy version (= optimizer steps taken), the micro-batches of a step, one optimizer step over a whole
 # TrainBatch, the weight export for the engine and atomic checkpoints.
 # Never does: compute rewards or advantages, sample tokens, talk to an engine, decide correction math itself, or
-# compute a logprob itself (recompute.py: the forward through the processed distribution).
+# compute a logprob itself (trainer/recompute.py: the forward through the processed distribution).
 # Invariants kept:
-#   3 (forward consistency): the recompute and the loss forward alike are recompute.py's (gradients through the live
+#   3 (forward consistency): the recompute and the loss forward alike are trainer/recompute.py's (gradients through the live
 #     logits), with the model in eval mode for recompute AND training (no dropout/jitter differences), no autocast
 #     in fp32, and MoE routes replayed through the forward and the backward (r3.replay_routes). A prompt that a
 #     micro-batch's rows share by their ids is computed once (recompute.shared_prefixes), its logprobs and gradients
@@ -32,12 +32,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 import algo
-import centering
 import invariants
-import lora
 import models
-import r3
-import recompute
+from engines import r3
+from trainer import centering, lora
+from trainer import recompute
 
 CHECKPOINT_MARKER = "ACTOR_CHECKPOINT_COMPLETE"  # written last: a folder without it was cut off mid-save
 CHECKPOINT_STATE = "actor_state.pt"              # model + optimizer + scheduler + version (full, unsharded)
@@ -224,7 +223,7 @@ class Actor:
         # routers in bf16 and flip expert choices away from the engine's) or bf16 (PRECISIONS)
         self.precision = cfg.precision if cfg.precision != "auto" else \
             ("bf16" if self.device.type == "cuda" else "fp32")
-        # LoRA (lora.py): the base is frozen, so it needs no fp32 master copy: in bf16 it is held in bf16, the dtype
+        # LoRA (trainer/lora.py): the base is frozen, so it needs no fp32 master copy: in bf16 it is held in bf16, the dtype
         # autocast would cast it to for every product anyway (the adapter stays fp32, its master weights)
         self.lora = lora_spec(cfg)
         base_dtype = torch.bfloat16 if self.lora and self.precision == "bf16" else torch.float32

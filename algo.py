@@ -142,7 +142,7 @@ def kl_loss_coef(cfg: AlgoConfig) -> float:
 
 
 # ---- reward shaping by reply length (before the advantages) ----
-# Both read the rollout's replies (rollout.Generation) against the run's cap rollout.max_tokens: the soft overlong
+# Both read the rollout's replies (engines.Generation) against the run's cap rollout.max_tokens: the soft overlong
 # punishment takes the longest reply's penalty, the stop-properly penalty fires when any reply ran out of tokens
 # (finish_reason "length": agents.Rollout.max_tokens_turns > 0). They apply in that order (OpenRLHF's), so a
 # truncated reply's reward is the overlong-shaped one, scaled.

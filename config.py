@@ -23,13 +23,13 @@ import transformers
 
 import actor
 import algo
-import centering
 import critic
 import invariants
 import models
 import runtime
 from agents import load_recipe, sandbox
-from rollout import MAX_TOP_LOGPROBS, SamplingParams, validate_sampling
+from engines import MAX_TOP_LOGPROBS, SamplingParams, validate_sampling
+from trainer import centering
 
 # ---- the job's own sections; the other sections live in the module each configures -----------------------------
 

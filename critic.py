@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 import actor
 import algo
 import invariants
-import r3
-import recompute
+from engines import r3
+from trainer import recompute
 
 CRITIC_FOLDER = "critic"   # a checkpoint's critic: a complete actor-style checkpoint in this subfolder
 

@@ -170,7 +170,7 @@ def _template_switches(tokenizer, switches: dict) -> dict:
 # writes each message's role and content and nothing else, so the tools a request brings (an assistant's tool calls,
 # the tool results) would leave the prompt without a word. `tool_rendering` finds out once per template what it
 # renders, by rendering sentinels and looking for them; `tools_as_messages` writes what it leaves out into the
-# messages, in the Hermes/Qwen form that session.parse_hermes_tool_calls reads and CHATML_TEMPLATE writes: the tools
+# messages, in the Hermes/Qwen form that wires.parse_hermes_tool_calls reads and CHATML_TEMPLATE writes: the tools
 # as one JSON object per line inside <tools></tools> in a system section (after the first system message's text, or
 # a system message of its own), each call as '<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>' after the
 # assistant's text, each tool result as a user message inside <tool_response></tool_response>. Deterministic, and

@@ -6,9 +6,9 @@
 #   2. policy version (policy-version semantics): every sampled token keeps the version and behavior logprob it
 #      was sampled with (and, for score centering, the sampler's top-k head: Segment.top_ids); the staleness gate
 #      and importance-sampling (IS) corrections over whole rollouts, and what a rejection removes (apply_correction);
-#   3. forward consistency: one processed distribution for engine and trainer (processing.py, at each token's
+#   3. forward consistency: one processed distribution for engine and trainer (engines/processing.py, at each token's
 #      recorded Sampling: the behavior logprob is of that distribution, and the trainer recomputes it) and MoE
-#      rollout routing replay (R3, r3.py): the trainer uses the experts the engine used. This module holds what a
+#      rollout routing replay (R3, engines/r3.py): the trainer uses the experts the engine used. This module holds what a
 #      row carries for them (Sampling, routes, AdjustedRuns).
 # Never does: model loading, tokenization, sampling, optimisation, or I/O beyond `logging`; imports nothing of the
 # project (a grammar's masks come in as a function: build_batch's grammar_masks). Imported by every stage.
@@ -108,7 +108,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # seen ids (prompt + this generation): logit / r if > 0 else logit * r; 1 = off
     frequency_penalty: float = 0.0   # logit -= f * (count of the id in this generation so far); 0 = off
     presence_penalty: float = 0.0    # logit -= p if the id occurred in this generation so far; 0 = off
-    constraint: str | None = None    # a grammar the tokens were masked by (constraints.py's canonical JSON spec)
+    constraint: str | None = None    # a grammar the tokens were masked by (engines/constraints.py's canonical JSON spec)
     generation_start: int = -1       # the row position of this generation's first sampled token: where the state of
                                      # the penalties and the constraint starts (the prompt is the row before it)
 
@@ -133,7 +133,7 @@ def adjusts_logits(s: Sampling) -> bool:
 
 def check_logit_processing(s, where: str, vocab_size: int | None = None) -> None:
     """Refuse a min_p, logit bias, penalty or constraint the processed distribution cannot take (ValueError saying
-    what is accepted). `s`: a token's Sampling (check_sampling) or a request's rollout.SamplingParams (the same field
+    what is accepted). `s`: a token's Sampling (check_sampling) or a request's engines.SamplingParams (the same field
     names; validate_sampling, and an engine's check with its vocabulary)."""
     def within(x, low, high) -> bool:     # a real number (not a bool, not NaN) in [low, high]
         return isinstance(x, Real) and not isinstance(x, bool) and low <= x <= high
@@ -141,7 +141,7 @@ def check_logit_processing(s, where: str, vocab_size: int | None = None) -> None
         if not within(getattr(s, name), low, high):
             raise ValueError(f"{where}: {name} must be a number in [{low:g}, {high:g}], got {getattr(s, name)!r:.40}")
     if not (s.constraint is None or (isinstance(s.constraint, str) and s.constraint)):
-        raise ValueError(f"{where}: constraint must be None or a grammar spec (constraints.py's JSON text), got "
+        raise ValueError(f"{where}: constraint must be None or a grammar spec (engines/constraints.py's JSON text), got "
                          f"{s.constraint!r:.60}")
     logit_bias = s.logit_bias
     pairs = isinstance(logit_bias, tuple) and all(
@@ -191,7 +191,7 @@ class Segment:
     seal_reason: str = ""            # "" while open; why it was sealed
     common_prefix_len: int = -1      # LCP with the prompt that caused the seal (-1 if not sealed by a prompt)
     images: list[ImageInput] = field(default_factory=list)  # the images of its pad runs, in order (VLMs)
-    # score centering (centering.py): the engine's k most likely ids of the distribution that drew each sampled token,
+    # score centering (trainer/centering.py): the engine's k most likely ids of the distribution that drew each sampled token,
     # and their behavior logprobs, recorded with the token (invariant 2); id 0 at -inf on context and empty slots.
     # None = not recorded (the run does not center)
     top_ids: np.ndarray | None = None                # int64 [n, k]
@@ -623,7 +623,7 @@ def _check_head(batch: TrainBatch, b: int, row: Segment, trainable: Tensor) -> N
 def check_sampled_once(rows: list[Segment], generations: Sequence) -> None:
     """Every token the engine sampled for one rollout is trainable in exactly one of its rows, with its own
     behavior logprob, policy version and sampling: the trainable positions of the rows, read in segment order,
-    equal the rollout's engine generations (rollout.Generation, or anything with token_ids, behavior_logprobs,
+    equal the rollout's engine generations (engines.Generation, or anything with token_ids, behavior_logprobs,
     policy_versions and sampling) concatenated in call order, and rows that record top-k heads (score centering)
     hold each token's first k of its generation's top_logprobs. One pass over the tokens; train.py runs it on every
     rollout, so a runner or session that loses, duplicates or alters a sampled token fails the run loudly instead of
@@ -932,15 +932,15 @@ def apply_correction(prox_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask
 
 
 # ---- 3. forward consistency: what a row carries for it ----
-# The processed distribution is processing.py's and the routing replay r3.py's; the record they read is here: each
+# The processed distribution is engines/processing.py's and the routing replay engines/r3.py's; the record they read is here: each
 # token's Sampling (section 1), a segment's routes (TokenLedger.absorb_routes), and a row's AdjustedRuns, its tokens
-# drawn from logits that processing.py's steps 1-5 changed (a grammar, a logit bias, penalties).
+# drawn from logits that engines/processing.py's steps 1-5 changed (a grammar, a logit bias, penalties).
 
 
 @dataclass(eq=False)
 class AdjustedRun:
     """Consecutive tokens of one row drawn at one Sampling that adjusts logits (bias, penalties, a grammar): the
-    trainer repeats processing.py's steps 1-5 on exactly these positions, from the row's own ids
+    trainer repeats engines/processing.py's steps 1-5 on exactly these positions, from the row's own ids
     (processing.adjusted_run_logits)."""
     start: int                       # row position of the first token (= sampling.generation_start when it is set)
     end: int                         # one past the last

@@ -5,7 +5,7 @@
 #
 # `LoopbackServer` serves ChatSessions over HTTP, one session per rollout under /s/<id>/v1 with its own key:
 # OpenAI chat completions, OpenAI responses and Anthropic messages (streaming or not; count_tokens too) all decode
-# (wires.py, wire_responses.py, wire_anthropic.py) to the same canonical messages, through the same ChatSession.turn, so
+# (wires/__init__.py, wires/responses.py, wires/anthropic.py) to the same canonical messages, through the same ChatSession.turn, so
 # token accounting does not depend on the wire. A session's key reaches only its own session's routes. Opening (POST
 # /sessions) and closing (DELETE /s/<id>) a session over HTTP is the operator's act, done with the server's admin key
 # (made per server, or the operator's); a session's key is refused there, so an agent holding one cannot sample the
@@ -32,7 +32,7 @@
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
 # --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions` (with the admin
 # key it prints at start, or the operator's from TRACERL_LOOPBACK_ADMIN_KEY), so an agent author can check token
-# capture before training (`GET /s/<id>/view`: the session's tokens as viewer.py's page). Never: computes rewards or
+# capture before training (`GET /s/<id>/view`: the session's tokens as trainer/viewer.py's page). Never: computes rewards or
 # trains.
 from __future__ import annotations
 
@@ -54,13 +54,15 @@ from jinja2 import TemplateError
 
 import data
 import models
-import viewer
-import wire_anthropic
-import wire_responses
 import wires
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 from router import EngineFailure
-from session import CALL_OPENING, ChatSession, ContextOverflow, session_trace
+from session import ChatSession, ContextOverflow, session_trace
+from trainer import viewer
+from wires import CALL_OPENING
+from wires import anthropic as wire_anthropic
+from wires import responses as wire_responses
 
 log = logging.getLogger("tracerl.loopback")
 
@@ -74,7 +76,7 @@ class SessionInfo:
     base_url: str                  # http://HOST:PORT/s/<id>/v1 — OpenAI(base_url=...)
     session_url: str               # http://HOST:PORT/s/<id> — Anthropic(base_url=...); DELETE it (admin key) to close
     trace_url: str                 # http://HOST:PORT/s/<id>/trace — the session's segments, token by token
-    view_url: str                  # http://HOST:PORT/s/<id>/view — the same, as a page (viewer.py)
+    view_url: str                  # http://HOST:PORT/s/<id>/view — the same, as a page (trainer/viewer.py)
 
 
 MAX_BODY_BYTES = 32 * 2**20            # a request body larger than this is refused with a 413
@@ -563,7 +565,7 @@ class LoopbackServer:
         return web.json_response(trace)
 
     async def _view(self, request: web.Request) -> web.Response:
-        """GET /s/<id>/view (the session's key, as for its trace): the trace as viewer.py's page, every token of
+        """GET /s/<id>/view (the session's key, as for its trace): the trace as trainer/viewer.py's page, every token of
         every segment coloured and labelled, one HTML file to save and open."""
         session = self._authorize(request)[0]
         trace = await asyncio.get_running_loop().run_in_executor(self._reads, session_trace, session, self.tokenizer)

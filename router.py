@@ -33,8 +33,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt
 from invariants import ImageInput
-from rollout import Generation, SamplingParams, images_per_prompt, params_per_prompt
 
 log = logging.getLogger("tracerl.router")
 

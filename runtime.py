@@ -22,7 +22,7 @@
 #
 # Keeps invariant 2 across processes: an engine stamps every token with the version of the weights that drew
 # it, and a weight update pauses the engines, loads, bumps the version and resumes; what becomes of the requests
-# in flight is each engine's `drain_on_update` policy (rollout.py, vllm_engine.py). Keep, a dense model's default:
+# in flight is each engine's `drain_on_update` policy (rollout.py, engines/vllm_engine.py). Keep, a dense model's default:
 # the engines stop between decode steps with their requests kept, so a request that spans the update reads
 # [v]*n1 + [v+1]*n2 and its KV cache is re-prefilled by the new weights. Drain, an MoE model's default: the engines
 # admit no new request (it waits, then starts at v+1) and load only once the requests in flight have finished at v,
@@ -47,15 +47,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import algo
-import cpu_setup
 import invariants
-import lora
 import models
 from agents import load_recipe
+from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+from engines.vllm_engine import VLLMEngine
+from engines.weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
+from rollout import EmbeddedEngine
 from router import Router
-from rollout import EmbeddedEngine, Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
-from vllm_engine import VLLMEngine
-from weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
+from trainer import cpu_setup, lora
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "ray")
@@ -128,7 +128,7 @@ def vllm_engine(model_path: str, seed: int, threads: int, max_model_len: int, me
                 adapter: lora.LoraSpec | None = None) -> VLLMEngine:
     """A vLLM engine in an EngineActor: bf16 on the actor's GPU, the exact fp32 mode on a CPU (vLLM's CPU build).
     On a GPU its weights arrive by CUDA IPC from a trainer on the same GPU, or over its weight channel and then by
-    CUDA IPC inside this process; on a CPU, over the channel and then by collective_rpc (vllm_engine.py)."""
+    CUDA IPC inside this process; on a CPU, over the channel and then by collective_rpc (engines/vllm_engine.py)."""
     torch.set_num_threads(threads)
     on_gpu = torch.cuda.is_available()
     return VLLMEngine(model_path, seed=seed, dtype="bfloat16" if on_gpu else "float32",
@@ -235,7 +235,7 @@ class EngineActor:
         checkpoint."""
         self.engine.update_weights(receive_state(self.channel, plan, self.channel_device), version)
 
-    # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (vllm_engine.py)
+    # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (engines/vllm_engine.py)
     @ray.method(concurrency_group="control")
     def begin_weight_update(self, names: list[str], version: int) -> list[str]:
         return self.engine.begin_weight_update(names, version)
@@ -349,7 +349,7 @@ class EngineProxy:
         if not isinstance(state, WeightPush):
             self._call(self.handle.update_weights, state, version)
         elif self.takes_ipc and state.gpu_uuid == self.gpu_uuid:
-            from vllm_engine import checkpoint_state, send_ipc_weights
+            from engines.vllm_engine import checkpoint_state, send_ipc_weights
             tensors = checkpoint_state(state.tensors, self.model_path)     # the names vLLM's checkpoint uses
             names = self._call(self.handle.begin_weight_update, list(tensors), version)
             send_ipc_weights({name: tensors[name] for name in names},

@@ -72,77 +72,20 @@ from __future__ import annotations
 import base64
 import copy
 import io
-import json
 import math
-import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from PIL import Image
 
-import constraints
 import data
 import invariants
 import wires
-from rollout import Generation, SamplingParams, find_stop
+from engines import Generation, SamplingParams, find_stop
+from engines import constraints
 from router import Router
-
-
-# ---- tool calls: read structure out of the sampled text, never write it back ------------------------
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-CALL_OPENING, CALL_CLOSING = "<tool_call>\n", "</tool_call>"    # a forced call's opening; where one call ends
-
-
-def _call_arguments(call: dict) -> dict | None:
-    """A call's arguments as an object: absent means {}; a JSON string holding an object (the way the OpenAI
-    wire carries them, and how some models write them) is that object; anything else is not a call."""
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-            wires.check_json(arguments, "a tool call's arguments")
-        except (ValueError, RecursionError, wires.WireError):
-            return None
-    return arguments if isinstance(arguments, dict) else None
-
-
-def tool_call_blocks(text: str) -> Iterator[tuple[int, re.Match, dict | None]]:
-    """Each `<tool_call>...</tool_call>` block of a reply in order: its ordinal, its match, and its call {"name",
-    "arguments"}, or None when it is not one (not valid JSON with a string name and object arguments)."""
-    for ordinal, match in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            call = json.loads(match.group(1))
-            wires.check_json(call, "a tool call")     # a reply is answered as JSON: it must re-serialize
-        except (ValueError, RecursionError, wires.WireError):
-            yield ordinal, match, None
-            continue
-        arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
-        yield ordinal, match, None if arguments is None else {"name": call["name"], "arguments": arguments}
-
-
-def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
-    """Hermes/Qwen style: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` becomes an
-    OpenAI-shaped tool call, its id the prefix and the block's ordinal (a streaming wire names a call by it before
-    the block is whole). A block that is not valid JSON with a string name and object arguments stays in
-    the content as text: the model's error is shown to the agent, never repaired. The token record is not
-    touched."""
-    calls, kept = [], []
-    last = 0
-    for ordinal, match, call in tool_call_blocks(text):
-        if call is None:
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        calls.append({"id": f"{call_prefix}-{ordinal}", "type": "function", "function": call})
-    if not calls:       # the reply is returned byte for byte, so an echo of it extends the record
-        return {"role": "assistant", "content": text}
-    kept.append(text[last:])
-    # only trailing whitespace goes (the template writes its own separator before a call); the start is kept
-    content = "".join(kept).rstrip()
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
 def reply_text(tokenizer, gen: Generation, stops: tuple[str, ...]) -> str:
@@ -414,7 +357,7 @@ class ChatSession:
         with self.lock:
             line, recorded = self._route(messages, tools, options)
             self._bound_prompt(recorded, tools)
-            opening = CALL_OPENING if options.tool_choice in ("required", "named") else ""
+            opening = wires.CALL_OPENING if options.tool_choice in ("required", "named") else ""
             return self._prompt(line, recorded, tools, options.template_kwargs, opening)[0]
 
     def _route(self, messages: list[dict], tools, options: wires.TurnOptions) -> tuple[Line | None, list[dict]]:
@@ -443,7 +386,7 @@ class ChatSession:
         ledger changes: a client answered with an error must find the session as it was, or its retry would sample
         the turn twice."""
         self._bound_prompt(messages, tools)
-        opening_text = CALL_OPENING if options.tool_choice in ("required", "named") else ""
+        opening_text = wires.CALL_OPENING if options.tool_choice in ("required", "named") else ""
         prompt_ids, images, prompt_text = self._prompt(line, messages, tools, options.template_kwargs, opening_text)
         room = self.max_length - len(prompt_ids)
         if room < 1:
@@ -467,7 +410,7 @@ class ChatSession:
                     if params.top_logprobs else None)
         text = opening_text + reply_text(self.tokenizer, gen, params.stop)
         message = {"role": "assistant", "content": text} if options.tool_choice == "none" else \
-            parse_hermes_tool_calls(text, call_prefix)
+            wires.parse_hermes_tool_calls(text, call_prefix)
         # An echo must open with the reply as sampled, stop token included ("...<|im_end|>"), after the opening the
         # session forced. A reply cut at the agent's stop string opens with the text the agent got: the record keeps
         # the ids that wrote the stop string (the model did write them) and the template's closing follows them as
@@ -508,12 +451,12 @@ class ChatSession:
             params = replace(params, constraint=constraints.with_tool_calls(params.constraint, offered,
                                                                             options.parallel_tool_calls))
         if options.tool_choice == "none":
-            opening_ids = self.tokenizer.encode(CALL_OPENING.strip(), add_special_tokens=False)
+            opening_ids = self.tokenizer.encode(wires.CALL_OPENING.strip(), add_special_tokens=False)
             if len(opening_ids) == 1:
                 bias = {**dict(params.logit_bias), opening_ids[0]: -math.inf}
                 params = replace(params, logit_bias=tuple(sorted(bias.items())))
-        if not options.parallel_tool_calls and CALL_CLOSING not in params.stop:
-            params = replace(params, stop=(*params.stop, CALL_CLOSING))
+        if not options.parallel_tool_calls and wires.CALL_CLOSING not in params.stop:
+            params = replace(params, stop=(*params.stop, wires.CALL_CLOSING))
         return params
 
     def _bound_prompt(self, messages: list[dict], tools) -> None:

@@ -3,7 +3,7 @@
 # Owns: the synchronous RL loop (rollout -> advantages -> train -> push weights -> repeat), logging (a progress
 # line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces), held-out evaluation (`--eval.every N`,
 # and `python train.py eval CHECKPOINT` alone), the trace command (`python train.py trace OUT`) that prints one
-# sample token by token, and the view command (`python train.py view OUT`: viewer.py's page of the run). The config
+# sample token by token, and the view command (`python train.py view OUT`: trainer/viewer.py's page of the run). The config
 # and the command line are config.py's: a bad flag or combination is refused there, before anything loads.
 #
 # The path of a token through this loop: the engine samples it (rollout.py) inside an agent's episode
@@ -38,21 +38,19 @@ import actor
 import algo
 import config
 import critic
-import cpu_setup
-import constraints
 import invariants
-import lora
 import models
-import recompute
 import runtime
-import viewer
 from agents import load_recipe, sandbox
 from agents.process import ProcessAgent
 from agents.tools import python_tool
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams, constraints
+from engines import vllm_engine
+from engines.vllm_engine import VLLMEngine
+from rollout import EmbeddedEngine
 from router import Router
-import vllm_engine
-from vllm_engine import VLLMEngine
+from trainer import cpu_setup, lora
+from trainer import recompute, viewer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,9 +93,9 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
-    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (cpu_setup.py)
+    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (trainer/cpu_setup.py)
         if cpu_setup.prepare_cpu_process():
-            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: cpu_setup.py)", flush=True)
+            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: trainer/cpu_setup.py)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe = load_recipe(run.recipe)
@@ -123,7 +121,7 @@ def main(argv: list[str]) -> None:
              and engine_kind(ro, cuda) == "vllm")
     if early:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    adapter = actor.lora_spec(cfg["actor"])     # None, or the LoRA adapter every engine serves (lora.py)
+    adapter = actor.lora_spec(cfg["actor"])     # None, or the LoRA adapter every engine serves (trainer/lora.py)
     starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start").submit(
         build_engine, ro, model_path, cuda, 0, tokenizer, run.seed, adapter) if early else None
     try:
@@ -848,7 +846,7 @@ def trace_main(argv: list[str]) -> None:
 
 
 def view_main(argv: list[str]) -> None:
-    """`python train.py view OUT [--to FILE]`: the run's page (viewer.py), one HTML file that opens from disk."""
+    """`python train.py view OUT [--to FILE]`: the run's page (trainer/viewer.py), one HTML file that opens from disk."""
     parser = argparse.ArgumentParser(prog="train.py view", description="write a run's metric curves and every "
                                      "token of its traced rows as one self-contained HTML page")
     parser.add_argument("run", help="a run folder (OUT)")

@@ -54,7 +54,7 @@ from typing import Any
 
 import data
 import invariants
-from rollout import Generation, SamplingParams, validate_sampling
+from engines import Generation, SamplingParams, validate_sampling
 from router import Router
 
 log = logging.getLogger("tracerl.agents")

@@ -11,7 +11,7 @@
 # only its JavaScript shims), so it is run as it is. Inside the jail the packages are at /opt/harnesses, Node at
 # /opt/node/bin/node and this environment's Python at /opt/venv (the tests a model runs say `python`); no host path of
 # the checkout is visible.
-# The harvest (harvest.py): each demonstration is the harness itself, jailed as in a rollout, against a real
+# The harvest (engines/harvest.py): each demonstration is the harness itself, jailed as in a rollout, against a real
 # LoopbackServer over a ScriptEngine that answers with the demonstration's replies; the server records each request
 # exactly as it renders it for the policy (the harness's system prompt, its tools, its tool results). The recorded
 # texts are kept in a cache folder named by everything that shapes them (the harness's version, the recipe's and this
@@ -35,10 +35,10 @@ import data
 import models
 from agents import ChatAgentRunner, Result
 from agents.process import ProcessAgent
-from harvest import ScriptEngine, teaching_texts
+from engines import SamplingParams
+from engines.harvest import ScriptEngine, teaching_texts
 from recipes import swe_fix
 from recipes.code_exec import PROBLEMS
-from rollout import SamplingParams
 
 HARNESSES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harnesses")
 MODULES = os.path.join(HARNESSES_DIR, "node_modules")
@@ -199,7 +199,7 @@ def json_lines(stdout: str) -> list[dict]:
 # ---- the CPU model: a tiny Qwen3 taught a harness's tool format on its own requests --------------------------------
 
 def call(name: str, arguments: dict) -> str:
-    """A Hermes tool call as the model writes it (what session.parse_hermes_tool_calls reads)."""
+    """A Hermes tool call as the model writes it (what wires.parse_hermes_tool_calls reads)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 

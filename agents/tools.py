@@ -5,7 +5,7 @@
 # `call_tool` (one call -> its output text, failures as text), and `ToolEnv`: each turn either calls tools (their
 # outputs come back as the next observation, in the chat template's own <tool_response> blocks) or answers (graded
 # against the task's label). Tool calls and tool errors are counted in Result.info, so they reach the metrics.
-# Never: parses a reply any other way than the loopback server does (one parser, `session.parse_hermes_tool_calls`),
+# Never: parses a reply any other way than the loopback server does (one parser, `wires.parse_hermes_tool_calls`),
 # or lets a misbehaving tool end a rollout: an unknown tool, bad arguments, a crash or a sandbox limit is a counted
 # tool error whose message the model reads.
 from __future__ import annotations
@@ -17,7 +17,7 @@ import data
 from agents import Env, Result
 from agents.graders import extract_final_answer, grade
 from agents.sandbox import SandboxLimits, run_python
-from session import parse_hermes_tool_calls
+from wires import parse_hermes_tool_calls
 
 
 class ToolError(Exception):

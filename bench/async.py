@@ -42,7 +42,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import torch  # noqa: E402
 
 import runtime  # noqa: E402
-from rollout import Generation, SamplingParams, params_per_prompt  # noqa: E402
+from engines import Generation, SamplingParams
+from rollout import params_per_prompt  # noqa: E402
 from router import Router  # noqa: E402
 
 

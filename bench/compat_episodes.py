@@ -31,7 +31,7 @@ MODEL = "policy"                # the model name every library sends (the server
 # ---- the episodes: one task per library, and what the model is taught to answer ------------------------------
 
 def call(name: str, arguments: dict) -> str:
-    """A Hermes tool call as the model writes it (what session.parse_hermes_tool_calls reads)."""
+    """A Hermes tool call as the model writes it (what wires.parse_hermes_tool_calls reads)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 

@@ -63,13 +63,14 @@ from openai.types.shared import Reasoning  # noqa: E402
 from pydantic_ai import NativeOutput, PromptedOutput  # noqa: E402
 
 import actor  # noqa: E402
-import constraints  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
-from harvest import ScriptEngine, teaching_texts  # noqa: E402
+from engines import Generation
+from engines import constraints  # noqa: E402
+from engines.harvest import ScriptEngine, teaching_texts  # noqa: E402
 from loopback import LoopbackServer  # noqa: E402
-from rollout import EmbeddedEngine, Generation, SamplingParams  # noqa: E402
+from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
 from bench.compat_episodes import (CAPITAL_ASK, DRIVERS, JSON_ASK, REPORT_ASK, RESPONSES_TIME_TOOLS,  # noqa: E402
                                    RESULT_ASK, SCRIPTS, SUM_ASK, TIME_ASK, Capital, Time)
 

@@ -65,11 +65,12 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+import engines  # noqa: E402
 import models  # noqa: E402
-import processing  # noqa: E402
-import r3  # noqa: E402
-import recompute  # noqa: E402
 import rollout  # noqa: E402
+from engines import processing  # noqa: E402
+from engines import r3  # noqa: E402
+from trainer import recompute  # noqa: E402
 
 TEMPERATURE, TOP_P, TOP_LOGPROBS = 0.8, 0.9, 20
 SHARPEN = 6.0      # final-norm scale: random-init logits (std ~0.5) spread to std ~3, as a trained model's
@@ -157,7 +158,7 @@ def sample(variant: str, folder: str, prompts: list[list[int]], max_tokens: int)
     t0 = time.time()
     try:
         if project:                    # its own engine arguments (processed logprobs, the top 20 at most)
-            import vllm_engine
+            from engines import vllm_engine
             engine = vllm_engine.VLLMEngine(folder, seed=0, dtype="float32", transfer="rpc", max_model_len=512,
                                             gpu_memory_utilization=0.3, enforce_eager=True)
             rpc = lambda fn: engine._call(engine._llm.collective_rpc(fn))      # noqa: E731
@@ -171,7 +172,7 @@ def sample(variant: str, folder: str, prompts: list[list[int]], max_tokens: int)
         samples = {}
         for top_p in (TOP_P, 1.0):
             if project:
-                params = rollout.SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens,
+                params = engines.SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens,
                                                 top_logprobs=TOP_LOGPROBS, stop_token_ids=(vocab_of(folder) - 1,))
                 gens = engine.generate(prompts, params)
                 samples[top_p] = [(g.prompt_ids, g.token_ids, g.behavior_logprobs, [dict(t) for t in g.top_logprobs])
@@ -397,7 +398,7 @@ def bench_r3_update(tiny: bool) -> dict:
         for router in r3.moe_routers(new):
             router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * router.weight.std().item() * 3)
     if on_gpu:
-        import vllm_engine
+        from engines import vllm_engine
         engine = vllm_engine.VLLMEngine(folder, dtype="float32", transfer="rpc", enforce_eager=True,
                                         gpu_memory_utilization=0.2, max_model_len=512)
     else:
@@ -427,8 +428,8 @@ def bench_r3_update(tiny: bool) -> dict:
                 count[0] += 1
                 if count[0] == 16:
                     heard.set()
-            params = rollout.SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=(vocab - 1,))
-            late_params = rollout.SamplingParams(temperature=1.0, max_tokens=16, seed=8, stop_token_ids=(vocab - 1,))
+            params = engines.SamplingParams(temperature=1.0, max_tokens=64, seed=7, stop_token_ids=(vocab - 1,))
+            late_params = engines.SamplingParams(temperature=1.0, max_tokens=16, seed=8, stop_token_ids=(vocab - 1,))
             def run_long() -> None:
                 try:
                     got.extend(engine.generate([prompt], params, on_token=listen))

@@ -43,12 +43,13 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 import actor  # noqa: E402
 import algo  # noqa: E402
+import engines  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
-import r3  # noqa: E402
-import recompute  # noqa: E402
 import rollout  # noqa: E402
+from engines import r3  # noqa: E402
 from router import Router  # noqa: E402
+from trainer import recompute  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12      # H200 dense bf16, as measured on the lent machine
 ROWS, LENGTH = 8, 2048
@@ -170,7 +171,7 @@ def perturb(policy) -> None:
             p.add_(0.02 * torch.randn_like(p))
 
 
-def timed_refits(policy, engine, prompt: list[int], seeded: rollout.SamplingParams) -> dict:
+def timed_refits(policy, engine, prompt: list[int], seeded: engines.SamplingParams) -> dict:
     """The engine's seeded reply; every weight moved; three timed updates (the actor's export on its own device,
     then the engine's load); the reply again, which must differ."""
     before = engine.generate([prompt], seeded)[0]
@@ -200,7 +201,7 @@ def bench_refit() -> dict:
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
         policy = actor.Actor(folder, actor.ActorConfig(precision="bf16"), total_steps=10**6)
         engine = rollout.EmbeddedEngine(models.load_model(folder).to(policy.device), seed=0)
-    prompt, seeded = list(range(100, 164)), rollout.SamplingParams(max_tokens=24, seed=0,
+    prompt, seeded = list(range(100, 164)), engines.SamplingParams(max_tokens=24, seed=0,
                                                                    stop_token_ids=(config.vocab_size - 1,))
     results = {"shape": "Qwen3-0.6B", **timed_refits(policy, engine, prompt, seeded)}
     state = policy.export_weights(policy.device)
@@ -239,7 +240,7 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
 
     import vllm
 
-    import vllm_engine
+    from engines import vllm_engine
     kwargs = {"dtype": "bfloat16", "gpu_memory_utilization": 0.5, "max_model_len": 1024, **(engine_kwargs or {})}
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     prompts = random_prompts(n_prompts, 64, vocab)
@@ -278,7 +279,7 @@ def bench_vllm_speed(model_dir: str, n_prompts: int = 512, new_tokens: int = 256
                 pass
         await asyncio.gather(*(one(p) for p in ps))
     results["raw_asyncllm_tokens_per_s"] = best(lambda ps: engine._call(async_batch(ps)))
-    params = rollout.SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(never,))
+    params = engines.SamplingParams(temperature=1.0, max_tokens=new_tokens, stop_token_ids=(never,))
     results["tracerl_vllm_tokens_per_s"] = best(lambda ps: engine.generate(ps, params))
     # as train.py calls it: through the router, without a listener (vLLM returns final outputs only) and with one
     # (per-step outputs, what a streaming loopback reply costs)
@@ -324,7 +325,7 @@ def mismatch(gens, recomputed) -> dict:
 
 def bench_vllm_parity(model_dir: str, tokenizer=None, engine_kwargs: dict | None = None) -> dict:
     """64 prompts x 128 tokens sampled by vLLM in bf16 at temperature 1, recomputed by the actor's model."""
-    import vllm_engine
+    from engines import vllm_engine
     kwargs = {"dtype": "bfloat16", "gpu_memory_utilization": 0.3, "max_model_len": 1024, **(engine_kwargs or {})}
     engine = vllm_engine.VLLMEngine(model_dir, **{"transfer": "rpc", **kwargs})
     if tokenizer is not None:       # real weights: real questions, so the distribution is a trained model's
@@ -333,7 +334,7 @@ def bench_vllm_parity(model_dir: str, tokenizer=None, engine_kwargs: dict | None
                                                  tokenize=True, return_dict=False) for q in questions]
     else:
         prompts = random_prompts(64, 32, json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"])
-    gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=128))
+    gens = engine.generate(prompts, engines.SamplingParams(temperature=1.0, max_tokens=128))
     engine.shutdown()
     model = models.load_model(model_dir).cuda()
     return {"tokens": sum(len(g.token_ids) for g in gens),
@@ -345,7 +346,7 @@ def bench_vllm_refit() -> dict:
     """The 0.6B shape: actor (bf16 compute, fp32 master weights) and a vLLM engine on one GPU, CUDA IPC."""
     import threading
 
-    import vllm_engine
+    from engines import vllm_engine
     config = qwen3_06b_shape()
     results: dict = {"shape": "Qwen3-0.6B"}
     with tempfile.TemporaryDirectory() as folder:
@@ -354,13 +355,13 @@ def bench_vllm_refit() -> dict:
         engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="ipc", gpu_memory_utilization=0.3,
                                         max_model_len=1024)
         prompt = list(range(100, 164))
-        seeded = rollout.SamplingParams(max_tokens=24, seed=0, stop_token_ids=(config.vocab_size - 1,))
+        seeded = engines.SamplingParams(max_tokens=24, seed=0, stop_token_ids=(config.vocab_size - 1,))
         results.update(timed_refits(policy, engine, prompt, seeded))
         # a request kept across an update, with and without the re-prefill
         for reprefill in (True, False):
             engine.reprefill_on_update = reprefill
             heard, got = threading.Event(), []
-            long = rollout.SamplingParams(max_tokens=400, seed=1, stop_token_ids=(config.vocab_size - 1,))
+            long = engines.SamplingParams(max_tokens=400, seed=1, stop_token_ids=(config.vocab_size - 1,))
             worker = threading.Thread(target=lambda: got.extend(engine.generate(
                 [prompt], long, on_token=lambda index, token_id: heard.set())))
             worker.start()
@@ -386,12 +387,12 @@ def bench_vllm_r3() -> dict:
     """A tiny Qwen3-MoE (8 experts, top 2; head_dim 64 for the GPU attention kernels) sampled by vLLM with routed
     experts returned; how often the actor's own routing picks the engine's expert set, how often it does under
     replay (every position, or R3 is broken), and the actor's recompute with and without replaying the routes."""
-    import vllm_engine
+    from engines import vllm_engine
     folder = models.tiny_model_dir("qwen3_moe", head_dim=64)
     prompts = random_prompts(16, 24, json.load(open(os.path.join(folder, "config.json")))["vocab_size"])
     engine = vllm_engine.VLLMEngine(folder, dtype="bfloat16", transfer="rpc", gpu_memory_utilization=0.2,
                                     max_model_len=512)
-    gens = engine.generate(prompts, rollout.SamplingParams(temperature=1.0, max_tokens=32))
+    gens = engine.generate(prompts, engines.SamplingParams(temperature=1.0, max_tokens=32))
     engine.shutdown()
     routed = [g for g in gens if g.routes is not None]
     result = {"generations": len(gens), "with_routes": len(routed)}

@@ -22,10 +22,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
-import lora  # noqa: E402
 import models  # noqa: E402
+from engines.vllm_engine import VLLMEngine  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
-from vllm_engine import VLLMEngine  # noqa: E402
+from trainer import lora  # noqa: E402
 
 
 def timed_pushes(engine: VLLMEngine, state: dict, pushes: int) -> dict:

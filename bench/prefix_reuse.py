@@ -53,7 +53,7 @@ class Timed:
         if kind == "embedded":
             self.engine = EmbeddedEngine(models.load_model(path), **({} if reuse else {"prefix_cache_bytes": 0}))
         else:
-            from vllm_engine import VLLMEngine
+            from engines.vllm_engine import VLLMEngine
             self.engine = VLLMEngine(path, dtype="float32", transfer="rpc", enforce_eager=True, prefix_caching=reuse,
                                      max_model_len=max_len)
         self.processes = [here] + [p for p in here.children(recursive=True) if p.pid not in before]

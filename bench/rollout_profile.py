@@ -47,7 +47,7 @@ import data  # noqa: E402
 import invariants  # noqa: E402
 import limits  # noqa: E402
 import models  # noqa: E402
-import vllm_engine  # noqa: E402
+from engines import vllm_engine  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from router import Router  # noqa: E402
 

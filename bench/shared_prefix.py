@@ -28,7 +28,7 @@ import algo  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
-import recompute  # noqa: E402
+from trainer import recompute  # noqa: E402
 
 
 PHASES = ("recompute_s", "train_s", "recompute_cpu_s", "train_cpu_s")

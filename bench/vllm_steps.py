@@ -49,9 +49,9 @@ import actor  # noqa: E402
 import config  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
+from engines.vllm_engine import VLLMEngine  # noqa: E402
 from rollout import SamplingParams  # noqa: E402
 from router import Router  # noqa: E402
-from vllm_engine import VLLMEngine  # noqa: E402
 
 PREFIX, TAIL = 48, 32          # prompt tokens shared by every prompt (a chat template's), and each prompt's own
 PROBE_TAIL = 224               # the probe's own: with the prefix, two of the CPU build's 128-token KV blocks

@@ -334,7 +334,7 @@ def run_trl(side: str, cfg: dict, model: str, prompts: list[dict], trl_python: s
 def trl_driver(job_path: str) -> None:
     """TRL's side, run by TRL's own Python: GRPOTrainer on the job's prompts; writes when each optimizer step ended,
     each generation's phases and reward. Imports nothing of tracerl but its grader (agents/graders.py) and
-    cpu_setup.py, by path."""
+    trainer/cpu_setup.py, by path."""
     with open(job_path) as f:
         job = json.load(f)
     cfg, side = job["cfg"], job["side"]
@@ -456,9 +456,9 @@ def trl_driver(job_path: str) -> None:
 
 
 def mkl_avx512_on_amd() -> bool:
-    """cpu_setup.mkl_avx512_on_amd in TRL's process, loaded by path as the grader is (cpu_setup.py imports torch and
+    """cpu_setup.mkl_avx512_on_amd in TRL's process, loaded by path as the grader is (trainer/cpu_setup.py imports torch and
     the standard library only); TRACERL_CPU_SETUP=0 turns it off here too, as on tracerl's side."""
-    spec = importlib.util.spec_from_file_location("cpu_setup", os.path.join(ROOT, "cpu_setup.py"))
+    spec = importlib.util.spec_from_file_location("cpu_setup", os.path.join(ROOT, "trainer/cpu_setup.py"))
     cpu_setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpu_setup)
     return cpu_setup.mkl_avx512_on_amd()

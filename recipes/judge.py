@@ -14,7 +14,8 @@ import torch
 import data
 import models
 from agents import Env, EnvRunner, Result
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 
 ON_GPU = models.gpu_defaults()
 JUDGE_MODEL = "Qwen/Qwen2.5-7B-Instruct" if ON_GPU else "smollm2"

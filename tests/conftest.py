@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 # The fp32 kernels a CPU run of train.py multiplies with (on an AMD CPU with AVX-512, MKL's AVX-512 ones, unless
 # TRACERL_CPU_SETUP=0), chosen before this process's first product, so the parity tests check the numbers training
 # works with.
-import cpu_setup  # noqa: E402
+from trainer import cpu_setup  # noqa: E402
 
 cpu_setup.mkl_avx512_on_amd()
 

@@ -18,11 +18,12 @@ import torch.multiprocessing as mp
 
 import actor
 import algo
+import engines
 import invariants
 import models
-import r3
-import recompute
 import rollout
+from engines import r3
+from trainer import recompute
 
 TEMPERATURE = 0.7
 SAMPLING = invariants.Sampling(TEMPERATURE)     # how the hand-made batches' tokens were "sampled"
@@ -80,7 +81,7 @@ def test_recompute_matches_the_engines_behavior_logprobs(qwen3_dir):
     policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32", micro_batch_size=2), total_steps=1)
     engine = rollout.EmbeddedEngine(models.load_model(qwen3_dir))
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
-    generations = engine.generate(prompts, rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
+    generations = engine.generate(prompts, engines.SamplingParams(temperature=TEMPERATURE, max_tokens=6, seed=3))
     batch = invariants.build_batch(rows_from(generations), [1.0, -1.0], pad_id=0)
     recomputed = policy.recompute_logprobs(batch)
     diff = ((recomputed - batch.behavior_logprobs) * batch.loss_mask).abs().max().item()
@@ -506,7 +507,7 @@ def test_activation_checkpointing_and_a_token_cap_change_no_gradient(moe_dir):
                                   micro_batch_tokens=12)):
         policy = actor.Actor(moe_dir, cfg, total_steps=1)
         engine = rollout.EmbeddedEngine(models.load_model(moe_dir))
-        gens = engine.generate([[5, 6, 7], [8, 9]], rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=5,
+        gens = engine.generate([[5, 6, 7], [8, 9]], engines.SamplingParams(temperature=TEMPERATURE, max_tokens=5,
                                                                               seed=0))
         batch = invariants.build_batch(rows_from(gens), [1.0, -0.5], pad_id=0)      # rows of 8 and 7 tokens
         assert [rows.tolist() for rows in policy._micro_batches(batch)] == \

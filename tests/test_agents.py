@@ -27,10 +27,11 @@ from PIL import Image
 import agents
 import data
 import models
-from recompute import sequence_logprobs
 from agents import Env, EnvRunner, Result, load_agent_runner
+from engines import SamplingParams
 from invariants import build_batch, check_sampled_once, check_token_identity
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
+from trainer.recompute import sequence_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATH_RECIPE = os.path.join(ROOT, "recipes", "math.py")
@@ -44,7 +45,7 @@ VERSION = 3                                                           # a non-de
 class Call:
     prompts: list[list[int]]
     params: list[SamplingParams]
-    gens: list                 # rollout.Generation, one per prompt
+    gens: list                 # engines.Generation, one per prompt
 
 
 class RecordingEngine(EmbeddedEngine):

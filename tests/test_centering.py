@@ -1,4 +1,4 @@
-# Score centering (centering.py, arXiv 2609.20807): the loss's gradient is the paper's estimator A (s_a - mu), mu the
+# Score centering (trainer/centering.py, arXiv 2609.20807): the loss's gradient is the paper's estimator A (s_a - mu), mu the
 # sampler-expected score with the tail modeled proportionally, checked against a reference written here from the
 # formula over the whole vocabulary; the sampler's top-k heads are recorded with each sampled token (invariant 2)
 # through both paths a token takes (an Env runner and a chat session, over several turns and a seal), reach the
@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-import centering
 import config
 import data
 import invariants
 import models
-import recompute
 from agents import Env, EnvRunner, Result, user_turns
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 from session import ChatSession
+from trainer import centering, recompute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = 4

@@ -1,4 +1,4 @@
-# Tests for constraints.py: grammar-constrained random walks over real tokenizers (the tiny BPE one and SmolLM2's)
+# Tests for engines/constraints.py: grammar-constrained random walks over real tokenizers (the tiny BPE one and SmolLM2's)
 # always end in JSON valid for the schema, the trainer's replay gives the walk's masks exactly, a row that leaves its
 # grammar is refused by position, forced tool calls parse as calls of a listed tool, a response format with tools
 # offered yields its JSON or tool calls (one, or several when parallel), specs are canonical, hostile schemas
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-import constraints
 import invariants
 import models
+from engines import constraints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD = 13   # the model's logits are wider than the tokenizer (as Qwen's are): those ids must never be allowed

@@ -1,4 +1,4 @@
-# cpu_setup.py in fresh processes (each probe is a subprocess, since both changes are process-wide and one-way):
+# trainer/cpu_setup.py in fresh processes (each probe is a subprocess, since both changes are process-wide and one-way):
 # freed pages kept in glibc's heap, MKL's AVX-512 kernels on an AMD CPU (the same bits anywhere else), and
 # TRACERL_CPU_SETUP=0 leaving a process as it comes.
 import json
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import cpu_setup
+from trainer import cpu_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def run_probe(code: str, switch: str | None = None) -> list[str]:
 FAULTS_PROBE = """
 import resource, sys, psutil, torch
 sys.path.insert(0, {root!r})
-import cpu_setup
+from trainer import cpu_setup
 took = {setup}
 rss = psutil.Process().memory_info().rss
 torch.empty(16 << 20).fill_(1.0)                       # a first 64 MB tensor, freed: its pages are touched once
@@ -77,7 +77,7 @@ def test_tracerl_cpu_setup_0_leaves_the_process_as_it_comes():
 MKL_PROBE = """
 import sys, torch
 sys.path.insert(0, {root!r})
-import cpu_setup
+from trainer import cpu_setup
 if {late}:                                             # a product first: MKL has chosen its kernels by now
     torch.ones(64, 64) @ torch.ones(64, 64)
 took = cpu_setup.mkl_avx512_on_amd() if {call} else None

@@ -20,11 +20,12 @@ import algo
 import config
 import critic
 import data
+import engines
 import invariants
 import models
-import r3
 import rollout
 import train
+from engines import r3
 from conftest import import_peer
 from router import Router
 from test_actor import free_port, make_batch, max_abs_diff, select_rows
@@ -449,7 +450,7 @@ def test_the_frozen_steps_leave_the_actor_bitwise_unchanged(tmp_path):
     runner = train.load_recipe("math").AgentRunner(rollout.EmbeddedEngine(models.load_model(model_path), seed=1), tok,
                                                    max_length=cfg["rollout"].max_length)
     rollouts = runner.run(data.arithmetic_tasks(2, seed=0), ["g0", "g0"],
-                          rollout.SamplingParams(max_tokens=6, seed=0))
+                          engines.SamplingParams(max_tokens=6, seed=0))
     rows = [(r, row) for r in rollouts for row in r.rows]
     policy = actor.Actor(model_path, cfg["actor"], total_steps=3)
     value_model = critic.Critic(model_path, cfg["actor"], cfg["critic"], total_steps=3)

@@ -14,8 +14,9 @@ import data
 import models
 from agents import ChatAgentRunner, EnvRunner
 from agents.envs import ReasoningGymEnv, SkyRLEnv, VerifiersAgent, reasoning_gym_tasks, verifiers_tasks
+from engines import SamplingParams
 from invariants import check_sampled_once
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 
 # the libraries are test dependencies (requirements-agents.txt, installed by ./launch.sh): missing is a failure,
 # here at collection (the adapters import reasoning_gym and skyrl_gym inside a rollout, where an ImportError would

@@ -23,10 +23,11 @@ import algo
 import data
 import invariants
 import models
-import r3
-import recompute
+from engines import r3
+from trainer import recompute
 from conftest import import_vllm
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, free_port, grads, make_batch, max_abs_diff, \
     on_policy, rows_from, select_rows
 from test_vlm import check_fsdp_vlm_step, mixed_batch
@@ -152,7 +153,7 @@ def test_cuda_vllm_moe_update_drains_so_each_request_has_one_version_and_its_rou
     drain forced off the kept request spans both versions (armed); what vLLM reports for it (no routes, or which)
     is printed, and nothing fails."""
     import_vllm()
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     path = models.tiny_model_dir("qwen3_moe", head_dim=64)
     old = models.load_model(path).cuda()
     new = copy.deepcopy(old)
@@ -288,7 +289,7 @@ def test_cuda_vllm_serves_the_lora_adapter_the_trainer_recomputes(dtype):
     the engine served before the push (armed); every request has one version."""
     import_vllm()
     from test_lora import SPEC, lora_actor, step
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     path = models.tiny_model_dir("qwen3", head_dim=64)
     policy = lora_actor(path, compile="false", precision="fp32" if dtype == "float32" else "bf16")
     for seed in range(3):

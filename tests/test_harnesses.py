@@ -20,12 +20,13 @@ import actor
 import invariants
 import models
 from agents import harness
-from harvest import ScriptEngine
+from engines import SamplingParams
+from engines.harvest import ScriptEngine
 from invariants import check_sampled_once
 from recipes import claude_code, codex, swe_fix
 from recipes.code_exec import run_hidden_tests
-from rollout import EmbeddedEngine, SamplingParams
-from session import parse_hermes_tool_calls
+from rollout import EmbeddedEngine
+from wires import parse_hermes_tool_calls
 from tests.test_process import processes_holding
 
 RECIPES = {"codex": codex, "claude_code": claude_code}

@@ -1,4 +1,4 @@
-# harvest.py: a ScriptEngine behind the real loopback server answers a real SDK (streaming) with its script, the
+# engines/harvest.py: a ScriptEngine behind the real loopback server answers a real SDK (streaming) with its script, the
 # session records the prompt exactly as it renders it for the policy, and teaching_texts keeps one text per
 # conversation that extends (a sealed conversation keeps each of its texts).
 import json
@@ -7,9 +7,9 @@ import openai
 import pytest
 
 import models
-from harvest import ScriptEngine, teaching_texts
+from engines import SamplingParams
+from engines.harvest import ScriptEngine, teaching_texts
 from loopback import LoopbackServer
-from rollout import SamplingParams
 
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 import algo
-import constraints
 import invariants
+from engines import constraints
 
 from invariants import (GATINGS, LEVELS, MODES, SEQ_GATES, CorrectionConfig, Sampling, TokenLedger, build_batch,
                         check_sampled_once, check_token_identity, correction_weights, gate_rollouts, staleness,
                         validate_correction)
-from rollout import Generation
+from engines import Generation
 
 SAMPLED = Sampling(temperature=0.7)   # the sampling every hand-made token of these tests was drawn with
 

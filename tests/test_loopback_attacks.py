@@ -23,8 +23,9 @@ import pytest
 
 import data
 import models
+from engines import SamplingParams
 from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 
 
 @contextlib.contextmanager

@@ -22,8 +22,9 @@ import pytest
 
 import data
 import models
+from engines import SamplingParams
 from loopback import MAX_BODY_BYTES, LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 
 REQUESTS = int(os.environ.get("TRACERL_FUZZ_REQUESTS", "2000"))
 CONCURRENCY = 32

@@ -31,10 +31,11 @@ from PIL import Image
 import data
 import invariants
 import models
-import wire_anthropic
-from recompute import sequence_logprobs
+from engines import SamplingParams
 from loopback import MAX_BODY_BYTES, LoopbackServer, SessionInfo
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
+from trainer.recompute import sequence_logprobs
+from wires import anthropic as wire_anthropic
 from test_session import CountingEngine, teach
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}

@@ -16,9 +16,10 @@ import data
 import invariants
 import models
 import train
-from recompute import sequence_logprobs
+from engines import SamplingParams
 from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
+from trainer.recompute import sequence_logprobs
 from test_rollout import _moe_pair, _perturbed
 
 TURN = 12                # sampled tokens a turn

@@ -12,8 +12,9 @@ import pytest
 import data
 import invariants
 import models
+from engines import SamplingParams
 from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 from test_session import byte_tokens, teach
 from test_loopback_http import (ANTHROPIC_TOOLS, ASK, OPENAI_TOOLS, SYSTEM, TOOL_CALL, anthropic_client,
                                 openai_client, trace, trainable_ids)

@@ -1,4 +1,4 @@
-# Tests of lora.py and of LoRA through the actor and both engines: which layers are adapted, the adapted forward
+# Tests of trainer/lora.py and of LoRA through the actor and both engines: which layers are adapted, the adapted forward
 # against W x + alpha/r * B A x written by hand, a train step that moves the adapter alone, the push of the adapter
 # alone (engine and trainer agree after it, and a skipped push is caught: invariant 3's trap), R3 under an MoE base,
 # vLLM serving the adapter (every token of a request under the adapter it started at: invariant 2), and checkpoints
@@ -12,11 +12,12 @@ import torch
 
 import actor
 import algo
+import engines
 import invariants
-import lora
 import models
-import r3
 import rollout
+from engines import r3
+from trainer import lora
 from conftest import import_vllm
 from test_actor import make_batch, on_policy, rows_from
 
@@ -102,7 +103,7 @@ def test_the_engine_and_the_trainer_agree_after_an_adapter_push_and_a_skipped_pu
     for seed in range(3):
         step(policy, seed)
     engine = rollout.EmbeddedEngine(lora.add_lora(models.load_model(qwen3_dir), SPEC))
-    prompts, params = [[5, 17, 42], [7, 8, 9, 10, 11]], rollout.SamplingParams(temperature=TEMPERATURE,
+    prompts, params = [[5, 17, 42], [7, 8, 9, 10, 11]], engines.SamplingParams(temperature=TEMPERATURE,
                                                                                 max_tokens=8, seed=3)
 
     def gap() -> float:
@@ -123,7 +124,7 @@ def test_lora_over_an_moe_base_keeps_routes_replayed_and_the_routers_frozen(moe_
     step(policy, seed=0)
     engine = rollout.EmbeddedEngine(lora.add_lora(models.load_model(moe_dir), SPEC))
     engine.update_weights(policy.export_weights(), policy.version)
-    generations = engine.generate([[5, 17, 42], [7, 8, 9, 10]], rollout.SamplingParams(temperature=TEMPERATURE,
+    generations = engine.generate([[5, 17, 42], [7, 8, 9, 10]], engines.SamplingParams(temperature=TEMPERATURE,
                                                                                         max_tokens=8, seed=1))
     assert all(g.routes is not None for g in generations)
     rows = []
@@ -200,7 +201,7 @@ def test_bad_lora_settings_are_refused():
 
 def test_vllm_serves_the_pushed_adapter_and_each_request_keeps_the_adapter_it_started_under():
     import_vllm()
-    from vllm_engine import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = models.tiny_model_dir("qwen3", head_dim=32)     # vLLM's CPU attention needs head_dim >= 32
     policy = lora_actor(model_dir)
@@ -210,7 +211,7 @@ def test_vllm_serves_the_pushed_adapter_and_each_request_keeps_the_adapter_it_st
                         lora_spec=SPEC)
     try:
         prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
-        params = rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=8, seed=3)
+        params = engines.SamplingParams(temperature=TEMPERATURE, max_tokens=8, seed=3)
 
         def gap(recomputing: actor.Actor, generations) -> float:
             batch = invariants.build_batch(rows_from(generations), [1.0] * len(generations), pad_id=0)
@@ -233,7 +234,7 @@ def test_vllm_serves_the_pushed_adapter_and_each_request_keeps_the_adapter_it_st
             count[0] += 1
             if count[0] == 5:
                 heard.set()
-        long_params = rollout.SamplingParams(temperature=TEMPERATURE, max_tokens=48, seed=5, stop_token_ids=(689,))
+        long_params = engines.SamplingParams(temperature=TEMPERATURE, max_tokens=48, seed=5, stop_token_ids=(689,))
         running = threading.Thread(target=lambda: kept.extend(engine.generate([[5, 6, 7]], long_params, listen)))
         running.start()
         assert heard.wait(timeout=120)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefix_cache import PrefixCache, stacked_prefixes
+from engines.prefix_cache import PrefixCache, stacked_prefixes
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -21,10 +21,11 @@ import data
 import models
 from agents import ChatAgentRunner, Result, process, sandbox
 from agents.process import GRACE_S, ProcessAgent, ProcessFailure, reward_from_stdout
+from engines import SamplingParams
 from invariants import check_sampled_once
 from recipes import swe_fix
 from recipes.code_exec import run_hidden_tests
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable

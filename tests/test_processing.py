@@ -1,4 +1,4 @@
-# processing.py, by hand: the processed distribution a token is drawn from (invariant 3, forward consistency), step
+# engines/processing.py, by hand: the processed distribution a token is drawn from (invariant 3, forward consistency), step
 # by step on a few logits. Engine against trainer through real requests: tests/test_sampling.py, tests/test_rollout.py;
 # adjust_logits against vLLM's own penalty code: tests/test_vllm_engine.py.
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 
 import invariants
-from processing import adjust_logits, penalty_state, processed_logprobs
+from engines.processing import adjust_logits, penalty_state, processed_logprobs
 
 
 def test_greedy_is_a_point_mass_and_top_p_renormalises():

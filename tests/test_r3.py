@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
-from r3 import capture_routes, moe_routers, replay_routes
+from engines.r3 import capture_routes, moe_routers, replay_routes
 
 B, T, LAYERS, TOP_K, EXPERTS, VOCAB = 4, 32, 2, 2, 8, 64
 SEED = 10            # with this seed the 1e-3 router perturbation below flips routes in both layers

@@ -1,4 +1,4 @@
-# recompute.py, the trainer's side of invariant 3 (forward consistency): the logprob of each token given the ids
+# trainer/recompute.py, the trainer's side of invariant 3 (forward consistency): the logprob of each token given the ids
 # before it, against a hand computation; right padding and the fp32 temperature change nothing; the fused head a
 # compiled actor runs is processed_logprobs; a prompt that rows share, computed once, gives the unshared logprobs
 # and gradients. Against a real engine and inside a train step: tests/test_actor.py, tests/test_rollout.py,
@@ -8,8 +8,8 @@ import torch
 
 import invariants
 import models
-import processing
-import recompute
+from engines import processing
+from trainer import recompute
 from test_actor import TEMPERATURE, grads, make_batch, max_abs_diff, shared_prompt_rows, tiny_llama
 
 

@@ -13,13 +13,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import constraints
+import engines
 import invariants
 import models
-import r3
 import rollout
-from recompute import batch_logprobs, sequence_logprobs
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams, constraints
+from engines import r3
+from rollout import EmbeddedEngine
+from trainer.recompute import batch_logprobs, sequence_logprobs
 
 
 def _padded(seqs: list[list[int]], pad: int):
@@ -111,7 +112,7 @@ def test_ignore_eos_runs_a_reply_past_the_models_eos_to_max_tokens(tiny):
     stopped = engine.generate([[5, 6, 7]], dataclasses.replace(eager, ignore_eos=True, stop_token_ids=(eos,)))[0]
     assert stopped.token_ids == [eos] and stopped.finish_reason == "stop"
     with pytest.raises(ValueError, match="ignore_eos"):
-        rollout.validate_sampling(SamplingParams(ignore_eos=True, constraint=constraints.json_object_spec()))
+        engines.validate_sampling(SamplingParams(ignore_eos=True, constraint=constraints.json_object_spec()))
 
 
 def test_a_stop_string_ends_sampling_at_the_token_that_completes_it(tiny):

@@ -16,8 +16,9 @@ import torch
 
 import data
 import models
+from engines import SamplingParams
 from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
 from router import EngineFailure, Router
 from test_agents import SAMPLING, RecordingEngine, TwoTurnEnv, make_tasks, runner_for
 from test_rollout import PARAMS, PROMPTS

@@ -24,13 +24,13 @@ import algo
 import config
 import invariants
 import models
-import processing
-import r3
-import recompute
 import runtime
 import train
-from rollout import EmbeddedEngine, Generation, SamplingParams
+from engines import Generation, SamplingParams
+from engines import processing, r3
+from rollout import EmbeddedEngine
 from router import Router
+from trainer import recompute
 from test_actor import FSDP_CONFIG, FSDP_LENGTHS, FSDP_PROMPT, make_batch, max_abs_diff, on_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,14 +17,14 @@ import torch
 import actor
 import agents
 import config
-import constraints
 import data
 import invariants
 import models
-import recompute
 import train
+from engines import SamplingParams, constraints
 from loopback import LoopbackServer
-from rollout import EmbeddedEngine, SamplingParams
+from rollout import EmbeddedEngine
+from trainer import recompute
 from test_actor import rows_from
 
 RUN_TEMPERATURE = 1.0      # the run's own sampling; the agents below override it per request

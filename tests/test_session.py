@@ -14,8 +14,10 @@ import torch.nn.functional as F
 import data
 import invariants
 import models
-from session import ChatSession, ContextOverflow, parse_hermes_tool_calls, session_trace
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
+from session import ChatSession, ContextOverflow, session_trace
+from wires import parse_hermes_tool_calls
 
 GREEDY = SamplingParams(top_k=1, max_tokens=48)
 

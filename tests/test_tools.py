@@ -12,7 +12,8 @@ import data
 import models
 from agents import EnvRunner, GymEnv, Result
 from agents.tools import TOOL_RESPONSE, Tool, ToolEnv, ToolError, call_tool, python_tool
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 
 
 def call(name: str, arguments: dict) -> str:

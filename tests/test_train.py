@@ -16,6 +16,7 @@ import actor
 import algo
 import config
 import data
+import engines
 import invariants
 import models
 import rollout
@@ -194,7 +195,7 @@ def test_minibatch_metrics_average_over_the_minibatches_that_ran(tmp_path):
     runner = train.load_recipe("math").AgentRunner(rollout.EmbeddedEngine(models.load_model(model_path), seed=1), tok,
                                                    max_length=cfg["rollout"].max_length)
     rollouts = runner.run(data.arithmetic_tasks(2, seed=0), ["only-group"] * 2,
-                          rollout.SamplingParams(max_tokens=6, seed=0))
+                          engines.SamplingParams(max_tokens=6, seed=0))
     rows = [(r, row) for r in rollouts for row in r.rows]
     assert len(train.minibatch_indices([r.group_id for r, _ in rows], 2)) == 1     # one group: one minibatch
     os.makedirs(tmp_path / "traces")
@@ -217,7 +218,7 @@ def test_the_step_trains_on_rewards_shaped_by_the_replies_lengths(tmp_path):
                                                    max_length=cfg["rollout"].max_length)
     stops = tuple(range(0, len(tok), 8))        # an eighth of the ids stop a reply: some stop, some run to 8 tokens
     sampled = runner.run(data.arithmetic_tasks(4, seed=0), [f"g{i // 2}" for i in range(4)],
-                         rollout.SamplingParams(max_tokens=8, seed=0, stop_token_ids=stops))
+                         engines.SamplingParams(max_tokens=8, seed=0, stop_token_ids=stops))
     rows = [(r, row) for r in sampled for row in r.rows]
     os.makedirs(tmp_path / "traces")
     train.train_on_rows(cfg, actor.Actor(model_path, cfg["actor"], total_steps=1), None, tok, rows, str(tmp_path), 0)
@@ -247,7 +248,7 @@ def test_the_run_counts_the_prefill_computed_and_taken_from_the_engines_prefix_c
             return agents.Result(0.0, "<|im_end|>\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n",
                                  terminated=False)
     task = data.Task("t0", [{"role": "user", "content": "Tell me about the sea."}], "")
-    params = rollout.SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,))
+    params = engines.SamplingParams(max_tokens=6, seed=0, stop_token_ids=(9999,))
     model = models.tiny_model("qwen3", seed=0)
     for budget in (rollout.PREFIX_CACHE_BYTES, 0):
         engine = rollout.EmbeddedEngine(model, prefix_cache_bytes=budget)

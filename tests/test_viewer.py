@@ -1,4 +1,4 @@
-# The run page (viewer.py) in a real headless browser (Debian's chromium and chromium-driver, driven by selenium;
+# The run page (trainer/viewer.py) in a real headless browser (Debian's chromium and chromium-driver, driven by selenium;
 # nothing is downloaded): every token of a row is one element, hovering one shows its record, a sealed rollout shows
 # its seal, nothing on the page raises, and no string a model, a tool, an agent or a request wrote becomes markup or
 # stops the page's own script (breakers in every place one can stand, on a run's page and a session's). One tiny
@@ -23,9 +23,9 @@ from wandb.proto import wandb_internal_pb2
 
 import data
 import models
-import viewer
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine
+from trainer import viewer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = ["--recipe", "math", "--model", "tiny-qwen3", "--rollout.prompts_per_step", "2",

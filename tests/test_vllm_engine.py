@@ -19,18 +19,18 @@ from conftest import import_vllm
 import_vllm()
 
 import actor  # noqa: E402
-import constraints  # noqa: E402
 import data  # noqa: E402
 import invariants  # noqa: E402
 import models  # noqa: E402
-import processing  # noqa: E402
-import recompute  # noqa: E402
-from recompute import forward_logprobs, sequence_logprobs  # noqa: E402
+from engines import constraints  # noqa: E402
+from engines import processing  # noqa: E402
 from rollout import EmbeddedEngine, SamplingParams  # noqa: E402
+from trainer import recompute  # noqa: E402
+from trainer.recompute import forward_logprobs, sequence_logprobs  # noqa: E402
 from test_actor import rows_from  # noqa: E402
 from test_rollout import PARAMS, PROMPTS, _perturbed, _recompute  # noqa: E402
 from test_sampling import FIELD_PROMPTS, FIELDS, WEATHER, field_batches, gap, sharp_model_dir  # noqa: E402
-from vllm_engine import VLLMEngine  # noqa: E402
+from engines.vllm_engine import VLLMEngine  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 VERSION = 3
@@ -71,7 +71,7 @@ def _gap(gens, recomputed) -> float:
 def test_an_moe_checkpoint_asks_vllm_for_its_routed_experts():
     """R3 needs vLLM's routes (a GPU test: capturing them needs Triton); here, that the engine asks for them."""
     import json
-    from vllm_engine import is_moe_config
+    from engines.vllm_engine import is_moe_config
     for kind, moe in [("qwen3_moe", True), ("qwen3", False), ("qwen2_5_vl", False)]:
         with open(os.path.join(models.tiny_model_dir(kind), "config.json")) as f:
             assert is_moe_config(json.load(f)) is moe
@@ -84,8 +84,8 @@ def test_a_request_vllm_reported_no_routes_for_comes_back_without_routes_not_fai
     import numpy as np
     from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
-    from rollout import recorded_sampling
-    from vllm_engine import _Request
+    from engines import recorded_sampling
+    from engines.vllm_engine import _Request
     prompt, tokens, params = [5, 6, 7], [8, 9, 10, 11], SamplingParams(max_tokens=4)
     every = np.arange(6 * 2 * 2, dtype=np.int16).reshape(6, 2, 2)          # positions 0 .. 5 = P + n - 2
 
@@ -136,7 +136,7 @@ def test_the_model_class_is_inspected_in_this_process_not_in_a_fresh_one(path, t
 def test_image_pad_runs_collapse_to_the_one_pad_vllm_expands():
     """vLLM expands each image's single pad itself (a VLM needs a GPU build: torchvision); here, that collapsing
     undoes data.expand_image_pads, so vLLM sees one pad per image, in order, between the same text ids."""
-    from vllm_engine import _collapse_pad_runs
+    from engines.vllm_engine import _collapse_pad_runs
     pad = models.bpe_tokenizer().convert_tokens_to_ids(data.IMAGE_PAD)
     images = [invariants.ImageInput(torch.zeros(1), (1, 4, 4), 4), invariants.ImageInput(torch.zeros(1), (1, 2, 2), 1)]
     rendered = [7, pad, 8, 9, pad, 10]
@@ -294,7 +294,7 @@ def test_weights_travel_under_the_checkpoints_names_and_layout(kind):
     state dict names keys vLLM's checkpoint does not have (a geo3k run on vLLM stopped at its first weight push):
     checkpoint_state gives back the checkpoint's every tensor, value for value."""
     from safetensors.torch import load_file
-    from vllm_engine import _checkpoint_keys, checkpoint_state
+    from engines.vllm_engine import _checkpoint_keys, checkpoint_state
     path = models.tiny_model_dir(kind, head_dim=64 if kind == "qwen2_5_vl" else 32)
     trained = models.load_model(path).state_dict()
     on_disk = load_file(os.path.join(path, "model.safetensors"))
@@ -534,7 +534,7 @@ def test_a_push_warns_of_a_module_that_got_nothing_but_not_of_those_with_nothing
     the tied head's included, meets vLLM's logprobs) and warns of neither; a push that leaves out one layer's down
     projection is still warned of (the trap: vLLM's warning reaches this capture). Then shutdown: the engine core
     ends itself (exit code 0), not killed after vLLM's 5 s."""
-    from vllm_engine import _checkpoint_keys
+    from engines.vllm_engine import _checkpoint_keys
     engine, started = _own_engine(path)
     try:
         new = _perturbed(model, seed=7)
@@ -558,7 +558,7 @@ def test_a_push_warns_of_a_module_that_got_nothing_but_not_of_those_with_nothing
 def test_trap_an_engine_core_given_no_time_to_end_itself_is_killed(path, monkeypatch):
     """The exit-code check above can fail: given no time after SIGTERM, the engine core is killed midway through its
     teardown (-SIGKILL)."""
-    import vllm_engine
+    from engines import vllm_engine
     monkeypatch.setattr(vllm_engine, "ENGINE_EXIT_S", 0.0)
     engine, started = _own_engine(path)
     engine.shutdown()
@@ -612,7 +612,7 @@ def test_cuda_vllm_samples_under_the_images_the_trainer_recomputes_with():
     under two images of other sizes, and under text alone; the trainer's recompute with the same ImageInputs
     matches its behavior logprobs. Trap: recomputing the first row with another picture of the same size (same
     pads, same positions, other pixels) does not."""
-    from recompute import sequence_logprobs
+    from trainer.recompute import sequence_logprobs
     from test_vlm import ledger_rows, picture, row_gaps, vlm_prompt
     path = models.tiny_model_dir("qwen2_5_vl", head_dim=64)
     tok, processor = models.load_tokenizer(path), models.load_image_processor(path)
@@ -690,7 +690,7 @@ def test_each_field_on_vllm_is_recomputed_by_the_trainer_and_stripping_it_is_see
 
 
 def test_a_constrained_greedy_reply_is_the_embedded_engines_token_for_token(fresh, sharp, path):
-    """vLLM's llguidance backend runs constraints.py's grammar: greedy under a tool-call grammar (with a penalty
+    """vLLM's llguidance backend runs engines/constraints.py's grammar: greedy under a tool-call grammar (with a penalty
     and a bias beside it), vLLM writes the embedded engine's ids and ends on the same stop id."""
     model, _ = sharp
     fresh.update_weights(model.state_dict(), VERSION)

@@ -26,11 +26,12 @@ import algo
 import data
 import invariants
 import models
-import recompute
 import train
 from agents import Env, EnvRunner, Result
-from rollout import EmbeddedEngine, SamplingParams
+from engines import SamplingParams
+from rollout import EmbeddedEngine
 from router import Router
+from trainer import recompute
 from test_actor import free_port, max_abs_diff, select_rows
 from test_rollout import _in_threads
 

@@ -1,10 +1,10 @@
-# weight_channel.py: the trainer's weights to an engine in another process, over a two-rank gloo group. The whole
+# engines/weight_channel.py: the trainer's weights to an engine in another process, over a two-rank gloo group. The whole
 # push through an engine actor, its weights landing bit for bit, is in tests/test_runtime.py (the straddling update).
 import threading
 
 import torch
 
-import weight_channel
+from engines import weight_channel
 
 
 def test_the_weight_channel_keeps_every_dtype_and_name_bit_for_bit():

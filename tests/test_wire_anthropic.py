@@ -1,4 +1,4 @@
-# The Anthropic messages wire on its own (wire_anthropic.py), without a server: documents and system turns decode
+# The Anthropic messages wire on its own (wires/anthropic.py), without a server: documents and system turns decode
 # to the canonical request, a thought becomes a thinking block, streamed or not, whose echo decodes to the text as
 # sampled (an edited one as edited), and a stream builds exactly the blocks of the whole reply over thousands of random
 # replies (armed: a stream that sends a thought eagerly is caught taking text back).
@@ -6,10 +6,10 @@ import json
 import random
 
 import models
-from rollout import Generation, SamplingParams
-from session import parse_hermes_tool_calls
-from wire_anthropic import AnthropicStream, anthropic_reply, decode_anthropic
+from engines import Generation, SamplingParams
 from wires import ChatTurn, LiveText, WireRequest
+from wires import parse_hermes_tool_calls
+from wires.anthropic import AnthropicStream, anthropic_reply, decode_anthropic
 
 BASE = SamplingParams(max_tokens=16)
 

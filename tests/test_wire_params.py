@@ -1,4 +1,4 @@
-# Every request field of the stock SDKs is answered deliberately (wire_params.py): the tables decide each field the
+# Every request field of the stock SDKs is answered deliberately (wires/params.py): the tables decide each field the
 # installed openai (chat completions and responses) and anthropic SDKs define; over real HTTP with those SDKs, each
 # honoured field reaches the recorded sampling of every token it drew (and the trainer's recompute at that record
 # matches the behavior logprobs, while a recompute without the field does not); tokens the server forces are
@@ -18,17 +18,17 @@ import openai
 import pytest
 
 import actor
-import constraints
 import data
 import invariants
 import models
 import wires
+from engines import SamplingParams, constraints
 from loopback import LoopbackServer
-from session import CALL_OPENING, ChatSession
-from rollout import SamplingParams
+from session import ChatSession
+from wires import CALL_OPENING
 from test_session import CountingEngine, teach
 from test_loopback_http import anthropic_client, openai_client, trace, trainable_ids
-from wire_params import (ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED,
+from wires.params import (ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS, HONOURED, NO_OP, OPENAI_FIELDS, REFUSED,
                          RESPONSES_FIELDS)
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}

@@ -1,4 +1,4 @@
-# The OpenAI Responses wire (wire_responses.py). Without a server: a Responses conversation decodes to the canonical
+# The OpenAI Responses wire (wires/responses.py). Without a server: a Responses conversation decodes to the canonical
 # request the chat wire decodes the same conversation to; Codex's real first request (its shape, trimmed) decodes;
 # refusals say what is accepted; a session keeps its last stored responses; the output items a stream builds are the
 # finished reply's over thousands of random replies (thoughts, calls whose arguments stream token by token, broken
@@ -20,20 +20,21 @@ import jsonschema
 import openai
 import pytest
 
-import constraints
 import data
 import models
-import wire_responses
 import wires
+from engines import Generation, SamplingParams, find_stop
+from engines import constraints
 from loopback import LoopbackServer
-from rollout import Generation, SamplingParams, find_stop
 from router import EngineFailure
-from session import CALL_OPENING, ChatSession, parse_hermes_tool_calls
+from session import ChatSession
+from wires import CALL_OPENING, parse_hermes_tool_calls
+from wires import responses as wire_responses
 from test_loopback_http import trace, trainable_ids
 from test_session import CountingEngine, teach
-from wire_params import NO_OP, RESPONSES_FIELDS
-from wire_responses import ResponsesStream, ResponseStore, decode_responses, layout, responses_reply
 from wires import ChatTurn, LiveText, WireError, decode_openai
+from wires.params import NO_OP, RESPONSES_FIELDS
+from wires.responses import ResponsesStream, ResponseStore, decode_responses, layout, responses_reply
 
 BASE = SamplingParams(max_tokens=16)
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import models
-from processing import processed_logprobs
-from session import parse_hermes_tool_calls
-from rollout import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, find_stop
-from wire_anthropic import decode_anthropic
+from engines import MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SamplingParams, find_stop
+from engines.processing import processed_logprobs
 from wires import LiveText, WireError, decode_openai
+from wires import parse_hermes_tool_calls
+from wires.anthropic import decode_anthropic
 
 BASE = SamplingParams(max_tokens=16)
 

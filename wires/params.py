@@ -1,4 +1,4 @@
-# wire_params.py — what every request field of the three wires does: honoured, a documented no-op, or refused.
+# wires/params.py — what every request field of the three wires does: honoured, a documented no-op, or refused.
 #
 # Owns: one table per wire, field -> (disposition, reason), covering every field of the stock SDKs' create params
 # (openai.types.chat.completion_create_params, openai.types.responses.response_create_params,
@@ -7,7 +7,7 @@
 # their TypedDicts, so a field a new SDK adds is decided here before it is served), the vLLM-style extras agents send
 # in extra_body, and the fields harnesses send that no SDK types yet (Codex's `client_metadata`, Claude Code's
 # `safeguards`); and ANTHROPIC_COUNT_FIELDS, what `POST .../v1/messages/count_tokens` takes.
-# docs/wire-params.md is these tables (the same test keeps it so). wires.py, wire_anthropic.py and wire_responses.py
+# docs/wire-params.md is these tables (the same test keeps it so). wires/__init__.py, wires/anthropic.py and wires/responses.py
 # apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
 # nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a request
 # held. Headers change nothing: the server reads only the key (an anthropic-beta value brings fields, and each is
@@ -16,8 +16,8 @@
 #   each token was drawn from: invariant 3) or into the turn options (the prompt the ledger records, the parse);
 #   values it cannot honour are refused with what it takes. no-op: accepted; it cannot change what is sampled or
 #   trained. refused: any value but null, with the reason and what to send instead.
-# Never: decodes a request (wires.py, wire_anthropic.py and wire_responses.py do).
-from rollout import MAX_TOP_LOGPROBS
+# Never: decodes a request (wires/__init__.py, wires/anthropic.py and wires/responses.py do).
+from engines import MAX_TOP_LOGPROBS
 
 HONOURED, NO_OP, REFUSED = "honoured", "no-op", "refused"
 _CACHE = "prompt caching: a session keeps its prompt's tokens (the ledger) and the router keeps it on one engine"

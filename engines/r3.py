@@ -1,4 +1,4 @@
-# r3.py — MoE Rollout Routing Replay (R3, arXiv 2510.11370): the routing half of invariant 3 (forward consistency,
+# engines/r3.py — MoE Rollout Routing Replay (R3, arXiv 2510.11370): the routing half of invariant 3 (forward consistency,
 # invariants.py's header), as hooks on a transformers model's top-k routers.
 # Owns: finding a model's routers (moe_routers), recording the experts each forward selects (capture_routes: what the
 # embedded engine reports per token) and forcing a forward to select recorded ones (replay_routes: every trainer

@@ -1,4 +1,4 @@
-# constraints.py — grammar constraints on sampling: OpenAI response_format (json_object, json_schema), a forced
+# engines/constraints.py — grammar constraints on sampling: OpenAI response_format (json_object, json_schema), a forced
 # tool call (tool_choice required / a named function), and a response format with tools offered under tool_choice
 # auto (its JSON or tool calls), as masks over the next token.
 # Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
@@ -24,7 +24,7 @@
 #     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
 #     (It counts every added token as special, so a JSON string spells "<think>" out; the tool-call suffix takes
 #     the tokenizer's own "<tool_call>" / "</tool_call>" ids as well, see _literal_lark.)
-#   Per-token mask time is sub-millisecond on average for both (llguidance's: `python constraints.py`).
+#   Per-token mask time is sub-millisecond on average for both (llguidance's: `python engines/constraints.py`).
 # Per-token bound (the engine computes every row's mask on its decoding thread, so one session's grammar must not
 #   slow the others' tokens): llguidance's fuel bounds a mask step's lexer and parser work (its LLParserLimits
 #   defaults, which vLLM's guidance backend keeps: 200,000 lexer fuel, 50,000 Earley items), but not the text a
@@ -55,7 +55,7 @@ import torch
 # first tokens of uniform walks, that limit was reached by 498 optional properties of one object, 282 branches of a
 # union of open objects, 181 of objects with one optional property each (counted below: 282 * 2 = 564 and 181 * 3 =
 # 543). MAX_SCHEMA_BREADTH keeps every schema at half of the least of these. Within the bounds a grammar builds in
-# well under a second and a mask step takes milliseconds for a 49K vocabulary (python constraints.py).
+# well under a second and a mask step takes milliseconds for a 49K vocabulary (python engines/constraints.py).
 MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema
 MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
 MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
@@ -434,7 +434,7 @@ def mask_replayer(tokenizer, vocab_size: int) -> Callable[[str, Sequence[int]], 
     return lambda spec, token_ids: replay_masks(spec, tokenizer, token_ids, vocab_size)
 
 
-# ---- measurement: python constraints.py [model] (compile and per-token mask time on a real tokenizer) ----
+# ---- measurement: python engines/constraints.py [model] (compile and per-token mask time on a real tokenizer) ----
 
 if __name__ == "__main__":
     import sys

@@ -1,11 +1,11 @@
-# recompute.py — the trainer's side of invariant 3 (forward consistency): a model's logprob of each token under the
+# trainer/recompute.py — the trainer's side of invariant 3 (forward consistency): a model's logprob of each token under the
 # processed distribution it was drawn from, recomputed through one forward.
 # Owns: sequence_logprobs and batch_logprobs (the recompute of the behavior logprob, at each token's recorded
 # sampling), forward_logprobs (the same with the detached entropy: the actor's loss forward), the forward's inputs
 # as the engine builds them (position ids, a VLM's images), the chunked output projection (only the wanted positions
 # reach it, LOGPROB_CHUNK at a time), and shared prefixes (a GRPO group's prompt computed once).
 # Never does: hold an optimizer, shard a model, gate, weigh or aggregate a loss (actor.py), or sample (rollout.py).
-# Invariant kept: 3 - the engine's position ids, fp32 logits before any processing, processing.py's steps at each
+# Invariant kept: 3 - the engine's position ids, fp32 logits before any processing, engines/processing.py's steps at each
 # token's own Sampling (processing.adjusted_run_logits on a row's AdjustedRuns), MoE routes replayed
 # (r3.replay_routes), a VLM row fed the very images it was sampled with; the caller picks the precision.
 # Tensor convention: per-token arrays are [B, T] aligned to tokens, position 0 never trainable, right padding.
@@ -27,8 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 import invariants
 import models
-import processing
-import r3
+from engines import processing, r3
 
 # ---- the forward's inputs, as the engine builds them ----
 

@@ -1,4 +1,4 @@
-# harvest.py — what a program really sends, recorded to teach a tiny model to answer it.
+# engines/harvest.py — what a program really sends, recorded to teach a tiny model to answer it.
 #
 # Owns: `ScriptEngine`, an engine that samples nothing and answers each generate call with the next reply of a
 # script, and `teaching_texts`, the conversations a harvest recorded as the texts a tiny model is taught
@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import invariants
-from rollout import Generation, params_per_prompt
+from engines import Generation, params_per_prompt
 
 
 class ScriptEngine:

@@ -1,14 +1,21 @@
-# wires.py — the canonical chat request and turn that every wire decodes to and encodes from, what the wires share,
+# wires/ — the loopback server's three wire formats, each whole and streamed, decoded to one canonical request.
+#   __init__.py     (this file) the canonical request and turn, what the wires share, and OpenAI chat completions
+#   anthropic.py    Anthropic messages (and count_tokens)
+#   responses.py    OpenAI Responses
+#   params.py       every request field of each wire, and what it does (honoured, a no-op, refused)
+# They serve loopback.py and session.py; they import invariants.py, engines/ and each other, never a stage.
+#
+# This file: the canonical chat request and turn that every wire decodes to and encodes from, what the wires share,
 # and the OpenAI chat completions wire.
 #
 # Owns: the canonical request (`WireRequest`, `TurnOptions`) and turn (`ChatTurn`: what a session.ChatSession
 # returns); refusing what cannot be honoured (`WireError`, in each wire's own error format; `ContextLengthExceeded`);
-# answering every request field as wire_params.py's tables decide (honoured, a documented no-op, or refused with what
+# answering every request field as wires/params.py's tables decide (honoured, a documented no-op, or refused with what
 # would be accepted instead) and the decoding every wire shares (fields, sampling, tool options, template switches);
 # the signed thought (`split_thinking`, `signed_opening`); a reply's token extras and live streaming: text goes out
 # token by token as it is sampled (`LiveText`; `LiveStream`, what loopback's streaming drives); and the OpenAI
 # chat.completions wire itself (`decode_openai`, `openai_reply`, `OpenAIStream`). The other two wires build on this
-# file: wire_anthropic.py (Anthropic messages) and wire_responses.py (OpenAI Responses); it imports neither.
+# file: wires/anthropic.py (Anthropic messages) and wires/responses.py (OpenAI Responses); it imports neither.
 # Canonical form (what ChatSession, the chat template and the tool-call parser speak): OpenAI-style dicts,
 # content a string (text parts joined; the template concatenates them anyway) or a part list when it holds
 # images ({"type": "image", "image": url}), tool-call arguments as the decoded JSON object. An assistant
@@ -22,7 +29,7 @@
 # for it (`return_token_ids`) lists the no-ops it got and the sampling that was enforced.
 # Refuses at the boundary what would fail later, where it could hurt others: JSON nested past MAX_JSON_DEPTH,
 # lone surrogates, integers Python will not convert, sampling values the fp32 sampler cannot honour
-# (rollout.validate_sampling), images and parts in the wrong shape; a field in neither table (it might change what
+# (engines.validate_sampling), images and parts in the wrong shape; a field in neither table (it might change what
 # is sampled, and a guess would train on a distribution nobody recorded).
 # Keeps invariant 1 at the edge: every wire decodes to the same canonical request, so token accounting does
 # not depend on the wire; nothing here encodes text into ids. A reply's usage names the prompt tokens the engine
@@ -36,12 +43,13 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
-import constraints
+from engines import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
+from engines import constraints
 from invariants import MAX_ABS_LOGIT_BIAS, Sampling
-from rollout import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
-from wire_params import NO_OP, OPENAI_FIELDS, REFUSED
+from wires.params import NO_OP, OPENAI_FIELDS, REFUSED
 
 
 @dataclass
@@ -131,7 +139,7 @@ def check_json(value, where: str) -> None:
             stack.extend((child, depth + 1) for child in children)
 
 
-# ---- fields: each one honoured, a documented no-op, or refused (wire_params.py's tables) ----------------
+# ---- fields: each one honoured, a documented no-op, or refused (wires/params.py's tables) ----------------
 
 def check_fields(body: dict, fields: dict[str, tuple[str, str]]) -> tuple[str, ...]:
     """Refuse a key in no row and a refused field that is set; returns the no-op fields the body holds."""
@@ -286,7 +294,7 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
 
 
 def constraint_spec(make, *args) -> str:
-    """A constraints.py spec, its ValueError (what is wrong, what is accepted) a 400."""
+    """A engines/constraints.py spec, its ValueError (what is wrong, what is accepted) a 400."""
     try:
         return make(*args)
     except ValueError as error:
@@ -469,8 +477,8 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
 
 
 # ---- thinking: a reply's opening <think>...</think>, signed as it was sampled -------------------------
-# The signature (Anthropic's thinking block, wire_anthropic.py; the Responses reasoning item's encrypted_content,
-# wire_responses.py) carries the exact text that was sampled (the tags and the whitespace after them included), so
+# The signature (Anthropic's thinking block, wires/anthropic.py; the Responses reasoning item's encrypted_content,
+# wires/responses.py) carries the exact text that was sampled (the tags and the whitespace after them included), so
 # an echo decodes to the reply as it was written, byte for byte, and extends the record.
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -503,6 +511,61 @@ def signed_opening(sealed) -> str | None:
         return None
     split = split_thinking(opening)
     return opening if split is not None and split[2] == "" else None
+
+
+# ---- tool calls: read structure out of the sampled text, never write it back ------------------------
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_OPENING, CALL_CLOSING = "<tool_call>\n", "</tool_call>"    # a forced call's opening; where one call ends
+
+
+def _call_arguments(call: dict) -> dict | None:
+    """A call's arguments as an object: absent means {}; a JSON string holding an object (the way the OpenAI
+    wire carries them, and how some models write them) is that object; anything else is not a call."""
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+            check_json(arguments, "a tool call's arguments")
+        except (ValueError, RecursionError, WireError):
+            return None
+    return arguments if isinstance(arguments, dict) else None
+
+
+def tool_call_blocks(text: str) -> Iterator[tuple[int, re.Match, dict | None]]:
+    """Each `<tool_call>...</tool_call>` block of a reply in order: its ordinal, its match, and its call {"name",
+    "arguments"}, or None when it is not one (not valid JSON with a string name and object arguments)."""
+    for ordinal, match in enumerate(TOOL_CALL.finditer(text)):
+        try:
+            call = json.loads(match.group(1))
+            check_json(call, "a tool call")     # a reply is answered as JSON: it must re-serialize
+        except (ValueError, RecursionError, WireError):
+            yield ordinal, match, None
+            continue
+        arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
+        yield ordinal, match, None if arguments is None else {"name": call["name"], "arguments": arguments}
+
+
+def parse_hermes_tool_calls(text: str, call_prefix: str) -> dict:
+    """Hermes/Qwen style: each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` becomes an
+    OpenAI-shaped tool call, its id the prefix and the block's ordinal (a streaming wire names a call by it before
+    the block is whole). A block that is not valid JSON with a string name and object arguments stays in
+    the content as text: the model's error is shown to the agent, never repaired. The token record is not
+    touched."""
+    calls, kept = [], []
+    last = 0
+    for ordinal, match, call in tool_call_blocks(text):
+        if call is None:
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        calls.append({"id": f"{call_prefix}-{ordinal}", "type": "function", "function": call})
+    if not calls:       # the reply is returned byte for byte, so an echo of it extends the record
+        return {"role": "assistant", "content": text}
+    kept.append(text[last:])
+    # only trailing whitespace goes (the template writes its own separator before a call); the start is kept
+    content = "".join(kept).rstrip()
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
 # ---- encoding: a ChatTurn -> an OpenAI chat completion, whole or streamed; what every reply shares ----

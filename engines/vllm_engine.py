@@ -1,4 +1,4 @@
-# vllm_engine.py — vLLM behind the engine interface of rollout.py.
+# engines/vllm_engine.py — vLLM behind the engine interface of rollout.py.
 #
 # Owns: `VLLMEngine`, which drives vLLM's `AsyncLLM` (one private event loop in a background thread) and answers
 # the same calls as rollout.EmbeddedEngine: generate (token ids in, `Generation`s out, per-token streaming),
@@ -32,7 +32,7 @@
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
 #     processing.adjust_logits and processed_logprobs recompute in the trainer (shown on vLLM's CPU build, field by
-#     field; a grammar runs on vLLM's llguidance backend as the very grammar text constraints.py replays); an MoE
+#     field; a grammar runs on vLLM's llguidance backend as the very grammar text engines/constraints.py replays); an MoE
 #     model returns the experts vLLM routed each position to
 #     (`enable_return_routed_experts`), in the layout of `Generation.routes`, for the trainer to replay; a VLM's
 #     images go in as vLLM multimodal data: each image's source (the copy the trainer's processor resized, so
@@ -46,7 +46,7 @@
 # the weights travel under the checkpoint's names and layout (`checkpoint_state`: transformers 5 renames and fuses
 # some models' weights as it loads them) and every key of the engine's checkpoint must arrive. An engine on a GPU of its own gets the weights over the async
 # runtime's weight channel (runtime.py: NCCL into its process), then by CUDA IPC from there.
-# LoRA (`lora=`, lora.py): the engine serves the adapter unmerged (vLLM's LoRA layers add alpha/r * B(A x) to the
+# LoRA (`lora=`, trainer/lora.py): the engine serves the adapter unmerged (vLLM's LoRA layers add alpha/r * B(A x) to the
 # frozen base, as PEFT's layer does in the trainer; a merge would round W + alpha/r * B A in the engine's dtype, which
 # the trainer never does). A push is the adapter alone, written as a PEFT folder and registered as a new vLLM adapter
 # (`_load_adapter`): a request is sampled whole under the adapter of the version it started at (vLLM binds the
@@ -73,10 +73,9 @@ import torch
 import transformers
 
 import invariants
-import lora
 import models
-from rollout import (Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling,
-                     validate_sampling)
+from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling, validate_sampling
+from trainer import lora
 
 LORA_SLOTS = 4     # adapters vLLM holds at once: the newest, and older ones while requests started under them finish
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
@@ -279,7 +278,7 @@ class VLLMEngine:
             # routes of a request it never preempted came back for some positions only, or none; synchronous, every
             # request of bench/fp32_parity.py's r3_update had routes for every position (docs/gpu.md)
             async_scheduling=False if self.is_moe else None,
-            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # constraints.py's engine
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),   # engines/constraints.py's engine
             weight_transfer_config={"backend": "ipc"} if transfer == "ipc" else None, **adapter_args)
         if transfer == "ipc":
             # the CUDA IPC handles name a storage class, which vLLM's RPC encodes only by pickle; both ends of that
@@ -522,7 +521,7 @@ class VLLMEngine:
             listener = None if on_token is None else (lambda token_id, i=index: on_token(i, token_id))
             grammar = None
             if p.constraint is not None:    # bound to the ids the request ends on, as the embedded engine binds it
-                import constraints
+                from engines import constraints
                 grammar = constraints.bind(p.constraint, sorted(p.stop_token_ids or self.eos_ids))
                 if self._tokenizer is None:
                     self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_path)
@@ -723,7 +722,7 @@ def _vllm_params(request: _Request):
     from, with its stop ids as the request's (so it ends where the grammar does). Logprobs come flat (a few lists
     per request, not a dict and a Logprob per token: vLLM's client runs in this process, and 256 x 512 tokens of
     those kept Python's collector busy for seconds a step)."""
-    import constraints
+    from engines import constraints
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     p, grammar = request.params, request.sampling.constraint

@@ -1,4 +1,4 @@
-# viewer.py — see a run: one self-contained HTML page of its metric curves and every token of its traced rows.
+# trainer/viewer.py — see a run: one self-contained HTML page of its metric curves and every token of its traced rows.
 #
 # Owns: reading what a run left (OUT/metrics.jsonl, OUT/traces/step_N.jsonl, OUT/config.json) or what a loopback
 # session holds (session.session_trace) into one page model of plain JSON rows, finding the rows worth reading

@@ -1,4 +1,4 @@
-# cpu_setup.py — what a process that trains or samples on a CPU changes in itself before its first model loads:
+# trainer/cpu_setup.py — what a process that trains or samples on a CPU changes in itself before its first model loads:
 # glibc's heap keeps the pages it frees, and MKL multiplies with its AVX-512 kernels on an AMD CPU that has them.
 #
 # Owns: `prepare_cpu_process`, called where such a process starts (train.py's main on a machine without a GPU, and

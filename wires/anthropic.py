@@ -1,4 +1,4 @@
-# wire_anthropic.py — the Anthropic messages wire (POST /v1/messages, and count_tokens), to and from the canonical
+# wires/anthropic.py — the Anthropic messages wire (POST /v1/messages, and count_tokens), to and from the canonical
 # chat turn.
 #
 # Owns: decoding an Anthropic messages request (every field as wire_params.ANTHROPIC_FIELDS decides; count_tokens's
@@ -17,15 +17,15 @@
 # context where a tool_reference names it, so the rendered tools (and the record) stay the same when a harness's tool
 # search finds one; a server tool cannot run here and is refused (a server-side tool search is dropped).
 # Errors are Anthropic's shape (wires.WireError.body), a prompt over the context Claude Code's "prompt is too long".
-# Never: holds state past one reply, generates, records, or encodes text into ids. wires.py holds what the wires share
+# Never: holds state past one reply, generates, records, or encodes text into ids. wires/__init__.py holds what the wires share
 # and never imports this file.
 from __future__ import annotations
 
 import json
 
-import constraints
-from rollout import Generation, SamplingParams
-from wire_params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
+from engines import Generation, SamplingParams
+from engines import constraints
+from wires.params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, WireError, WireRequest, arguments_to_json,
                    assistant_message, check_fields, constraint_spec, flag_field, function_call_record, function_tool,
                    join_parts, number_field, object_field, opening_signature, partial_suffix, real_field, require,
@@ -313,7 +313,7 @@ def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: 
 
 
 def _context_management(request: WireRequest) -> dict:
-    """What a request that set context_management is told: no edit was applied (wire_params.py says why)."""
+    """What a request that set context_management is told: no edit was applied (wires/params.py says why)."""
     return {"context_management": {"applied_edits": []}} if request.context_management else {}
 
 

@@ -1,9 +1,9 @@
-# processing.py — the processed distribution of invariant 3 (forward consistency, invariants.py's header): the one
+# engines/processing.py — the processed distribution of invariant 3 (forward consistency, invariants.py's header): the one
 # order in which the engine and the trainer turn a token's logits into the distribution it was drawn from.
 # Owns: steps 1-5 below (adjust_logits, from the row's own ids through penalty_state; adjusted_run_logits for the
 # trainer's AdjustedRuns) and steps 6-9 (processed_logprobs). The engine samples from and reports this distribution
-# (rollout.py; vllm_engine.py checks vLLM's sampler against it), the trainer recomputes it (recompute.py).
-# Never does: sample, hold a model or a tokenizer, or walk a grammar (constraints.py replays its masks; a run carries
+# (rollout.py; engines/vllm_engine.py checks vLLM's sampler against it), the trainer recomputes it (trainer/recompute.py).
+# Never does: sample, hold a model or a tokenizer, or walk a grammar (engines/constraints.py replays its masks; a run carries
 # them). Imports invariants (a token's Sampling, an AdjustedRun). Tests: tests/test_processing.py, and
 # tests/test_sampling.py end to end through the engine and the trainer.
 from __future__ import annotations

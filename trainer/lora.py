@@ -1,4 +1,4 @@
-# lora.py — LoRA adapters on the policy: which layers take one, how they are added (PEFT), what travels to an engine.
+# trainer/lora.py — LoRA adapters on the policy: which layers take one, how they are added (PEFT), what travels to an engine.
 #
 # Owns: `LoraSpec` (rank and alpha: the record the actor and every engine build from), `adapted_modules` (which
 # linears take an adapter), `add_lora` (PEFT's adapter layers injected there in place, the base frozen), `adapter_state` (the adapter's tensors: all
@@ -15,7 +15,7 @@
 # What is adapted: every nn.Linear of the language model's decoder layers (attention and dense MLP projections). Not
 # the embeddings or the output head (a tied head is the embedding), not a vision tower, not an MoE router (a router
 # trained through an adapter changes routes that vLLM would not serve the same way) and not MoE experts (fused 3-D
-# weights, not linears): an MoE base keeps its routers and experts frozen and its routes replayed (r3.py) as ever.
+# weights, not linears): an MoE base keeps its routers and experts frozen and its routes replayed (engines/r3.py) as ever.
 from __future__ import annotations
 
 import json
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import models
-import r3
+from engines import r3
 
 ADAPTER_MARK = ".lora_"          # in every state_dict key of an adapter tensor (lora_A / lora_B), in no base key
 
@@ -59,7 +59,7 @@ def adapted_modules(model: nn.Module) -> list[str]:
 
 def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     """Freeze `model` and inject PEFT's LoRA layers into its adapted_modules, in place (the model keeps its class, so every
-    forward of recompute.py and rollout.py runs unchanged). Dropout 0: the trainer and the engine compute the same
+    forward of trainer/recompute.py and rollout.py runs unchanged). Dropout 0: the trainer and the engine compute the same
     function (invariant 3). Returns the model."""
     from peft import LoraConfig, inject_adapter_in_model
     for parameter in model.parameters():

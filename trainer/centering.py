@@ -1,4 +1,4 @@
-# centering.py — score centering: off-policy REINFORCE without an importance ratio, from the sampler's top-k.
+# trainer/centering.py — score centering: off-policy REINFORCE without an importance ratio, from the sampler's top-k.
 #
 # Owns: the score-centered surrogate (centered_policy_loss), the coefficients of its top-k head
 # (head_coefficients), and the rules a run with it must keep (validate_centering).
@@ -90,7 +90,7 @@ def batch_heads(batch, k: int) -> Tensor:
 
 def validate_centering(k: int, estimator: str, dual_clip: float, correction_level: str, max_k: int) -> None:
     """Refuse a score-centering run that would train silently wrong (ValueError naming the fix). k: algo.score_centering
-    (0 = off); max_k: the most top logprobs an engine reports per token (rollout.MAX_TOP_LOGPROBS)."""
+    (0 = off); max_k: the most top logprobs an engine reports per token (engines.MAX_TOP_LOGPROBS)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= max_k:
         raise ValueError(f"algo.score_centering is the number of the sampler's top logprobs recorded per token, an int "
                          f"in [1, {max_k}] (the most an engine reports), or 0 for off; got {k!r}")

@@ -1,4 +1,4 @@
-# prefix_cache.py — the embedded engine's store of finished rows' KV, for the prompts that start with their ids.
+# engines/prefix_cache.py — the embedded engine's store of finished rows' KV, for the prompts that start with their ids.
 #
 # Owns: `PrefixCache`, the keys and values (per layer) of rows that finished, kept so that a later prompt which
 # starts with the same ids prefills only what follows them (rollout.EmbeddedEngine._prefill). An agent's turn is

@@ -1,4 +1,4 @@
-# wire_responses.py — the OpenAI Responses wire (POST /v1/responses), to and from the canonical chat turn.
+# wires/responses.py — the OpenAI Responses wire (POST /v1/responses), to and from the canonical chat turn.
 #
 # Owns: decoding a Responses request (every field as wire_params.RESPONSES_FIELDS decides) into the canonical request
 # the chat and Anthropic wires decode to (`wires.WireRequest`), so token accounting does not depend on the wire;
@@ -10,7 +10,7 @@
 # wire's thinking signature), then a message item with the text before the first tool call, then one function_call
 # item per <tool_call> block, then a message with any text after the calls. Echoed back as input items, consecutive
 # assistant output items (reasoning, messages, calls) merge into one canonical assistant message, exactly the shape
-# session.parse_hermes_tool_calls returned (text concatenated, calls with their ids), so the echo compares equal and
+# wires.parse_hermes_tool_calls returned (text concatenated, calls with their ids), so the echo compares equal and
 # extends the record (invariant 1). A reasoning item's opening holds the whitespace after </think> only when text
 # follows it (before a call the parser drops it: the reply's text is then the message's, whitespace first).
 # Streaming sends text, thoughts and call arguments as their tokens are sampled, but only what the finished reply is
@@ -32,9 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import wires
-from rollout import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
-from session import tool_call_blocks
-from wire_params import RESPONSES_FIELDS
+from engines import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
+from wires.params import RESPONSES_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, WireError, WireRequest, arguments_from_json, assistant_message,
                    check_fields, flag_field, function_call_record, function_tool, join_parts, number_field,
                    object_field, opening_signature, partial_suffix, real_field, require, response_format_kind,
@@ -430,7 +429,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
             return [Item("reasoning", region, False)]   # the whitespace after it may go on, or come before a call
         start = end + len(THINK_CLOSE) if calls_parsed and after.startswith(CALL_OPEN) else len(text) - len(after)
         items.append(Item("reasoning", region, True, opening=text[:start]))
-    blocks = {m.start(): (ordinal, call) for ordinal, m, call in tool_call_blocks(text)} if calls_parsed else {}
+    blocks = {m.start(): (ordinal, call) for ordinal, m, call in wires.tool_call_blocks(text)} if calls_parsed else {}
     # the text before the first block that is a call item (text blocks before it are the message's)
     at, first, pending = start, -1, -1
     while calls_parsed and (at := text.find(CALL_OPEN, at)) >= 0:

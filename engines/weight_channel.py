@@ -1,4 +1,4 @@
-# weight_channel.py — the trainer's weights to an engine in another process (a runtime.EngineActor) when CUDA IPC
+# engines/weight_channel.py — the trainer's weights to an engine in another process (a runtime.EngineActor) when CUDA IPC
 # cannot carry them: one two-rank process group per engine.
 #
 # Owns: `WeightPush` (one update as Runtime.push_weights hands it to every engine proxy), `WeightChannel` (the
