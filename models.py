@@ -17,7 +17,9 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 import torch
@@ -42,13 +44,18 @@ def cache_root() -> str:
     return os.environ.get("TRACERL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tracerl"))
 
 
-def _cached_folder(name: str, write) -> str:
-    """Return cache_root()/name, calling write(tmp_dir) first if it is not complete yet (atomic rename)."""
+def _cached_folder(name: str, write, what: str = "") -> str:
+    """Return cache_root()/name, calling write(tmp_dir) first if it is not complete yet (atomic rename). `what`
+    names long first-time work (teaching a model, converting weights): it is announced with where it will be kept,
+    and its time when done, so minutes of it are never silent; later calls reuse the folder."""
     final = os.path.join(cache_root(), name)
     if os.path.exists(os.path.join(final, COMPLETE_MARKER)):
         return final
     os.makedirs(cache_root(), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root())
+    started = time.monotonic()
+    if what:
+        progress(f"{what}: once, kept in {final}")
     try:
         write(tmp)
         with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
@@ -63,7 +70,20 @@ def _cached_folder(name: str, write) -> str:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if what:
+        progress(f"{what}: done in {time.monotonic() - started:.0f} s")
     return final
+
+
+def progress(line: str) -> None:
+    """One line of long first-time work's progress, on stderr (stdout stays the run's own)."""
+    print(f"tracerl: {line}", file=sys.stderr, flush=True)
+
+
+def teaching_step(what: str, step: int, steps: int, loss: torch.Tensor) -> None:
+    """A taught model's progress: every tenth of its steps, the step and its loss."""
+    if (step + 1) % max(1, steps // 10) == 0:
+        progress(f"{what}: step {step + 1}/{steps}, loss {loss.item():.3f}")
 
 
 # ---- SmolLM2-135M-Instruct (packaged GGUF) ----
@@ -98,7 +118,7 @@ def _write_smollm2(folder: str) -> None:
 
 def smollm2_path() -> str:
     """Folder with SmolLM2-135M-Instruct as fp32 safetensors + tokenizer + chat template (converted once)."""
-    return _cached_folder("smollm2-135m-instruct", _write_smollm2)
+    return _cached_folder("smollm2-135m-instruct", _write_smollm2, "converting SmolLM2-135M's GGUF weights")
 
 
 # ---- byte-level BPE tokenizer (trained in-process) ----
@@ -261,7 +281,7 @@ def taught_tiny_model_dir(kind: str, examples: list[tuple[str, list]], steps: in
                             inputs))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         order = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
+        for step in range(steps):
             rows = [encoded[i] for i in torch.randint(len(encoded), (8,), generator=order).tolist()]
             width = max(len(ids) for ids, _ in rows)
             ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r, _ in rows])
@@ -271,12 +291,14 @@ def taught_tiny_model_dir(kind: str, examples: list[tuple[str, list]], steps: in
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            teaching_step(what, step, steps, loss)
         model.eval().save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         if processor is not None:
             processor.save_pretrained(folder)
 
-    return _cached_folder(f"taught-{kind}-seed{seed}-{fingerprint.hexdigest()[:10]}", write)
+    what = f"teaching a tiny {kind} model the format of {len(examples)} examples ({steps} steps)"
+    return _cached_folder(f"taught-{kind}-seed{seed}-{fingerprint.hexdigest()[:10]}", write, what)
 
 
 def reply_mask(tokenizer, ids: list[int]) -> list[bool]:
@@ -315,7 +337,7 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
         threads = torch.get_num_threads()
         torch.set_num_threads(os.cpu_count() or 1)     # one long CPU job: every core (the test suite runs on one)
         try:
-            for _ in range(steps):
+            for step in range(steps):
                 rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
                 width = max(len(encoded[r]) for r in rows) - shared
                 pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
@@ -332,12 +354,14 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+                teaching_step(what, step, steps, loss)
         finally:
             torch.set_num_threads(threads)
         model.eval().save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return _cached_folder(f"taught-replies-qwen3-seed{seed}-{fingerprint.hexdigest()[:10]}", write)
+    what = f"teaching a tiny qwen3 model the replies of {len(texts)} conversations ({steps} steps)"
+    return _cached_folder(f"taught-replies-qwen3-seed{seed}-{fingerprint.hexdigest()[:10]}", write, what)
 
 
 # ---- resolve and load ----

@@ -222,6 +222,7 @@ def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]
                                    f"scripted, {rollouts[0].num_turns if rollouts else 0} asked for (failures: "
                                    f"{runner.failures}); the harness and the script disagree")
             generations += rollouts[0].generations
+            models.progress(f"harvested {task.task_id}: {len(script)} turns")
     finally:
         runner.server.stop()
     return teaching_texts(tokenizer, generations)
@@ -240,7 +241,7 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     # what shapes the texts: the harness, the recipe's file (train.py loads it under a module name of its own), this
     # file, the server's rendering (loopback.py, session.py, data.py, the wires), the replies, the tokenizer
     root = os.path.dirname(HARNESSES_DIR)
-    sources = [script.__code__.co_filename, __file__, *sorted(glob.glob(os.path.join(root, "wire*.py"))),
+    sources = [script.__code__.co_filename, __file__, *sorted(glob.glob(os.path.join(root, "wires", "*.py"))),
                *(os.path.join(root, f"{name}.py") for name in ("loopback", "session", "data"))]
     fingerprint = hashlib.sha256(json.dumps([agent_cls.harness.version, scripts, runs,
                                              tokenizer.backend_tokenizer.to_str()]).encode())
@@ -252,7 +253,8 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
         with open(os.path.join(folder, "demonstrations.json"), "w") as f:
             json.dump(harvest(agent_cls, tasks, scripts, runs), f)
 
-    folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint.hexdigest()[:10]}", write)
+    what = f"harvesting {agent_cls.harness.name}'s requests over {len(tasks)} demonstrations"
+    folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint.hexdigest()[:10]}", write, what)
     with open(os.path.join(folder, "demonstrations.json")) as f:
         texts = json.load(f)
     return models.taught_replies_model_dir(texts, steps=steps)

@@ -1,5 +1,6 @@
 # Tests for models.py: the BPE tokenizer, tiny random models, cache folders, loading, and the packaged SmolLM2.
 import os
+import re
 
 import pytest
 import torch
@@ -186,6 +187,19 @@ def test_half_written_cache_folder_is_never_used(tmp_path, monkeypatch):
     folder = models._cached_folder("half", lambda tmp: calls.append(tmp))
     assert calls and not os.path.exists(os.path.join(folder, "junk"))
     assert os.path.exists(os.path.join(folder, models.COMPLETE_MARKER))
+
+
+def test_teaching_a_model_shows_its_progress_once_and_is_silent_when_reused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
+    examples = [("<|im_start|>assistant\nThe answer is \\boxed{4}.<|im_end|>\n", [])]
+    folder = models.taught_tiny_model_dir("qwen3", examples, steps=20)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tracerl:")]   # ours alone
+    assert lines[0].startswith("tracerl: teaching a tiny qwen3 model the format of 1 examples (20 steps): once, kept in")
+    assert [line.split(",")[0] for line in lines[1:-1]] == [f"tracerl: teaching a tiny qwen3 model the format of 1 "
+                                                            f"examples (20 steps): step {s}/20" for s in range(2, 21, 2)]
+    assert re.fullmatch(r"tracerl: .*: done in \d+ s", lines[-1])
+    assert models.taught_tiny_model_dir("qwen3", examples, steps=20) == folder
+    assert capsys.readouterr().err == ""                        # reused: nothing taught, nothing said
 
 
 def test_resolve_model_accepts_names_and_folders_and_lists_valid_names(tmp_path, monkeypatch):
