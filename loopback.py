@@ -13,22 +13,24 @@
 # only).
 # Bad input is refused with a 4xx in the wire's own format before anything reaches the session, so nothing is
 # recorded; every error page (aiohttp's own 404, 405 and parse errors included) is that JSON.
-# Work is bounded before it is done: the body's size and the time it may take to arrive, a prompt's text
+# Work is bounded before it is done: the body's size, the time it may take to arrive and the JSON values it may
+# expand to (wires.max_json_values, counted before json.loads builds any; parsed off the loop), a prompt's text
 # against the context before it is rendered, an image's pixels from its header before it is decoded (per image and
 # per request); sessions opened over HTTP expire when idle and are capped. Cheap clients are bounded too: a
 # connection must send each request head within idle_timeout_s (slowloris) and is closed when idle that long; past
 # max_connections the oldest idle one is closed. A session's HTTP turns run one at a time, and the ones waiting hold
 # no worker thread: one session's backlog delays another session's turn by at most the one turn it is generating
-# (they share the engine's batch), and past max_session_requests waiting or generating it gets a 429 with a
-# Retry-After. A request whose client hangs up while it waits is dropped, never generated; no header value (a key)
-# is ever logged or quoted in an error page.
+# (they share the engine's batch), and past max_session_requests awaiting their body, waiting or generating it gets
+# a 429 with a Retry-After before its body is awaited, its connection closed: one session's connections never hold
+# more than its share, so none of them pushes another session's newcomer out. A request whose client hangs up while
+# it waits is dropped, never generated; one whose client hangs up mid-reply stops sampling at the next token and is
+# dropped whole (session.TurnCut). No header value (a key) is ever logged or quoted in an error page.
 # A session's context (prompt and reply) is at most the model's position limit (the default, read from the
 # engine's max_model_len); a prompt past it is refused in the wire's own words, the ones harnesses compact their
 # conversation on (wires.ContextLengthExceeded: OpenAI's code context_length_exceeded, Anthropic's "prompt is too
 # long"), streamed or not; a request without max_tokens gets the rest of the context, at most the server's max_tokens.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
-# Streaming sends each token's text as it is sampled; a client that disconnects
-# mid-turn does not stop the turn, which commits, so a retry fetches it. Images reach a VLM processed
+# Streaming sends each token's text as it is sampled. Images reach a VLM processed
 # once per session, their pads expanded, and recorded with the row. Standalone (`python loopback.py
 # --model ...`) it serves one model behind an EmbeddedEngine and opens sessions on `POST /sessions` (with the admin
 # key it prints at start, or the operator's from TRACERL_LOOPBACK_ADMIN_KEY), so an agent author can check token
@@ -58,7 +60,7 @@ import wires
 from engines import SamplingParams
 from rollout import EmbeddedEngine
 from router import EngineFailure
-from session import ChatSession, ContextOverflow, session_trace
+from session import ChatSession, ContextOverflow, TurnCut, session_trace
 from trainer import viewer
 from wires import CALL_OPENING
 from wires import anthropic as wire_anthropic
@@ -116,8 +118,11 @@ ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
 class _Lane:
     """Where a session's HTTP turns wait for the one before them, and the Responses they stored."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # waiting here holds no worker thread
-    in_flight: int = 0             # HTTP turns waiting or generating (capped: max_session_requests)
+    in_flight: int = 0             # requests awaiting their body, waiting or generating (max_session_requests)
     responses: wire_responses.ResponseStore = field(default_factory=wire_responses.ResponseStore)
+
+
+IN_LANE = web.RequestKey("in_lane", _Lane)    # the session whose max_session_requests this request counts against
 
 
 class _Connection(web_protocol.RequestHandler):
@@ -186,6 +191,7 @@ class LoopbackServer:
                              f"{max_tokens!r}")
         self.max_tokens = max_tokens
         self.body_timeout_s = body_timeout_s       # a request body that takes longer to arrive is refused (408)
+        self.max_body_values = wires.max_json_values(self.max_length)   # a body with more is refused before parsing
         # Sessions opened over HTTP (POST /sessions) have no owner in this process to close them: they expire
         # after session_ttl_s without a request, and at most max_open_sessions are open at once (429 beyond).
         # Sessions made by create_session() belong to their caller (a runner), which closes them for the ledger.
@@ -200,7 +206,8 @@ class LoopbackServer:
         self._http_sessions: set[str] = set()      # the ids opened over HTTP
         self._registry_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="loopback-generate")
-        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopback-trace")   # never behind turns
+        # traces, pages and request bodies are read here, never behind turns
+        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="loopback-read")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -345,6 +352,8 @@ class LoopbackServer:
                 500, f"internal error: {type(error).__name__}: {str(error)[:200]}", "api_error"))
         finally:
             connection.serving -= 1
+            if (lane := request.get(IN_LANE)) is not None:     # counted from its body's wait (_body) to here
+                lane.in_flight -= 1
         return response
 
     def _authorize(self, request: web.Request) -> tuple[ChatSession, _Lane]:
@@ -377,7 +386,19 @@ class LoopbackServer:
                                        f"session's key reaches only its own session's routes); {how}",
                                   "permission_error")
 
-    async def _body(self, request: web.Request, optional: bool = False) -> dict:
+    async def _body(self, request: web.Request, lane: _Lane | None = None, optional: bool = False) -> dict:
+        """The request's JSON body, parsed off the loop. A session's request (`lane`) counts against its
+        max_session_requests from now until it is answered: past them it is refused before its body is awaited, and
+        its connection closed, so one session's connections awaiting bodies that never come hold at most its share
+        of the server's, and never push another session's newcomer out (_Connection)."""
+        if lane is not None:
+            if lane.in_flight >= self.max_session_requests:
+                self._abandon_body(request)
+                raise wires.WireError(429, f"this session already has {lane.in_flight} requests awaiting their "
+                                           f"body, waiting or generating, this server's limit (its turns run one at "
+                                           f"a time); retry when one is answered", "rate_limit_error")
+            lane.in_flight += 1
+            request[IN_LANE] = lane
         try:
             async with asyncio.timeout(self.body_timeout_s):     # in this task: a body already here is read at once
                 raw = await request.read()
@@ -396,7 +417,10 @@ class LoopbackServer:
             raise wires.WireError(400, "the client closed the connection before sending the whole body") from None
         if optional and not raw.strip():
             return {}
-        return wires.parse_body(raw)
+        # off the loop (json.loads holds the GIL, but only for what max_json_values lets through; the structure
+        # check runs in slices), so another session's request is answered meanwhile
+        return await asyncio.get_running_loop().run_in_executor(self._reads, wires.parse_body, raw,
+                                                                self.max_body_values)
 
     @staticmethod
     def _abandon_body(request: web.Request) -> None:
@@ -407,43 +431,43 @@ class LoopbackServer:
 
     async def _turn(self, session: ChatSession, lane: _Lane, request: wires.WireRequest,
                     on_token=None) -> wires.ChatTurn:
-        """One turn of the session, after the ones before it. Over max_session_requests waiting or generating, a 429.
-        A client that hangs up while its turn waits cancels it (nothing generated); one that hangs up while it
-        generates does not: the turn commits, a retry gets it from the record, and the next waits until it has."""
+        """One turn of the session, after the ones before it. A client that hangs up while its turn waits cancels it
+        (nothing generated); one that hangs up while it generates stops its sampling at the next token, and the turn
+        is dropped whole (session.TurnCut: nothing recorded, counted in session.cut_turns), as vLLM's server aborts
+        a disconnected request: a harness killed mid-reply no longer keeps the engine sampling toward the whole
+        context. The next turn waits until the engine has let go of it."""
+        hung_up = threading.Event()
         return await self._in_lane(lane, request, session.turn, request.messages, request.tools, request.sampling,
-                                   on_token, request.options)
+                                   on_token, request.options, hung_up, hung_up=hung_up)
 
-    async def _in_lane(self, lane: _Lane, request: wires.WireRequest, work, *args):
+    async def _in_lane(self, lane: _Lane, request: wires.WireRequest, work, *args, hung_up=None):
         """`work(*args)` on a worker thread after the session's requests before it (turns, token counts: both read
-        the record), waiting in the lane without holding a thread; counted against max_session_requests. A prompt
-        over the context is refused naming the request's prompt field."""
-        if lane.in_flight >= self.max_session_requests:
-            raise wires.WireError(429, f"this session already has {lane.in_flight} requests waiting or generating, "
-                                       f"this server's limit (its turns run one at a time); retry when one is "
-                                       f"answered", "rate_limit_error")
-        lane.in_flight += 1
+        the record), waiting in the lane without holding a thread (counted against max_session_requests since its
+        body: _body). A prompt over the context is refused naming the request's prompt field."""
         try:
             async with lane.lock:
                 generating = asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
                 try:
                     return await asyncio.shield(generating)
-                except asyncio.CancelledError:
-                    await asyncio.wait([generating])      # the lane stays held until the turn has committed
+                except asyncio.CancelledError:            # the client hung up
+                    if hung_up is not None:
+                        hung_up.set()
+                    await asyncio.wait([generating])      # the lane stays held until the engine has let go
+                    if not generating.cancelled() and isinstance(generating.exception(), TurnCut):
+                        log.info("loopback: %s", generating.exception())
                     raise
         except ContextOverflow as error:        # in the wire's own words, which harnesses compact their context on
             raise wires.ContextLengthExceeded(error.prompt_tokens, error.context, str(error),
                                               request.prompt_field) from None
         except (ValueError, TemplateError) as error:   # a bad image, a template that refuses
             raise wires.WireError(400, str(error)) from None
-        finally:
-            lane.in_flight -= 1
 
     async def _stream(self, request: web.Request, session: ChatSession, lane: _Lane,
                       wire_request: wires.WireRequest,
                       stream: wires.LiveStream) -> web.StreamResponse:
         """Serve one turn as server-sent events, text sent as its tokens are sampled. Nothing is sent before
-        the first token, so a request refused by the session is still a plain 4xx. A client that hangs up
-        does not stop the turn: it is committed, and a retry gets it from the record."""
+        the first token, so a request refused by the session is still a plain 4xx. A client that hangs up cuts the
+        turn (_turn), and this handler ends once the engine has let go of it."""
         loop = asyncio.get_running_loop()
         sampled: asyncio.Queue = asyncio.Queue()
 
@@ -489,11 +513,11 @@ class LoopbackServer:
             if stream.done_marker:
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:      # the client hung up; the turn still commits and a retry returns it
-            pass
-        except asyncio.CancelledError:    # the client hung up (handler cancellation): a turn still waiting leaves
-            job.cancel()
-            raise
+        except (ConnectionResetError, asyncio.CancelledError) as hang_up:   # a write failed, or the handler was
+            job.cancel()                                                    # cancelled: the client is gone
+            await asyncio.wait([job])
+            if isinstance(hang_up, asyncio.CancelledError):
+                raise
         # aiohttp needs a response even when nobody is left to read it (it is never sent on a closed connection)
         return response if response is not None else web.Response(status=499)
 
@@ -518,7 +542,7 @@ class LoopbackServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        wire_request = wires.decode_openai(await self._body(request), session.sampling)
+        wire_request = wires.decode_openai(await self._body(request, lane), session.sampling)
         reply_id = f"chatcmpl-{secrets.token_hex(8)}"
         if wire_request.stream:
             stream = wires.OpenAIStream(wire_request, self.tokenizer, self.model_name, reply_id)
@@ -528,7 +552,7 @@ class LoopbackServer:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        wire_request = wire_anthropic.decode_anthropic(await self._body(request), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic(await self._body(request, lane), session.sampling)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
             stream = wire_anthropic.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
@@ -538,7 +562,7 @@ class LoopbackServer:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        decoded = wire_responses.decode_responses(await self._body(request), session.sampling, lane.responses)
+        decoded = wire_responses.decode_responses(await self._body(request, lane), session.sampling, lane.responses)
         reply_id = f"resp_{secrets.token_hex(12)}"
         if decoded.request.stream:
             stream = wire_responses.ResponsesStream(decoded, self.tokenizer, self.model_name, reply_id,
@@ -554,7 +578,7 @@ class LoopbackServer:
         (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
         nothing is generated or recorded. It waits in the session's lane, as a turn does (it reads the record)."""
         session, lane = self._authorize(request)
-        wire_request = wire_anthropic.decode_anthropic_count(await self._body(request), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic_count(await self._body(request, lane), session.sampling)
         ids = await self._in_lane(lane, wire_request, session.prompt_ids, wire_request.messages, wire_request.tools,
                                   wire_request.options)
         return web.json_response({"input_tokens": len(ids)})

@@ -130,6 +130,17 @@ class ContextOverflow(ValueError):
         self.prompt_tokens, self.context = prompt_tokens, context   # the prompt (or a lower bound on it), the context
 
 
+class TurnCut(Exception):
+    """A turn whose client hung up mid-reply: its sampling stopped at the next token and the turn is dropped whole,
+    never recorded in part. A part would be a reply nobody read and cut where no stop token or max_tokens ends it;
+    dropped, the record stays the replies the agent got, each token with its logprob and version (invariant 1),
+    and a retry samples the turn afresh, as after a failed generation."""
+
+    def __init__(self, rollout_id: str):
+        super().__init__(f"session {rollout_id}: the client hung up mid-reply; sampling stopped and the turn was "
+                         f"dropped (nothing recorded)")
+
+
 # ---- the echo rule: a recorded message in the agent's rendering (header) ----------------------------------
 
 def same_json(a, b) -> bool:
@@ -270,6 +281,7 @@ class ChatSession:
         self.lock = threading.Lock()           # one turn at a time per session
         self.ledger_lock = threading.Lock()    # held only while a turn commits: the trace never waits on a generation
         self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
+        self.cut_turns = 0                     # turns whose client hung up mid-reply (TurnCut): none recorded
 
     # -- the main line (header), and what a rollout trains --
 
@@ -330,11 +342,12 @@ class ChatSession:
 
     def turn(self, messages: list[dict], tools: list[dict] | None = None, sampling: SamplingParams | None = None,
              on_token: Callable[[list[int], int, str], None] | None = None,
-             options: wires.TurnOptions | None = None) -> wires.ChatTurn:
+             options: wires.TurnOptions | None = None, hung_up: threading.Event | None = None) -> wires.ChatTurn:
         """Generate the assistant's reply to `messages` and commit it to its line. `on_token(prompt_ids, token_id,
         call_prefix)` is called as each token is sampled (a streaming server's hook; call_prefix begins the ids of this
         reply's tool calls); a retry answered from the record never calls it. `options`: the tool choice and the chat
-        template's switches (default: auto, none)."""
+        template's switches (default: auto, none). Once `hung_up` is set (the client is gone) the engine stops at its
+        next token and TurnCut is raised: the turn is dropped whole, as a failed generation is."""
         params, options = sampling or self.sampling, options or wires.TurnOptions()
         with self.lock:
             self.last_used = time.monotonic()
@@ -344,7 +357,7 @@ class ChatSession:
             # copied before anything commits
             request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
             line, recorded = self._route(messages, tools, options)
-            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token)
+            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token, hung_up)
             line.last_request, line.last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
@@ -381,7 +394,7 @@ class ChatSession:
         return None, messages
 
     def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
-                             options: wires.TurnOptions, on_token) -> tuple[Line, wires.ChatTurn]:
+                             options: wires.TurnOptions, on_token, hung_up) -> tuple[Line, wires.ChatTurn]:
         """Generate, build the reply, then commit (a new line opens only now). Nothing that can fail runs after the
         ledger changes: a client answered with an error must find the session as it was, or its retry would sample
         the turn twice."""
@@ -395,7 +408,12 @@ class ChatSession:
                                   f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
         served = sum(other.turns for other in self.lines)        # call ids stay unique across the session's lines
         call_prefix = f"call-{self.rollout_id}-{served}"
-        relay = None if on_token is None else (lambda _, token_id: on_token(prompt_ids, token_id, call_prefix))
+
+        def relay(_, token_id: int) -> None:      # on the engine's thread: raising there stops this row alone
+            if hung_up is not None and hung_up.is_set():
+                raise TurnCut(self.rollout_id)
+            if on_token is not None:
+                on_token(prompt_ids, token_id, call_prefix)
         # a Router sends every turn of the session to the engine that holds its prefix
         sticky = {"session_ids": [self.rollout_id]} if isinstance(self.engine, Router) else {}
         # the session's own sampling's top_logprobs are recorded with every token (a run's score centering), whatever
@@ -403,8 +421,14 @@ class ChatSession:
         recorded_top = self.sampling.top_logprobs
         engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room),
                                 top_logprobs=max(params.top_logprobs, recorded_top))
-        gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
-                                   **sticky)[0]
+        try:
+            if hung_up is not None and hung_up.is_set():
+                raise TurnCut(self.rollout_id)    # gone before its prefill: nothing is computed
+            gen = self.engine.generate([prompt_ids], engine_params, relay if on_token or hung_up else None,
+                                       images=[images] if images else None, **sticky)[0]
+        except TurnCut:
+            self.cut_turns += 1
+            raise
         answered = gen if engine_params.top_logprobs == params.top_logprobs else \
             replace(gen, top_logprobs=[top[:params.top_logprobs] for top in gen.top_logprobs]
                     if params.top_logprobs else None)

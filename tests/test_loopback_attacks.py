@@ -1,7 +1,8 @@
 # Cheap attacks on the loopback server, over real HTTP against a real server on a real EmbeddedEngine (tiny models):
 # a PNG decompression bomb (a few KB of request, gigapixels decoded), slowloris (half-sent requests held open),
-# a flood of idle connections, one session's backlog of hung-up requests starving the others, and a malformed
-# Authorization header whose key ends up in a log. Each is refused in the wire's own format where a reply is
+# a flood of idle connections, one session's flood of requests whose bodies never come, a JSON body of millions of
+# tiny values, one session's backlog of hung-up requests starving the others, a client that hangs up mid-reply, and
+# a malformed Authorization header whose key ends up in a log. Each is refused in the wire's own format where a reply is
 # possible, and the server keeps serving. Limits are the server's constructor parameters, set small here so the
 # attacks take seconds.
 import base64
@@ -13,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 import urllib.parse
 import urllib.request
 import zlib
@@ -184,6 +186,72 @@ def test_a_flood_of_idle_connections_is_capped_and_a_client_still_gets_served():
             sock.close()
 
 
+def test_one_sessions_bodiless_requests_past_its_share_are_refused_and_another_sessions_turn_is_served():
+    with serving(max_connections=16, max_session_requests=4) as server:
+        flood, other = (server.create_session(sampling=SamplingParams(max_tokens=2)) for _ in range(2))
+        head = request_head(flood, "/chat/completions", b" " * 1000)[:-1000]    # Content-Length 1000, no body
+        sockets = []
+        for _ in range(24):               # more than the server's connections, every one awaiting a body
+            sockets.append(socket.create_connection((server.host, server.port)))
+            with contextlib.suppress(OSError):
+                sockets[-1].sendall(head)
+        refusals: dict = {}
+        def open_(sock) -> bool:          # neither refused nor closed to make room (a refusal is read, then EOF)
+            return sock not in refusals and not is_closed(sock)
+        deadline = time.monotonic() + 10  # until the server has refused (and closed) all but the session's share
+        while sum(map(open_, sockets)) > 4 and time.monotonic() < deadline:
+            for sock in select.select([s for s in sockets if s not in refusals], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    if sock.recv(1, socket.MSG_PEEK):
+                        refusals[sock] = read_reply(sock)
+        reply = openai_client(other, timeout=30).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content is not None     # another session's newcomer is served
+        held = sum(map(open_, sockets))
+        assert held <= 4, f"{held} of the flooding session's bodiless requests held open, over its share of 4"
+        assert refusals, "the flooding session was never told why its requests were refused"
+        for status, headers, body in refusals.values():
+            assert status == 429 and int(headers["retry-after"]) >= 1 and headers["connection"] == "close"
+            assert body["error"]["type"] == "rate_limit_error" and "4 requests" in body["error"]["message"]
+        for sock in sockets:
+            sock.close()
+
+
+# ---- a body of millions of tiny values ------------------------------------------------------------
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_a_wide_json_body_is_refused_before_it_is_built_and_another_session_is_served(wire):
+    with serving() as server:
+        wide, other = (server.create_session(sampling=SamplingParams(max_tokens=2)) for _ in range(2))
+        body = b'{"model": "policy", "max_tokens": 2, "messages": [' + b",".join([b"0"] * 2_000_000) + b"]}"
+        path = "/chat/completions" if wire == "openai" else "/messages"
+        tracemalloc.start()               # every thread's Python allocations, the server's included
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            with socket.create_connection((server.host, server.port)) as sock:
+                sock.sendall(request_head(wide, path, body))
+                models_list = openai_client(other, timeout=60).models.list()     # served while the body is parsed
+                status, _, reply = read_reply(sock)
+            grown = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert models_list.data[0].id == "policy"
+        # the 4 MiB body itself is read once or twice; built, its 2 M values cost over 100 MB
+        assert grown < 24 * 2**20, f"refusing a 4 MiB body of 2 M values grew the server by {grown / 2**20:.0f} MiB"
+        assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply   # the wire's format
+        assert (reply["type"] == "error") if wire == "anthropic" else ("type" not in reply)
+        assert "JSON values" in reply["error"]["message"], reply
+        # armed: a body of the same size whose values are few (one long text) is parsed and served
+        long_text = json.dumps({"model": "policy", "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "0," * 2_000_000}]}).encode()
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(request_head(wide, path, long_text))
+            status, _, reply = read_reply(sock)
+        too_long = reply["error"].get("code") == "context_length_exceeded" if wire == "openai" else \
+            reply["error"]["message"].startswith("prompt is too long")
+        assert status == 400 and too_long, reply       # parsed and decoded: refused only for its length
+
+
 # ---- one session's backlog -----------------------------------------------------------------------
 
 class HoldingEngine(EmbeddedEngine):
@@ -236,10 +304,58 @@ def test_a_session_that_floods_and_hangs_up_neither_starves_another_nor_generate
             while server._sessions[flood.session_id][2].in_flight and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert server._sessions[flood.session_id][2].in_flight == 0
-            # only the turn already generating ran; the three queued behind it left with their clients
-            assert engine.held == 1 and server._sessions[flood.session_id][0].turns == 1
+            # only the turn already generating ran, and stopped at its first token (dropped whole, as cut); the three
+            # queued behind it left with their clients
+            session = server._sessions[flood.session_id][0]
+            assert engine.held == 1 and session.turns == 0 and session.cut_turns == 1
         finally:
             engine.gate.set()
+
+
+# ---- a client that hangs up mid-reply -------------------------------------------------------------
+
+class TokenCountingEngine(EmbeddedEngine):
+    """The real engine, counting every token it samples (cut replies included, which no Generation reports)."""
+    sampled = 0
+
+    def _record(self, row, *drawn):
+        self.sampled += 1
+        super()._record(row, *drawn)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
+def test_a_client_that_hangs_up_mid_reply_stops_its_sampling_and_the_turn_is_dropped_whole(stream):
+    tok = models.bpe_tokenizer()
+    engine = TokenCountingEngine(models.tiny_model("qwen3", seed=0), tokenizer=tok)
+    with serving(engine) as server:
+        # a harness without max_tokens: the reply may take the whole context, and no end token stops it
+        info = server.create_session(sampling=SamplingParams(max_tokens=4000, ignore_eos=True, seed=3))
+        ask = [{"role": "user", "content": "Tell me a long story."}]
+        body = json.dumps({"model": "policy", "messages": ask, "stream": stream}).encode()
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(request_head(info, "/chat/completions", body))
+            deadline = time.monotonic() + 60
+            while engine.sampled < 16:    # mid-reply: counted in tokens, not seconds
+                assert time.monotonic() < deadline, "the reply never started"
+                time.sleep(0.005)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # a reset, as a kill
+        at_hang_up = engine.sampled
+        session, _, lane = server._sessions[info.session_id]
+        deadline = time.monotonic() + 120
+        while lane.in_flight:             # until the server has let go of the turn
+            assert time.monotonic() < deadline, "the turn whose client hung up was still running after 120 s"
+            time.sleep(0.01)
+        after = engine.sampled - at_hang_up
+        assert after <= 32, f"the engine sampled {after} tokens for a client that had hung up"
+        # dropped whole: nothing of it in the record, counted as cut
+        assert session.turns == 0 and trace_segments(info) == [] and session.cut_turns == 1
+        # the server keeps serving: the same conversation is sampled afresh and recorded token-exact
+        reply = openai_client(info).chat.completions.create(model="policy", messages=ask, max_tokens=8,
+                                                            extra_body={"return_token_ids": True})
+        segments = trace_segments(info)
+        assert len(segments) == 1 and session.turns == 1
+        sampled = [t for t, trainable in zip(segments[0]["token_ids"], segments[0]["trainable"]) if trainable]
+        assert sampled == reply.model_extra["token_ids"] and len(sampled) == 8
 
 
 # ---- keys never reach a log -----------------------------------------------------------------------

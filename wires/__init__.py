@@ -112,10 +112,43 @@ MAX_JSON_DEPTH = 64        # deeper is refused: copying, rendering and re-serial
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def parse_body(raw: bytes) -> dict:
-    """A request body -> its JSON object, or a WireError saying why not: invalid JSON or UTF-8, an integer of more
-    than 4,300 digits (Python refuses to convert it), nesting deeper than MAX_JSON_DEPTH, a lone surrogate escape
-    (\\ud800: no character, and no tokenizer can encode it)."""
+# A value's separator or opening outside a string (',', ':' after a key, '[', '{'), or a whole string, skipped: its
+# commas are text. A body holds at most one value more than it has separators and openings.
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]++|\\.)*+"|[,:\[{]')
+
+
+def max_json_values(context: int) -> int:
+    """The most JSON values (keys included) a request body may hold for a session of `context` tokens. Every value
+    of a request that fits the context is rendered into its prompt at a token or more (a message, a part, a tool
+    schema's key), so 8 a token, and 65,536 for what is not rendered (sampling fields, deferred tools, a logit bias),
+    is several times what one needs; json.loads builds each value at about 100 bytes, so a 32 MiB body of 16 M
+    values would build 1.7 GB."""
+    return 8 * context + 2**16
+
+
+def too_many_values(raw: bytes, limit: int) -> bool:
+    """Whether `raw` holds more than `limit` JSON values, read before json.loads builds any: a count of separators and
+    openings at memchr speed (an upper bound: it counts those inside strings too), then, only past the limit, one
+    regular-expression pass that skips strings and stops at the limit (its cost is bounded by the body's bytes and
+    the limit, and it allocates nothing that grows with the body)."""
+    if sum(map(raw.count, (b",", b":", b"[", b"{"))) <= limit:
+        return False
+    found = 0
+    for token in _JSON_TOKEN.finditer(raw):
+        found += token.end() - token.start() == 1          # a string is 2 bytes or more
+        if found > limit:
+            return True
+    return False
+
+
+def parse_body(raw: bytes, max_values: int) -> dict:
+    """A request body -> its JSON object, or a WireError saying why not: more than `max_values` JSON values (checked
+    before any is built: max_json_values), invalid JSON or UTF-8, an integer of more than 4,300 digits (Python
+    refuses to convert it), nesting deeper than MAX_JSON_DEPTH, a lone surrogate escape (\\ud800: no character, and
+    no tokenizer can encode it). CPU-bound for a large body: call it off an event loop."""
+    require(not too_many_values(raw, max_values),
+            f"the request body holds more than {max_values:,} JSON values (keys included), more than any request "
+            f"within this session's context needs; send fewer messages, parts or tool fields")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as error:     # JSONDecodeError and UnicodeDecodeError are ValueErrors
