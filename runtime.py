@@ -38,6 +38,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -146,6 +147,7 @@ class EngineActor:
     def __init__(self, build: Callable, *args):
         self.engine = build(*args)
         self.channel, self.channel_device = None, "cpu"     # the weight channel, once the trainer opens it
+        self._cancelled: set[str] = set()    # streamed requests whose caller stopped listening (cancel)
         # the engine's busy clock: seconds with at least one request in flight, whichever process sent it
         self._clock = threading.Lock()
         self._in_flight, self._busy_s, self._busy_since = 0, 0.0, 0.0
@@ -163,29 +165,41 @@ class EngineActor:
                 self._busy_s += time.monotonic() - self._busy_since
 
     @ray.method(concurrency_group="data", num_returns="streaming")
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: bool):
-        """With `stream`, yields ("tokens", [(row, token_id), ...]) as tokens are sampled (whatever accumulated
-        since the last yield, so a fast engine costs one message per batch of tokens, not per token), then ("done",
-        generations); without, only ("done", generations), and the engine gets no listener (per-step outputs cost
-        a vLLM engine throughput). The engine's own error (a ValueError for a bad request) is raised to the caller
-        as it is."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: str | None):
+        """With `stream` (the request's id), yields ("tokens", [(row, token_id), ...]) as tokens are sampled
+        (whatever accumulated since the last yield, so a fast engine costs one message per batch of tokens, not per
+        token), then ("done", generations); without, only ("done", generations), and the engine gets no listener
+        (per-step outputs cost a vLLM engine throughput). The engine's own error (a ValueError for a bad request) is
+        raised to the caller as it is."""
         self._started()
         try:
             yield from self._generate(prompts, params, images, stream)
         finally:
+            self._cancelled.discard(stream)
             self._ended()
 
-    def _generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: bool):
+    @ray.method(concurrency_group="control")
+    def cancel(self, request_id: str) -> None:
+        """Stop sampling the streamed request `request_id`: its caller stopped listening (a client that hung up).
+        Its listener raises at the next token, which fails that request alone on either engine (the embedded one
+        drops its rows, vLLM aborts it), as it does for a caller in this process."""
+        self._cancelled.add(request_id)
+
+    def _generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: str | None):
         if not stream:
             yield "done", self.engine.generate(prompts, params, images=images)
             return
         sampled: queue.SimpleQueue = queue.SimpleQueue()
         result: dict = {}
 
+        def listen(row: int, token_id: int) -> None:
+            if stream in self._cancelled:
+                raise RequestCancelled(f"request {stream}: its caller stopped listening")
+            sampled.put((row, token_id))
+
         def work() -> None:
             try:
-                result["outs"] = self.engine.generate(prompts, params, on_token=lambda i, t: sampled.put((i, t)),
-                                                      images=images)
+                result["outs"] = self.engine.generate(prompts, params, on_token=listen, images=images)
             except BaseException as error:
                 result["error"] = error
             finally:
@@ -281,6 +295,10 @@ class EngineDied(RuntimeError):
     retries its requests on a live one (or counts them as lost)."""
 
 
+class RequestCancelled(Exception):
+    """A streamed request whose caller stopped listening: raised by its listener in the engine's process."""
+
+
 class EngineProxy:
     """The engine interface (rollout.EmbeddedEngine's) in the driver, for one EngineActor, so router.Router and the
     agent runners use engines in other processes as they use local ones. When the caller passes `on_token`, tokens
@@ -315,15 +333,22 @@ class EngineProxy:
                  images: list[Sequence] | None = None) -> list[Generation]:
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
+        request_id = uuid.uuid4().hex if on_token is not None else None
         stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
-                                             images_per_prompt(images, len(prompts)), on_token is not None)
+                                             images_per_prompt(images, len(prompts)), request_id)
         try:
             for ref in stream:
                 kind, payload = ray.get(ref)
                 if kind == "done":
                     return payload
-                for row, token_id in payload:      # "tokens" come only when asked for, so on_token is set
-                    on_token(row, token_id)
+                try:
+                    for row, token_id in payload:      # "tokens" come only when asked for, so on_token is set
+                        on_token(row, token_id)
+                except BaseException:
+                    # the caller stopped listening (a client hung up): the engine stops sampling for it, as an
+                    # engine in this process does when its listener raises
+                    self.handle.cancel.remote(request_id)
+                    raise
         except ray.exceptions.RayActorError as error:
             raise self._died(error) from None
         finally:

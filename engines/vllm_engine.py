@@ -272,7 +272,7 @@ class VLLMEngine:
             model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
-            enable_prefix_caching=prefix_caching, worker_extension_cls="vllm_engine.WorkerExtension",
+            enable_prefix_caching=prefix_caching, worker_extension_cls=f"{__name__}.WorkerExtension",
             disable_log_stats=True,
             # an MoE model schedules synchronously (R3): under vLLM's asynchronous scheduling (0.26's default) the
             # routes of a request it never preempted came back for some positions only, or none; synchronous, every

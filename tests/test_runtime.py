@@ -158,7 +158,7 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
             router.generate([[]], params)                              # processes too: the engine stays in rotation
         assert router.metrics()["perf/engines_live"] == 1
         # a caller that does not listen is sent the result alone: no token messages cross the processes
-        quiet = rt.proxies[0].handle.generate.remote([prompt], [replace(params, max_tokens=4)], [[]], False)
+        quiet = rt.proxies[0].handle.generate.remote([prompt], [replace(params, max_tokens=4)], [[]], None)
         replies = [ray.get(ref) for ref in quiet]
         assert [kind for kind, _ in replies] == ["done"] and replies[0][1][0].policy_versions == [1] * 4
     finally:
@@ -186,6 +186,45 @@ def test_a_rollout_straddling_a_weight_update_carries_each_tokens_own_version_an
     stale_lp = _processed(stale, T)[gen.token_ids[n1]]
     assert abs(stale_lp.item() - lp_new[n1].item()) > 1e-4
     assert abs(stale_lp.item() - behavior[n1].item()) > 1e-4
+
+
+def test_a_caller_that_stops_listening_stops_the_engine_in_another_process():
+    def count_sampled_tokens(actor) -> None:   # in the engine actor (a nested function travels by value)
+        """Count every token the actor's engine samples for a listener (actor.sampled_tokens)."""
+        sample, actor.sampled_tokens = actor.engine.generate, 0
+
+        def generate(prompts, params, on_token=None, images=None):
+            def counted(row, token_id):
+                actor.sampled_tokens += 1
+                on_token(row, token_id)
+            return sample(prompts, params, on_token=counted if on_token else None, images=images)
+        actor.engine.generate = generate
+
+    path = models.resolve_model("tiny-qwen3")
+    rt = runtime.start(runtime.RuntimeConfig(mode="ray", engines=1, object_store_mb=100), runtime.embedded_engine,
+                       lambda i: (path, 0, 1), version=0)
+    try:
+        proxy = rt.proxies[0]
+        ray.get(proxy.handle.__ray_call__.remote(count_sampled_tokens))
+        heard = []
+
+        def hang_up_after_16(row, token_id):       # a loopback client that hung up: its listener raises
+            heard.append(token_id)
+            if len(heard) == 16:
+                raise ConnectionResetError("the client hung up")
+        params = SamplingParams(max_tokens=3000, seed=1, stop_token_ids=(9999,))   # never stops on its own
+        with pytest.raises(ConnectionResetError):
+            proxy.generate([[11, 12, 13]], params, on_token=hang_up_after_16)
+        deadline = time.monotonic() + 300
+        while ray.get(proxy.handle.__ray_call__.remote(lambda actor: actor._in_flight)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sampled = ray.get(proxy.handle.__ray_call__.remote(lambda actor: actor.sampled_tokens))
+        assert 16 <= sampled <= 16 + 256, f"the engine sampled {sampled} tokens for a caller that had gone"
+        # the engine serves the next request whole, and a caller that listens to the end is never cancelled
+        assert len(proxy.generate([[11, 12, 13]], replace(params, max_tokens=40), on_token=lambda i, t: None)
+                   .pop().token_ids) == 40
+    finally:
+        runtime.stop(rt)
 
 
 def test_r3_routes_cross_processes_and_a_weight_push_waits_for_the_request_in_flight():
