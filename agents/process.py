@@ -188,6 +188,7 @@ if __name__ == "__main__":       # the launcher ends here; what follows is the c
 # ---- the caller's side: one rollout is one program ----------------------------------------------------------------
 
 from agents import ChatAgent, ChatContext, Result  # noqa: E402  (after the launcher, which must not import them)
+from agents.graders import AgentFileError, parse_agent_json  # noqa: E402
 
 
 class ProcessFailure(Exception):
@@ -230,7 +231,9 @@ def reward_from_stdout(stdout: str) -> Result:
     if not lines:
         raise ProcessFailure("process_reward", f"the program printed nothing; {expected}")
     try:
-        value = json.loads(lines[-1])
+        value = parse_agent_json(lines[-1], "its last stdout line")
+    except AgentFileError as exc:
+        raise ProcessFailure("process_reward", f"{exc}; {expected}") from None
     except ValueError:
         raise ProcessFailure("process_reward", f"its last stdout line is not JSON: {lines[-1][:200]!r}; "
                                                f"{expected}") from None
