@@ -3,16 +3,21 @@
 # Owns: pulling a final answer out of a model response, normalising it, deciding whether it equals a reference
 # label (exact numbers first, then small symbolic expressions), and the 1.0/0.0 grade built from those;
 # `read_agent_file`, through which every read by the trainer of a file an agent left (its working directory, its
-# HOME) goes: a regular file, reached without following a symlink, of bounded size, or a clear refusal.
+# HOME) goes: a regular file, reached without following a symlink, of bounded size, or a clear refusal; and
+# `parse_agent_json`, through which every parse of JSON an agent wrote (a file, a stdout line) goes: its values
+# counted before any is built, so the parse's memory is bounded, not only its bytes.
 # Never: evaluates text as Python (expressions go through a small whitelisted parser that builds sympy objects),
 # raises on a malformed response, follows a link or opens a FIFO or device an agent left, or imports the rest of
 # tracerl.
 # Invariant: grading is a pure function of (response, label): deterministic, bounded in time by size limits.
+import io
+import json
 import os
 import re
 import stat
 from fractions import Fraction
 
+import ijson
 import sympy
 
 # ---- extraction ----
@@ -399,3 +404,31 @@ def _read_regular(name: str, dir_fd: int, shown: str, max_bytes: int) -> bytes:
         return bytes(data)
     finally:
         os.close(fd)
+
+
+# A byte bound is no memory bound for JSON: `{},` is 3 bytes and a 64-byte dict (a 15 MiB file of them grows the
+# parser by ~390 MB). So the values are counted first by a streaming parser (ijson over yajl: it builds no value, keeps
+# no more than one token, and stops at the bound), and json.loads runs only on a document within it. Each key, scalar,
+# and start and end of a container is one event; a Python object costs at most ~100 bytes per event, so the bound
+# caps the parse near 10 MB beyond the document's own bytes.
+JSON_EVENTS = 100_000             # far above any report an agent or harness writes (mini's trajectory: ~1,000)
+
+
+def json_events(text: bytes | str, shown: str, max_events: int = JSON_EVENTS) -> int:
+    """How many parse events the JSON an agent wrote holds (`shown` names it in errors), counted without building any
+    value: AgentFileError past `max_events`, ValueError where it is not one JSON document."""
+    raw = text.encode() if isinstance(text, str) else text
+    count = 0
+    try:
+        for count, _ in enumerate(ijson.basic_parse(io.BytesIO(raw)), 1):
+            if count > max_events:
+                raise AgentFileError(f"{shown}: more than {max_events} JSON values (its parse would grow unbounded)")
+    except ijson.JSONError as exc:
+        raise ValueError(f"{shown}: not JSON ({str(exc).splitlines()[0]})") from None
+    return count
+
+
+def parse_agent_json(text: bytes | str, shown: str, max_events: int = JSON_EVENTS):
+    """json.loads of JSON an agent wrote, once json_events has found it within `max_events` (the same errors)."""
+    json_events(text, shown, max_events)
+    return json.loads(text)

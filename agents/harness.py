@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import data
 import models
 from agents import ChatAgentRunner, Result
-from agents.process import ProcessAgent
+from agents.graders import JSON_EVENTS, AgentFileError, json_events
+from agents.process import ProcessAgent, ProcessFailure
 from engines import SamplingParams
 from engines.harvest import ScriptEngine, teaching_texts
 from recipes import swe_fix
@@ -184,13 +185,18 @@ class HarnessAgent(ProcessAgent):
 
 def json_lines(stdout: str) -> list[dict]:
     """The JSON objects a harness printed, one a line (its --json / --output-format json output); other lines (a
-    harness's warnings) are skipped."""
-    found = []
-    for line in stdout.splitlines():
+    harness's warnings) are skipped. Its stdout is the jailed tree's to write, so each line's values are counted
+    (agents.graders.json_events) before it is parsed, within one budget for the whole output: past it,
+    ProcessFailure("process_grade")."""
+    found, budget = [], JSON_EVENTS
+    for number, line in enumerate(stdout.splitlines(), 1):
         try:
+            budget -= json_events(line, f"stdout line {number}", budget)
             value = json.loads(line)
         except ValueError:
             continue
+        except AgentFileError as exc:
+            raise ProcessFailure("process_grade", f"the harness's output is refused: {exc}") from None
         if isinstance(value, dict):
             found.append(value)
     return found

@@ -7,7 +7,8 @@
 # SPEC`), the process between the caller and the program that holds the program's whole process tree.
 # One rollout, run by ChatAgentRunner against its own loopback session:
 #   - a fresh directory holds `work/` (the program's cwd: the recipe's `prepare` fills it from the task, its `grade`
-#     reads what the program left there) and `home/` (its HOME and TMPDIR); all of it is removed afterwards;
+#     reads what the program left there) and `home/` (its HOME and TMPDIR); all of it is removed afterwards, by
+#     coreutils' rm (any depth, no link followed), whatever the program left;
 #   - the program starts with stdin at /dev/null and an environment built from nothing: the session's URL and key
 #     in the variables the stock SDKs read (OPENAI_BASE_URL, OPENAI_API_BASE (litellm's older name), OPENAI_API_KEY,
 #     ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY), the model name in TRACERL_MODEL, and what the recipe's `environment`
@@ -23,8 +24,9 @@
 #     (the default `grade`; score and info optional), or from the recipe's `grade` over what is left in `work/`.
 #   - jail = True runs the program in the python sandbox's jail (agents/sandbox.py, bubblewrap): a read-only tmpfs
 #     root with the system libraries, the Python prefix and the recipe's `jail_binds` ({path in the jail: host path},
-#     so a venv is seen at a path of the recipe's choosing, never the checkout's) read-only, its two directories
-#     writable (handed to the jail's uid), a host uid of its own (never root's), its own user, mount, PID, IPC, UTS,
+#     so a venv is seen at a path of the recipe's choosing, never the checkout's) read-only, its two directories and
+#     /tmp writable (handed to the jail's uid; as root, all three on one tmpfs of JAIL_DISK_MB, so every byte and
+#     file it writes counts against one cap), a host uid of its own (never root's), its own user, mount, PID, IPC, UTS,
 #     cgroup and network namespaces, the sandbox's seccomp filter and a cgroup capping the whole tree
 #     (JAIL_MEMORY_MB, JAIL_PROCESSES). Its network holds only its own loopback, where the jail's pid 1
 #     (agents/jail_init.py) listens on the session's port and relays each connection through a Unix socket bound in
@@ -41,8 +43,8 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +60,9 @@ else:
 GRACE_S = 2.0                    # between SIGTERM and SIGKILL for a tree stopped at its deadline
 JAIL_PROCESSES = 512             # a jailed program's whole tree (its cgroup): room for a harness, not a fork bomb
 JAIL_MEMORY_MB = 4096            # a jailed program's whole tree (its cgroup): a harness, litellm and its tools
+JAIL_DISK_MB = 64                # all a jailed program writes (work/, home/, /tmp: one tmpfs), and its largest file
+JAIL_FILES = 16_384              # the files and folders it may make there (each costs kernel memory, no bytes)
+_MNT_DETACH = 2
 _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 36, 1
 _CLONE_NEWPID = 0x20000000
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -99,6 +104,8 @@ def _exec_program(spec: dict, report_fd: int) -> None:
         if spec["jail"] is not None:                    # become bwrap, which runs the program in its jail
             import resource
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            disk = spec["jail"]["disk_mb"] << 20
+            resource.setrlimit(resource.RLIMIT_FSIZE, (disk, disk))
             sandbox.exec_jail(sandbox.JailSpec(**spec["jail"]), spec["argv"], spec["cwd"], spec["env"])
         os.execvpe(spec["argv"][0], spec["argv"], spec["env"])   # the report pipe closes on exec (O_CLOEXEC)
     except BaseException as exc:
@@ -188,6 +195,7 @@ if __name__ == "__main__":       # the launcher ends here; what follows is the c
 # ---- the caller's side: one rollout is one program ----------------------------------------------------------------
 
 from agents import ChatAgent, ChatContext, Result  # noqa: E402  (after the launcher, which must not import them)
+from agents.graders import AgentFileError, parse_agent_json  # noqa: E402
 
 
 class ProcessFailure(Exception):
@@ -230,7 +238,9 @@ def reward_from_stdout(stdout: str) -> Result:
     if not lines:
         raise ProcessFailure("process_reward", f"the program printed nothing; {expected}")
     try:
-        value = json.loads(lines[-1])
+        value = parse_agent_json(lines[-1], "its last stdout line")
+    except AgentFileError as exc:
+        raise ProcessFailure("process_reward", f"{exc}; {expected}") from None
     except ValueError:
         raise ProcessFailure("process_reward", f"its last stdout line is not JSON: {lines[-1][:200]!r}; "
                                                f"{expected}") from None
@@ -287,8 +297,9 @@ class ProcessAgent(ChatAgent):
 
     async def run(self, ctx: ChatContext) -> Result:
         top = tempfile.mkdtemp(prefix="tracerl-process-")
-        ws = Workspace(os.path.join(top, "work"), os.path.join(top, "home"))
         try:
+            place = _jail_files(top) if self.jail else top
+            ws = Workspace(os.path.join(place, "work"), os.path.join(place, "home"))
             os.mkdir(ws.work)
             os.mkdir(ws.home)
             self.prepare(ctx, ws)
@@ -322,10 +333,14 @@ class ProcessAgent(ChatAgent):
             ctx = replace(ctx, base_url=ctx.base_url.replace(origin, local, 1),
                           session_url=ctx.session_url.replace(origin, local, 1))
             uid = 100_000 + secrets.randbelow(900_000)
-            jail = sandbox.JailSpec(uid, os.geteuid() == 0, sandbox.bwrap_path(), 64, JAIL_PROCESSES,
+            # its /tmp on the same tmpfs as work/ and home/ where there is one, bound first: they are bound inside it
+            place = os.path.dirname(ws.work)
+            writable = {**({"/tmp": os.path.join(place, "tmp")} if os.path.ismount(place) else {}),
+                        ws.work: ws.work, ws.home: ws.home}
+            jail = sandbox.JailSpec(uid, os.geteuid() == 0, sandbox.bwrap_path(), JAIL_DISK_MB, JAIL_PROCESSES,
                                     sandbox.write_seccomp_filter(top) if "syscall_filter" not in found.missing else "",
                                     {inside: os.path.realpath(host) for inside, host in self.jail_binds.items()},
-                                    [ws.work, ws.home], {"socket": relay.path, "port": server.port})
+                                    writable, {"socket": relay.path, "port": server.port})
             if "tree_limits" not in found.missing:
                 cgroup = sandbox.TreeCgroup.create(sandbox.SandboxLimits(memory_mb=JAIL_MEMORY_MB),
                                                    processes=JAIL_PROCESSES)
@@ -342,8 +357,8 @@ class ProcessAgent(ChatAgent):
         try:
             if relay is not None:
                 await relay.start()
-                if spec["jail"]["drop_uid"]:              # the jail's own uid writes its two directories
-                    _give(spec["jail"]["uid"], [ws.work, ws.home, relay.path])
+                if spec["jail"]["drop_uid"]:              # the jail's own uid writes its directories
+                    _give(spec["jail"]["uid"], [*spec["jail"]["writable"].values(), relay.path])
             return await self._launch(spec, top)
         finally:                                  # a jailed tree's every process, wherever it went
             if relay is not None:
@@ -487,11 +502,31 @@ def _last_line(text: str) -> str:
     return lines[-1][:500] if lines else "(none)"
 
 
+def _jail_files(top: str) -> str:
+    """The folder a jailed rollout's work/, home/ and /tmp live in: a tmpfs of JAIL_DISK_MB and JAIL_FILES mounted on
+    top/files, so every byte and file the jail writes counts against one cap (sparse files cost only the pages
+    written; a hard link can name only a file of the same tmpfs), and the grader reads it after the jail is gone.
+    Mounting takes root; elsewhere it is `top` itself, on the host's disk, and RLIMIT_FSIZE caps each file alone."""
+    place = os.path.join(top, "files")
+    os.mkdir(place)
+    options = f"size={JAIL_DISK_MB}m,nr_inodes={JAIL_FILES},mode=0755".encode()
+    if sandbox.libc().mount(b"tmpfs", place.encode(), b"tmpfs", 2 | 4, options) != 0:   # MS_NOSUID | MS_NODEV
+        os.rmdir(place)
+        return top
+    os.mkdir(os.path.join(place, "tmp"), 0o700)
+    return place
+
+
 def _remove(top: str) -> None:
-    """Remove a rollout's directory, even where the program took away its own permissions."""
-    for folder, dirs, _ in os.walk(top):
-        for name in dirs:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o700)
-    shutil.rmtree(top, ignore_errors=True)
+    """Remove a rollout's directory, whatever the program left there: its tmpfs is detached (its pages go with its
+    last user), then coreutils' rm, which walks any depth without recursion and follows no link; where a folder the
+    program made unreadable stops it (not root), chmod -R, which follows no link either, opens the tree first."""
+    files = os.path.join(top, "files")
+    if os.path.ismount(files):
+        sandbox.libc().umount2(files.encode(), _MNT_DETACH)     # a failure leaves `top` behind, reported below
+    for command in (["rm", "-rf", "--", top], ["chmod", "-R", "u+rwx", "--", top], ["rm", "-rf", "--", top]):
+        if not os.path.lexists(top):
+            return
+        subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if os.path.lexists(top):                  # fails the rollout, counted and logged, rather than pass unseen
+        raise OSError(f"the rollout's directory {top} could not be removed")

@@ -401,11 +401,12 @@ class JailSpec:
     uid: int                             # the code's uid inside; outside too where the caller is root
     drop_uid: bool                       # the caller is root: become `uid` before bwrap (never host uid 0 inside)
     bwrap: str                           # the bubblewrap binary
-    disk_mb: int                         # the size of the jail's /tmp, its only writable space of its own
+    disk_mb: int                         # the size of the jail's own /tmp, and the largest file (RLIMIT_FSIZE)
     processes: int                       # the program's processes and threads (jail_init.py adds its own)
     seccomp_path: str = ""               # the compiled filter; "" = none (accepted as missing)
     binds: dict[str, str] = field(default_factory=dict)   # {path in the jail: host path}, read-only
-    writable: list[str] = field(default_factory=list)     # host directories bound read-write at the same path
+    writable: dict[str, str] = field(default_factory=dict)   # {path in the jail: host directory}, read-write;
+    #                                    a host directory at "/tmp" takes the place of the jail's own tmpfs
     relay: dict | None = None            # {"socket": host Unix socket, "port": the session's port} (process agents)
 
 
@@ -413,8 +414,8 @@ def bwrap_command(argv: list[str], jail: JailSpec, cwd: str, env: dict[str, str]
                   seccomp_fd: int | None) -> list[str]:
     """bwrap's arguments (without the binary) that run `argv` as the child of the jail's pid 1 (jail_init.py):
     read-only system libraries, the Python base install and `jail.binds`; `jail.writable` bound read-write;
-    `files` ({path: fd}) copied in; a tmpfs /tmp of `jail.disk_mb`; /proc/sys, /dev and the root read-only; no
-    network but its own loopback (and, with a relay, the session's socket)."""
+    `files` ({path: fd}) copied in; a tmpfs /tmp of `jail.disk_mb` (unless `jail.writable` binds one); /proc/sys,
+    /dev and the root read-only; no network but its own loopback (and, with a relay, the session's socket)."""
     args = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1", "--cap-drop", "ALL", "--hostname", "sandbox", "--uid", str(jail.uid), "--gid",
             str(jail.uid), "--clearenv"]
@@ -431,12 +432,13 @@ def bwrap_command(argv: list[str], jail: JailSpec, cwd: str, env: dict[str, str]
     for path in _SYSTEM_FILES:
         args += ["--ro-bind-try", path, path]
     # /proc/sys read-only whoever the code is (a sysctl's own check is the file's mode and host uid 0 alone)
-    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
-             "--size", str(jail.disk_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev"]
+    if "/tmp" not in jail.writable:
+        args += ["--size", str(jail.disk_mb * 2**20), "--perms", "1777", "--tmpfs", "/tmp"]
     for inside, host in jail.binds.items():
         args += ["--ro-bind", host, inside]
-    for path in jail.writable:
-        args += ["--bind", path, path]
+    for inside, host in jail.writable.items():
+        args += ["--bind", host, inside]
     if jail.relay is not None:
         args += ["--bind", jail.relay["socket"], _SESSION_SOCKET]
     for path, fd in files.items():
@@ -516,7 +518,7 @@ def exec_jail(jail: JailSpec, argv: list[str], cwd: str, env: dict[str, str],
     for fd in [read_end, *files.values(), *([seccomp] if seccomp is not None else [])]:
         os.set_inheritable(fd, True)
     if jail.drop_uid:                                   # bwrap unprivileged, as a host uid no other process has
-        sources = [os.path.realpath(sys.base_prefix), *jail.binds.values(), *jail.writable,
+        sources = [os.path.realpath(sys.base_prefix), *jail.binds.values(), *jail.writable.values(),
                    *_bwrap_folders(jail.bwrap), *([jail.relay["socket"]] if jail.relay else [])]
         _reachable_as_others(sources)
         os.setgroups([])

@@ -9,7 +9,7 @@
 # budget (--rollout.max_turns). What the agent left (the module, mini's trajectory) is hostile, read only through
 # agents.graders.read_agent_file: a module it deleted or left undecodable passes nothing (reward 0); one it replaced
 # by a symlink, a FIFO, a device, a directory, a hard link or more than MODULE_BYTES, or a trajectory refused or not
-# of mini's shape, fails the grade: ProcessFailure("process_grade"), which the runner counts (the metric
+# of mini's shape (or of more values than agents.graders.parse_agent_json parses), fails the grade: ProcessFailure("process_grade"), which the runner counts (the metric
 # rollout/failed_process_grade_total) and logs with the reason, and the rollout is dropped.
 # The whole recipe: the bugs (and their fixes), the tasks, the repository and its grade (which the codex and
 # claude_code recipes share), mini's configuration, the defaults and the agent (agents/process.py).
@@ -29,7 +29,7 @@ from jinja2 import Template
 import data
 import models
 from agents import ChatAgentRunner, Result
-from agents.graders import AgentFileError, AgentFileMissing, read_agent_file
+from agents.graders import AgentFileError, AgentFileMissing, parse_agent_json, read_agent_file
 from agents.process import ProcessAgent, ProcessFailure
 from recipes.code_exec import PROBLEMS, run_hidden_tests
 
@@ -183,7 +183,7 @@ def trajectory_info(home: str) -> dict[str, float]:
     """Whether mini-swe-agent submitted, and its model calls, from the trajectory it wrote into `home`. A trajectory
     refused, or not of mini's shape, is ProcessFailure("process_grade")."""
     try:
-        info = json.loads(read_agent_file(home, "trajectory.json", TRAJECTORY_BYTES))["info"]
+        info = parse_agent_json(read_agent_file(home, "trajectory.json", TRAJECTORY_BYTES), "trajectory.json")["info"]
         return {"submitted": float(info["exit_status"] == "Submitted"),
                 "agent_steps": float(info["model_stats"]["api_calls"])}
     except AgentFileError as exc:

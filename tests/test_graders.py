@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from agents import graders
-from agents.process import ProcessFailure, Workspace
+from agents.harness import json_lines
+from agents.process import ProcessFailure, Workspace, reward_from_stdout
 from recipes import swe_fix
 from recipes.code_exec import PROBLEMS
 
@@ -297,3 +298,37 @@ def test_read_agent_file_reports_a_missing_file_apart_from_refusals(tmp_path):
 def test_read_agent_file_takes_only_plain_names_under_the_root(tmp_path, path):
     with pytest.raises(ValueError, match="relative_path"):
         graders.read_agent_file(str(tmp_path), path, 100)
+
+
+# ---- JSON an agent wrote: its values are counted before any is built (agents.graders.parse_agent_json) -------------
+
+WIDE = b"[" + b"{}," * (5 << 20) + b"{}]"     # 15 MiB of empty objects: ~390 MB of dicts once parsed
+
+
+def test_swe_fix_grader_refuses_a_wide_trajectory_within_a_memory_bound(rollout):
+    with open(os.path.join(rollout.ws.home, "trajectory.json"), "wb") as f:
+        f.write(WIDE)
+    outcome, _, growth = grade(rollout)
+    assert isinstance(outcome, ProcessFailure) and outcome.reason == "process_grade", repr(outcome)
+    assert "trajectory.json: more than" in str(outcome), str(outcome)
+    assert growth < 3 * len(WIDE), growth         # the bytes read and their count: never the parse's 390 MB
+
+
+def test_every_parse_of_agent_json_counts_its_values_first():
+    wide = "[" + "{}," * 200_000 + "{}]"           # one 600 KB stdout line: ~29 MB of dicts once parsed
+    with pytest.raises(ProcessFailure, match="stdout line 2: more than") as caught:
+        json_lines("a warning\n" + wide)
+    assert caught.value.reason == "process_grade"
+    with pytest.raises(ProcessFailure, match="its last stdout line: more than") as caught:
+        reward_from_stdout(wide)
+    assert caught.value.reason == "process_reward"
+    # one budget for a harness's whole output: four lines, each within it, past it together
+    line = '{"type": "item", "ids": [' + "1," * 30_000 + "1]}"
+    assert len(json_lines("\n".join([line] * 3))) == 3
+    with pytest.raises(ProcessFailure, match="stdout line 4: more than"):
+        json_lines("\n".join([line] * 4))
+    # what harnesses and mini really write is parsed as before
+    assert json_lines('warning\n{"type": "result", "num_turns": 3}\n[1]') == [{"type": "result", "num_turns": 3}]
+    assert graders.parse_agent_json(TRAJECTORY.encode(), "trajectory.json") == json.loads(TRAJECTORY)
+    with pytest.raises(ValueError, match="x: not JSON"):
+        graders.parse_agent_json("[1] trailing", "x")

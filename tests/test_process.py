@@ -19,7 +19,7 @@ import pytest
 
 import data
 import models
-from agents import ChatAgentRunner, Result, process, sandbox
+from agents import ChatAgentRunner, Result, graders, process, sandbox
 from agents.process import GRACE_S, ProcessAgent, ProcessFailure, reward_from_stdout
 from engines import SamplingParams
 from invariants import check_sampled_once
@@ -407,6 +407,82 @@ def test_a_jailed_rollout_is_refused_where_the_jail_cannot_be_built(policy, monk
     monkeypatch.setattr(sandbox, "bwrap_path", lambda: None)           # a machine without bubblewrap
     rollouts, failures = run_agents(policy, JailedAgent, ["no jail here"])
     assert rollouts == [] and failures == {"process_spawn": 1}
+
+
+# ---- the jail's files: one disk cap for every path it writes; cleanup finishes whatever is left ---------------------
+
+FILL = r"""
+import json, os
+open("answer.txt", "w").write("left for the grader")
+places, mib, files = [os.getcwd(), os.environ["HOME"], "/tmp"], 0, 0
+for i in range(96):                           # 96 MiB, 1 MiB a file, over its three writable places
+    try:
+        with open(os.path.join(places[i % 3], f"fill{i}"), "wb") as f:
+            f.write(b"x" * (1 << 20))
+        mib += 1
+    except OSError:
+        pass
+os.mkdir("many")
+for i in range(50_000):                       # empty files: no bytes, but an inode each
+    try:
+        open(f"many/{i}", "w").close()
+        files += 1
+    except OSError:
+        break
+print(json.dumps({"reward": 1.0, "info": {"mib": mib, "files": files}}))
+"""
+
+
+class FillAgent(ProcessAgent):
+    jail = True
+
+    def command(self, ctx, ws):
+        return [os.path.realpath(PYTHON), "-I", "-c", FILL]
+
+    def grade(self, ctx, ws, run):                                     # the grader still reads what it left
+        assert graders.read_agent_file(ws.work, "answer.txt", 100) == b"left for the grader"
+        return super().grade(ctx, ws, run)
+
+
+@jailed
+def test_every_path_a_jailed_program_writes_counts_against_one_disk_cap(policy):
+    (rollout,), failures = run_agents(policy, FillAgent, ["fill"])
+    assert failures == {}
+    assert rollout.info["mib"] <= process.JAIL_DISK_MB < 96, rollout.info       # work, home and /tmp together
+    assert rollout.info["files"] < 50_000, rollout.info                          # inodes are capped too
+
+
+LEAVE = r"""
+import json, os, sys
+os.symlink(sys.argv[1], "out")                 # a link out of the folder, to a host directory
+os.symlink(sys.argv[1], os.path.join(os.environ["HOME"], "out"))
+os.mkdir(b"odd \n\xff name")                   # a name that is no UTF-8, with a newline
+os.mkdir("locked")
+open("locked/f", "w").write("x")
+os.chmod("locked", 0)                          # a folder no one may list or write
+start = os.getcwd()
+for _ in range(1500):                          # 1,500 folders deep
+    os.mkdir("d")
+    os.chdir("d")
+open("bottom", "w").write("x")
+os.chdir(start)
+print(json.dumps({"reward": 1.0}))
+"""
+
+
+@pytest.mark.parametrize("jail", [True, False], ids=["jailed", "unjailed"])
+def test_cleanup_finishes_whatever_the_program_leaves_and_follows_no_link_out(policy, tmp_path, jail):
+    if jail and sandbox.refusal():
+        pytest.skip(f"the jail is incomplete here: {sandbox.refusal()}")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("a host file")
+    agent = type("Leave", (Recorded,), {"jail": jail, "command": lambda self, ctx, ws: [
+        os.path.realpath(PYTHON), "-I", "-c", LEAVE, str(outside)]})
+    (rollout,), failures = run_agents(policy, agent, [f"leave {jail}"])
+    assert failures == {} and rollout.reward == 1.0
+    assert not os.path.exists(os.path.dirname(SEEN[f"leave {jail}"]["ws"].work))   # launch.json (its key) too
+    assert (outside / "keep").read_text() == "a host file"                          # the link out was not followed
 
 
 # ---- real harnesses, unchanged ------------------------------------------------------------------------------------
