@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
@@ -359,3 +360,33 @@ def test_count_tokens_past_the_context_is_refused_as_too_long_having_encoded_abo
         rendered = data.render_prompt_text(server.tokenizer, inside, None, data.CHATML_TEMPLATE, True)
         assert 2 * len(rendered) > 4096 and counted == reply.usage.input_tokens == \
             len(server.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_item_references_past_the_context_are_refused_before_they_expand_and_a_few_are_served_exactly():
+    with serving() as server:
+        info = server.create_session(sampling=SamplingParams(max_tokens=2, seed=0))
+        client = openai_client(info)
+        long_text = {"type": "object", "properties": {"t": {"type": "string", "minLength": 2000}}, "required": ["t"]}
+        stored = client.responses.create(model="policy", input="Write at length.", max_output_tokens=8000, text={
+            "format": {"type": "json_schema", "name": "long", "schema": long_text, "strict": True}})
+        item = stored.output[-1]
+        size = len(item.content[0].text)                          # a reply of over 2,000 characters
+        references = 1_300_000 // 48                             # a 1.3 MB body of references to one reply
+        assert references * size > 40 * server.max_length * 16   # 40 times what a context can hold
+        body = json.dumps({"model": "policy", "max_output_tokens": 2,
+                           "input": [{"type": "item_reference", "id": item.id}] * references}).encode()
+        post = urllib.request.Request(f"{info.base_url}/responses", body, {
+            "Authorization": f"Bearer {info.api_key}", "Content-Type": "application/json"})
+        # sent raw: the SDK takes 44 s of the client's own CPU to prepare 27,000 items
+        refusal, grown = peak_growth_mb(lambda: urllib.request.urlopen(post))
+        assert isinstance(refusal, urllib.error.HTTPError) and refusal.code == 400, refusal
+        error = json.loads(refusal.read())["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+        assert grown < GROWTH_BOUND_MB, f"the server grew {grown} MB to refuse {references} item references"
+        # the positive control: the reply referenced twice (two assistant items: one assistant message), then a
+        # question, served token-exact
+        ask = [{"type": "item_reference", "id": item.id}] * 2 + [{"role": "user", "content": "Again?"}]
+        reply = client.responses.create(model="policy", max_output_tokens=2, input=ask)
+        messages = [{"role": "assistant", "content": item.content[0].text * 2}, {"role": "user", "content": "Again?"}]
+        rendered = data.render_prompt_text(server.tokenizer, messages, None, data.CHATML_TEMPLATE, True)
+        assert reply.usage.input_tokens == len(data.encode_text(server.tokenizer, rendered))
