@@ -520,8 +520,9 @@ class ChatSession:
             ids = data.encode_text(self.tokenizer, text, self.max_length - after)
         except data.TooManyTokens as error:
             raise ContextOverflow(after + error.counted, self.max_length,
-                                  f"the prompt counts about {after + error.counted} tokens, over the session's "
-                                  f"context of {self.max_length}; shorten the conversation") from None
+                                  f"the prompt counts about {after + error.counted} tokens (in pieces), over the "
+                                  f"session's context of {self.max_length}, which leaves no room for a reply; shorten "
+                                  f"the conversation") from None
         if self.image_processor is None:
             return ids
         return data.expand_image_pads(ids, images, self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD))
