@@ -281,9 +281,45 @@ def plain(text: str) -> str:
     return f"{PLAIN_OPEN}{text}{PLAIN_CLOSE}" if text else text
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+class TooManyTokens(ValueError):
+    """A text surely over a token budget, found by counting it in pieces before encoding it whole."""
+
+    def __init__(self, counted: int, budget: int):
+        super().__init__(f"the text counts about {counted} tokens, over the budget of {budget}")
+        self.counted, self.budget = counted, budget
+
+
+COUNT_PIECE_CHARS = 65_536   # a long text is counted this many characters at a time (each piece's ids then dropped)
+
+
+def count_tokens_upto(tokenizer, text: str, budget: int) -> int:
+    """The tokens of `text`, counted piece by piece, stopping once the count passes `budget`: the memory is one
+    piece's encoding, whatever the text's length. Each piece ends before a whitespace character where it has one, so
+    a cut falls where the pre-tokenizer cuts too and the count is the whole encoding's within a few tokens a piece
+    (special-token strings count as control tokens, a marked span's as no more than its characters)."""
+    counted, start = 0, 0
+    while start < len(text) and counted <= budget:
+        end = min(start + COUNT_PIECE_CHARS, len(text))
+        if end < len(text):
+            space = max(text.rfind(c, start + COUNT_PIECE_CHARS // 2, end) for c in " \n")
+            end = space if space > 0 else end
+        piece = text[start:end].replace(PLAIN_OPEN, "").replace(PLAIN_CLOSE, "")
+        counted += len(_encode(tokenizer, piece, split_special_tokens=False))
+        start = end
+    return counted
+
+
+def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
     """Encode once, adding no special tokens: marked spans (`plain`, `render_prompt_text`) as characters, the
-    rest with its special-token strings as control tokens."""
+    rest with its special-token strings as control tokens. With `max_tokens`, no more than about twice that many
+    tokens are ever encoded: a text that may hold more (a token is at most 4 UTF-8 bytes' worth of characters, so
+    more than max_tokens / 2 characters) is counted first (count_tokens_upto), and one that counts more than
+    2 * max_tokens is refused with TooManyTokens (the margin leaves the piecewise count's few tokens of error no
+    say in what is refused) before its whole encoding is built."""
+    if max_tokens is not None and 2 * len(text) > max_tokens:
+        counted = count_tokens_upto(tokenizer, text, 2 * max_tokens)
+        if counted > 2 * max_tokens:
+            raise TooManyTokens(counted, max_tokens)
     ids, last = [], 0
     for span in _PLAIN_SPAN.finditer(text):
         ids += _encode(tokenizer, text[last:span.start()], split_special_tokens=False)

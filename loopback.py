@@ -552,7 +552,8 @@ class LoopbackServer:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        wire_request = wire_anthropic.decode_anthropic(await self._body(request, lane), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic(await self._body(request, lane), session.sampling,
+                                                      session.text_bound)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
             stream = wire_anthropic.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
@@ -562,7 +563,8 @@ class LoopbackServer:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
-        decoded = wire_responses.decode_responses(await self._body(request, lane), session.sampling, lane.responses)
+        decoded = wire_responses.decode_responses(await self._body(request, lane), session.sampling, lane.responses,
+                                                  session.text_bound)
         reply_id = f"resp_{secrets.token_hex(12)}"
         if decoded.request.stream:
             stream = wire_responses.ResponsesStream(decoded, self.tokenizer, self.model_name, reply_id,
@@ -578,7 +580,8 @@ class LoopbackServer:
         (its line found, its record extended as a turn's would be), from the session's own rendering and encoding;
         nothing is generated or recorded. It waits in the session's lane, as a turn does (it reads the record)."""
         session, lane = self._authorize(request)
-        wire_request = wire_anthropic.decode_anthropic_count(await self._body(request, lane), session.sampling)
+        wire_request = wire_anthropic.decode_anthropic_count(await self._body(request, lane), session.sampling,
+                                                            session.text_bound)
         ids = await self._in_lane(lane, wire_request, session.prompt_ids, wire_request.messages, wire_request.tools,
                                   wire_request.options)
         return web.json_response({"input_tokens": len(ids)})

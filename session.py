@@ -273,6 +273,8 @@ class ChatSession:
             raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "
                              f"the most the engine serves (its model's position limit)")
         self.sampling = sampling or SamplingParams(max_tokens=self.max_length)
+        # the most text a prompt may hold (what the wires bound a request's references with, before expanding them)
+        self.text_bound = wires.TextBound(self.max_length, data.longest_token_chars(tokenizer))
         self.image_processor = image_processor  # None: a text-only model, and image parts are refused
         # Each picture is processed once per session, so one that comes back in the history is the same
         # ImageInput object: that is how the ledger tells an unchanged image from a changed one.
@@ -371,7 +373,7 @@ class ChatSession:
             line, recorded = self._route(messages, tools, options)
             self._bound_prompt(recorded, tools)
             opening = wires.CALL_OPENING if options.tool_choice in ("required", "named") else ""
-            return self._prompt(line, recorded, tools, options.template_kwargs, opening)[0]
+            return self._prompt(line, recorded, tools, options.template_kwargs, opening)[0]   # a prompt a turn takes
 
     def _route(self, messages: list[dict], tools, options: wires.TurnOptions) -> tuple[Line | None, list[dict]]:
         """The line a request belongs to (None: it opens one) and its messages as recorded: a continuation's recorded
@@ -402,10 +404,6 @@ class ChatSession:
         opening_text = wires.CALL_OPENING if options.tool_choice in ("required", "named") else ""
         prompt_ids, images, prompt_text = self._prompt(line, messages, tools, options.template_kwargs, opening_text)
         room = self.max_length - len(prompt_ids)
-        if room < 1:
-            raise ContextOverflow(len(prompt_ids), self.max_length,
-                                  f"the prompt holds {len(prompt_ids)} tokens, at or over the session's context of "
-                                  f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
         served = sum(other.turns for other in self.lines)        # call ids stay unique across the session's lines
         call_prefix = f"call-{self.rollout_id}-{served}"
 
@@ -487,12 +485,12 @@ class ChatSession:
         """Refuse a request whose text cannot fit the context before rendering or encoding any of it: no token
         spans more characters than the longest vocabulary entry, so more characters than max_length times that
         can only be more than max_length tokens. (A 20 MB message would otherwise be encoded in full first.)"""
-        chars, widest = _text_chars(messages) + _text_chars(tools), data.longest_token_chars(self.tokenizer)
-        limit = self.max_length * widest
-        if chars > limit:
-            raise ContextOverflow(-(-chars // widest), self.max_length,
+        chars, bound = wires.text_chars(messages) + wires.text_chars(tools), self.text_bound
+        if chars > bound.chars:
+            raise ContextOverflow(-(-chars // bound.token_chars), self.max_length,
                                   f"the request holds {chars} characters of text, more than a context of "
-                                  f"{self.max_length} tokens can hold (at most {limit}); shorten the conversation")
+                                  f"{self.max_length} tokens can hold (at most {bound.chars}); shorten the "
+                                  f"conversation")
 
     def _render(self, messages, tools, generation_prompt: bool, template_kwargs: dict | None) -> str:
         return data.render_prompt_text(self.tokenizer, messages, tools, self.template, generation_prompt,
@@ -509,9 +507,15 @@ class ChatSession:
         full = self._render(messages, tools, True, template_kwargs)
         delta = None if line is None else self._delta_text(line, messages, tools, full, template_kwargs)
         if delta is None:
-            return self._encode(full + opening_text, images), images, full
-        fresh = images[len(line.ledger.open_images):]
-        return line.ledger.open_token_ids + self._encode(delta + opening_text, fresh), images, full
+            ids = self._encode(full + opening_text, images, 0)
+        else:
+            fresh = images[len(line.ledger.open_images):]
+            ids = line.ledger.open_token_ids + self._encode(delta + opening_text, fresh, len(line.ledger.open_token_ids))
+        if len(ids) >= self.max_length:
+            raise ContextOverflow(len(ids), self.max_length,
+                                  f"the prompt holds {len(ids)} tokens, at or over the session's context of "
+                                  f"{self.max_length}, which leaves no room for a reply; shorten the conversation")
+        return ids, images, full
 
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)
@@ -531,10 +535,18 @@ class ChatSession:
             self._images[url] = data.image_inputs(self.image_processor, [url])[0]
         return [self._images[url] for url in urls]
 
-    def _encode(self, text: str, images: list[invariants.ImageInput]) -> list[int]:
-        """Encode rendered text once (the messages' text as text, data.encode_text); for a VLM each image's single
-        pad becomes its run of n_tokens pads."""
-        ids = data.encode_text(self.tokenizer, text)
+    def _encode(self, text: str, images: list[invariants.ImageInput], after: int) -> list[int]:
+        """Encode rendered text once, to follow `after` tokens of prompt (the messages' text as text,
+        data.encode_text); for a VLM each image's single pad becomes its run of n_tokens pads. Text that cannot fit
+        the rest of the context is refused having encoded at most about twice the context's tokens (data.encode_text's
+        bound), so its cost is the context's, whatever its length."""
+        try:
+            ids = data.encode_text(self.tokenizer, text, self.max_length - after)
+        except data.TooManyTokens as error:
+            raise ContextOverflow(after + error.counted, self.max_length,
+                                  f"the prompt counts about {after + error.counted} tokens (in pieces), over the "
+                                  f"session's context of {self.max_length}, which leaves no room for a reply; shorten "
+                                  f"the conversation") from None
         if self.image_processor is None:
             return ids
         return data.expand_image_pads(ids, images, self.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD))
@@ -557,17 +569,6 @@ class ChatSession:
         if not assistant_block.startswith(line.echo_text):
             return None
         return assistant_block[len(line.echo_text):] + full[len(prefix):]
-
-
-def _text_chars(value) -> int:
-    """Characters in every string of a JSON-like value (the wires bound its depth)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_text_chars(k) + _text_chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(_text_chars(v) for v in value)
-    return 0
 
 
 def session_trace(session: ChatSession, tokenizer) -> dict:

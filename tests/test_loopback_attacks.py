@@ -15,6 +15,7 @@ import struct
 import threading
 import time
 import tracemalloc
+import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
@@ -386,3 +387,122 @@ def test_a_malformed_authorization_header_never_puts_the_key_in_a_log_or_a_reply
     assert key not in logged, "the session's key was written to a log"
     assert key not in capfd.readouterr().err, "the session's key was printed to stderr"
     assert not any(key in reply for reply in replies), "a reply echoed the session's key"
+
+
+# ---- references that multiply: a request costs what its bytes may expand to ------------------------------
+# Each attack is a few KB to a MB of request whose references (Anthropic's tool_reference, the Responses API's
+# item_reference) or text would build hundreds of MB before any bound was checked. The server runs in this process,
+# so its memory is read here: the peak RSS over the attack (Linux resets the peak on writing 5 to clear_refs).
+
+GROWTH_BOUND_MB = 96          # each attack grew the server by 345-528 MB before its refusal
+
+
+def peak_growth_mb(work):
+    """(work()'s result or the exception it raised, this process's peak RSS over it less its RSS before, in MB)."""
+    def status(field: str) -> int:
+        with open("/proc/self/status") as lines:
+            return next(int(line.split()[1]) for line in lines if line.startswith(field)) // 1024
+    with open("/proc/self/clear_refs", "w") as reset:
+        reset.write("5")
+    before = status("VmRSS:")
+    try:
+        outcome = work()
+    except Exception as error:
+        outcome = error
+    return outcome, status("VmHWM:") - before
+
+
+def anthropic_client(info):
+    return anthropic.Anthropic(base_url=info.session_url, api_key=info.api_key, max_retries=0)
+
+
+def context_text(info) -> str:
+    return "".join(t for s in trace_segments(info) for t, m in zip(s["tokens"], s["trainable"]) if not m)
+
+
+SEARCH = {"name": "ToolSearch", "description": "Fetches deferred tools.", "input_schema": {"type": "object"}}
+
+
+def found(references: int) -> list[dict]:
+    """A conversation in which a tool search answers with `references` tool_reference blocks naming 'Huge'."""
+    return [{"role": "user", "content": "Find the tool."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "tool_reference", "tool_name": "Huge"}] * references}]}]
+
+
+def test_tool_references_past_the_context_are_refused_before_they_expand_and_a_few_are_served_exactly():
+    with serving() as server:
+        info = server.create_session(sampling=SamplingParams(max_tokens=2))
+        huge = {"name": "Huge", "description": "d" * 120 * 1024, "input_schema": {"type": "object"},
+                "defer_loading": True}
+        ask = dict(model="policy", max_tokens=2, tools=[SEARCH, huge], messages=found(1500))
+        assert len(json.dumps(ask)) < 200_000                     # 1,500 references: 184 MB of definitions
+        refusal, grown = peak_growth_mb(lambda: anthropic_client(info).messages.create(**ask))
+        assert isinstance(refusal, anthropic.BadRequestError), refusal
+        assert refusal.body["error"]["message"].startswith("prompt is too long: "), refusal.body
+        assert grown < GROWTH_BOUND_MB, f"the server grew {grown} MB to refuse 1,500 tool references"
+        assert trace_segments(info) == []                         # nothing recorded
+        # the positive control: a few references to a short definition, each where it stands, token-exact
+        small = {**huge, "description": "Edits a notebook cell."}
+        ask = dict(model="policy", max_tokens=2, tools=[SEARCH, small], messages=found(3))
+        counted = anthropic_client(info).messages.count_tokens(**{k: v for k, v in ask.items() if k != "max_tokens"})
+        reply = anthropic_client(info).messages.create(**ask)
+        assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+        definition = '<function>{"description": "Edits a notebook cell.", "name": "Huge", "parameters": {"type": ' \
+                     '"object"}}</function>'
+        assert "<functions>\n" + "\n".join([definition] * 3) + "\n</functions>" in context_text(info)
+
+
+def test_count_tokens_past_the_context_is_refused_as_too_long_having_encoded_about_twice_the_context():
+    # 1.04 M characters that encode about one token each: under the characters a context can hold (65,536 tokens
+    # of at most 16 characters), so only encoding tells; it was answered 1,017,903 tokens, 15 times the context
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789!@#$%^&*()_+-=[]{};:,.<>/?"
+    text = "".join(alphabet[(k * k + 7 * k) % len(alphabet)] for k in range(1_040_000))
+    with serving() as server:
+        info = server.create_session(sampling=SamplingParams(max_tokens=2))
+        client = anthropic_client(info)
+        refusal, grown = peak_growth_mb(lambda: client.messages.count_tokens(
+            model="policy", messages=[{"role": "user", "content": text}]))
+        assert isinstance(refusal, anthropic.BadRequestError), refusal
+        assert refusal.body["error"]["message"].startswith("prompt is too long: "), refusal.body
+        assert grown < GROWTH_BOUND_MB, f"the server grew {grown} MB to count 1.04 M characters"
+        # the positive control: a prompt long enough to be counted in pieces first, inside the context, is counted
+        # exactly: the turn's own prompt, and the tokenizer's encoding of its rendering
+        info = server.create_session(sampling=SamplingParams(max_tokens=2), max_length=4096)
+        inside = [{"role": "user", "content": "the cat sat on the mat. " * 120}]
+        counted = anthropic_client(info).messages.count_tokens(model="policy", messages=inside).input_tokens
+        reply = anthropic_client(info).messages.create(model="policy", max_tokens=2, messages=inside)
+        rendered = data.render_prompt_text(server.tokenizer, inside, None, data.CHATML_TEMPLATE, True)
+        assert 2 * len(rendered) > 4096 and counted == reply.usage.input_tokens == \
+            len(server.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_item_references_past_the_context_are_refused_before_they_expand_and_a_few_are_served_exactly():
+    with serving() as server:
+        info = server.create_session(sampling=SamplingParams(max_tokens=2, seed=0))
+        client = openai_client(info)
+        long_text = {"type": "object", "properties": {"t": {"type": "string", "minLength": 2000}}, "required": ["t"]}
+        stored = client.responses.create(model="policy", input="Write at length.", max_output_tokens=8000, text={
+            "format": {"type": "json_schema", "name": "long", "schema": long_text, "strict": True}})
+        item = stored.output[-1]
+        size = len(item.content[0].text)                          # a reply of over 2,000 characters
+        references = 1_300_000 // 48                             # a 1.3 MB body of references to one reply
+        assert references * size > 40 * server.max_length * 16   # 40 times what a context can hold
+        body = json.dumps({"model": "policy", "max_output_tokens": 2,
+                           "input": [{"type": "item_reference", "id": item.id}] * references}).encode()
+        post = urllib.request.Request(f"{info.base_url}/responses", body, {
+            "Authorization": f"Bearer {info.api_key}", "Content-Type": "application/json"})
+        # sent raw: the SDK takes 44 s of the client's own CPU to prepare 27,000 items
+        refusal, grown = peak_growth_mb(lambda: urllib.request.urlopen(post))
+        assert isinstance(refusal, urllib.error.HTTPError) and refusal.code == 400, refusal
+        error = json.loads(refusal.read())["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+        assert grown < GROWTH_BOUND_MB, f"the server grew {grown} MB to refuse {references} item references"
+        # the positive control: the reply referenced twice (two assistant items: one assistant message), then a
+        # question, served token-exact
+        ask = [{"type": "item_reference", "id": item.id}] * 2 + [{"role": "user", "content": "Again?"}]
+        reply = client.responses.create(model="policy", max_output_tokens=2, input=ask)
+        messages = [{"role": "assistant", "content": item.content[0].text * 2}, {"role": "user", "content": "Again?"}]
+        rendered = data.render_prompt_text(server.tokenizer, messages, None, data.CHATML_TEMPLATE, True)
+        assert reply.usage.input_tokens == len(data.encode_text(server.tokenizer, rendered))

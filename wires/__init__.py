@@ -102,6 +102,38 @@ class ContextLengthExceeded(WireError):
         return super().body(wire)
 
 
+@dataclass(frozen=True)
+class TextBound:
+    """The most text a prompt may hold, known before anything is rendered or encoded: no token spans more than
+    `token_chars` characters (data.longest_token_chars), so more than context * token_chars characters is more than
+    the context's tokens. A session's (session.ChatSession.text_bound); the wires refuse with it what a request's
+    references would expand to, before building it."""
+    context: int                   # the session's context, in tokens
+    token_chars: int               # characters in the tokenizer's longest vocabulary entry
+
+    @property
+    def chars(self) -> int:
+        return self.context * self.token_chars
+
+    def refuse_over(self, chars: int, what: str, param: str) -> None:
+        """ContextLengthExceeded (in each wire's own words) when `chars` characters cannot fit the context."""
+        if chars > self.chars:
+            raise ContextLengthExceeded(-(-chars // self.token_chars), self.context,
+                                        f"{what} come to {chars} characters of text, more than a context of "
+                                        f"{self.context} tokens can hold (at most {self.chars}); send fewer or "
+                                        f"shorter ones", param)
+
+
+def text_chars(value) -> int:
+    """Characters in every string of a JSON-like value, keys included (the wires bound its depth)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(k) + text_chars(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
+
 
 def require(condition: bool, message: str) -> None:
     if not condition:

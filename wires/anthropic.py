@@ -26,11 +26,11 @@ import json
 from engines import Generation, SamplingParams
 from engines import constraints
 from wires.params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
-from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, WireError, WireRequest, arguments_to_json,
-                   assistant_message, check_fields, constraint_spec, flag_field, function_call_record, function_tool,
-                   join_parts, number_field, object_field, opening_signature, partial_suffix, real_field, require,
-                   sampling_from, signed_opening, split_thinking, stop_strings_field, template_kwargs_of, text_only,
-                   token_extras, tool_options_of, wire_finish_reason)
+from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, TextBound, WireError, WireRequest,
+                   arguments_to_json, assistant_message, check_fields, constraint_spec, flag_field, function_call_record,
+                   function_tool, join_parts, number_field, object_field, opening_signature, partial_suffix, real_field,
+                   require, sampling_from, signed_opening, split_thinking, stop_strings_field, template_kwargs_of,
+                   text_only, token_extras, tool_options_of, wire_finish_reason)
 
 
 # ---- decoding: an Anthropic messages request -> the canonical request ---------------------------------
@@ -238,8 +238,23 @@ def _output_format(config: dict) -> str | None:
     return constraint_spec(constraints.json_schema_spec, form["schema"], True)
 
 
-def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
-    """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError."""
+def _referenced_chars(messages: list, tools: dict[str, dict]) -> int:
+    """The characters the tool_reference blocks of tool results will expand to: each named tool's definition, once
+    per reference (what _tool_result_text builds), read from the request's structure before anything is built."""
+    names = [block["tool_name"]
+             for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for result in message["content"] if isinstance(result, dict) and result.get("type") == "tool_result"
+             and isinstance(result.get("content"), list)
+             for block in result["content"] if isinstance(block, dict) and block.get("type") == "tool_reference"
+             and isinstance(block.get("tool_name"), str) and block["tool_name"] in tools]
+    sizes = {name: len(_tool_definition(tools[name])) for name in set(names)}
+    return sum(sizes[name] for name in names)
+
+
+def decode_anthropic(body: dict, base: SamplingParams, bound: TextBound | None = None) -> WireRequest:
+    """An Anthropic messages request -> the canonical request; anything it cannot honour is a WireError. `bound`
+    (the session's): tool references that would expand past the text a context holds are refused before they are
+    (a few KB of references to a long definition would otherwise build hundreds of MB)."""
     no_ops = check_fields(body, ANTHROPIC_FIELDS)
     require(not isinstance(body.get("stop_sequences"), str), "'stop_sequences' must be a list of strings")
     max_tokens = number_field(body, "max_tokens", integer=True)
@@ -251,6 +266,9 @@ def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
             "with a user message (a turn's reply is sampled whole, from the chat template's generation prompt)")
     rendered, deferred = _anthropic_tools(body.get("tools"))
     offered = {tool["function"]["name"]: tool for tool in rendered + deferred}
+    if bound is not None:
+        bound.refuse_over(_referenced_chars(messages, offered), "the tool definitions the tool_reference blocks name",
+                          "messages")
     canonical = [] if body.get("system") is None else [{"role": "system",
                                                         "content": _anthropic_text(body["system"], "system")}]
     for i, message in enumerate(messages):
@@ -272,11 +290,11 @@ def decode_anthropic(body: dict, base: SamplingParams) -> WireRequest:
                        context_management=body.get("context_management") is not None)
 
 
-def decode_anthropic_count(body: dict, base: SamplingParams) -> WireRequest:
+def decode_anthropic_count(body: dict, base: SamplingParams, bound: TextBound | None = None) -> WireRequest:
     """A count_tokens request -> the canonical request a messages request with its fields would decode to."""
     require(set(body) <= ANTHROPIC_COUNT_FIELDS, f"count_tokens takes {sorted(ANTHROPIC_COUNT_FIELDS)}, not "
                                                  f"{sorted(set(body) - ANTHROPIC_COUNT_FIELDS)}")
-    return decode_anthropic({**body, "max_tokens": 1}, base)
+    return decode_anthropic({**body, "max_tokens": 1}, base, bound)
 
 
 # ---- encoding: a ChatTurn -> an Anthropic message, whole or streamed ----------------------------------

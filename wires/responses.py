@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import wires
 from engines import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
 from wires.params import RESPONSES_FIELDS
-from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, WireError, WireRequest, arguments_from_json, assistant_message,
-                   check_fields, flag_field, function_call_record, function_tool, join_parts, number_field,
-                   object_field, opening_signature, partial_suffix, real_field, require, response_format_kind,
-                   sampling_from, signed_opening, split_thinking, template_kwargs_of, text_only, token_extras,
-                   tool_options_of)
+from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, TextBound, WireError, WireRequest, arguments_from_json,
+                   assistant_message, check_fields, flag_field, function_call_record, function_tool, join_parts,
+                   number_field, object_field, opening_signature, partial_suffix, real_field, require,
+                   response_format_kind, sampling_from, signed_opening, split_thinking, template_kwargs_of, text_chars,
+                   text_only, token_extras, tool_options_of)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -291,8 +291,19 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
     return out
 
 
-def decode_responses(body: dict, base: SamplingParams, store: ResponseStore) -> ResponsesRequest:
-    """A Responses create request -> the canonical request; anything it cannot honour is a WireError."""
+def _referenced_chars(items, store: ResponseStore) -> int:
+    """The characters the item_reference items will expand to: each named stored item's text, once per reference,
+    read from the request's structure before anything is built."""
+    return sum(text_chars(store.item(item.get("id")) if isinstance(item.get("id"), str) else None)
+               for item in (items if isinstance(items, list) else [])
+               if isinstance(item, dict) and item.get("type") == "item_reference")
+
+
+def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
+                     bound: TextBound | None = None) -> ResponsesRequest:
+    """A Responses create request -> the canonical request; anything it cannot honour is a WireError. `bound` (the
+    session's): item references that would expand past the text a context holds are refused before they are (a few
+    bytes of reference to a long stored reply would otherwise build hundreds of MB)."""
     no_ops = check_fields(body, RESPONSES_FIELDS)
     require(body.get("background") in (None, False),
             f"'background': true is refused: {RESPONSES_FIELDS['background'][1]}")
@@ -309,6 +320,9 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore) -> 
             f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     instructions = body.get("instructions")
     require(instructions is None or isinstance(instructions, str), "'instructions' must be a string")
+    if bound is not None:
+        bound.refuse_over(_referenced_chars(body.get("input"), store), "the stored items the item_reference items "
+                                                                       "name", "input")
     previous = body.get("previous_response_id")
     history = ([] if previous is None else list(store.conversation(previous))) + \
         _input_messages(body.get("input", []), store)
