@@ -27,7 +27,8 @@
 #       keys and values, so their logprobs would belong to neither version (`reprefill_on_update=False` keeps
 #       that behaviour, for measuring it);
 #     and a request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
-#     version a request starts at, so it holds even for blocks the reset could not drop); what it did take is its
+#     version a request starts at, so it holds even for blocks the reset could not drop), nor KV another session
+#     wrote (the salt also holds the request's prefix-cache salt, engines/prefix_cache.py); what it did take is its
 #     Generation's cached_prompt_tokens (vLLM's num_cached_tokens), as the embedded engine counts its own reuse;
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
@@ -544,10 +545,16 @@ class VLLMEngine:
         request_id = uuid.uuid4().hex
         while not self._admitting.is_set():   # a draining update: start after it, at its version
             await self._admitting.wait()
-        # prefix caching within one weight version only: the salt enters the hash of the prompt's first KV block,
-        # so no request reuses blocks a request of an older version wrote (the update's cache reset cannot drop
-        # the blocks of requests it keeps on their old KV cache, reprefill_on_update=False)
-        salt = f"v{self.version}"
+        # the salt enters the hash of the prompt's first KV block, so a request reuses only blocks written under the
+        # same salt: within one weight version only (the update's cache reset cannot drop the blocks of requests it
+        # keeps on their old KV cache, reprefill_on_update=False), and by engines/prefix_cache.py's rule: under the
+        # rollout's own salt, or, for a prompt exactly as the trainer gave it to the group, under the group's. vLLM
+        # keys a request's every block under one salt, so a given prompt's reply is written under the group's salt
+        # too, yet no sibling can reach it (a request under that salt holds the given prompt and nothing more, and a
+        # block matches only if all its ids do); the price is the rollout's next turn, which starts its own salt's
+        # chain and computes the first turn's prompt and reply once more
+        p = request.params
+        salt = f"v{self.version}:{p.given_salt or p.cache_salt}"
         if request.images:      # vLLM expands each image's single pad to the image's run itself
             prompt = TokensPrompt(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
                                   multi_modal_data={"image": [image.source for image in request.images]},

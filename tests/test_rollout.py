@@ -870,7 +870,7 @@ def test_kv_of_old_weights_is_never_reused_after_an_update_and_would_be_caught_i
     stale = EmbeddedEngine(copy.deepcopy(tiny))
     stale.prefix_cache.drop = lambda: None
     lookup = stale.prefix_cache.lookup
-    stale.prefix_cache.lookup = lambda ids, version: lookup(ids, 0)   # the old entries handed out as current
+    stale.prefix_cache.lookup = lambda ids, version, salts: lookup(ids, 0, salts)   # the old entries handed out as current
     gen, gap = next_turn_after_an_update(stale)
     assert gen.cached_prompt_tokens > 0 and gap > 1e-3
 
