@@ -170,9 +170,12 @@ class EmbeddedEngine:
         stamp `version` on every later token; under the drain policy only once the requests in flight have finished
         (new ones wait, then start at `version`).
         Every key must land (a refit that filters keys by name can silently ship a handful of a model's
-        parameters); only a tied output embedding may be absent from the export (models.tied_output_key)."""
+        parameters); only a tied output embedding may be absent from the export (models.tied_output_key). A push is
+        all or nothing: it is checked whole (names, shapes, dtypes) before any tensor is loaded, so a refused one
+        leaves the weights and the version as they were."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
+        self._check_push(state)
         reopen = False
         if self.drain_on_update:
             with self._admission:
@@ -187,17 +190,27 @@ class EmbeddedEngine:
             with self._step_lock:
                 # before the load, which may change weights and then fail: the KV kept is the old policy's
                 self.prefix_cache.drop()
-                # a model with a LoRA adapter (lora.add_lora) takes the adapter's tensors alone: its base is frozen
-                adapter = set(lora.adapter_keys(self.model))
-                result, tied = self.model.load_state_dict(state, strict=False), models.tied_output_key(self.model)
-                missing = [k for k in result.missing_keys if k != tied and (not adapter or k in adapter)]
-                if result.unexpected_keys or missing:
-                    raise ValueError(f"weight update does not match the engine's model: unexpected keys "
-                                     f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
+                self.model.load_state_dict(state, strict=False)   # checked above: every key lands, none else
                 self.version = version
         finally:
             if reopen:          # as it was: a caller's pause() holds new requests until its resume()
                 self._admit_again()
+
+    def _check_push(self, state: dict[str, torch.Tensor]) -> None:
+        """Refuse a push that does not fit the model whole (ValueError naming the keys): a key the model lacks, a key
+        it holds that the push leaves out (of a model with a LoRA adapter, lora.add_lora, only the adapter's: its
+        base is frozen; never the tied output embedding), a tensor of another shape or dtype (a load would cast it:
+        the engine would serve weights the trainer does not hold)."""
+        own = self.model.state_dict()
+        tied, adapter = models.tied_output_key(self.model), lora.adapter_keys(self.model)
+        unexpected = [k for k in state if k not in own]
+        missing = [k for k in adapter or own if k not in state and k != tied]
+        unfit = [f"{k}: {tuple(v.shape)} {v.dtype}, not {tuple(own[k].shape)} {own[k].dtype}" for k, v in state.items()
+                 if k in own and not (isinstance(v, torch.Tensor) and v.shape == own[k].shape and v.dtype == own[k].dtype)]
+        if unexpected or missing or unfit:
+            raise ValueError(f"weight update does not match the engine's model, so nothing of it was loaded: unexpected "
+                             f"keys {unexpected[:5]}, missing keys {missing[:5]}, tensors of another shape or dtype "
+                             f"{unfit[:5]}")
 
     def _admit_again(self) -> None:
         """Open admission, and start a decoding thread for the requests that waited."""
