@@ -248,7 +248,7 @@ class VLLMEngine:
         self.eos_ids = sorted(eos if isinstance(eos, list) else [eos])
         self._tokenizer = None                        # loaded for the first constrained request
         self._image_pad = config.get("image_token_id")
-        self._checkpoint_keys = _checkpoint_keys(model_path)
+        self._checkpoint = _checkpoint_tensors(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
         self._paused = False
         self._resume_after_update = False
@@ -273,7 +273,7 @@ class VLLMEngine:
             model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
             max_logprobs=20, enable_return_routed_experts=self.is_moe, enable_sleep_mode=sleep_mode,
-            enable_prefix_caching=prefix_caching, worker_extension_cls="vllm_engine.WorkerExtension",
+            enable_prefix_caching=prefix_caching, worker_extension_cls="engines.vllm_engine.WorkerExtension",
             disable_log_stats=True,
             # an MoE model schedules synchronously (R3): under vLLM's asynchronous scheduling (0.26's default) the
             # routes of a request it never preempted came back for some positions only, or none; synchronous, every
@@ -335,7 +335,7 @@ class VLLMEngine:
             self._load_adapter(state, version)
             return
         state = checkpoint_state(state, self.model_path)
-        names = self.begin_weight_update(list(state), version)
+        names = self.begin_weight_update(push_spec(state), version)
         if self.transfer == "ipc":
             send_ipc_weights({name: state[name].cuda() for name in names}, self.receive_weight_chunk)
         else:
@@ -378,19 +378,25 @@ class VLLMEngine:
     # receive_weight_chunk, then finish. An update that fails between begin and finish leaves the engine paused
     # with some weights new: the caller takes it out of rotation (router.Router does) rather than sample with it.
 
-    def begin_weight_update(self, names: list[str], version: int) -> list[str]:
-        """Check that `names` (the checkpoint's: checkpoint_state) cover the engine's checkpoint, pause (draining:
-        and wait for the requests in flight to finish), and open vLLM's weight update. Returns the names to send (a
-        tied head is the embedding: the checkpoint has no copy of it)."""
+    def begin_weight_update(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], version: int) -> list[str]:
+        """Check the push whole before any tensor moves (a push is all or nothing: vLLM loads layer by layer, so a
+        fault found while loading would leave some layers new): `spec` (push_spec, under the checkpoint's names:
+        checkpoint_state) must cover the engine's checkpoint, name nothing else, and give each tensor the
+        checkpoint's shape and kind (floating point where it is: vLLM casts to the dtype it serves, as it cast the
+        checkpoint). Then pause (draining: and wait for the requests in flight to finish), and open vLLM's weight
+        update. Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
-        if self._tied:
-            names = [name for name in names if name != "lm_head.weight"]
-        missing = sorted(self._checkpoint_keys - set(names))
-        unexpected = sorted(set(names) - self._checkpoint_keys)
-        if missing or unexpected:
-            raise ValueError(f"weight update does not match the engine's checkpoint: missing keys {missing[:5]}, "
-                             f"unexpected keys {unexpected[:5]}")
+        names = [name for name in spec if not (self._tied and name == "lm_head.weight")]
+        missing = sorted(self._checkpoint.keys() - set(names))
+        unexpected = sorted(set(names) - self._checkpoint.keys())
+        unfit = [f"{name}: {spec[name][0]} {spec[name][1]}, not {self._checkpoint[name][0]}" for name in names
+                 if name in self._checkpoint and (spec[name][0], spec[name][1].is_floating_point) !=
+                 self._checkpoint[name]]
+        if missing or unexpected or unfit:
+            raise ValueError(f"weight update does not match the engine's checkpoint, so nothing of it was loaded: "
+                             f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, tensors of another shape "
+                             f"or kind {unfit[:5]}")
         self._resume_after_update = not self._paused
         self.pause()
         with self._control:
@@ -747,12 +753,24 @@ def _vllm_params(request: _Request):
         detokenize=bool(p.stop), flat_logprobs=True)
 
 
-def _checkpoint_keys(model_path: str) -> set[str]:
-    """The tensor names of the checkpoint the engine loaded: what a full weight update must send."""
+def _checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The tensors of the checkpoint the engine loaded, what a full weight update must send: name -> (shape, whether
+    floating point), read from the safetensors headers (nothing loaded)."""
     from safetensors import safe_open
     index = os.path.join(model_path, "model.safetensors.index.json")
+    files = ["model.safetensors"]
     if os.path.exists(index):
         with open(index) as f:
-            return set(json.load(f)["weight_map"])
-    with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
-        return set(f.keys())
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    tensors = {}
+    for file in files:
+        with safe_open(os.path.join(model_path, file), "pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                tensors[name] = (tuple(piece.get_shape()), piece.get_dtype().startswith(("F", "BF")))
+    return tensors
+
+
+def push_spec(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What begin_weight_update checks a push by, before any tensor moves: each name's shape and dtype."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
