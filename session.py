@@ -261,10 +261,11 @@ class ChatSession:
         self.rollout_id, self.group_id = rollout_id, group_id
         # the engine's prefix-cache salts (engines/prefix_cache.py's rule): a secret of this session's own, never an
         # id a client names; and the group's, for a request whose prompt is exactly `given`'s (the task's messages as
-        # the trainer gave them, rendered here as a first request without tools renders them; text only)
+        # the trainer gave them, rendered here as a first request without tools renders them; a task with images has
+        # none: its pads expand per session)
         self.cache_salt = f"rollout:{secrets.token_hex(16)}"
         self.given_ids = data.encode_text(tokenizer, self._render(given, None, True, None)) \
-            if given and group_id and not data.prompt_images(given) else None
+            if given and group_id else None
         self.max_length = max_length or engine.max_model_len
         if not 1 < self.max_length <= engine.max_model_len:
             raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "

@@ -453,7 +453,8 @@ class ChatAgentRunner:
                             "max_tokens": sampling.max_tokens}, self.max_turns, task)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
-        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length, task.messages)
+        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,
+                                          None if task.images else task.messages)
         try:
             failure, detail, result = await self._agent(info, task, sampling)
         finally:     # returned, raised, timed out, or the run cancelled: the session goes with its rollout
