@@ -18,7 +18,8 @@
 #     the middle of a request discards the KV cache and re-prefills (a cache filled by the old weights would
 #     condition new tokens on the old policy's keys and values, so their logprobs would belong to neither
 #     version); a row's grammar and penalty state depend only on its ids, so they survive the re-prefill; a prompt
-#     that starts with a finished row's ids takes that row's KV from the prefix cache (engines/prefix_cache.py) only while
+#     that starts with a finished row's ids takes that row's KV from the prefix cache (engines/prefix_cache.py; under a
+#     salt the request carries, so no session reads another's) only while
 #     the weights that computed it are loaded: every weight load empties the cache;
 #   invariant 3 (forward consistency) - that logprob is of the distribution the token was actually drawn from
 #     (processing.adjust_logits then processed_logprobs: grammar mask, logit bias, penalties, temperature, min_p,
@@ -169,9 +170,12 @@ class EmbeddedEngine:
         stamp `version` on every later token; under the drain policy only once the requests in flight have finished
         (new ones wait, then start at `version`).
         Every key must land (a refit that filters keys by name can silently ship a handful of a model's
-        parameters); only a tied output embedding may be absent from the export (models.tied_output_key)."""
+        parameters); only a tied output embedding may be absent from the export (models.tied_output_key). A push is
+        all or nothing: it is checked whole (names, shapes, dtypes) before any tensor is loaded, so a refused one
+        leaves the weights and the version as they were."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
+        self._check_push(state)
         reopen = False
         if self.drain_on_update:
             with self._admission:
@@ -186,17 +190,27 @@ class EmbeddedEngine:
             with self._step_lock:
                 # before the load, which may change weights and then fail: the KV kept is the old policy's
                 self.prefix_cache.drop()
-                # a model with a LoRA adapter (lora.add_lora) takes the adapter's tensors alone: its base is frozen
-                adapter = set(lora.adapter_keys(self.model))
-                result, tied = self.model.load_state_dict(state, strict=False), models.tied_output_key(self.model)
-                missing = [k for k in result.missing_keys if k != tied and (not adapter or k in adapter)]
-                if result.unexpected_keys or missing:
-                    raise ValueError(f"weight update does not match the engine's model: unexpected keys "
-                                     f"{result.unexpected_keys[:5]}, missing keys {missing[:5]}")
+                self.model.load_state_dict(state, strict=False)   # checked above: every key lands, none else
                 self.version = version
         finally:
             if reopen:          # as it was: a caller's pause() holds new requests until its resume()
                 self._admit_again()
+
+    def _check_push(self, state: dict[str, torch.Tensor]) -> None:
+        """Refuse a push that does not fit the model whole (ValueError naming the keys): a key the model lacks, a key
+        it holds that the push leaves out (of a model with a LoRA adapter, lora.add_lora, only the adapter's: its
+        base is frozen; never the tied output embedding), a tensor of another shape or dtype (a load would cast it:
+        the engine would serve weights the trainer does not hold)."""
+        own = self.model.state_dict()
+        tied, adapter = models.tied_output_key(self.model), lora.adapter_keys(self.model)
+        unexpected = [k for k in state if k not in own]
+        missing = [k for k in adapter or own if k not in state and k != tied]
+        unfit = [f"{k}: {tuple(v.shape)} {v.dtype}, not {tuple(own[k].shape)} {own[k].dtype}" for k, v in state.items()
+                 if k in own and not (isinstance(v, torch.Tensor) and v.shape == own[k].shape and v.dtype == own[k].dtype)]
+        if unexpected or missing or unfit:
+            raise ValueError(f"weight update does not match the engine's model, so nothing of it was loaded: unexpected "
+                             f"keys {unexpected[:5]}, missing keys {missing[:5]}, tensors of another shape or dtype "
+                             f"{unfit[:5]}")
 
     def _admit_again(self) -> None:
         """Open admission, and start a decoding thread for the requests that waited."""
@@ -444,28 +458,38 @@ class EmbeddedEngine:
             keys = [layer.keys[b].index_select(1, columns) for layer in batch.cache.layers]
             values = [layer.values[b].index_select(1, columns) for layer in batch.cache.layers]
             routes = np.concatenate(row.routes)[:len(forwarded)] if row.routes else None
-            self.prefix_cache.keep(forwarded, keys, values, routes, batch.version)
+            self.prefix_cache.keep(forwarded, keys, values, routes, batch.version, row.params.cache_salt)
+            if row.params.given_salt:     # the given prompt alone, for its group's samples (never a sampled id)
+                n = len(row.prompt_ids)
+                self.prefix_cache.keep(row.prompt_ids, [k[:, :n].clone() for k in keys], [v[:, :n].clone() for v in values],
+                                       None if routes is None else routes[:n], batch.version, row.params.given_salt)
 
-    def _prefill(self, rows: list[_Row]) -> _Batch:
+    def _prefill(self, rows: list[_Row], salts: list[tuple[str, ...]] | None = None) -> _Batch:
         """Forward prompt + tokens so far for every row, left-padded, with every row's images (also on a
         re-prefill after a weight swap), into a fresh cache. A row whose ids begin with a finished row's (an
-        agent's last turn) takes the KV of that common prefix from the prefix cache and forwards only the rest:
-        the cache starts with each row's reused positions, left-padded to the longest, and the forwarded ids
-        follow, left-padded too (a padded position is masked out wherever it sits). Rows whose text is the same
-        (the samples of a group, arriving together) are forwarded once and share that forward's cache rows and
-        logits: a row's result depends on its own ids alone, so a copy is what its own forward would give."""
+        agent's last turn) takes the KV of that common prefix from the prefix cache, under the salts it carries
+        (`salts[b]`, by default its own), and forwards only the rest: the cache starts with each row's reused
+        positions, left-padded to the longest, and the forwarded ids follow, left-padded too (a padded position is
+        masked out wherever it sits). Rows whose text is the same (the samples of a group, arriving together) are
+        forwarded once and share that forward's cache rows and logits: a row's result depends on its own ids alone,
+        so a copy is what its own forward would give; that forward takes from the cache only under the salts every
+        one of them carries (engines/prefix_cache.py's rule: no row learns of an entry another's salt reaches)."""
         seqs = [r.prompt_ids + r.token_ids for r in rows]
+        salts = salts or [_salts(r.params) for r in rows]
         if not self.is_vision and len(rows) > 1 and not any(r.routes for r in rows):
             first: dict[tuple[int, ...], int] = {}
             of = [first.setdefault(tuple(s), len(first)) for s in seqs]
             if len(first) < len(rows):
                 distinct = [rows[seqs.index(list(key))] for key in first]
-                shared = self._prefill(distinct)
+                common = [tuple(salt for salt in _salts(row.params)
+                                if all(salt in salts[b] for b, k in enumerate(of) if k == i))
+                          for i, row in enumerate(distinct)]
+                shared = self._prefill(distinct, common)
                 for r, k in zip(rows, of):          # each copy records the routes its own forward would, and reuse
                     if r is not distinct[k]:
                         r.routes, r.cached_prompt_tokens = list(distinct[k].routes), distinct[k].cached_prompt_tokens
                 return _select_rows(shared, of, rows)
-        reused = [self._reusable(s) for s in seqs]          # (entry, positions taken) per row
+        reused = [self._reusable(s, row_salts) for s, row_salts in zip(seqs, salts)]   # (entry, positions taken)
         past = max(k for _, k in reused)
         width = max(len(s) - k for s, (_, k) in zip(seqs, reused))
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -499,12 +523,12 @@ class EmbeddedEngine:
                 r.routes.append(routes[b, width - len(s) + routed:])
         return _Batch(list(rows), cache, mask, next_positions, logits, self.version)
 
-    def _reusable(self, ids: list[int]) -> tuple[Entry | None, int]:
-        """The prefix cache's entry sharing the most first ids with `ids` at the loaded weights, and how many of its
-        positions to take: all it shares but `ids`' last, whose logits the row samples from next."""
+    def _reusable(self, ids: list[int], salts: tuple[str, ...]) -> tuple[Entry | None, int]:
+        """The prefix cache's entry under one of `salts` sharing the most first ids with `ids` at the loaded weights,
+        and how many of its positions to take: all it shares but `ids`' last, whose logits the row samples from."""
         if not self.prefix_cache.budget_bytes:
             return None, 0
-        entry, shared = self.prefix_cache.lookup(ids, self.version)
+        entry, shared = self.prefix_cache.lookup(ids, self.version, salts)
         taken = min(shared, len(ids) - 1)
         return (entry, taken) if taken > 0 else (None, 0)
 
@@ -586,6 +610,11 @@ class EmbeddedEngine:
         return Generation(row.prompt_ids, row.token_ids, row.logprobs, row.versions, routes, row.finish_reason,
                           row.stop_string, row.top if row.params.top_logprobs else None, row.sampling,
                           row.cached_prompt_tokens)
+
+
+def _salts(params: SamplingParams) -> tuple[str, ...]:
+    """The prefix cache's salts a request may take KV from (engines/prefix_cache.py's rule)."""
+    return (params.cache_salt, params.given_salt) if params.given_salt else (params.cache_salt,)
 
 
 def _hand_back(rows: list[_Row]) -> None:

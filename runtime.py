@@ -251,8 +251,8 @@ class EngineActor:
 
     # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (engines/vllm_engine.py)
     @ray.method(concurrency_group="control")
-    def begin_weight_update(self, names: list[str], version: int) -> list[str]:
-        return self.engine.begin_weight_update(names, version)
+    def begin_weight_update(self, spec: dict, version: int) -> list[str]:
+        return self.engine.begin_weight_update(spec, version)
 
     @ray.method(concurrency_group="control")
     def receive_weight_chunk(self, update_info: dict) -> None:
@@ -374,9 +374,9 @@ class EngineProxy:
         if not isinstance(state, WeightPush):
             self._call(self.handle.update_weights, state, version)
         elif self.takes_ipc and state.gpu_uuid == self.gpu_uuid:
-            from engines.vllm_engine import checkpoint_state, send_ipc_weights
+            from engines.vllm_engine import checkpoint_state, push_spec, send_ipc_weights
             tensors = checkpoint_state(state.tensors, self.model_path)     # the names vLLM's checkpoint uses
-            names = self._call(self.handle.begin_weight_update, list(tensors), version)
+            names = self._call(self.handle.begin_weight_update, push_spec(tensors), version)   # checked whole first
             send_ipc_weights({name: tensors[name] for name in names},
                              lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
             self._call(self.handle.finish_weight_update, version)

@@ -73,6 +73,7 @@ import base64
 import copy
 import io
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -265,9 +266,17 @@ class ChatSession:
     request overrides (default: a reply may take the rest of the context)."""
 
     def __init__(self, engine, tokenizer, rollout_id: str, group_id: str = "", template: str | None = None,
-                 sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None):
+                 sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None,
+                 given: list[dict] | None = None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
         self.rollout_id, self.group_id = rollout_id, group_id
+        # the engine's prefix-cache salts (engines/prefix_cache.py's rule): a secret of this session's own, never an
+        # id a client names; and the group's, for a request whose prompt is exactly `given`'s (the task's messages as
+        # the trainer gave them, rendered here as a first request without tools renders them; a task with images has
+        # none: its pads expand per session)
+        self.cache_salt = f"rollout:{secrets.token_hex(16)}"
+        self.given_ids = data.encode_text(tokenizer, self._render(given, None, True, None)) \
+            if given and group_id else None
         self.max_length = max_length or engine.max_model_len
         if not 1 < self.max_length <= engine.max_model_len:
             raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "
@@ -418,7 +427,8 @@ class ChatSession:
         # a request asks for: the engine reports the larger count, the client gets its own
         recorded_top = self.sampling.top_logprobs
         engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room),
-                                top_logprobs=max(params.top_logprobs, recorded_top))
+                                top_logprobs=max(params.top_logprobs, recorded_top), cache_salt=self.cache_salt,
+                                given_salt=f"group:{self.group_id}" if prompt_ids == self.given_ids else "")
         try:
             if hung_up is not None and hung_up.is_set():
                 raise TurnCut(self.rollout_id)    # gone before its prefill: nothing is computed

@@ -44,6 +44,7 @@ import math
 import numbers
 import os
 import pkgutil
+import secrets
 import sys
 import uuid
 import threading
@@ -194,6 +195,8 @@ class _Episode:
     done: bool = False
     failed: str = ""
     info: dict[str, float] = field(default_factory=dict)
+    # its prefix-cache salt (engines/prefix_cache.py's rule): a secret of its own, so no other episode reads its KV
+    cache_salt: str = field(default_factory=lambda: f"rollout:{secrets.token_hex(16)}")
 
 
 def _start(fn, *args) -> Future:
@@ -277,7 +280,10 @@ class EnvRunner:
                 ep.done = ep.truncated = True
                 continue
             prompts.append(ep.ledger.open_token_ids)
-            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens, room)))
+            # the first turn's prompt is the task as reset rendered it, the same for the group's samples: they share it
+            given = ep.turns == 0 and ep.ledger.group_id and not ep.ledger.open_images
+            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens, room), cache_salt=ep.cache_salt,
+                                  given_salt=f"group:{ep.ledger.group_id}" if given else ""))
             images.append(ep.ledger.open_images)
         live = [ep for ep in live if not ep.done]
         if not live:
@@ -447,7 +453,8 @@ class ChatAgentRunner:
                             "max_tokens": sampling.max_tokens}, self.max_turns, task)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
-        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
+        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,
+                                          None if task.images else task.messages)
         try:
             failure, detail, result = await self._agent(info, task, sampling)
         finally:     # returned, raised, timed out, or the run cancelled: the session goes with its rollout

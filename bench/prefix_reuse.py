@@ -10,7 +10,9 @@
 # that a busy moment of a shared machine slows both. Reported per turn and mode: prompt tokens, those taken from the
 # cache, those computed, the time to the first token (the prefill and one step), the turn's wall time (prefill and
 # decode) and the CPU seconds of the processes doing its work; then the totals, and off / on. A warm-up request
-# (sharing no id with the episode) runs first on each engine.
+# (sharing no id with the episode) runs first on each engine. Every turn carries the episode's own prefix-cache salt,
+# as a session's turns do (engines/prefix_cache.py: a session reuses its own turns only), so "on" is what a session
+# keeps under that rule, and "off" what its turns cost without reuse.
 #
 #   python bench/prefix_reuse.py [--engines embedded vllm] [--first 30000] [--turns 10]
 #                                [--out docs/prefix-reuse-cpu.json]
@@ -92,7 +94,7 @@ def episodes(kind: str, path: str, args, vocab: int) -> dict[str, list[dict]]:
     # own random stream: vLLM 0.32's CPU build fails a seeded request whose prompt it prefills in chunks (its CPU
     # generator has no offset to rewind)
     params = SamplingParams(temperature=1.0, max_tokens=args.reply, stop_token_ids=(stop,),
-                            logit_bias=((stop, -math.inf),))
+                            logit_bias=((stop, -math.inf),), cache_salt="rollout:bench-episode")
     prompts, turns = {mode: first for mode in engines}, {mode: [] for mode in engines}
     for turn in range(args.turns):
         for mode in (("on", "off") if turn % 2 else ("off", "on")):

@@ -47,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     constraint: str | None = None      # constraints.py's canonical JSON spec of a grammar; None = unconstrained
+    cache_salt: str = ""               # the prefix cache's keys (engines/prefix_cache.py's header has the rule): the
+    given_salt: str = ""               # rollout's own secret; its group's, only on a prompt exactly as the trainer gave
 
 
 @dataclass

@@ -27,7 +27,8 @@
 #       keys and values, so their logprobs would belong to neither version (`reprefill_on_update=False` keeps
 #       that behaviour, for measuring it);
 #     and a request never takes from vLLM's prefix cache KV that older weights wrote (the cache is salted with the
-#     version a request starts at, so it holds even for blocks the reset could not drop); what it did take is its
+#     version a request starts at, so it holds even for blocks the reset could not drop), nor KV another session
+#     wrote (the salt also holds the request's prefix-cache salt, engines/prefix_cache.py); what it did take is its
 #     Generation's cached_prompt_tokens (vLLM's num_cached_tokens), as the embedded engine counts its own reuse;
 #   invariant 3 (forward consistency) - the behavior logprob is vLLM's `processed_logprobs` (after a grammar's
 #     mask, logit bias, penalties, temperature, min_p, top-k, top-p; fp32), the same distribution
@@ -247,7 +248,7 @@ class VLLMEngine:
         self.eos_ids = sorted(eos if isinstance(eos, list) else [eos])
         self._tokenizer = None                        # loaded for the first constrained request
         self._image_pad = config.get("image_token_id")
-        self._checkpoint_keys = _checkpoint_keys(model_path)
+        self._checkpoint = _checkpoint_tensors(model_path)
         self._tied = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
         self._paused = False
         self._resume_after_update = False
@@ -334,7 +335,7 @@ class VLLMEngine:
             self._load_adapter(state, version)
             return
         state = checkpoint_state(state, self.model_path)
-        names = self.begin_weight_update(list(state), version)
+        names = self.begin_weight_update(push_spec(state), version)
         if self.transfer == "ipc":
             send_ipc_weights({name: state[name].cuda() for name in names}, self.receive_weight_chunk)
         else:
@@ -377,19 +378,25 @@ class VLLMEngine:
     # receive_weight_chunk, then finish. An update that fails between begin and finish leaves the engine paused
     # with some weights new: the caller takes it out of rotation (router.Router does) rather than sample with it.
 
-    def begin_weight_update(self, names: list[str], version: int) -> list[str]:
-        """Check that `names` (the checkpoint's: checkpoint_state) cover the engine's checkpoint, pause (draining:
-        and wait for the requests in flight to finish), and open vLLM's weight update. Returns the names to send (a
-        tied head is the embedding: the checkpoint has no copy of it)."""
+    def begin_weight_update(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], version: int) -> list[str]:
+        """Check the push whole before any tensor moves (a push is all or nothing: vLLM loads layer by layer, so a
+        fault found while loading would leave some layers new): `spec` (push_spec, under the checkpoint's names:
+        checkpoint_state) must cover the engine's checkpoint, name nothing else, and give each tensor the
+        checkpoint's shape and kind (floating point where it is: vLLM casts to the dtype it serves, as it cast the
+        checkpoint). Then pause (draining: and wait for the requests in flight to finish), and open vLLM's weight
+        update. Returns the names to send (a tied head is the embedding: the checkpoint has no copy of it)."""
         if version < self.version:
             raise ValueError(f"weight version must not go backwards: engine at {self.version}, got {version}")
-        if self._tied:
-            names = [name for name in names if name != "lm_head.weight"]
-        missing = sorted(self._checkpoint_keys - set(names))
-        unexpected = sorted(set(names) - self._checkpoint_keys)
-        if missing or unexpected:
-            raise ValueError(f"weight update does not match the engine's checkpoint: missing keys {missing[:5]}, "
-                             f"unexpected keys {unexpected[:5]}")
+        names = [name for name in spec if not (self._tied and name == "lm_head.weight")]
+        missing = sorted(self._checkpoint.keys() - set(names))
+        unexpected = sorted(set(names) - self._checkpoint.keys())
+        unfit = [f"{name}: {spec[name][0]} {spec[name][1]}, not {self._checkpoint[name][0]}" for name in names
+                 if name in self._checkpoint and (spec[name][0], spec[name][1].is_floating_point) !=
+                 self._checkpoint[name]]
+        if missing or unexpected or unfit:
+            raise ValueError(f"weight update does not match the engine's checkpoint, so nothing of it was loaded: "
+                             f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, tensors of another shape "
+                             f"or kind {unfit[:5]}")
         self._resume_after_update = not self._paused
         self.pause()
         with self._control:
@@ -544,10 +551,16 @@ class VLLMEngine:
         request_id = uuid.uuid4().hex
         while not self._admitting.is_set():   # a draining update: start after it, at its version
             await self._admitting.wait()
-        # prefix caching within one weight version only: the salt enters the hash of the prompt's first KV block,
-        # so no request reuses blocks a request of an older version wrote (the update's cache reset cannot drop
-        # the blocks of requests it keeps on their old KV cache, reprefill_on_update=False)
-        salt = f"v{self.version}"
+        # the salt enters the hash of the prompt's first KV block, so a request reuses only blocks written under the
+        # same salt: within one weight version only (the update's cache reset cannot drop the blocks of requests it
+        # keeps on their old KV cache, reprefill_on_update=False), and by engines/prefix_cache.py's rule: under the
+        # rollout's own salt, or, for a prompt exactly as the trainer gave it to the group, under the group's. vLLM
+        # keys a request's every block under one salt, so a given prompt's reply is written under the group's salt
+        # too, yet no sibling can reach it (a request under that salt holds the given prompt and nothing more, and a
+        # block matches only if all its ids do); the price is the rollout's next turn, which starts its own salt's
+        # chain and computes the first turn's prompt and reply once more
+        p = request.params
+        salt = f"v{self.version}:{p.given_salt or p.cache_salt}"
         if request.images:      # vLLM expands each image's single pad to the image's run itself
             prompt = TokensPrompt(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
                                   multi_modal_data={"image": [image.source for image in request.images]},
@@ -740,12 +753,24 @@ def _vllm_params(request: _Request):
         detokenize=bool(p.stop), flat_logprobs=True)
 
 
-def _checkpoint_keys(model_path: str) -> set[str]:
-    """The tensor names of the checkpoint the engine loaded: what a full weight update must send."""
+def _checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """The tensors of the checkpoint the engine loaded, what a full weight update must send: name -> (shape, whether
+    floating point), read from the safetensors headers (nothing loaded)."""
     from safetensors import safe_open
     index = os.path.join(model_path, "model.safetensors.index.json")
+    files = ["model.safetensors"]
     if os.path.exists(index):
         with open(index) as f:
-            return set(json.load(f)["weight_map"])
-    with safe_open(os.path.join(model_path, "model.safetensors"), "pt") as f:
-        return set(f.keys())
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    tensors = {}
+    for file in files:
+        with safe_open(os.path.join(model_path, file), "pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                tensors[name] = (tuple(piece.get_shape()), piece.get_dtype().startswith(("F", "BF")))
+    return tensors
+
+
+def push_spec(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What begin_weight_update checks a push by, before any tensor moves: each name's shape and dtype."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}

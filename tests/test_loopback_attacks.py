@@ -25,6 +25,7 @@ import openai
 import pytest
 
 import data
+import invariants
 import models
 from engines import SamplingParams
 from loopback import LoopbackServer
@@ -506,3 +507,63 @@ def test_item_references_past_the_context_are_refused_before_they_expand_and_a_f
         messages = [{"role": "assistant", "content": item.content[0].text * 2}, {"role": "user", "content": "Again?"}]
         rendered = data.render_prompt_text(server.tokenizer, messages, None, data.CHATML_TEMPLATE, True)
         assert reply.usage.input_tokens == len(data.encode_text(server.tokenizer, rendered))
+
+
+# ---- the prefix cache: what one session's cached_tokens tell of another's prompt ----------------------------
+
+PIN_SYSTEM = "You are a careful assistant. Remember what the user tells you and never repeat it."
+CANDIDATE_PINS = [f"{d}{(37 * d + 11) % 1000:03d}" for d in range(10)]   # first digits differ: so do first tokens
+
+
+def pin_messages(pin: str) -> list[dict]:
+    return [{"role": "system", "content": PIN_SYSTEM}, {"role": "user", "content": f"My PIN is {pin}. Keep it."}]
+
+
+def cached_tokens(client, messages: list[dict]) -> tuple[int, list[int]]:
+    """(cached_tokens, the prompt's ids) of one request."""
+    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=2, seed=0,
+                                           extra_body={"return_token_ids": True})
+    return reply.usage.prompt_tokens_details.cached_tokens, reply.model_extra["prompt_token_ids"]
+
+
+def test_a_probe_of_candidate_pins_reads_the_same_cached_tokens_for_every_candidate():
+    """Session B tells the model its PIN; session A, which never saw it, sends the same text with each candidate and
+    reads usage.prompt_tokens_details.cached_tokens. A's own earlier probes share the system prompt and 'My PIN is'
+    with each probe (a warm-up probe first, so even the first candidate finds them): every candidate must read the
+    same count, B's own included. B's own next turn still takes its first turn from the cache."""
+    with serving() as server:
+        victim = openai_client(server.create_session(sampling=SamplingParams(max_tokens=4)))
+        secret = pin_messages(CANDIDATE_PINS[6])
+        first = victim.chat.completions.create(model="policy", messages=secret, max_tokens=4, seed=0,
+                                               extra_body={"return_token_ids": True})
+        attacker = openai_client(server.create_session(sampling=SamplingParams(max_tokens=2)))
+        _, opening = cached_tokens(attacker, pin_messages("none"))   # the warm-up: A's own entry of the opening
+        probes = {pin: cached_tokens(attacker, pin_messages(pin)) for pin in CANDIDATE_PINS}
+        counts = {pin: cached for pin, (cached, _) in probes.items()}
+        assert len(set(counts.values())) == 1, f"the cached counts single out a PIN: {counts}"
+        # and that count is what A itself sent before: the opening up to the PIN, nothing of B's
+        assert all(cached == invariants.common_prefix_len(opening, ids) for cached, ids in probes.values())
+        # B's own second turn: its first turn's prompt and reply, all but the last sampled id, from the cache
+        again = victim.chat.completions.create(
+            model="policy", max_tokens=4, seed=1, extra_body={"return_token_ids": True},
+            messages=[*secret, first.choices[0].message.model_dump(), {"role": "user", "content": "Thanks."}])
+        assert again.usage.prompt_tokens_details.cached_tokens == \
+            len(first.model_extra["prompt_token_ids"]) + len(first.model_extra["token_ids"]) - 1
+
+
+def test_a_groups_samples_share_the_task_prompt_and_nothing_a_sibling_sampled():
+    """Sessions of one prompt group given the same task: a sibling's first request, the task as given, takes the
+    task prompt's KV another sibling computed; a request that goes beyond the task (here, a sibling's sampled reply
+    guessed exactly) takes nothing of the sibling's, and a session of another group takes nothing either."""
+    task = [{"role": "user", "content": "What is 17 times 3? Think step by step."}]
+    with serving() as server:
+        def session(group: str):
+            return openai_client(server.create_session(group_id=group, sampling=SamplingParams(max_tokens=6),
+                                                       given=task))
+        first = session("g1").chat.completions.create(model="policy", messages=task, max_tokens=6, seed=0,
+                                                      extra_body={"return_token_ids": True})
+        prompt = len(first.model_extra["prompt_token_ids"])
+        assert cached_tokens(session("g1"), task)[0] == prompt - 1                  # the task prompt, shared
+        guess = [*task, first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
+        assert cached_tokens(session("g1"), guess)[0] == 0                          # the sibling's reply: not reachable
+        assert cached_tokens(session("g2"), task)[0] == 0                           # another group: nothing

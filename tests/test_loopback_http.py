@@ -128,6 +128,8 @@ def test_streamed_replies_equal_non_streamed_ones_on_both_wires(server):
     assert chunks[-1].model_extra["token_ids"] == plain.model_extra["token_ids"] == trainable_ids(trace(infos[1]))
     # the Anthropic wire, same conversation and session seed: the same tokens, streamed or not
     system, turns = messages[0]["content"], messages[1:]
+    for info in infos[2:]:      # each session's own first turn, so that the next one takes its prompt from the cache
+        anthropic_client(info).messages.create(model="policy", max_tokens=4, system=system, messages=turns)
     reply = anthropic_client(infos[2]).messages.create(model="policy", max_tokens=8, system=system, messages=turns)
     assert reply.content[0].text == plain.choices[0].message.content
     assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[plain.choices[0].finish_reason]
@@ -136,14 +138,16 @@ def test_streamed_replies_equal_non_streamed_ones_on_both_wires(server):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == reply.content[0].text and final.stop_reason == reply.stop_reason
-    # the same prompt again: Anthropic counts what came from the engine's prefix cache apart from input_tokens, on
-    # the streamed message too (message_delta's usage); OpenAI counts it within prompt_tokens
+    # the same prompt again, in the same session: Anthropic counts what came from the engine's prefix cache apart from
+    # input_tokens, on the streamed message too (message_delta's usage); OpenAI counts it within prompt_tokens
     prompt = len(plain.model_extra["prompt_token_ids"])
     for usage in (reply.usage, final.usage):
         assert (usage.input_tokens, usage.cache_read_input_tokens) == (1, prompt - 1)
     again = openai_client(infos[0]).chat.completions.create(model="policy", messages=messages, seed=1)
     assert (again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens) == (prompt, prompt - 1)
-    assert all(trace(i)["segments"][0]["token_ids"] == trace(infos[0])["segments"][0]["token_ids"] for i in infos)
+    first = trace(infos[0])["segments"][0]["token_ids"]
+    assert trace(infos[1])["segments"][0]["token_ids"] == first
+    assert all(trace(i)["segments"][-1]["token_ids"] == first for i in infos[2:])    # after each one's own first turn
 
 
 def test_tool_calls_round_trip_on_both_wires_and_the_echo_extends(server):

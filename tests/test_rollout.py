@@ -203,6 +203,27 @@ def test_update_weights_requires_every_key_and_a_forward_version(tiny):
     assert gen.policy_versions == [4] * len(gen.token_ids)
 
 
+def test_a_refused_push_loads_nothing_and_a_valid_one_loads_whole(tiny):
+    """A push is all or nothing: one stray key, one tensor of another shape or dtype, and nothing of the new weights
+    is loaded (bitwise the old ones, the version unchanged); the same push without the fault loads."""
+    engine = EmbeddedEngine(copy.deepcopy(tiny), version=3)
+    old = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = _perturbed(tiny).state_dict()
+    first = next(iter(new))
+    faults = {"a stray key": {**new, "model.extra.weight": torch.zeros(1)},
+              "a tensor of another shape": {**new, first: new[first][:-1]},
+              "a tensor of another dtype": {**new, first: new[first].double()}}
+    for fault, push in faults.items():
+        with pytest.raises(ValueError, match="nothing of it was loaded"):
+            engine.update_weights(push, version=4)
+        held = engine.model.state_dict()
+        assert all(torch.equal(held[k], v) for k, v in old.items()), f"{fault}: the refused push changed weights"
+        assert engine.version == 3
+    engine.update_weights(new, version=4)                                  # armed: the same weights, valid, load
+    assert engine.version == 4 and all(torch.equal(engine.model.state_dict()[k], v) for k, v in new.items())
+    assert not all(torch.equal(new[k], v) for k, v in old.items())
+
+
 def test_weight_swap_mid_request_stamps_each_token_with_its_own_version(tiny):
     """Partial rollout across a weight swap (invariant 2, policy version): tokens before the swap carry version
     v and old-policy logprobs, tokens after carry v+1 and new-policy logprobs; the KV cache is rebuilt."""
@@ -870,7 +891,7 @@ def test_kv_of_old_weights_is_never_reused_after_an_update_and_would_be_caught_i
     stale = EmbeddedEngine(copy.deepcopy(tiny))
     stale.prefix_cache.drop = lambda: None
     lookup = stale.prefix_cache.lookup
-    stale.prefix_cache.lookup = lambda ids, version: lookup(ids, 0)   # the old entries handed out as current
+    stale.prefix_cache.lookup = lambda ids, version, salts: lookup(ids, 0, salts)   # the old entries handed out as current
     gen, gap = next_turn_after_an_update(stale)
     assert gen.cached_prompt_tokens > 0 and gap > 1e-3
 

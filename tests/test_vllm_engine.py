@@ -288,17 +288,49 @@ def test_update_weights_requires_every_checkpoint_key_and_a_forward_version(fres
 
 
 
+def test_a_push_refused_for_one_tensor_of_another_shape_loads_nothing_on_vllm(fresh, model):
+    """All or nothing: begin_weight_update checks the push whole, so a push whose names are all right but one tensor
+    has another shape is refused before any layer loads (vLLM's layerwise load would have loaded the layers before
+    it): the engine keeps its version and samples the old weights' logprobs; the push without the fault loads."""
+    new = _perturbed(model)
+    state, name = new.state_dict(), "model.layers.1.mlp.down_proj.weight"
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=3)
+    with pytest.raises(ValueError, match="nothing of it was loaded"):
+        fresh.update_weights({**state, name: state[name][:, :-1]}, VERSION + 1)
+    gen = fresh.generate([PROMPTS[0]], params)[0]
+    assert fresh.version == VERSION and gen.policy_versions == [VERSION] * len(gen.token_ids)
+    assert (torch.tensor(gen.behavior_logprobs) - _recompute(model, [gen], 0.9)[0]).abs().max() <= 1e-5
+    fresh.update_weights(state, VERSION + 1)                             # armed: the valid push loads
+    gen = fresh.generate([PROMPTS[0]], params)[0]
+    assert (torch.tensor(gen.behavior_logprobs) - _recompute(new, [gen], 0.9)[0]).abs().max() <= 1e-5
+
+
+def test_requests_under_different_cache_salts_share_no_blocks_and_under_the_same_salt_do(fresh):
+    """engines/prefix_cache.py's rule on vLLM (its cache_salt): a rollout's blocks serve only its own later requests;
+    a prompt exactly as the trainer gave it to a group is shared under the group's salt, whatever rollout sends it."""
+    params = SamplingParams(temperature=0.9, max_tokens=4, seed=3)
+
+    def cached(rollout: str, group: str = "") -> int:
+        salted = dataclasses.replace(params, cache_salt=f"rollout:{rollout}", given_salt=group and f"group:{group}")
+        return fresh.generate([LONG], salted)[0].cached_prompt_tokens
+    assert cached("a") == 0
+    assert cached("b") == 0                       # the same prompt, another rollout: none of a's blocks
+    assert cached("a") >= BLOCK                   # a's own next request: its blocks
+    assert cached("c", group="g") == 0
+    assert cached("d", group="g") >= BLOCK        # a sibling of the group, given the same task prompt
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_moe", "qwen3"])
 def test_weights_travel_under_the_checkpoints_names_and_layout(kind):
     """transformers 5 renames Qwen2.5-VL's weights and fuses an MoE's experts as it loads them, so the trainer's
     state dict names keys vLLM's checkpoint does not have (a geo3k run on vLLM stopped at its first weight push):
     checkpoint_state gives back the checkpoint's every tensor, value for value."""
     from safetensors.torch import load_file
-    from engines.vllm_engine import _checkpoint_keys, checkpoint_state
+    from engines.vllm_engine import _checkpoint_tensors, checkpoint_state
     path = models.tiny_model_dir(kind, head_dim=64 if kind == "qwen2_5_vl" else 32)
     trained = models.load_model(path).state_dict()
     on_disk = load_file(os.path.join(path, "model.safetensors"))
-    assert set(on_disk) == _checkpoint_keys(path)
+    assert set(on_disk) == set(_checkpoint_tensors(path))
     if kind != "qwen3":           # the trap is armed: these models' own names miss the checkpoint
         assert not set(on_disk) <= set(trained)
     sent = checkpoint_state(trained, path)
@@ -534,7 +566,7 @@ def test_a_push_warns_of_a_module_that_got_nothing_but_not_of_those_with_nothing
     the tied head's included, meets vLLM's logprobs) and warns of neither; a push that leaves out one layer's down
     projection is still warned of (the trap: vLLM's warning reaches this capture). Then shutdown: the engine core
     ends itself (exit code 0), not killed after vLLM's 5 s."""
-    from engines.vllm_engine import _checkpoint_keys
+    from engines.vllm_engine import _checkpoint_tensors
     engine, started = _own_engine(path)
     try:
         new = _perturbed(model, seed=7)
@@ -543,7 +575,7 @@ def test_a_push_warns_of_a_module_that_got_nothing_but_not_of_those_with_nothing
         assert _gap(gens, _recompute(new, gens, 0.7)) <= 1e-5
         pushed = capfd.readouterr().out
         state = model.state_dict()
-        engine._send_rpc({k: state[k] for k in _checkpoint_keys(path) - {"model.layers.1.mlp.down_proj.weight"}})
+        engine._send_rpc({k: state[k] for k in _checkpoint_tensors(path).keys() - {"model.layers.1.mlp.down_proj.weight"}})
         partial = capfd.readouterr().out
         # vLLM's engine core can miss a SIGTERM that lands as its loop goes back to waiting, just after a call
         # (CPython runs the handler when the main thread next runs Python): a run's engine is idle when it ends
