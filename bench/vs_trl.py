@@ -74,7 +74,10 @@ MICRO_BATCH = 8          # TRL's rows per forward/backward (its default; tracerl
 MINIBATCHES = 2          # optimizer steps per rollout batch
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}
-OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.IGNORECASE)
+# a side out of device memory: a CUDA allocation that failed, or a vLLM engine that found too little free memory
+# to start beside the trainer (a ValueError of its own, not an allocation)
+OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory|Free memory on device .* is less than desired",
+                 re.IGNORECASE)
 
 
 def compile_caches(out: str, side: str, mode: str, shared_root: str = "") -> dict:
