@@ -130,6 +130,34 @@ class ContextOverflow(ValueError):
         self.prompt_tokens, self.context = prompt_tokens, context   # the prompt (or a lower bound on it), the context
 
 
+# ---- a rollout's budget: what it may sample, over all its turns ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Budget:
+    """What one rollout may sample (the budget rule, header): `turns` model calls and `tokens` sampled tokens in all,
+    over every line of its session (or every turn of an Env episode)."""
+    turns: int
+    tokens: int
+
+    @classmethod
+    def of_run(cls, max_turns: int, max_tokens: int, max_length: int) -> Budget:
+        """The run's (--rollout.max_turns, max_tokens, max_length): max_turns turns of max_tokens, and never more than
+        one context's worth of sampled tokens, the bound train.py's constant token budget (Dr.GRPO's) divides by."""
+        return cls(max_turns, min(max_turns * max_tokens, max_length - 1))
+
+    def cut(self, turns: int, tokens: int, asked: int) -> wires.BudgetCut | None:
+        """What the budget does to a request for `asked` tokens after `turns` turns that sampled `tokens`: None when it
+        leaves the request as it is, else the max_tokens it allows (0: the budget is spent)."""
+        turns_left, tokens_left = max(self.turns - turns, 0), max(self.tokens - tokens, 0)
+        allowed = min(asked, tokens_left) if turns_left else 0
+        if allowed == asked:
+            return None
+        spent = "is spent: nothing was sampled; end the episode" if allowed == 0 else \
+            f"leaves {allowed} tokens for this reply"
+        return wires.BudgetCut(allowed, turns_left, tokens_left,
+                               f"this rollout's budget of {self.turns} turns and {self.tokens} sampled tokens {spent}")
+
+
 # ---- the echo rule: a recorded message in the agent's rendering (header) ----------------------------------
 
 def same_json(a, b) -> bool:
@@ -254,8 +282,11 @@ class ChatSession:
     request overrides (default: a reply may take the rest of the context)."""
 
     def __init__(self, engine, tokenizer, rollout_id: str, group_id: str = "", template: str | None = None,
-                 sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None):
+                 sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None,
+                 budget: Budget | None = None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.budget = budget                   # None: no bound beyond the context (a session opened over HTTP)
+        self.budget_cuts = 0                   # turns the budget cut short or refused (the rollout is truncated)
         self.rollout_id, self.group_id = rollout_id, group_id
         self.max_length = max_length or engine.max_model_len
         if not 1 < self.max_length <= engine.max_model_len:
@@ -301,6 +332,11 @@ class ChatSession:
         return [line for line in self.lines if line is not main]
 
     @property
+    def sampled_tokens(self) -> int:
+        """Every line's sampled tokens (what the budget counts)."""
+        return sum(len(gen.token_ids) for line in self.lines for gen in line.generations)
+
+    @property
     def max_tokens_turns(self) -> int:
         return sum(line.max_tokens_turns for line in self.lines)
 
@@ -341,10 +377,16 @@ class ChatSession:
             for line in self.lines:
                 if line.last_request == (messages, tools, params, options):   # a retry: answer from the record
                     return line.last_turn
+            served = sum(line.turns for line in self.lines)
+            budget = self.budget.cut(served, self.sampled_tokens, params.max_tokens) if self.budget else None
+            if budget is not None and budget.max_tokens == 0:    # spent: answered as a reply cut with no token
+                self.budget_cuts += 1
+                return wires.ChatTurn({"role": "assistant", "content": ""}, Generation([], [], [], [], None, "length"),
+                                      False, budget=budget)
             # copied before anything commits
             request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
             line, recorded = self._route(messages, tools, options)
-            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token)
+            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token, budget)
             line.last_request, line.last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
@@ -381,7 +423,8 @@ class ChatSession:
         return None, messages
 
     def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
-                             options: wires.TurnOptions, on_token) -> tuple[Line, wires.ChatTurn]:
+                             options: wires.TurnOptions, on_token,
+                             budget: wires.BudgetCut | None) -> tuple[Line, wires.ChatTurn]:
         """Generate, build the reply, then commit (a new line opens only now). Nothing that can fail runs after the
         ledger changes: a client answered with an error must find the session as it was, or its retry would sample
         the turn twice."""
@@ -401,7 +444,10 @@ class ChatSession:
         # the session's own sampling's top_logprobs are recorded with every token (a run's score centering), whatever
         # a request asks for: the engine reports the larger count, the client gets its own
         recorded_top = self.sampling.top_logprobs
-        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room),
+        if budget is not None and budget.max_tokens >= min(params.max_tokens, room):
+            budget = None                                        # the context binds first: the budget did nothing
+        allowed = min(params.max_tokens, room) if budget is None else budget.max_tokens
+        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=allowed,
                                 top_logprobs=max(params.top_logprobs, recorded_top))
         gen = self.engine.generate([prompt_ids], engine_params, relay, images=[images] if images else None,
                                    **sticky)[0]
@@ -434,12 +480,13 @@ class ChatSession:
                 line.ledger.absorb_routes(gen.routes)
             line.generations.append(gen)
         line.max_tokens_turns += gen.finish_reason == "length"
+        self.budget_cuts += budget is not None and gen.finish_reason == "length"
         line.image_pad_turns += sampled_pad
         line.order.append(served)
         line.expected = [*messages, message]
         line.expected_prompt_text = prompt_text
         line.echo_text = echo_text
-        return line, wires.ChatTurn(message, answered, extended, stop_sequence, text, call_prefix)
+        return line, wires.ChatTurn(message, answered, extended, stop_sequence, text, call_prefix, budget)
 
     def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'

@@ -56,6 +56,7 @@ import data
 import invariants
 from engines import Generation, SamplingParams, validate_sampling
 from router import Router
+from session import Budget
 
 log = logging.getLogger("tracerl.agents")
 
@@ -184,6 +185,7 @@ class _Episode:
     task: Any
     ledger: invariants.TokenLedger
     sampling: SamplingParams
+    budget: Budget                             # what the whole episode may sample (session.Budget)
     env: Env | None = None                     # made on a worker thread, like every call into agent code
     reward: float = 0.0
     score: float | None = None
@@ -194,6 +196,10 @@ class _Episode:
     done: bool = False
     failed: str = ""
     info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sampled(self) -> int:
+        return sum(len(gen.token_ids) for gen in self.generations)
 
 
 def _start(fn, *args) -> Future:
@@ -234,8 +240,9 @@ class EnvRunner:
         """One rollout per (task, group id). Failed episodes are counted and left out of the result."""
         if len(tasks) != len(group_ids):
             raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
-        episodes = [_Episode(task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own_stream(sampling, i))
-                    for i, (task, group_id) in enumerate(zip(tasks, group_ids))]
+        budget = Budget.of_run(self.max_turns, sampling.max_tokens, self.max_length)
+        episodes = [_Episode(task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own_stream(sampling, i),
+                             budget) for i, (task, group_id) in enumerate(zip(tasks, group_ids))]
         # an env's constructor is agent code too: one that raises or hangs fails only its own rollout
         for ep, env in zip(episodes, self._call_all(episodes, "init", [(self._new_env,)] * len(episodes))):
             ep.env = env
@@ -277,7 +284,10 @@ class EnvRunner:
                 ep.done = ep.truncated = True
                 continue
             prompts.append(ep.ledger.open_token_ids)
-            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens, room)))
+            # a turn's max_tokens (an env may raise it for later turns) takes at most what the budget has left
+            cut = ep.budget.cut(ep.turns, ep.sampled, ep.sampling.max_tokens)
+            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens if cut is None else cut.max_tokens,
+                                                              room)))
             images.append(ep.ledger.open_images)
         live = [ep for ep in live if not ep.done]
         if not live:
@@ -320,9 +330,9 @@ class EnvRunner:
         ep.reward += float(result.reward)
         ep.score = result.score if result.score is not None else ep.reward
         ep.info.update(info)
-        out_of_turns = ep.turns >= self.max_turns
+        out_of_budget = ep.budget.cut(ep.turns, ep.sampled, 1) is not None     # its turns or its tokens are spent
         out_of_room = len(ep.ledger.open_token_ids) + len(observation) >= self.max_length
-        ep.done = result.terminated or result.truncated or out_of_turns or out_of_room
+        ep.done = result.terminated or result.truncated or out_of_budget or out_of_room
         ep.truncated = ep.done and not result.terminated
         if not ep.done:
             ep.sampling = next_sampling
@@ -447,7 +457,8 @@ class ChatAgentRunner:
                             "max_tokens": sampling.max_tokens}, self.max_turns, task)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
-        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length)
+        info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,
+                                          Budget.of_run(self.max_turns, sampling.max_tokens, self.max_length))
         try:
             failure, detail, result = await self._agent(info, task, sampling)
         finally:     # returned, raised, timed out, or the run cancelled: the session goes with its rollout
@@ -460,9 +471,10 @@ class ChatAgentRunner:
             return None
         rows, generations = session.record(self.train_side_lines)
         score = result.score if result.score is not None else float(result.reward)
+        # a rollout whose budget cut a reply short or refused a request is truncated, whatever the agent says
         return Rollout(session.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
-                       session.turns, bool(result.truncated), session.max_tokens_turns, result.info, generations,
-                       len(session.side_lines), sum(line.turns for line in session.side_lines))
+                       session.turns, bool(result.truncated) or session.budget_cuts > 0, session.max_tokens_turns,
+                       result.info, generations, len(session.side_lines), sum(line.turns for line in session.side_lines))
 
     async def _agent(self, info, task, sampling: SamplingParams) -> tuple[str, str, Result | None]:
         """One agent run against its session: ("", "", its Result with the info reduced to its numbers), or (the
