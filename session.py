@@ -2,6 +2,7 @@
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the token record of the line it belongs to (returning a `wires.ChatTurn`);
+# `Budget`, what a rollout may sample in all (the budget rule, below);
 # its lines (`Line`, `LineLedger`, `LineSegment`: below); the echo rule; the Hermes/Qwen `<tool_call>` parser that gives
 # the reply its structure (a call's id is the turn's prefix and its block's ordinal, so a streaming wire can name a call
 # before its block is whole); the image bounds read from headers; the session's trace (what the trainer will see, token
@@ -64,6 +65,13 @@
 # The context: a prompt that leaves no room for a reply in max_length (at most the engine's max_model_len, the
 # model's position limit, and so by default) raises ContextOverflow, before anything is generated or recorded; a reply
 # takes at most the rest of the context, and a session's default sampling lets it take all of it.
+# The budget rule: a rollout's session holds its Budget (of_run: max_turns model calls, max_turns x max_tokens sampled
+# tokens, at most a context's worth), and every line's turns and tokens count against it (every line is the engine's
+# work and may train). A request's max_tokens is clipped to the tokens left, the reply's usage naming the cut
+# (wires.BudgetCut); a request once turns or tokens are spent is answered as a reply cut at its limit with no token,
+# nothing rendered, generated or recorded: each wire's own "the output limit was reached", which agents and harnesses
+# end an episode on (a 429 would be retried until the rollout's deadline, a 400 read as a failure of the agent's own).
+# So the rollout's record never holds more than train.py's constant token budget (Dr.GRPO's) assumes.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
 # Images reach a VLM processed once per session, their pads expanded, and recorded with the row. Never: speaks
 # HTTP, computes rewards or trains.

@@ -55,9 +55,10 @@ def probe(recipe, **attributes):
     return type("Probe", (agent_class(recipe),), {"grade": grade, **attributes})
 
 
-def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams, max_length: int = 1 << 16):
+def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams, max_length: int = 1 << 16,
+                 max_turns: int = 6):
     """The recipe's runner over `agent_cls`, every request's wire and stream flag recorded at the server."""
-    runner = type("Runner", (recipe.AgentRunner,), {"agent_cls": agent_cls})(engine, tokenizer, max_turns=6,
+    runner = type("Runner", (recipe.AgentRunner,), {"agent_cls": agent_cls})(engine, tokenizer, max_turns=max_turns,
                                                                               max_length=max_length)
     requests, body = [], runner.server._body
 
@@ -188,6 +189,30 @@ def test_a_reply_cut_at_max_tokens_or_a_full_context_ends_the_episode_truncated_
     bad_flag.arguments = lambda self, ctx, ws: [*agent_class(recipe).arguments(self, ctx, ws), "--no-such-flag"]
     rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, bad_flag, [task], SamplingParams(max_tokens=256))
     assert rollouts == [] and failures == {"process_exit": 1}
+
+
+# ---- an episode past its budget --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_harness_past_its_rollouts_budget_ends_its_episode_truncated_and_graded(name):
+    # The budget's answer to a request past it is a reply cut at its token limit with no token: each harness ends its
+    # episode on it at once (Codex fails its turn and exits 1, Claude Code reports max_output_tokens), the exit the
+    # recipe's harness_cut takes, so the episode is graded and truncated; it neither retries (as on a 429) nor fails
+    # its rollout (as on a 400). The demonstration takes four replies (Claude Code's title request a fifth call).
+    recipe, tokenizer = RECIPES[name], models.bpe_tokenizer()
+    task = swe_fix.tasks("train", 0)[0]
+    engine = ScriptEngine(tokenizer)
+    engine.replies = recipe.script(task)
+    rollouts, failures, requests = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
+                                                SamplingParams(max_tokens=256), max_turns=2)
+    generating = [route for route, _ in requests if route in ("responses", "messages")]
+    print(f"{name} at 2 turns: {len(generating)} requests, failures {failures}, "
+          f"{[(r.num_turns, len(r.generations), r.truncated, r.reward) for r in rollouts]}")
+    assert failures == {} and len(rollouts) == 1
+    rollout, = rollouts
+    assert len(rollout.generations) <= 2 and rollout.truncated and rollout.reward == rollout.info["tests_passed"]
+    assert 2 < len(generating) <= 3           # one request past the budget, answered, and the harness stopped
+    check_sampled_once(rollout.rows, rollout.generations)
 
 
 # ---- on its defaults: the whole prompt ----------------------------------------------------------------------------
