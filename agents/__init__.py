@@ -388,7 +388,8 @@ class ChatContext:
     label: str                         # the ground truth the agent's reward is computed against
     images: list | None                # the task's images (VLM recipes), as given (PIL images or data URLs)
     sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
-    max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make
+    max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make,
+                                       # on every line (session.Budget; a call past it gets a reply cut with no token)
     task: Any = None                   # the task itself (a recipe's Task subclass carries what its agent needs)
 
 
