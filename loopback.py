@@ -60,7 +60,7 @@ import wires
 from engines import SamplingParams
 from rollout import EmbeddedEngine
 from router import EngineFailure
-from session import ChatSession, ContextOverflow, TurnCut, session_trace
+from session import Budget, ChatSession, ContextOverflow, TurnCut, session_trace
 from trainer import viewer
 from wires import CALL_OPENING
 from wires import anthropic as wire_anthropic
@@ -267,21 +267,26 @@ class LoopbackServer:
     # -- the session registry --
 
     def create_session(self, rollout_id: str | None = None, group_id: str = "", sampling: SamplingParams | None = None,
-                       max_length: int | None = None, given: list[dict] | None = None) -> SessionInfo:
+                       max_length: int | None = None, given: list[dict] | None = None,
+                       budget: Budget | None = None) -> SessionInfo:
         """Open a session for its caller, who closes it (close_session hands back its ledger); it never expires.
         `given`: the task's messages, the same for every session of the group (its samples share their prompt's KV:
-        engines/prefix_cache.py)."""
-        return self._new_session(rollout_id, group_id, sampling, max_length, over_http=False, given=given)
+        engines/prefix_cache.py). `budget`: what its rollout may sample in all (session.Budget; None: no bound beyond
+        the context)."""
+        return self._new_session(rollout_id, group_id, sampling, max_length, over_http=False, given=given,
+                                 budget=budget)
 
     def _new_session(self, rollout_id: str | None, group_id: str, sampling: SamplingParams | None,
-                     max_length: int | None, over_http: bool, given: list[dict] | None = None) -> SessionInfo:
+                     max_length: int | None, over_http: bool, given: list[dict] | None = None,
+                     budget: Budget | None = None) -> SessionInfo:
         if self._thread is None:
             raise RuntimeError("start() the server before creating sessions: their URLs carry the bound port")
         session_id = secrets.token_hex(8)
         api_key = f"sk-loopback-{secrets.token_urlsafe(24)}"
         context = max_length or self.max_length
         session = ChatSession(self.engine, self.tokenizer, rollout_id or session_id, group_id, self.template,
-                              sampling or self._sampling(context), context, self.image_processor, given)
+                              sampling or self._sampling(context), context, self.image_processor, given,
+                              budget)
         with self._registry_lock:
             if over_http:
                 self._expire_idle()

@@ -2,6 +2,7 @@
 #
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the token record of the line it belongs to (returning a `wires.ChatTurn`);
+# `Budget`, what a rollout may sample in all (the budget rule, below);
 # its lines (`Line`, `LineLedger`, `LineSegment`: below); the echo rule; the Hermes/Qwen `<tool_call>` parser that gives
 # the reply its structure (a call's id is the turn's prefix and its block's ordinal, so a streaming wire can name a call
 # before its block is whole); the image bounds read from headers; the session's trace (what the trainer will see, token
@@ -64,6 +65,13 @@
 # The context: a prompt that leaves no room for a reply in max_length (at most the engine's max_model_len, the
 # model's position limit, and so by default) raises ContextOverflow, before anything is generated or recorded; a reply
 # takes at most the rest of the context, and a session's default sampling lets it take all of it.
+# The budget rule: a rollout's session holds its Budget (of_run: max_turns model calls, max_turns x max_tokens sampled
+# tokens, at most a context's worth), and every line's turns and tokens count against it (every line is the engine's
+# work and may train). A request's max_tokens is clipped to the tokens left, the reply's usage naming the cut
+# (wires.BudgetCut); a request once turns or tokens are spent is answered as a reply cut at its limit with no token,
+# nothing rendered, generated or recorded: each wire's own "the output limit was reached", which agents and harnesses
+# end an episode on (a 429 would be retried until the rollout's deadline, a 400 read as a failure of the agent's own).
+# So the rollout's record never holds more than train.py's constant token budget (Dr.GRPO's) assumes.
 # Text is text: a special-token string inside a message reaches the model as characters (data.encode_text).
 # Images reach a VLM processed once per session, their pads expanded, and recorded with the row. Never: speaks
 # HTTP, computes rewards or trains.
@@ -140,6 +148,34 @@ class TurnCut(Exception):
     def __init__(self, rollout_id: str):
         super().__init__(f"session {rollout_id}: the client hung up mid-reply; sampling stopped and the turn was "
                          f"dropped (nothing recorded)")
+
+
+# ---- a rollout's budget: what it may sample, over all its turns ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Budget:
+    """What one rollout may sample (the budget rule, header): `turns` model calls and `tokens` sampled tokens in all,
+    over every line of its session (or every turn of an Env episode)."""
+    turns: int
+    tokens: int
+
+    @classmethod
+    def of_run(cls, max_turns: int, max_tokens: int, max_length: int) -> Budget:
+        """The run's (--rollout.max_turns, max_tokens, max_length): max_turns turns of max_tokens, and never more than
+        one context's worth of sampled tokens, the bound train.py's constant token budget (Dr.GRPO's) divides by."""
+        return cls(max_turns, min(max_turns * max_tokens, max_length - 1))
+
+    def cut(self, turns: int, tokens: int, asked: int) -> wires.BudgetCut | None:
+        """What the budget does to a request for `asked` tokens after `turns` turns that sampled `tokens`: None when it
+        leaves the request as it is, else the max_tokens it allows (0: the budget is spent)."""
+        turns_left, tokens_left = max(self.turns - turns, 0), max(self.tokens - tokens, 0)
+        allowed = min(asked, tokens_left) if turns_left else 0
+        if allowed == asked:
+            return None
+        spent = "is spent: nothing was sampled; end the episode" if allowed == 0 else \
+            f"leaves {allowed} tokens for this reply"
+        return wires.BudgetCut(allowed, turns_left, tokens_left,
+                               f"this rollout's budget of {self.turns} turns and {self.tokens} sampled tokens {spent}")
 
 
 # ---- the echo rule: a recorded message in the agent's rendering (header) ----------------------------------
@@ -267,8 +303,10 @@ class ChatSession:
 
     def __init__(self, engine, tokenizer, rollout_id: str, group_id: str = "", template: str | None = None,
                  sampling: SamplingParams | None = None, max_length: int | None = None, image_processor=None,
-                 given: list[dict] | None = None):
+                 given: list[dict] | None = None, budget: Budget | None = None):
         self.engine, self.tokenizer, self.template = engine, tokenizer, template
+        self.budget = budget                   # None: no bound beyond the context (a session opened over HTTP)
+        self.budget_cuts = 0                   # turns the budget cut short or refused (the rollout is truncated)
         self.rollout_id, self.group_id = rollout_id, group_id
         # the engine's prefix-cache salts (engines/prefix_cache.py's rule): a secret of this session's own, never an
         # id a client names; and the group's, for a request whose prompt is exactly `given`'s (the task's messages as
@@ -324,6 +362,11 @@ class ChatSession:
         return [line for line in self.lines if line is not main]
 
     @property
+    def sampled_tokens(self) -> int:
+        """Every line's sampled tokens (what the budget counts)."""
+        return sum(len(gen.token_ids) for line in self.lines for gen in line.generations)
+
+    @property
     def max_tokens_turns(self) -> int:
         return sum(line.max_tokens_turns for line in self.lines)
 
@@ -365,10 +408,17 @@ class ChatSession:
             for line in self.lines:
                 if line.last_request == (messages, tools, params, options):   # a retry: answer from the record
                     return line.last_turn
+            served = sum(line.turns for line in self.lines)
+            budget = self.budget.cut(served, self.sampled_tokens, params.max_tokens) if self.budget else None
+            if budget is not None and budget.max_tokens == 0:    # spent: answered as a reply cut with no token
+                self.budget_cuts += 1
+                return wires.ChatTurn({"role": "assistant", "content": ""}, Generation([], [], [], [], None, "length"),
+                                      False, budget=budget)
             # copied before anything commits
             request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
             line, recorded = self._route(messages, tools, options)
-            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token, hung_up)
+            line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token, hung_up,
+                                                   budget)
             line.last_request, line.last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
@@ -405,7 +455,8 @@ class ChatSession:
         return None, messages
 
     def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
-                             options: wires.TurnOptions, on_token, hung_up) -> tuple[Line, wires.ChatTurn]:
+                             options: wires.TurnOptions, on_token, hung_up,
+                             budget: wires.BudgetCut | None) -> tuple[Line, wires.ChatTurn]:
         """Generate, build the reply, then commit (a new line opens only now). Nothing that can fail runs after the
         ledger changes: a client answered with an error must find the session as it was, or its retry would sample
         the turn twice."""
@@ -426,7 +477,10 @@ class ChatSession:
         # the session's own sampling's top_logprobs are recorded with every token (a run's score centering), whatever
         # a request asks for: the engine reports the larger count, the client gets its own
         recorded_top = self.sampling.top_logprobs
-        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=min(params.max_tokens, room),
+        if budget is not None and budget.max_tokens >= min(params.max_tokens, room):
+            budget = None                                        # the context binds first: the budget did nothing
+        allowed = min(params.max_tokens, room) if budget is None else budget.max_tokens
+        engine_params = replace(self._tool_sampling(params, tools, options), max_tokens=allowed,
                                 top_logprobs=max(params.top_logprobs, recorded_top), cache_salt=self.cache_salt,
                                 given_salt=f"group:{self.group_id}" if prompt_ids == self.given_ids else "")
         try:
@@ -466,12 +520,13 @@ class ChatSession:
                 line.ledger.absorb_routes(gen.routes)
             line.generations.append(gen)
         line.max_tokens_turns += gen.finish_reason == "length"
+        self.budget_cuts += budget is not None and gen.finish_reason == "length"
         line.image_pad_turns += sampled_pad
         line.order.append(served)
         line.expected = [*messages, message]
         line.expected_prompt_text = prompt_text
         line.echo_text = echo_text
-        return line, wires.ChatTurn(message, answered, extended, stop_sequence, text, call_prefix)
+        return line, wires.ChatTurn(message, answered, extended, stop_sequence, text, call_prefix, budget)
 
     def _tool_sampling(self, params: SamplingParams, tools, options: wires.TurnOptions) -> SamplingParams:
         """The request's sampling with what its tool choice asks of the engine: 'none' bans a one-token '<tool_call>'

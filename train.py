@@ -49,6 +49,7 @@ from engines import vllm_engine
 from engines.vllm_engine import VLLMEngine
 from rollout import EmbeddedEngine
 from router import Router
+from session import Budget
 from trainer import cpu_setup, lora
 from trainer import recompute, viewer
 
@@ -468,8 +469,8 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int, 
                                                                          batch.loss_mask, a.kl_coef, a.kl_estimator)
     t_recompute = time.time() - t0
 
-    # Dr.GRPO's constant: the most tokens one rollout can sample in this run
-    token_budget = min(ro.max_turns * ro.max_tokens, ro.max_length - 1)
+    # Dr.GRPO's constant: the most tokens one rollout can sample in this run, the budget the runners enforce
+    token_budget = Budget.of_run(ro.max_turns, ro.max_tokens, ro.max_length).tokens
     metrics: dict[str, float] = {}
     reports = []
     for k, part in enumerate(parts):

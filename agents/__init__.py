@@ -57,6 +57,7 @@ import data
 import invariants
 from engines import Generation, SamplingParams, validate_sampling
 from router import Router
+from session import Budget
 
 log = logging.getLogger("tracerl.agents")
 
@@ -185,6 +186,7 @@ class _Episode:
     task: Any
     ledger: invariants.TokenLedger
     sampling: SamplingParams
+    budget: Budget                             # what the whole episode may sample (session.Budget)
     env: Env | None = None                     # made on a worker thread, like every call into agent code
     reward: float = 0.0
     score: float | None = None
@@ -197,6 +199,10 @@ class _Episode:
     info: dict[str, float] = field(default_factory=dict)
     # its prefix-cache salt (engines/prefix_cache.py's rule): a secret of its own, so no other episode reads its KV
     cache_salt: str = field(default_factory=lambda: f"rollout:{secrets.token_hex(16)}")
+
+    @property
+    def sampled(self) -> int:
+        return sum(len(gen.token_ids) for gen in self.generations)
 
 
 def _start(fn, *args) -> Future:
@@ -237,8 +243,9 @@ class EnvRunner:
         """One rollout per (task, group id). Failed episodes are counted and left out of the result."""
         if len(tasks) != len(group_ids):
             raise ValueError(f"got {len(tasks)} tasks but {len(group_ids)} group ids; pass one group id per task")
-        episodes = [_Episode(task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own_stream(sampling, i))
-                    for i, (task, group_id) in enumerate(zip(tasks, group_ids))]
+        budget = Budget.of_run(self.max_turns, sampling.max_tokens, self.max_length)
+        episodes = [_Episode(task, invariants.TokenLedger(uuid.uuid4().hex[:12], group_id), own_stream(sampling, i),
+                             budget) for i, (task, group_id) in enumerate(zip(tasks, group_ids))]
         # an env's constructor is agent code too: one that raises or hangs fails only its own rollout
         for ep, env in zip(episodes, self._call_all(episodes, "init", [(self._new_env,)] * len(episodes))):
             ep.env = env
@@ -282,7 +289,10 @@ class EnvRunner:
             prompts.append(ep.ledger.open_token_ids)
             # the first turn's prompt is the task as reset rendered it, the same for the group's samples: they share it
             given = ep.turns == 0 and ep.ledger.group_id and not ep.ledger.open_images
-            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens, room), cache_salt=ep.cache_salt,
+            # a turn's max_tokens (an env may raise it for later turns) takes at most what the budget has left
+            cut = ep.budget.cut(ep.turns, ep.sampled, ep.sampling.max_tokens)
+            params.append(replace(ep.sampling, max_tokens=min(ep.sampling.max_tokens if cut is None else cut.max_tokens,
+                                                              room), cache_salt=ep.cache_salt,
                                   given_salt=f"group:{ep.ledger.group_id}" if given else ""))
             images.append(ep.ledger.open_images)
         live = [ep for ep in live if not ep.done]
@@ -326,9 +336,9 @@ class EnvRunner:
         ep.reward += float(result.reward)
         ep.score = result.score if result.score is not None else ep.reward
         ep.info.update(info)
-        out_of_turns = ep.turns >= self.max_turns
+        out_of_budget = ep.budget.cut(ep.turns, ep.sampled, 1) is not None     # its turns or its tokens are spent
         out_of_room = len(ep.ledger.open_token_ids) + len(observation) >= self.max_length
-        ep.done = result.terminated or result.truncated or out_of_turns or out_of_room
+        ep.done = result.terminated or result.truncated or out_of_budget or out_of_room
         ep.truncated = ep.done and not result.terminated
         if not ep.done:
             ep.sampling = next_sampling
@@ -384,7 +394,8 @@ class ChatContext:
     label: str                         # the ground truth the agent's reward is computed against
     images: list | None                # the task's images (VLM recipes), as given (PIL images or data URLs)
     sampling_params: dict[str, Any]    # this rollout's sampling; the server applies it to requests that omit it
-    max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make
+    max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make,
+                                       # on every line (session.Budget; a call past it gets a reply cut with no token)
     task: Any = None                   # the task itself (a recipe's Task subclass carries what its agent needs)
 
 
@@ -454,7 +465,8 @@ class ChatAgentRunner:
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,
-                                          None if task.images else task.messages)
+                                          None if task.images else task.messages,
+                                          Budget.of_run(self.max_turns, sampling.max_tokens, self.max_length))
         try:
             failure, detail, result = await self._agent(info, task, sampling)
         finally:     # returned, raised, timed out, or the run cancelled: the session goes with its rollout
@@ -467,9 +479,10 @@ class ChatAgentRunner:
             return None
         rows, generations = session.record(self.train_side_lines)
         score = result.score if result.score is not None else float(result.reward)
+        # a rollout whose budget cut a reply short or refused a request is truncated, whatever the agent says
         return Rollout(session.rollout_id, group_id, task.task_id, rows, float(result.reward), score,
-                       session.turns, bool(result.truncated), session.max_tokens_turns, result.info, generations,
-                       len(session.side_lines), sum(line.turns for line in session.side_lines))
+                       session.turns, bool(result.truncated) or session.budget_cuts > 0, session.max_tokens_turns,
+                       result.info, generations, len(session.side_lines), sum(line.turns for line in session.side_lines))
 
     async def _agent(self, info, task, sampling: SamplingParams) -> tuple[str, str, Result | None]:
         """One agent run against its session: ("", "", its Result with the info reduced to its numbers), or (the

@@ -80,10 +80,13 @@ class ClaudeCodeAgent(HarnessAgent):
 
 
     def harness_cut(self, stdout: str) -> bool:
-        # `claude -p` reports an error, and exits 1, on a reply cut at its output limit and on a prompt too long
+        # `claude -p` reports an error, and exits 1, on a reply cut at its output limit (the rollout's budget spent
+        # answers so too), on a prompt too long, and at --max-turns (the run's turn budget: it stops itself where the
+        # session would refuse its next call; a side request, which its --max-turns does not count, makes the session's
+        # answer come first)
         reports = [line for line in json_lines(stdout) if line.get("type") == "result"]
         return bool(reports) and (reports[-1].get("api_error") == "max_output_tokens"
-                                  or reports[-1].get("terminal_reason") == "prompt_too_long")
+                                  or reports[-1].get("terminal_reason") in ("prompt_too_long", "max_turns"))
 
 
 class AgentRunner(ChatAgentRunner):

@@ -475,7 +475,8 @@ def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_th
     runner = type("Runner", (ChatAgentRunner,), {"agent_cls": HarnessWithSideRequests,
                                                  "template": data.CHATML_TEMPLATE,
                                                  "train_side_lines": train_side_lines})(engine, tokenizer,
-                                                                                        max_length=512)
+                                                                                        max_turns=4, max_length=512)
+    # four model calls on three lines: every line's turns count against the rollout's budget (max_turns 4)
     rollout, = runner.run(make_tasks("a"), ["g"], SamplingParams(max_tokens=5, seed=0))
     assert rollout.num_turns == 2 and rollout.side_lines == 2 and rollout.side_turns == 2
     assert [row.line for row in rollout.rows] == (["main", "side-0", "side-2"] if train_side_lines else ["main"])

@@ -299,7 +299,8 @@ def test_a_short_run_trains_with_score_centering(runner, tmp_path):
     out = str(tmp_path / "out")
     done = subprocess.run([sys.executable, "train.py", "--recipe", str(recipe), "--model", "tiny-qwen3",
                            "--rollout.prompts_per_step", "2", "--rollout.samples_per_prompt", "2",
-                           "--rollout.max_tokens", "6", "--run.threads", "1", "--steps", "2", "--actor.lr", "1e-3",
+                           "--rollout.max_tokens", "6", "--rollout.max_turns", "2",   # the chat agent's two calls
+                           "--run.threads", "1", "--steps", "2", "--actor.lr", "1e-3",
                            "--algo.score_centering", "5", "--out", out],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -55,9 +55,10 @@ def probe(recipe, **attributes):
     return type("Probe", (agent_class(recipe),), {"grade": grade, **attributes})
 
 
-def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams, max_length: int = 1 << 16):
+def run_episodes(recipe, engine, tokenizer, agent_cls, tasks, sampling: SamplingParams, max_length: int = 1 << 16,
+                 max_turns: int = 6):
     """The recipe's runner over `agent_cls`, every request's wire and stream flag recorded at the server."""
-    runner = type("Runner", (recipe.AgentRunner,), {"agent_cls": agent_cls})(engine, tokenizer, max_turns=6,
+    runner = type("Runner", (recipe.AgentRunner,), {"agent_cls": agent_cls})(engine, tokenizer, max_turns=max_turns,
                                                                               max_length=max_length)
     requests, body = [], runner.server._body
 
@@ -188,6 +189,40 @@ def test_a_reply_cut_at_max_tokens_or_a_full_context_ends_the_episode_truncated_
     bad_flag.arguments = lambda self, ctx, ws: [*agent_class(recipe).arguments(self, ctx, ws), "--no-such-flag"]
     rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, bad_flag, [task], SamplingParams(max_tokens=256))
     assert rollouts == [] and failures == {"process_exit": 1}
+
+
+# ---- an episode past its budget --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, own_turn_limit", [("codex", False), ("claude_code", True), ("claude_code", False)])
+def test_a_harness_at_its_rollouts_budget_ends_its_episode_truncated_and_graded(name, own_turn_limit):
+    # The demonstration takes four replies; the budget here is two turns. The session answers a request past it as a
+    # reply cut at its token limit with no token, and each harness ends its episode on that (Codex fails its turn and
+    # exits 1 at once; Claude Code retries a cut reply a few times, each answered at once, then reports
+    # max_output_tokens), an exit its recipe's harness_cut takes: graded and truncated, never retried until the
+    # deadline (as a 429 would be) nor a failed rollout (as a 400 would be). Claude Code is also given the turn budget
+    # as its own --max-turns (the recipe's flags), which counts the same model calls: it stops there itself, exits 1
+    # with terminal_reason max_turns, and that episode is graded too (it failed its rollout before).
+    recipe, tokenizer = RECIPES[name], models.bpe_tokenizer()
+    task = swe_fix.tasks("train", 0)[0]
+    engine = ScriptEngine(tokenizer)
+    engine.replies = recipe.script(task)
+    agent_cls = probe(recipe, short_prompt=True)
+    if name == "claude_code" and not own_turn_limit:
+        def arguments(self, ctx, ws):
+            flags = agent_class(recipe).arguments(self, ctx, ws)
+            at = flags.index("--max-turns")
+            return flags[:at] + flags[at + 2:]
+        agent_cls.arguments = arguments
+    rollouts, failures, requests = run_episodes(recipe, engine, tokenizer, agent_cls, [task],
+                                                SamplingParams(max_tokens=256), max_turns=2)
+    generating = [route for route, _ in requests if route in ("responses", "messages")]
+    print(f"{name} (own turn limit: {own_turn_limit}) at a 2-turn budget: {len(generating)} requests, failures "
+          f"{failures}, {[(len(r.generations), r.truncated, r.reward) for r in rollouts]}")
+    assert failures == {} and len(rollouts) == 1
+    rollout, = rollouts
+    assert len(rollout.generations) == 2 and rollout.truncated and rollout.reward == rollout.info["tests_passed"]
+    assert 2 <= len(generating) <= 6          # a few requests past the budget at most, each answered at once
+    check_sampled_once(rollout.rows, rollout.generations)
 
 
 # ---- on its defaults: the whole prompt ----------------------------------------------------------------------------

@@ -53,6 +53,17 @@ from wires.params import NO_OP, OPENAI_FIELDS, REFUSED
 
 
 @dataclass
+class BudgetCut:
+    """What a rollout's budget (session.Budget) did to a request: the most its reply could sample, below what the
+    request asked (0: the budget was spent, and nothing was sampled), and what the budget had left for it. A reply's
+    usage carries it as `rollout_budget` (`budget_usage`)."""
+    max_tokens: int
+    turns_left: int
+    tokens_left: int
+    message: str                   # the same, in words naming the budget
+
+
+@dataclass
 class ChatTurn:
     """What a chat session's turn hands to the wire: the reply as the agent reads it, and the tokens behind it."""
     message: dict                  # the assistant message (structured tool calls parsed), canonical form
@@ -63,6 +74,7 @@ class ChatTurn:
     stop_sequence: str | None = None   # the agent's stop string that ended the reply (cut from it), or None
     text: str = ""                 # the reply as the agent reads it, before its tool calls were parsed out
     call_prefix: str = ""          # its calls' ids are this prefix and each <tool_call> block's ordinal
+    budget: BudgetCut | None = None    # what the rollout's budget enforced on it; None: nothing
 
 
 # ---- refusals, and the request body --------------------------------------------------------------
@@ -680,12 +692,18 @@ def token_extras(turn: ChatTurn, request: WireRequest) -> dict:
             "no_op_params": list(request.no_ops)}
 
 
+def budget_usage(turn: ChatTurn) -> dict:
+    """What every wire's usage adds when the rollout's budget enforced something on the reply (an SDK keeps a usage
+    field it does not know: `usage.model_extra["rollout_budget"]`)."""
+    return {} if turn.budget is None else {"rollout_budget": asdict(turn.budget)}
+
+
 def _openai_usage(turn: ChatTurn) -> dict:
     """OpenAI counts cached prompt tokens inside prompt_tokens, and names them apart in prompt_tokens_details."""
     gen = turn.generation
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(gen.token_ids),
             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
-            "prompt_tokens_details": {"cached_tokens": gen.cached_prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gen.cached_prompt_tokens}, **budget_usage(turn)}
 
 
 

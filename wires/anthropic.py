@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import json
 
-from engines import Generation, SamplingParams
+from engines import SamplingParams
 from engines import constraints
 from wires.params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, TextBound, WireError, WireRequest,
-                   arguments_to_json, assistant_message, check_fields, constraint_spec, flag_field, function_call_record,
-                   function_tool, join_parts, number_field, object_field, opening_signature, partial_suffix, real_field,
-                   require, sampling_from, signed_opening, split_thinking, stop_strings_field, template_kwargs_of,
-                   text_only, token_extras, tool_options_of, wire_finish_reason)
+                   arguments_to_json, assistant_message, budget_usage, check_fields, constraint_spec, flag_field,
+                   function_call_record, function_tool, join_parts, number_field, object_field, opening_signature,
+                   partial_suffix, real_field, require, sampling_from, signed_opening, split_thinking,
+                   stop_strings_field, template_kwargs_of, text_only, token_extras, tool_options_of, wire_finish_reason)
 
 
 # ---- decoding: an Anthropic messages request -> the canonical request ---------------------------------
@@ -302,10 +302,12 @@ def decode_anthropic_count(body: dict, base: SamplingParams, bound: TextBound | 
 ANTHROPIC_STOP = {"stop": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool": "tool_use"}
 
 
-def _anthropic_usage(gen: Generation) -> dict:
+def _anthropic_usage(turn: ChatTurn) -> dict:
     """Anthropic counts cached prompt tokens apart from input_tokens (a harness sums the two for the context)."""
+    gen = turn.generation
     return {"input_tokens": len(gen.prompt_ids) - gen.cached_prompt_tokens,
-            "cache_read_input_tokens": gen.cached_prompt_tokens, "output_tokens": len(gen.token_ids)}
+            "cache_read_input_tokens": gen.cached_prompt_tokens, "output_tokens": len(gen.token_ids),
+            **budget_usage(turn)}
 
 
 def _anthropic_blocks(message: dict, omit_thinking: bool) -> list[dict]:
@@ -322,11 +324,10 @@ def _anthropic_blocks(message: dict, omit_thinking: bool) -> list[dict]:
 
 
 def anthropic_reply(turn: ChatTurn, request: WireRequest, model: str, reply_id: str) -> dict:
-    gen = turn.generation
     return {"id": reply_id, "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(turn.message, request.omit_thinking),
             "stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP), "stop_sequence": turn.stop_sequence,
-            "usage": _anthropic_usage(gen),
+            "usage": _anthropic_usage(turn),
             **_context_management(request), **token_extras(turn, request)}
 
 
@@ -408,10 +409,9 @@ class AnthropicStream(LiveStream):
                            ("content_block_delta", {"type": "content_block_delta", "index": index,
                                                     "delta": json_delta}),
                            ("content_block_stop", {"type": "content_block_stop", "index": index})]
-        gen = turn.generation
         # the whole usage again: message_start's was counted before the engine knew its prefix-cache reuse, and the
         # SDK's accumulated message takes message_delta's counts
-        return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(gen),
+        return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(turn),
                                             "delta": {"stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP),
                                                       "stop_sequence": turn.stop_sequence},
                                             **_context_management(self.request),

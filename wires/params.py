@@ -44,9 +44,10 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
                            "function>}]"),
     "logit_bias": (HONOURED, "{token id: bias in [-100, 100]} added to the logits; recorded per token"),
     "logprobs": (HONOURED, "each sampled token's behavior logprob, the one the trainer recomputes"),
-    "max_completion_tokens": (HONOURED, "the most tokens sampled, at most the rest of the session's context; unset: "
-                                        "the rest of the context (as the API), bounded by the run's "
-                                        "rollout.max_tokens (the standalone server's --max-tokens, default none)"),
+    "max_completion_tokens": (HONOURED, "the most tokens sampled, at most the rest of the session's context and of "
+                                        "the rollout's budget (usage.rollout_budget says a cut); unset: the rest of "
+                                        "the context (as the API), bounded by the run's rollout.max_tokens (the "
+                                        "standalone server's --max-tokens, default none)"),
     "max_tokens": (HONOURED, "as max_completion_tokens"),
     "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
     "modalities": (HONOURED, "['text'] only; audio output is refused"),
@@ -89,7 +90,8 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     **_EXTRAS,
 }
 ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
-    "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context"),
+    "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context and of "
+                             "the rollout's budget (usage.rollout_budget says a cut)"),
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
                            "tool_use, tool_result (text and tool_reference blocks), thinking and redacted_thinking "
                            "blocks; a final assistant turn (prefill) is refused"),
@@ -170,8 +172,9 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
                           "output_text part; reasoning.encrypted_content: returned whether asked or not (the thought "
                           "as sampled, so an echo extends the record); the other values name items no request here "
                           "produces (no-ops)"),
-    "max_output_tokens": (HONOURED, "the most tokens sampled (within the session's context); a reply cut there is "
-                                    "status 'incomplete' (reason max_output_tokens)"),
+    "max_output_tokens": (HONOURED, "the most tokens sampled (within the session's context and the rollout's "
+                                    "budget: usage.rollout_budget says a cut); a reply cut there is status "
+                                    "'incomplete' (reason max_output_tokens)"),
     "max_tool_calls": (NO_OP, "a cap on built-in tool calls, and no built-in tool runs here"),
     "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
     "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),

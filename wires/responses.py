@@ -567,7 +567,7 @@ def responses_reply(turn: ChatTurn, request: ResponsesRequest, tokenizer, model:
     usage = {"input_tokens": len(gen.prompt_ids), "input_tokens_details": {"cached_tokens": gen.cached_prompt_tokens, "cache_write_tokens": 0},
              "output_tokens": len(gen.token_ids),
              "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(tokenizer, turn)},
-             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids)}
+             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids), **wires.budget_usage(turn)}
     return _response(request, reply_id, model, time.time() if created is None else created,
                      "incomplete" if cut else "completed", output, usage=usage, completed_at=time.time(),
                      incomplete_details={"reason": "max_output_tokens"} if cut else None,
