@@ -250,22 +250,26 @@ def distill_advantages(
 # of decisions and the final reward reaches the first turn's tokens. A rollout sealed into several rows (a context
 # rewrite: the same episode, its later turns on a new prompt) is ONE chain too: its rows in segment order, end to end
 # (segment_chains), so the last action of a row bootstraps from the first action of the next row, and only the last
-# row holds the reward. V after the chain's last action is 0 (the episode ends there).
+# row holds the reward. A chat agent's side line (a sub-agent, a title or summary request: session.py; its segments
+# numbered from 0 apart from the main line's) is a chain of its own: its tokens are another conversation, never
+# between two of the main line's segments in the episode, so neither line bootstraps from the other's values; each
+# line's last action holds the rollout's reward, as a group estimator gives every line the rollout's advantage.
+# V after the chain's last action is 0 (the episode ends there).
 
 
-def segment_chains(rollout_ids: Sequence[str], segment_ids: Sequence[int]) -> list[list[int]]:
-    """The rows of each rollout, in segment order: one chain of decisions per episode (a sealed rollout's rows are
-    consecutive parts of it). Rollouts in order of first appearance."""
-    chains: dict[str, list[int]] = {}
+def segment_chains(rollout_ids: Sequence[str], segment_ids: Sequence[int], lines: Sequence[str]) -> list[list[int]]:
+    """The rows of each line of each rollout (Segment.line), in segment order: one chain of decisions per line (a
+    sealed line's rows are consecutive parts of it). Chains in order of first appearance."""
+    chains: dict[tuple[str, str], list[int]] = {}
     for row in sorted(range(len(rollout_ids)), key=lambda b: segment_ids[b]):
-        chains.setdefault(rollout_ids[row], []).append(row)
-    return [chains[r] for r in dict.fromkeys(rollout_ids)]
+        chains.setdefault((rollout_ids[row], lines[row]), []).append(row)
+    return [chains[key] for key in dict.fromkeys(zip(rollout_ids, lines))]
 
 
 def token_rewards(rewards: Tensor, loss_mask: Tensor, chains: list[list[int]] | None = None) -> Tensor:
     """[B, T] per-token rewards: the episode's reward on its LAST sampled token, 0 elsewhere (an outcome reward; an
     intermediate token earns nothing). rewards [B]: per row, its rollout's. Without `chains` each row is an episode;
-    with them (segment_chains) only a chain's last row with a sampled token holds it, once."""
+    with them (segment_chains) only a chain's last row with a sampled token holds it, once per chain (line)."""
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(loss_mask)
     last = torch.where(loss_mask > 0, positions, -1).amax(-1)        # [B]; -1 for a row with no sampled token
     holders = [b for b in range(len(last)) if last[b] >= 0] if chains is None else \
@@ -282,7 +286,7 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, loss_mask: Tensor, gam
     gaps transparent (see above). Backwards over t, for a sampled token t:
         delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next,   then V_next = V_t, A_next = A_t
     and for a context token nothing changes (V_next, A_next carried); V_next = A_next = 0 after the episode's end.
-    An episode is a row, or with `chains` (segment_chains) the rows of one rollout end to end. values [B, T]: the
+    An episode is a row, or with `chains` (segment_chains) the rows of one line of a rollout end to end. values [B, T]: the
     critic's V of the state before each token (critic.Critic.compute_values). Returns (advantages, returns), float32
     [B, T], 0 off the mask: returns = A + V before any whitening (the critic's target); advantages whitened over
     every sampled token of the batch, (A - mean) / sqrt(var + 1e-8) with the unbiased variance (verl's

@@ -176,6 +176,9 @@ def check_sampling(sampling: Sampling, where: str) -> None:
                          f"before each token), else -1; got {g!r:.40}")
 
 
+MAIN_LINE = "main"   # the line of every row but a chat agent's side requests (Segment.line)
+
+
 @dataclass(eq=False)
 class Segment:
     """One training row: a token buffer plus per-position arrays, all of length len(token_ids)."""
@@ -196,6 +199,8 @@ class Segment:
     # None = not recorded (the run does not center)
     top_ids: np.ndarray | None = None                # int64 [n, k]
     top_behavior_logprobs: np.ndarray | None = None  # float32 [n, k]
+    line: str = MAIN_LINE    # the rollout's conversation it records: "main", or a chat agent's "side-<k>" (session.py),
+                             # whose segment_ids count from 0 apart from the main line's (GAE chains lines apart)
 
     @property
     def is_open(self) -> bool:

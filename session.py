@@ -3,8 +3,8 @@
 # Owns: `ChatSession`, one per rollout, which turns a chat request (a message list) into engine prompt
 # ids, generates, and commits the turn to the token record of the line it belongs to (returning a `wires.ChatTurn`);
 # `Budget`, what a rollout may sample in all (the budget rule, below);
-# its lines (`Line`, `LineLedger`, `LineSegment`: below); the echo rule; the Hermes/Qwen `<tool_call>` parser that gives
-# the reply its structure (a call's id is the turn's prefix and its block's ordinal, so a streaming wire can name a call
+# its lines (`Line`, `LineLedger`: below); the echo rule; the reply's structure, read by wires' Hermes/Qwen
+# `<tool_call>` parser (a call's id is the turn's prefix and its block's ordinal, so a streaming wire can name a call
 # before its block is whole); the image bounds read from headers; the session's trace (what the trainer will see, token
 # by token, and what each turn's prefill computed and took from the engine's prefix cache: the cost of a long episode).
 # loopback.py serves these sessions over HTTP.
@@ -45,7 +45,7 @@
 # is the main line's (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is
 # the first line opened by a request that offered tools, or the first line when none did (Claude Code names its
 # session before its first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they
-# opened in), on every segment (`LineSegment.line`), so the trace and the trainer see them labelled, and
+# opened in), on every segment (`Segment.line`), so the trace and the trainer see them labelled, and
 # ChatAgentRunner decides whether they train (its train_side_lines). Two conversations with the same opening are
 # one line (they seal each other, as one conversation rewritten would).
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
@@ -237,25 +237,16 @@ def is_echo(echoed: dict, recorded: dict, schemas: dict[str, dict]) -> bool:
 
 # ---- lines: the conversations one session serves (header) ---------------------------------------------------
 
-MAIN = "main"
-
-
-@dataclass
-class LineSegment(invariants.Segment):
-    """A segment of one line of a session: the training row, labelled with the line it belongs to."""
-    line: str = MAIN                 # "main", or "side-<k>" (a sub-agent, a title or summary request)
-
-
 class LineLedger(invariants.TokenLedger):
-    """A line's token record: a TokenLedger whose segments carry the line's label."""
+    """A line's token record: a TokenLedger whose segments carry the line's label (Segment.line)."""
 
     def __init__(self, rollout_id: str, group_id: str, label: str):
         super().__init__(rollout_id, group_id)
         self.label = label
 
-    def _new_segment(self) -> LineSegment:
-        self.segments.append(LineSegment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], [],
-                                         line=self.label))
+    def _new_segment(self) -> invariants.Segment:
+        self.segments.append(invariants.Segment(self.rollout_id, self.group_id, len(self.segments), [], [], [], [], [],
+                                                line=self.label))
         return self.segments[-1]
 
     def relabel(self, label: str) -> None:
@@ -342,7 +333,7 @@ class ChatSession:
     def ledger(self) -> invariants.TokenLedger:
         """The main line's token record (an empty one before the first turn)."""
         main = self.main_line
-        return main.ledger if main else LineLedger(self.rollout_id, self.group_id, MAIN)
+        return main.ledger if main else LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE)
 
     @property
     def generations(self) -> list[Generation]:
@@ -390,7 +381,7 @@ class ChatSession:
     def _label_lines(self) -> None:
         main = self.main_line
         for line in self.lines:
-            line.ledger.relabel(MAIN if line is main else f"side-{line.index}")
+            line.ledger.relabel(invariants.MAIN_LINE if line is main else f"side-{line.index}")
 
     # -- turns --
 
@@ -510,7 +501,7 @@ class ChatSession:
         with self.ledger_lock:
             if line is None:
                 line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
-                            LineLedger(self.rollout_id, self.group_id, MAIN))
+                            LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE))
                 self.lines.append(line)
                 self._label_lines()
             extended = line.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's

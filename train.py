@@ -436,8 +436,9 @@ def train_on_rows(cfg, policy, reference, tokenizer, rows, out: str, step: int, 
     parts = minibatch_indices(batch.group_ids, tr.minibatches)
     if value_model is not None:   # gae: the critic's values of the rows as sampled, then GAE over each episode
         values = value_model.compute_values(batch)
-        chains = algo.segment_chains(batch.rollout_ids, [s.segment_id for s in segs])    # a sealed rollout: one
-        batch.advantages, returns = algo.gae_advantages(                                  # episode, one chain
+        # one chain per line of a rollout, its rows (a sealed line's several) end to end; a side line its own
+        chains = algo.segment_chains(batch.rollout_ids, [s.segment_id for s in segs], [s.line for s in segs])
+        batch.advantages, returns = algo.gae_advantages(
             algo.token_rewards(torch.tensor(rewards), batch.loss_mask, chains), values, batch.loss_mask, a.gae_gamma,
             a.gae_lambda, a.gae_whiten, chains)
         if critic.actor_frozen(cfg["critic"], step):    # the critic's warm-up: it learns alone, the actor waits

@@ -170,7 +170,7 @@ class Rollout:
                                                # train.py checks the rows train each sampled token exactly once
     side_lines: int = 0                        # a ChatAgent's session: conversations beside its main one (sub-agents,
     side_turns: int = 0                        # title and summary requests: session.py) and their turns; their rows
-                                               # (labelled, session.LineSegment.line) are in `rows` when they train
+                                               # (labelled, Segment.line) are in `rows` when they train
 
 
 # ---- the Env runner ----------------------------------------------------------------------------------

@@ -30,17 +30,19 @@ from invariants import AdjustedRun, Sampling, uses_penalties
 
 def processed_logprobs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float = 1.0,
                        top_k: Tensor | int = -1, min_p: Tensor | float = 0.0, keep: Tensor | None = None) -> Tensor:
-    """Log-probabilities [..., V] (fp32) of the distribution a token is drawn from: steps 6-9 above (on logits
-    through adjust_logits where a token needs it), renormalised; the most likely token is always kept. The engine
-    samples from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each token's recorded
-    Sampling. temperature, top_p, top_k, min_p: scalars or tensors of shape logits.shape[:-1]. `keep` (long ids of
-    that shape), the trainer's sampled ids, is always kept: a sampled token was in the engine's set, and fp32
-    rounding moving a near-tie across a cut must not give it -inf. Only truncated positions pay for the sort."""
+    """Log-probabilities [..., V] (fp32; fp64 from fp64 logits) of the distribution a token is drawn from: steps 6-9
+    above (on logits through adjust_logits where a token needs it), renormalised; the most likely token is always
+    kept. The engine samples from it and reports it (vLLM's processed logprobs); the trainer recomputes it at each
+    token's recorded Sampling. temperature, top_p, top_k, min_p: scalars or tensors of shape logits.shape[:-1].
+    `keep` (long ids of that shape), the trainer's sampled ids, is always kept: a sampled token was in the engine's
+    set, and fp32 rounding moving a near-tie across a cut must not give it -inf. Only truncated positions pay for
+    the sort."""
     lead = logits.shape[:-1]
     temperature, top_p, top_k, min_p = (torch.as_tensor(x, dtype=dtype, device=logits.device).expand(lead) for x, dtype
                                         in ((temperature, torch.float32), (top_p, torch.float32), (top_k, torch.long),
                                             (min_p, torch.float32)))
-    scaled = logits.float() / temperature.unsqueeze(-1)   # upcast BEFORE dividing: a bf16 divide is off by ~0.1 nats
+    # upcast BEFORE dividing (a bf16 divide is off by ~0.1 nats); fp64 logits (score centering's head) stay fp64
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature.unsqueeze(-1)
     truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
     if not truncated.any():
         return torch.log_softmax(scaled, dim=-1)

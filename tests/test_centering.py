@@ -1,11 +1,12 @@
-# Score centering (trainer/centering.py, arXiv 2609.20807): the loss's gradient is the paper's estimator A (s_a - mu), mu the
-# sampler-expected score with the tail modeled proportionally, checked against a reference written here from the
-# formula over the whole vocabulary; the sampler's top-k heads are recorded with each sampled token (invariant 2)
-# through both paths a token takes (an Env runner and a chat session, over several turns and a seal), reach the
-# TrainBatch unchanged and line up with the trainer's recompute; a run with it is refused where it would train wrong,
-# and trains end to end.
+# Score centering (trainer/centering.py, arXiv 2609.20807): the loss's gradient is the paper's estimator A (s_a - mu),
+# mu the sampler-expected score with the tail modeled proportionally, checked against a reference written here from
+# the formula over the whole vocabulary, also far off-policy (alpha 1e5, where an fp32 head loses it); the sampler's
+# top-k heads are recorded with each sampled token (invariant 2) through both paths a token takes (an Env runner and a
+# chat session, over several turns and a seal), reach the TrainBatch unchanged and line up with the trainer's
+# recompute; a run with it is refused where it would train wrong, and trains end to end.
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,6 +112,55 @@ def test_a_head_covering_the_vocabulary_centers_exactly_and_the_expectation_is_t
         assert (plain - covariance).abs().max() > 1e-3                      # the trap is armed: the drift is there
 
 
+def far_off_policy(alpha: float, n: int = 4, vocab: int = 50) -> tuple[torch.Tensor, ...]:
+    """fp32 logits [n, vocab] whose head (ids 0..K-1, logits near 12) holds all but 0.6 / alpha of the live mass,
+    and a sampler that put 0.4 on that head: alpha = (1 - Q_H) / (1 - P_H) as asked. Sampled: head and tail ids."""
+    g = torch.Generator().manual_seed(7)
+    head = 12.0 + torch.randn(n, K, generator=g, dtype=torch.float64)
+    tail = torch.randn(n, vocab - K, generator=g, dtype=torch.float64)
+    p_tail = 0.6 / alpha         # tail logits shifted so that logsumexp(tail) - logsumexp(all) = log p_tail
+    shift = math.log(p_tail / (1 - p_tail)) + torch.logsumexp(head, -1) - torch.logsumexp(tail, -1)
+    z = torch.cat([head, tail + shift[:, None]], -1).float()
+    w = torch.rand(n, K, generator=g, dtype=torch.float64) + 0.1
+    log_q = torch.full((n, vocab), -40.0, dtype=torch.float64)
+    log_q[:, :K] = torch.log(0.4 * w / w.sum(-1, keepdim=True))
+    a = torch.tensor([0, 1, K + 3, K + 20])[:n]
+    return z, a, torch.linspace(-1.0, 1.0, n, dtype=torch.float64), log_q
+
+
+def trainer_gradient(z: torch.Tensor, a: torch.Tensor, A: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """-d(loss)/dz through the trainer's own head (recompute's chunked head on fp32 logits: an identity output
+    projection, so its logits are z exactly) and centering.centered_policy_loss, in the actor's fp32 tensors."""
+    z = z.clone().requires_grad_(True)
+    projection = torch.nn.Linear(z.shape[1], z.shape[1], bias=False)
+    projection.weight.data = torch.eye(z.shape[1])
+    ids = torch.cat([a[:, None], torch.arange(K).expand(len(a), K)], -1)
+    out = recompute._chunked_head_logprobs(z, projection, ids, 1.0, 1.0, -1, 0.0, with_entropy=True)
+    sampled = out[None, :, 0].float()
+    loss, _ = centering.centered_policy_loss(sampled, out[None, :, 1:-1], log_q[None, :, :K].float(),
+                                             sampled.detach(), A[None].float(), torch.ones(1, len(a)))
+    loss.sum().backward()
+    return -z.grad.double()
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1e5])
+def test_far_off_policy_the_centered_gradient_keeps_its_accuracy(alpha):
+    """At alpha = 1e5 the coefficients q_v - alpha p_v are ~1e5 and cancel to an order-1 gradient: the trainer's head
+    (fp64 over fp32 logits) keeps it within 1e-6 of the fp64 reference, relative. Trap: the same loss on an fp32
+    head log-softmax is off by more than 1e-4 there."""
+    z, a, A, log_q = far_off_policy(alpha)
+    head = torch.arange(K).expand(len(a), K)
+    p_tail = 1 - torch.softmax(z.double(), -1)[:, :K].sum(-1)
+    assert torch.allclose((1 - log_q[:, :K].exp().sum(-1)) / p_tail, torch.tensor(alpha, dtype=torch.float64),
+                          rtol=1e-3)
+    expected = reference_gradient(z.double(), a, A, log_q, head)
+    scale = float(expected.abs().max())
+    assert float((trainer_gradient(z, a, A, log_q) - expected).abs().max()) <= 1e-6 * scale
+    if alpha > 1:
+        fp32_head = loss_gradient(z, a, A.float(), log_q.float(), head).double()
+        assert float((fp32_head - expected).abs().max()) > 1e-4 * scale
+
+
 def test_empty_head_slots_and_ids_the_live_policy_excludes_add_nothing():
     live = torch.tensor([[-0.5, -1.5, -float("inf"), -3.0]], dtype=torch.float64)
     behavior = torch.tensor([[-0.4, -1.2, -2.5, -float("inf")]], dtype=torch.float64)
@@ -172,7 +222,8 @@ def test_an_env_runner_records_each_tokens_engine_head_and_the_trainer_reads_the
     assert np.array_equal(ids, expected_ids) and np.array_equal(logprobs, expected_logprobs)
     # the engine's head logprobs are the trainer's, read at the same ids from the distribution that drew the token
     sampled = batch.loss_mask.bool()
-    assert torch.allclose(trainer_heads(model, batch)[sampled], batch.top_behavior_logprobs[sampled], atol=1e-5)
+    assert torch.allclose(trainer_heads(model, batch)[sampled], batch.top_behavior_logprobs[sampled].double(),
+                          atol=1e-5)
     assert (trainer_heads(model, batch, shift=1)[sampled] - batch.top_behavior_logprobs[sampled]).abs().max() > 0.1
 
 

@@ -1,10 +1,10 @@
 # Claims of GAE (algo.gae_advantages, algo.value_loss) and of critic.py: GAE equals verl's
 # compute_gae_advantage_return and an independent reference with the observation gaps between turns transparent
-# (lambda = 1 gives Monte-Carlo returns; a gap carries V and A across it), a GAE that is not transparent gives
-# another answer; the clipped value loss equals verl's compute_value_loss; the critic's gradient is the hand-derived
-# and finite-difference one; its values replay MoE routes; two FSDP2 ranks equal one process; its checkpoint
-# resumes exactly; the warm-up trains the critic alone (the actor bitwise unchanged, no weight push); and the
-# config refuses what would train silently wrong.
+# (lambda = 1 gives Monte-Carlo returns; a gap carries V and A across it), a GAE that is not transparent gives another
+# answer; a sealed rollout's rows are one chain, a chat agent's side line a chain of its own; the clipped value loss
+# equals verl's compute_value_loss; the critic's gradient is the hand-derived and finite-difference one; its values
+# replay MoE routes; two FSDP2 ranks equal one process; its checkpoint resumes exactly; the warm-up trains the critic
+# alone (the actor bitwise unchanged, no weight push); and the config refuses what would train silently wrong.
 import json
 import math
 import os
@@ -28,6 +28,7 @@ import train
 from engines import r3
 from conftest import import_peer
 from router import Router
+from session import ChatSession
 from test_actor import free_port, make_batch, max_abs_diff, select_rows
 from test_runtime import PARITY_RECIPE, metrics_of, run_cli, tiny_flags
 
@@ -154,7 +155,7 @@ def test_a_rollout_sealed_into_rows_is_one_episode_chained_in_segment_order():
         # rows: [segment 1 of x, the other rollout y, segment 0 of x]; x's reward on every one of its rows
         rows_mask, rows_values = mask[[1, 2, 0]], values[[1, 2, 0]]
         row_rewards = rewards[[0, 2, 0]]
-        chains = algo.segment_chains(["x", "y", "x"], [1, 0, 0])
+        chains = algo.segment_chains(["x", "y", "x"], [1, 0, 0], ["main"] * 3)
         assert chains == [[2, 0], [1]]
         token_rewards = algo.token_rewards(row_rewards, rows_mask, chains)
         assert float(token_rewards[2].abs().sum()) == 0.0 and float(token_rewards[0].sum()) == float(rewards[0])
@@ -171,6 +172,53 @@ def test_a_rollout_sealed_into_rows_is_one_episode_chained_in_segment_order():
         assert (unchained[2] - ours[2]).abs().max() > 1e-2 or gamma == lam == 1.0
     with pytest.raises(ValueError, match="every one of the 3 rows once"):
         algo.gae_advantages(token_rewards, rows_values, rows_mask, 1.0, 1.0, chains=[[0], [1]])
+
+
+def side_line_rollout() -> list[invariants.Segment]:
+    """A chat agent's rollout on a real session: its main line (offering tools) sealed by an edited history, then a
+    side line (a title request: its own system prompt, no tools), as ChatSession.record gives them to train."""
+    session = ChatSession(rollout.EmbeddedEngine(models.tiny_model("qwen3", seed=0)), models.bpe_tokenizer(), "r0",
+                          "g0", template=data.CHATML_TEMPLATE, sampling=engines.SamplingParams(max_tokens=4, seed=0))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    task = [{"role": "system", "content": "You look things up."}, {"role": "user", "content": "Find x."}]
+    session.turn(task, tools)
+    edited = task + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
+    assert not session.turn(edited, tools).extended                              # the main line seals
+    session.turn([{"role": "system", "content": "Name this session."}, {"role": "user", "content": "Find x."}])
+    rows, generations = session.record(side_lines=True)
+    invariants.check_sampled_once(rows, generations)
+    return rows
+
+
+def test_a_side_line_is_a_gae_chain_of_its_own_beside_its_rollouts_sealed_main_line():
+    """The rows carry their line (Segment.line), and each line of a rollout is one chain in its segment order: with
+    gamma 1, lambda 0, reward 1 and V = 0.5 / 0.3 / 0.2 on main 0 / main 1 / the side line, main 0's last action
+    bootstraps from main 1's first (A = 0.3 - 0.5), and GAE equals the reference over each line's actions alone. The
+    trap (rows ordered by segment number alone: the side line's segment 0 between the main line's) gives -0.3."""
+    rows = side_line_rollout()
+    assert [(r.line, r.segment_id) for r in rows] == [("main", 0), ("main", 1), ("side-1", 0)]
+    batch = invariants.build_batch(rows, [0.0] * 3, pad_id=0)
+    mask, rewards = batch.loss_mask, torch.ones(3, dtype=torch.float64)
+    chains = algo.segment_chains(batch.rollout_ids, [r.segment_id for r in rows], [r.line for r in rows])
+    assert chains == [[0, 1], [2]]
+    last_of_main_0 = int(mask[0].nonzero().max())
+    values = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)[:, None].expand(mask.shape)
+    for order, want in [(chains, -0.2), ([[0, 2, 1]], -0.3)]:              # ours, then the trap
+        advantages, _ = algo.gae_advantages(algo.token_rewards(rewards, mask, order), values, mask, 1.0, 0.0,
+                                            whiten=False, chains=order)
+        assert math.isclose(float(advantages[0, last_of_main_0]), want, abs_tol=1e-6)
+    g = torch.Generator().manual_seed(6)
+    values = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    rewards = torch.randn(1, generator=g, dtype=torch.float64).expand(3)    # the rollout's reward on every row
+    for gamma, lam in [(1.0, 0.0), (0.99, 0.95), (0.9, 0.5)]:
+        ours, returns = algo.gae_advantages(algo.token_rewards(rewards, mask, chains), values, mask, gamma, lam,
+                                            whiten=False, chains=chains)
+        main, main_returns = reference_gae(torch.cat([mask[0], mask[1]])[None], torch.cat([values[0], values[1]])[None],
+                                           rewards[:1], gamma, lam)
+        side, side_returns = reference_gae(mask[2:], values[2:], rewards[2:], gamma, lam)
+        assert (torch.cat([ours[0], ours[1], ours[2]]).double() - torch.cat([main[0], side[0]])).abs().max() <= 1e-6
+        assert (torch.cat([returns[0], returns[1], returns[2]]).double() -
+                torch.cat([main_returns[0], side_returns[0]])).abs().max() <= 1e-6
 
 
 def test_whitening_is_over_the_sampled_tokens_and_the_returns_stay_raw():

@@ -18,6 +18,11 @@
 # mu moves onto the head:  mu = sum_{v in H} (q_v - alpha p_v) s_v,  which needs the k head logprobs only. Both
 # tail masses are floored at TAIL_EPS (the paper's numerical guard), so a head covering all of a truncated
 # distribution (top_k <= k) gives alpha = 1 and the exact centering sum_H (q_v - p_v) s_v.
+# Precision: far off-policy (the live tail 1 - P_H small where the sampler's is not) alpha reaches 1e5 and more, each
+# c_v ~ -alpha p_v, and sum_H c_v s_v cancels from that size to order 1; from an fp32 head log-softmax (and its
+# backward) the gradient is then off by ~4e-3 relative at alpha 1e5. So the head comes in fp64
+# (recompute.forward_logprobs normalises it in fp64 over the fp32 logits) and the coefficients and the head term are
+# computed in fp64: 2e-8 relative at alpha 1e5 (tests/test_centering.py).
 # The loss whose gradient is minus that estimate:  loss_t = -A log p_a + A sum_{v in H} sg(q_v - alpha p_v) log p_v.
 # With p = q it is the plain REINFORCE loss in expectation (mu = 0), and its per-token value differs from it only
 # by the head term. The paper also composes the centering with a per-token IS weight f(p/q) applied to the sampled
@@ -62,7 +67,9 @@ def centered_policy_loss(logprobs: Tensor, head_logprobs: Tensor, behavior_head_
     coefficients = head_coefficients(head_logprobs, behavior_head_logprobs)
     # an id the live processed distribution excludes has no score; its coefficient is kept, its log p read as 0
     head = torch.where(torch.isfinite(head_logprobs), head_logprobs, 0.0)
-    centering = (coefficients.to(head.dtype) * head).sum(-1)
+    # in the head's precision (fp64 from recompute.forward_logprobs): c_v ~ -alpha p_v, and sum_v c_v s_v cancels
+    # from alpha to order 1; the term's own value, as the sampled token's, in the logprobs' precision
+    centering = (coefficients.to(head.dtype) * head).sum(-1).to(logprobs.dtype)
     token_loss = advantages * (centering - logprobs) * loss_mask
 
     with torch.no_grad():

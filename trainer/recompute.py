@@ -79,7 +79,8 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
                            with_entropy: bool, adjust=None, compiled: bool = False) -> Tensor:
     """[N, m + 1]: each position's logprob of its next id under the processed distribution, and that distribution's
     detached entropy, from hidden states [N, H]; next_ids [N] (m = 1), or [N, m]: the next id and the ids of a
-    score-centering head, each read from the same distribution (-inf where the processing excludes one). The
+    score-centering head, each read from the same distribution (-inf where the processing excludes one), all in
+    fp64 (the centering's coefficients reach 1e5 and more, and their sum over the head cancels to order 1). The
     output projection runs LOGPROB_CHUNK positions at a time, and under autograd, past KEPT_LOGITS, each chunk is
     recomputed in backward (torch.utils.checkpoint), so [N, vocab] logits never exist at once: at a 152K vocabulary
     that tensor is the largest of the whole step. `adjust(logits, begin)` (_run_adjuster) applies
@@ -96,6 +97,8 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
         logits = logits.float()                                 # fp32 BEFORE any processing, as the engine
         if adjust is not None:
             logits = adjust(logits, begin)
+        if ids.dim() == 2:      # a score-centering head: normalised in fp64 (trainer/centering.py, alpha large)
+            logits = logits.double()
         log_probs = processing.processed_logprobs(logits, t, p, k, m, keep=ids if ids.dim() == 1 else ids[:, 0])
         tokens = log_probs.gather(-1, ids.view(len(ids), -1))                   # [n, m]
         if not with_entropy:
@@ -114,7 +117,8 @@ def _chunked_head_logprobs(hidden: Tensor, head: torch.nn.Module, next_ids: Tens
                                                         for x in (temperature, top_p, top_k, min_p)]
         pieces.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
     width = 2 if next_ids.dim() == 1 else next_ids.shape[1] + 1
-    return torch.cat(pieces) if pieces else hidden.new_zeros((0, width), dtype=torch.float32)
+    return torch.cat(pieces) if pieces else hidden.new_zeros((0, width), dtype=torch.float64 if next_ids.dim() == 2
+                                                              else torch.float32)
 
 
 def _untruncated_head(logits: Tensor, temperature: Tensor | float, ids: Tensor, with_entropy: bool) -> Tensor:
@@ -298,7 +302,7 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatu
     Only real positions (bool [B,T], default every real token) reach the output projection, in chunks. `prefixes`
     (shared_prefixes of these rows and positions): each shared prefix computed once, where the model allows it.
     `candidates` (long [B,T,k], a TrainBatch's top_ids: score centering) also returns the [B,T,k] logprobs of those
-    ids in the distribution that drew each token (third value; None without candidates), with gradient."""
+    ids in the distribution that drew each token (third value, fp64; None without candidates), with gradient."""
     if not bool((torch.as_tensor(temperature) > 0).all()):
         raise ValueError("temperature must be > 0 on every token; pass the sampling each token was drawn with "
                          "(TrainBatch.temperature)")
@@ -331,12 +335,12 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperatu
 
     def on_tokens(values: Tensor) -> Tensor:             # [N] -> [B, T], 0 at position 0 and on padding
         return F.pad(grid.masked_scatter(real, values), (1, 0))
-    entropy = on_tokens(per_position[:, -1].detach()) if with_entropy else None
+    entropy = on_tokens(per_position[:, -1].detach().float()) if with_entropy else None
     if candidates is None:
         return on_tokens(per_position[:, 0]), entropy, None
     heads = per_position.new_full(real.shape + (candidates.shape[-1],), -math.inf)   # -inf off the sampled positions
     heads = F.pad(heads.masked_scatter(real.unsqueeze(-1), per_position[:, 1:-1]), (0, 0, 1, 0), value=-math.inf)
-    return on_tokens(per_position[:, 0]), entropy, heads
+    return on_tokens(per_position[:, 0].float()), entropy, heads
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, temperature: Tensor | float,
