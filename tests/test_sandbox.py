@@ -146,7 +146,7 @@ def test_the_repository_and_home_are_not_visible(tmp_path):
     assert done.ok, done.tool_output()
     lines = done.stdout.splitlines()
     assert lines[:4] == ["refused FileNotFoundError"] * 4 and "SECRET-42" not in done.stdout
-    # only the Python install itself is mounted (read-only) when it lives under $HOME
+    # only the link to the Python install (bound at /opt/python) is there when it lives under $HOME
     assert set(eval(lines[4])) <= {os.path.relpath(sandbox.sys.base_prefix, home).split("/")[0]} and lines[5] == "False"
 
 
