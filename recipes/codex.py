@@ -30,23 +30,16 @@ INSTRUCTIONS = "You fix bugs in the repository in the current directory: read th
 CPU_MODEL = "tiny-qwen3-codex"
 
 ON_GPU = models.gpu_defaults()
-DEFAULTS = {
+DEFAULTS = {                                        # swe_fix's, with a longer context
+    **swe_fix.DEFAULTS,
     "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if ON_GPU else CPU_MODEL,
-    "run.steps": 50 if ON_GPU else 4,
-    "rollout.prompts_per_step": 8 if ON_GPU else 2,
-    "rollout.samples_per_prompt": 4 if ON_GPU else 2,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 16 if ON_GPU else 6,         # the runner's budget: step_timeout_s x max_turns
     "rollout.max_tokens": 1024 if ON_GPU else 256,   # the longest demonstrated reply: 167 ids
     "rollout.max_length": 32768 if ON_GPU else 8192,
-    "actor.lr": 1e-6 if ON_GPU else 1e-4,
-    "algo.estimator": "grpo",
 }
 
 
-def tasks(split: str, seed: int) -> list[data.Task]:
-    """swe_fix's repositories, one planted bug each (held-out splits: functions never trained on)."""
-    return swe_fix.tasks(split, seed)
+tasks = swe_fix.tasks       # swe_fix's repositories, one planted bug each (held-out splits: functions never trained on)
 
 
 def notice(cfg) -> str:

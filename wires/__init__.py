@@ -424,14 +424,15 @@ OPENAI_TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'funct
                       "(for allowed_tools, send only the allowed tools in 'tools')")
 
 
-def _openai_tool_choice(choice) -> tuple[str, str | None]:
+def tool_choice_of(choice, function: dict | None, accepted: str) -> tuple[str, str | None]:
+    """An OpenAI wire's tool_choice -> (mode, name): 'auto' (or unset), 'none', 'required', or a named function
+    ({'type': 'function'} whose `function` object, the choice itself on the Responses wire, holds the name)."""
     if choice is None or choice == "auto":
         return "auto", None
     if choice in ("none", "required"):
         return choice, None
-    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    require(isinstance(function, dict) and isinstance(function.get("name"), str),
-            f"tool_choice must be {OPENAI_TOOL_CHOICE}, got {choice!r:.80}")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(function, dict)
+    require(named and isinstance(function.get("name"), str), f"tool_choice must be {accepted}, got {choice!r:.80}")
     return "named", function["name"]
 
 
@@ -535,7 +536,9 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
             f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r:.40}")
     kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
                               {} if effort is None else {"reasoning_effort": effort})
-    mode, name = _openai_tool_choice(body.get("tool_choice"))
+    choice = body.get("tool_choice")
+    mode, name = tool_choice_of(choice, choice.get("function") if isinstance(choice, dict) else None,
+                                OPENAI_TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools, flag_field(body, "parallel_tool_calls", True), kwargs)
     max_tokens = number_field(body, "max_completion_tokens", integer=True)
     max_tokens = number_field(body, "max_tokens", integer=True) if max_tokens is None else max_tokens

@@ -23,7 +23,13 @@ HONOURED, NO_OP, REFUSED = "honoured", "no-op", "refused"
 _CACHE = "prompt caching: a session keeps its prompt's tokens (the ledger) and the router keeps it on one engine"
 _THINK = ("the chat template's thinking switch (enable_thinking; tracerl's ChatML writes an empty think block when "
           "it is false, Qwen3's template does the same)")
-_EXTRAS = {
+# the rows every wire shares, then the rows both OpenAI wires share
+_SHARED: dict[str, tuple[str, str]] = {
+    "model": (NO_OP, "a session serves one policy, whatever it is called"),
+    "service_tier": (NO_OP, "one engine pool serves every request alike"),
+    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
+    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
+    # the vLLM-style extras agents send in extra_body
     "top_k": (HONOURED, "keep the k most likely tokens (-1 off, 1 greedy); recorded per token"),
     "min_p": (HONOURED, "drop tokens below min_p times the most likely one's probability (0 off); recorded per token"),
     "repetition_penalty": (HONOURED, "divide a seen id's positive logit (multiply its negative one) by r, over the "
@@ -33,9 +39,19 @@ _EXTRAS = {
     "return_token_ids": (HONOURED, "the reply carries prompt_token_ids, token_ids, the sampling recorded for its "
                                    "tokens (constraint included) and the no-op fields the request held"),
 }
+_OPENAI_SHARED: dict[str, tuple[str, str]] = {
+    "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
+    "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),
+    "parallel_tool_calls": (HONOURED, "false: sampling ends at the first '</tool_call>', so the reply holds at most "
+                                      "one call"),
+    "prompt_cache_key": (NO_OP, _CACHE),
+    "prompt_cache_options": (NO_OP, _CACHE),
+    "prompt_cache_retention": (NO_OP, _CACHE),
+    "safety_identifier": (NO_OP, "an abuse-monitoring id"),
+    "user": (NO_OP, "an end-user id for abuse monitoring"),
+}
 OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     "messages": (HONOURED, "system, developer, user, assistant and tool messages; text and image_url parts"),
-    "model": (NO_OP, "a session serves one policy, whatever it is called"),
     "audio": (REFUSED, "this server writes text, not audio; leave 'audio' out"),
     "frequency_penalty": (HONOURED, "logit -= f * (the id's count in the reply so far); 0 off; recorded per token"),
     "function_call": (REFUSED, "the deprecated form of tool_choice: send tool_choice 'auto', 'none', 'required' or "
@@ -49,33 +65,23 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
                                         "the context (as the API), bounded by the run's rollout.max_tokens (the "
                                         "standalone server's --max-tokens, default none)"),
     "max_tokens": (HONOURED, "as max_completion_tokens"),
-    "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
     "modalities": (HONOURED, "['text'] only; audio output is refused"),
-    "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),
     "n": (HONOURED, "1 only: a session is one rollout with one ledger, so n samples of a prompt are n sessions of "
                     "one group (the runner's group size); send n separate sessions"),
-    "parallel_tool_calls": (HONOURED, "false: sampling ends at the first '</tool_call>', so the reply holds at most "
-                                      "one call"),
     "prediction": (NO_OP, "a predicted output only speeds decoding up; it never changes what is sampled"),
     "presence_penalty": (HONOURED, "logit -= p if the id occurs in the reply so far; 0 off; recorded per token"),
-    "prompt_cache_key": (NO_OP, _CACHE),
-    "prompt_cache_options": (NO_OP, _CACHE),
-    "prompt_cache_retention": (NO_OP, _CACHE),
     "reasoning_effort": (HONOURED, f"{_THINK}: 'none' sets it false, any other effort true; the template also gets "
                                    f"reasoning_effort itself"),
     "response_format": (HONOURED, "text (unconstrained), json_object, json_schema (strict or not): the reply's tokens "
                                   "are masked by the grammar (llguidance), recorded per token so the trainer applies "
                                   "the same mask; with tools offered under tool_choice auto the reply is that JSON "
                                   "or tool calls; a forced tool call takes the tools' grammar instead"),
-    "safety_identifier": (NO_OP, "an abuse-monitoring id"),
     "seed": (HONOURED, "a random stream of the request's own"),
-    "service_tier": (NO_OP, "one engine pool serves every request alike"),
     "stop": (HONOURED, "stop strings: the reply is cut before the one that ended it; the record keeps its tokens"),
     "store": (NO_OP, "nothing is kept for a retrieval API; the session records every turn for training anyway"),
     "stream": (HONOURED, "server-sent events, the text sent as its tokens are sampled"),
     "stream_options": (HONOURED, "include_usage: a last chunk with the usage and no choices; include_obfuscation "
                                  "is a no-op"),
-    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
     "tool_choice": (HONOURED, "auto; none (the tools stay in the prompt, no call is parsed, a one-token '<tool_call>' "
                               "is banned by a -inf logit bias); required and {'type': 'function', 'function': "
                               "{'name'}}: the server writes '<tool_call>\\n' as context and the call is masked to "
@@ -83,11 +89,10 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     "tools": (HONOURED, "function tools, rendered by the chat template; 'strict' is kept in the schema (a forced call "
                         "is masked to it, an automatic one is parsed as written); custom tools are refused"),
     "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS}"),
-    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
-    "user": (NO_OP, "an end-user id for abuse monitoring"),
     "verbosity": (NO_OP, "a hint to OpenAI's models with no counterpart in a chat template"),
     "web_search_options": (REFUSED, "no web search runs here; give the agent a search tool of its own"),
-    **_EXTRAS,
+    **_OPENAI_SHARED,
+    **_SHARED,
 }
 ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context and of "
@@ -95,7 +100,6 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
                            "tool_use, tool_result (text and tool_reference blocks), thinking and redacted_thinking "
                            "blocks; a final assistant turn (prefill) is refused"),
-    "model": (NO_OP, "a session serves one policy, whatever it is called"),
     "cache_control": (NO_OP, f"{_CACHE} (on a system, message, tool_result or tool block as well)"),
     "container": (REFUSED, "no code-execution container runs here; run code in the agent's own tools"),
     "context_management": (NO_OP, "server-side context editing (clear_thinking, clear_tool_uses, compact): no edit is "
@@ -108,7 +112,6 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "output_config": (HONOURED, "format {'type': 'json_schema', 'schema'}: the reply's tokens are masked by the "
                                 "schema's grammar (strict), recorded per token, tool calls admitted too under "
                                 "tool_choice auto; effort is a no-op (the thinking switch is 'thinking')"),
-    "service_tier": (NO_OP, "one engine pool serves every request alike"),
     "speed": (NO_OP, "decoding speed never changes what is sampled"),
     "stop_sequences": (HONOURED, "stop strings: the reply is cut before the one that ended it"),
     "stream": (HONOURED, "server-sent events, text and thinking sent as their tokens are sampled"),
@@ -146,10 +149,8 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "safeguards": (NO_OP, "a server-side classifier of dangerous tool calls; none runs here: every call is returned as "
                           "sampled, and the agent's own permission rules and jail (agents/sandbox.py) bound what it "
                           "runs"),
-    # the Messages API's sampling fields: the 2.x SDK sends them through extra_body
-    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
-    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
-    **_EXTRAS,
+    # the shared rows: of them the Messages API's sampling fields the 2.x SDK sends through extra_body
+    **_SHARED,
 }
 RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
     "input": (HONOURED, "a string (one user message) or items: user, system, developer and assistant messages (text, "
@@ -158,7 +159,6 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
                         "item_reference (an output item of a response this session stored); consecutive assistant "
                         "output items are one assistant turn; other items (hosted tools', custom tools') are refused"),
     "instructions": (HONOURED, "a system message before the input (not carried over by previous_response_id)"),
-    "model": (NO_OP, "a session serves one policy, whatever it is called"),
     "access_programs": (NO_OP, "an OpenAI access program; one policy serves every request alike"),
     "background": (HONOURED, "false only: a response is generated while its request waits; true is refused (no "
                              "background queue runs here: send the request and wait, or stream it)"),
@@ -176,28 +176,18 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
                                     "budget: usage.rollout_budget says a cut); a reply cut there is status "
                                     "'incomplete' (reason max_output_tokens)"),
     "max_tool_calls": (NO_OP, "a cap on built-in tool calls, and no built-in tool runs here"),
-    "metadata": (NO_OP, "tags for a dashboard; the session's trace is the record here"),
-    "moderation": (REFUSED, "no moderation model runs here; leave 'moderation' out"),
-    "parallel_tool_calls": (HONOURED, "false: sampling ends at the first '</tool_call>', so the reply holds at most "
-                                      "one call"),
     "previous_response_id": (HONOURED, "one of the last 16 responses this session stored (store not false): its "
                                        "input (instructions left out) and reply come before this request's input, "
                                        "so the conversation extends the record; an id it does not hold is refused"),
     "prompt": (REFUSED, "stored prompt templates live on OpenAI's platform: send 'instructions' and 'input'"),
-    "prompt_cache_key": (NO_OP, _CACHE),
-    "prompt_cache_options": (NO_OP, _CACHE),
-    "prompt_cache_retention": (NO_OP, _CACHE),
     "reasoning": (HONOURED, f"effort: {_THINK}, 'none' sets it false, any other effort true, and the template also "
                             f"gets reasoning_effort; summary, generate_summary, context and mode are no-ops (no "
                             f"summarizer runs: a reasoning item carries the whole thought as reasoning_text)"),
-    "safety_identifier": (NO_OP, "an abuse-monitoring id"),
-    "service_tier": (NO_OP, "one engine pool serves every request alike"),
     "store": (HONOURED, "true (the default) keeps the response for previous_response_id and item_reference (the "
                         "session's last 16); false keeps nothing; the session records every turn for training either "
                         "way"),
     "stream": (HONOURED, "server-sent events: text, thoughts and call arguments sent as their tokens are sampled"),
     "stream_options": (NO_OP, "include_obfuscation: no obfuscation field is sent"),
-    "temperature": (HONOURED, "0 is greedy decoding, recorded as top_k=1 (the point mass); recorded per token"),
     "text": (HONOURED, "format text (unconstrained), json_object or json_schema (strict or not): the reply's tokens "
                        "are masked by the grammar (llguidance), recorded per token, as the chat wire's "
                        "response_format; verbosity is a no-op (a hint with no counterpart in a chat template)"),
@@ -214,12 +204,11 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
                         "server's model does not write (declare a function tool)"),
     "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS} (returned with "
                                f"include message.output_text.logprobs)"),
-    "top_p": (HONOURED, "nucleus sampling; recorded per token"),
     "truncation": (HONOURED, "'disabled' (the default): an overlong prompt is a 400; 'auto' is refused (dropping the "
                              "start of the conversation would rewrite the record: shorten it in the agent)"),
-    "user": (NO_OP, "an end-user id for abuse monitoring"),
     "client_metadata": (NO_OP, "Codex's request metadata (installation, window and turn ids)"),
-    **_EXTRAS,
+    **_OPENAI_SHARED,
+    **_SHARED,
 }
 # POST /s/<id>/v1/messages/count_tokens: the fields the SDKs' count params define (each decided above, as for a
 # messages request); the count is the prompt a turn with them would get, from the session's own rendering and

@@ -159,16 +159,6 @@ TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'name': <a to
                "served)")
 
 
-def _tool_choice(choice) -> tuple[str, str | None]:
-    if choice is None or choice == "auto":
-        return "auto", None
-    if choice in ("none", "required"):
-        return choice, None
-    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
-    require(named, f"tool_choice must be {TOOL_CHOICE}, got {choice!r:.80}")
-    return "named", choice["name"]
-
-
 def _text_format(text: dict) -> str | None:
     """text.format -> the grammar its reply is masked by (the chat wire's response_format, in the Responses shape)."""
     require(set(text) <= {"format", "verbosity"}, f"'text' takes format and verbosity, got {sorted(text)}")
@@ -332,7 +322,8 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     effort = _reasoning(object_field(body, "reasoning"))
     kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
                               {} if effort is None else {"reasoning_effort": effort})
-    mode, name = _tool_choice(body.get("tool_choice"))
+    choice = body.get("tool_choice")
+    mode, name = wires.tool_choice_of(choice, choice, TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
     sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
                              top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
