@@ -35,14 +35,15 @@
 #   refuses the same position.
 # Memory bound (a grammar's lexer builds its automaton lazily, a state for each new place the text leads it, at
 #   llguidance's estimate of 1-2 kB a state): a pattern whose automaton remembers where each letter stood, e.g.
-#   ^[a-z]*(a[a-z]{0}|b[a-z]{7}|...)$, takes new states at every token the model writes and every token a mask
-#   step tries from there; 120 forced tools of such patterns grew the server by 315 MB in one 6,000-token reply
-#   (up to llguidance's default of 250,000 states), and a shared template kept them for every later row of the spec,
-#   256 specs cached. So each row builds its own matcher, freed with the row (vLLM's guidance backend builds one per
-#   request too), capped at MAX_LEXER_STATES: the states a row creates follow from its grammar and its ids alone, so
-#   the engine's row and the trainer's replay reach the cap at the same token, which stops the row (a 400 on the
-#   wires; the replay refuses that position). vLLM keeps llguidance's default cap: a vLLM row past this one is refused
-#   by the replay, never trained. A row's build costs 2-60 ms (the largest specs within the bounds, on SmolLM2).
+#   ^[a-z]*[aeiou][a-z]{15}[a-z]*[st][a-z]{9}$, takes new states at every token the model writes and every token a
+#   mask step tries from there. A template shared by every row of a spec kept them (up to llguidance's default of
+#   250,000, where it stopped a row silently, its mask allowing only the stop id), 256 specs cached: 4 forced calls
+#   of 120 such tools, each spec distinct, grew the loopback server by 1,269 MB (tests/test_loopback_attacks.py).
+#   So each row builds its own matcher, freed with the row (vLLM's guidance backend builds one per request too),
+#   capped at MAX_LEXER_STATES: the states a row creates follow from its grammar and its ids alone, so the engine's
+#   row and the trainer's replay reach the cap at the same token, which stops the row (a 400 on the wires; the
+#   replay refuses that position). vLLM keeps llguidance's default cap: a vLLM row past this one is refused by the
+#   replay, never trained. A row's build costs 2-60 ms (the largest specs within the bounds, on SmolLM2).
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
 from __future__ import annotations
@@ -75,7 +76,7 @@ MAX_SCHEMA_BREADTH = 256     # optional properties + 2 per anyOf/oneOf/allOf bra
 # about 0.22 us a byte on SmolLM2's tokenizer. ^a{100000}$ (44 characters of schema) forces 100,002 bytes: 29 ms a
 # token; ordinary grammars force a few dozen bytes (a property's name, "{", ", "), which cost nothing measurable.
 MAX_FORCED_BYTES = 1024      # forced text ahead of a row at any step: at most 0.23 ms of tokenizing a token
-# A row's lexer states (see the header's memory bound): 35 MB at the cap for the 120 growing patterns above, in 632
+# A row's lexer states (see the header's memory bound): 35 MB at the cap for 120 tools of growing patterns, after 632
 # tokens; ordinary grammars walked 256 tokens on SmolLM2 in under 10,000 (a 4,000-character maxLength string the
 # most), a hostile walk of an 8,000-character one in under 50,000.
 MAX_LEXER_STATES = 50_000

@@ -1,10 +1,10 @@
 # Cheap attacks on the loopback server, over real HTTP against a real server on a real EmbeddedEngine (tiny models):
 # a PNG decompression bomb (a few KB of request, gigapixels decoded), slowloris (half-sent requests held open),
 # a flood of idle connections, one session's flood of requests whose bodies never come, a JSON body of millions of
-# tiny values, one session's backlog of hung-up requests starving the others, a client that hangs up mid-reply, and
-# a malformed Authorization header whose key ends up in a log. Each is refused in the wire's own format where a reply is
-# possible, and the server keeps serving. Limits are the server's constructor parameters, set small here so the
-# attacks take seconds.
+# tiny values, one session's backlog of hung-up requests starving the others, a client that hangs up mid-reply,
+# a malformed Authorization header whose key ends up in a log, and forced tool calls whose patterns grow the
+# grammar's lexer with every token. Each is refused in the wire's own format where a reply is possible, and the
+# server keeps serving. Limits are the server's constructor parameters, set small here so the attacks take seconds.
 import base64
 import contextlib
 import json
