@@ -2,7 +2,7 @@
 # tool call (tool_choice required / a named function), and a response format with tools offered under tool_choice
 # auto (its JSON or tool calls), as masks over the next token.
 # Owns: the constraint spec (canonical JSON text, recorded in each token's invariants.Sampling.constraint), the
-#   refusal of schemas that are invalid, unsupported, too large or too costly per token, and the one function of
+#   refusal of schemas that are invalid, unsupported, too large or too costly per token or in memory, and the one function of
 #   (spec, tokenizer, ids) that gives the allowed ids before each token: `Matcher` while sampling, `replay_masks`
 #   for the recompute (bound to a tokenizer by `mask_replayer`, what invariants.build_batch takes).
 # Never: samples, touches logits or the ledger, or reads the network (a remote $ref is refused).
@@ -33,6 +33,17 @@
 #   forces more from its start is refused at compile time, saying so (a 400); a row that meets such a run later,
 #   after a choice no compile-time walk can follow, stops at that step before its mask is computed, and the replay
 #   refuses the same position.
+# Memory bound (a grammar's lexer builds its automaton lazily, a state for each new place the text leads it, at
+#   llguidance's estimate of 1-2 kB a state): a pattern whose automaton remembers where each letter stood, e.g.
+#   ^[a-z]*[aeiou][a-z]{15}[a-z]*[st][a-z]{9}$, takes new states at every token the model writes and every token a
+#   mask step tries from there. A template shared by every row of a spec kept them (up to llguidance's default of
+#   250,000, where it stopped a row silently, its mask allowing only the stop id), 256 specs cached: 4 forced calls
+#   of 120 such tools, each spec distinct, grew the loopback server by 1,269 MB (tests/test_loopback_attacks.py).
+#   So each row builds its own matcher, freed with the row (vLLM's guidance backend builds one per request too),
+#   capped at MAX_LEXER_STATES: the states a row creates follow from its grammar and its ids alone, so the engine's
+#   row and the trainer's replay reach the cap at the same token, which stops the row (a 400 on the wires; the
+#   replay refuses that position). vLLM keeps llguidance's default cap: a vLLM row past this one is refused by the
+#   replay, never trained. A row's build costs 2-60 ms (the largest specs within the bounds, on SmolLM2).
 # Text layout: one line, json.dumps's separators (", " and ": "), no free whitespace: the chat template renders
 #   tool calls that way, and a small model cannot get stuck emitting whitespace forever.
 from __future__ import annotations
@@ -65,6 +76,11 @@ MAX_SCHEMA_BREADTH = 256     # optional properties + 2 per anyOf/oneOf/allOf bra
 # about 0.22 us a byte on SmolLM2's tokenizer. ^a{100000}$ (44 characters of schema) forces 100,002 bytes: 29 ms a
 # token; ordinary grammars force a few dozen bytes (a property's name, "{", ", "), which cost nothing measurable.
 MAX_FORCED_BYTES = 1024      # forced text ahead of a row at any step: at most 0.23 ms of tokenizing a token
+# A row's lexer states (see the header's memory bound): 35 MB at the cap for 120 tools of growing patterns, after 632
+# tokens; ordinary grammars walked 256 tokens on SmolLM2 in under 10,000 (a 4,000-character maxLength string the
+# most), a hostile walk of an 8,000-character one in under 50,000.
+MAX_LEXER_STATES = 50_000
+LIMITS = llguidance.LLParserLimits(max_lexer_states=MAX_LEXER_STATES)   # llguidance's defaults otherwise
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # llguidance options
 TOOL_CALL_OPENING = "<tool_call>\n"  # data.py's ChatML template opens every tool call with it
 TOOL_CALL_SUFFIX = "\n</tool_call>"   # data.py's ChatML template closes every tool call with it
@@ -274,15 +290,15 @@ def _check_grammar(schema: dict, where: str, suffix: str = "") -> None:
                          f"dependentRequired/dependentSchemas")
     text = json.dumps(dict(schema, **{"x-guidance": JSON_LAYOUT}))   # the body as lark_grammar writes it
     walk = f"start: body {json.dumps(suffix) if suffix else ''}\nbody: %json {text}"
-    _check_forced(llguidance.LLMatcher(_bytes_tokenizer(), walk, log_level=0), f"{where}, from its start,")
+    _check_forced(llguidance.LLMatcher(_bytes_tokenizer(), walk, log_level=0, limits=LIMITS),
+                  f"{where}, from its start,")
 
 
 def _check_forced(ll: llguidance.LLMatcher, where: str) -> None:
     """Refuse a grammar state that forces more than MAX_FORCED_BYTES of text ahead, before a mask is computed
     from it (which would tokenize it all; this only finds it). The count follows from the grammar and the ids, so
     the engine and the replay stop at the same step. Finding the text is llguidance's own walk, bounded by its
-    lexer fuel; the rows of one spec share their template's lexer, so a walk that spends the fuel on an over-long
-    run spends it for that spec's later rows too (they fail on the lexer's error; other specs are untouched)."""
+    lexer fuel and the row's lexer states."""
     forced = len(ll.compute_ff_bytes().split(b"\xff")[0])   # the text: a forced stop id is a marker byte and its id
     if forced > MAX_FORCED_BYTES:
         raise ValueError(f"{where} forces {forced} bytes of text in a row, more than {MAX_FORCED_BYTES}: the grammar "
@@ -305,7 +321,7 @@ def _bytes_tokenizer() -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
-# ---- grammars: a spec and a tokenizer -> an llguidance matcher (built once, copied per row) ----
+# ---- grammars: a spec and a tokenizer -> an llguidance matcher (one per row, its lexer its own) ----
 
 @functools.lru_cache(maxsize=8)
 def _ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -352,22 +368,14 @@ def lark_grammar(spec: str, tokenizer) -> str:
             f"tool: %json {json.dumps(tool)}")
 
 
-@functools.lru_cache(maxsize=256)
-def _template(spec: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
-    grammar, stop = lark_grammar(spec, tokenizer), _parse(spec)["stop"]
-    if max(stop) >= vocab_size:
-        raise ValueError(f"stop ids {stop} are outside the vocabulary of {vocab_size} ids")
-    template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
-    _check_forced(template, "the constraint, from its start,")   # a spec built elsewhere, without the check
-    template.compute_bitmask()   # warms the lexer caches the per-row copies share
-    if template.is_error():
-        raise ValueError(f"the constraint does not build a grammar: {_first_line(template)}")
-    return template
-
-
 def _first_line(ll: llguidance.LLMatcher) -> str:
-    """llguidance's error without the parser state it appends."""
-    return (ll.get_error().splitlines() or ["no message"])[0][:300]
+    """llguidance's error without the parser state it appends, saying which bound a lexer-state error is."""
+    line = (ll.get_error().splitlines() or ["no message"])[0][:300]
+    if "too many states" in line:
+        line += (f" (the grammar's patterns took more than MAX_LEXER_STATES = {MAX_LEXER_STATES} lexer states, "
+                 f"the memory bound of one row; simplify the patterns, e.g. fewer alternatives or repetitions after "
+                 f"an unbounded one)")
+    return line
 
 
 # ---- matching: the allowed ids before each token ----
@@ -385,11 +393,15 @@ class Matcher:
         self._ll, self.vocab_size, self.n_accepted = ll, vocab_size, 0
 
     def _packed(self) -> np.ndarray:
-        if self._ll.is_error():
-            raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: "
-                             f"{_first_line(self._ll)}")
+        self._check()
         _check_forced(self._ll, f"the grammar after {self.n_accepted} tokens")   # a run past a choice: no compile
-        return np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)          # time walk sees every branch
+        packed = np.frombuffer(self._ll.compute_bitmask(), dtype=np.uint8)        # time walk sees every branch
+        self._check()   # the mask step reached a bound: llguidance stops there, its mask allowing only the stop
+        return packed
+
+    def _check(self) -> None:
+        if self._ll.get_error():
+            raise ValueError(f"the grammar stopped after {self.n_accepted} tokens: {_first_line(self._ll)}")
 
     def allowed(self) -> torch.Tensor:
         return _unpack(self._packed()[None], self.vocab_size)[0]
@@ -410,9 +422,16 @@ class Matcher:
 
 
 def matcher(spec: str, tokenizer, vocab_size: int) -> Matcher:
-    """A fresh Matcher for one row (spec bound with bind()); the grammar is built once per (spec, tokenizer,
-    vocab_size) and copied, so a row costs microseconds."""
-    return Matcher(_template(spec, tokenizer, vocab_size).deep_copy(), vocab_size)
+    """A fresh Matcher for one row (spec bound with bind()), with a lexer of its own: its memory is freed with the
+    row and bounded by MAX_LEXER_STATES, reached at the same token by the engine and the replay."""
+    grammar, stop = lark_grammar(spec, tokenizer), _parse(spec)["stop"]
+    if max(stop) >= vocab_size:
+        raise ValueError(f"stop ids {stop} are outside the vocabulary of {vocab_size} ids")
+    ll = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0, limits=LIMITS)
+    if ll.get_error():
+        raise ValueError(f"the constraint does not build a grammar: {_first_line(ll)}")
+    _check_forced(ll, "the constraint, from its start,")   # a spec built elsewhere, without the check
+    return Matcher(ll, vocab_size)
 
 
 def replay_masks(spec: str, tokenizer, token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:

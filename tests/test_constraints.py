@@ -160,13 +160,11 @@ def test_a_row_that_leaves_its_grammar_is_refused_by_position(tiny):
         m.accept(tiny.eos_token_id)   # the stop before any JSON
 
 
-def test_matchers_are_independent_rows_of_one_cached_grammar(tiny):
+def test_matchers_are_independent_rows(tiny):
     bound = constraints.bind(SPECS["weather"](), [tiny.eos_token_id])
     vocab = len(tiny) + PAD
     first = constraints.matcher(bound, tiny, vocab)
-    hits = constraints._template.cache_info().hits
     second = constraints.matcher(bound, tiny, vocab)
-    assert constraints._template.cache_info().hits == hits + 1   # built once per (spec, tokenizer, width)
     start = second.allowed()
     for token_id in tiny.encode('{"city": "Pa', add_special_tokens=False):
         first.accept(token_id)
@@ -330,7 +328,7 @@ def test_a_bound_spec_rebuilds_the_same_masks_in_another_process(tiny, tmp_path)
     # the trainer may be a Ray actor: the spec text alone (plus its own tokenizer) must give the engine's masks
     ids, masks, bound = walk(SPECS["tree"](), tiny, seed=3)
     job = {"spec": bound, "ids": ids, "vocab": len(tiny) + PAD, "out": str(tmp_path / "masks.pt")}
-    code = ("import json, sys, torch, constraints, models; job = json.loads(sys.argv[1]); "
+    code = ("import json, sys, torch, models; from engines import constraints; job = json.loads(sys.argv[1]); "
             "tok = models.load_tokenizer(models.tiny_model_dir()); "
             "torch.save(constraints.replay_masks(job['spec'], tok, job['ids'], job['vocab']), job['out'])")
     subprocess.run([sys.executable, "-c", code, json.dumps(job)], cwd=ROOT, check=True, timeout=300)
@@ -556,9 +554,6 @@ def test_a_long_run_after_a_choice_stops_the_row_where_it_starts_and_the_replay_
             ids.append(int(m.allowed().nonzero()[0, 0]))   # the lowest allowed id
             m.accept(ids[-1])
     assert 0 < len(ids) < 100 and re.search(r"after (\d+) tokens", str(stopped.value)).group(1) == str(len(ids))
-    # the trainer replays with a grammar of its own (its process's): the rows of one spec share their template's
-    # lexer, and finding this run spent its fuel (llguidance's bound on that walk), so later rows of it fail too
-    constraints._template.cache_clear()
     with pytest.raises(ValueError, match=rf"the grammar after {len(ids)} tokens " + over_the_bound()):
         constraints.replay_masks(bound, tiny, ids + [0], vocab)
 
@@ -595,3 +590,42 @@ def test_ordinary_grammars_force_a_few_dozen_bytes_at_most(tiny):
             ids, _, bound = walk(spec(), tiny, seed)
             longest[name] = max(longest.get(name, 0), *forced_runs(bound, tiny, ids))
     assert max(longest.values()) <= constraints.MAX_FORCED_BYTES // 16, longest
+
+
+# ---- the memory bound: a row's lexer states ----
+
+GROWING = {"type": "object", "required": ["k"], "properties": {"k": {"type": "string", "pattern": "^[a-z]*(" + "|".join(
+    f"{chr(97 + j)}[a-z]{{{7 * j % 20}}}" for j in range(26)) + ")$"}}}   # a new state for each new 20-letter window
+
+
+def hostile_walk(m: constraints.Matcher, tokenizer, steps: int) -> list[int]:
+    """A hostile row of `steps` tokens: a seeded draw among the allowed ids, never one that would close the string
+    (a quote, a backslash, the stop) while another is allowed."""
+    closing = torch.tensor([i >= len(tokenizer) or i == tokenizer.eos_token_id or '"' in tokenizer.decode([i])
+                            or "\\" in tokenizer.decode([i]) for i in range(m.vocab_size)])
+    ids, generator = [], torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        allowed = m.allowed()
+        choices = (allowed & ~closing if (allowed & ~closing).any() else allowed).nonzero().flatten()
+        ids.append(int(choices[torch.randint(len(choices), (1,), generator=generator)]))
+        m.accept(ids[-1])
+    return ids
+
+
+def test_a_rows_lexer_states_stop_it_at_the_same_token_in_the_engine_and_the_replay_whatever_ran_before(
+        tiny, monkeypatch):
+    bound = constraints.bind(constraints.json_schema_spec(GROWING), [tiny.eos_token_id])
+    vocab = len(tiny) + PAD
+    with pytest.raises(ValueError, match=r"the grammar stopped after (\d+) tokens: lexer error: too many states.*"
+                                         r"MAX_LEXER_STATES") as stopped:
+        hostile_walk(constraints.matcher(bound, tiny, vocab), tiny, 20_000)
+    k = int(re.search(r"after (\d+) tokens", str(stopped.value)).group(1))
+    assert 50 < k < 5_000
+    ids = hostile_walk(constraints.matcher(bound, tiny, vocab), tiny, k)   # the same row, up to the cap
+    hostile_walk(constraints.matcher(bound, tiny, vocab), tiny, k // 2)    # another row of the spec in between
+    constraints.replay_masks(bound, tiny, ids, vocab)                      # replays to the cap exactly
+    with pytest.raises(ValueError, match=f"the grammar stopped after {k} tokens: lexer error: too many states"):
+        constraints.replay_masks(bound, tiny, ids + [ids[-1]], vocab)
+    # armed: the cap is what stops it; at llguidance's default the same row walks on
+    monkeypatch.setattr(constraints, "LIMITS", llguidance.LLParserLimits())
+    assert len(hostile_walk(constraints.matcher(bound, tiny, vocab), tiny, k + 100)) == k + 100

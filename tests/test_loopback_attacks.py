@@ -1,14 +1,15 @@
 # Cheap attacks on the loopback server, over real HTTP against a real server on a real EmbeddedEngine (tiny models):
 # a PNG decompression bomb (a few KB of request, gigapixels decoded), slowloris (half-sent requests held open),
 # a flood of idle connections, one session's flood of requests whose bodies never come, a JSON body of millions of
-# tiny values, one session's backlog of hung-up requests starving the others, a client that hangs up mid-reply, and
-# a malformed Authorization header whose key ends up in a log. Each is refused in the wire's own format where a reply is
-# possible, and the server keeps serving. Limits are the server's constructor parameters, set small here so the
-# attacks take seconds.
+# tiny values, one session's backlog of hung-up requests starving the others, a client that hangs up mid-reply,
+# a malformed Authorization header whose key ends up in a log, and forced tool calls whose patterns grow the
+# grammar's lexer with every token. Each is refused in the wire's own format where a reply is possible, and the
+# server keeps serving. Limits are the server's constructor parameters, set small here so the attacks take seconds.
 import base64
 import contextlib
 import json
 import logging
+import re
 import select
 import socket
 import struct
@@ -27,7 +28,7 @@ import pytest
 import data
 import invariants
 import models
-from engines import SamplingParams
+from engines import SamplingParams, constraints
 from loopback import LoopbackServer
 from rollout import EmbeddedEngine
 
@@ -567,3 +568,60 @@ def test_a_groups_samples_share_the_task_prompt_and_nothing_a_sibling_sampled():
         guess = [*task, first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
         assert cached_tokens(session("g1"), guess)[0] == 0                          # the sibling's reply: not reachable
         assert cached_tokens(session("g2"), task)[0] == 0                           # another group: nothing
+
+
+# ---- a forced tool call whose patterns' automaton grows with every token the model writes ------------------
+
+def growing_pattern(tool: int, request: int = 0) -> str:
+    """A regex whose lexer states remember where the vowels and the s/t stood in the last 20-odd letters: each new
+    window of text the model writes, and each token a mask step tries from it, is a new state of the automaton
+    (about 100 a token, 0.5 kB each). `request` makes another spec of the same cost."""
+    return f"^[a-z]*[aeiou][a-z]{{{15 + tool % 8}}}[a-z]*[st][a-z]{{{9 + (tool + request) % 4}}}$"
+
+
+def pattern_tools(patterns: list[str]) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"t{i}", "strict": True, "parameters": {
+        "type": "object", "properties": {"k": {"type": "string", "pattern": p}}, "required": ["k"]}}}
+        for i, p in enumerate(patterns)]
+
+
+def test_forced_tools_whose_patterns_grow_the_lexer_stop_at_its_state_bound_and_a_few_patterns_replay_exactly():
+    with serving() as server:
+        tok = server.tokenizer
+        info = server.create_session(sampling=SamplingParams(max_tokens=8, seed=0))
+        # a hostile model: the string never closes (its quotes banned), so every token walks new lexer states; a
+        # spec's grammar kept them for every later row of it, and each distinct spec its own (256 cached)
+        never_close = {str(i): -100 for i in range(len(tok)) if '"' in tok.decode([i]) or "\\" in tok.decode([i])}
+
+        def attacks() -> list:
+            outcomes = []
+            for request in range(4):
+                try:
+                    outcomes.append(openai_client(info, timeout=600).chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "Call a tool."}], max_tokens=3000,
+                        tools=pattern_tools([growing_pattern(i, request) for i in range(120)]),
+                        tool_choice="required", logit_bias=never_close, seed=0))
+                except openai.APIStatusError as error:
+                    outcomes.append(error)
+            return outcomes
+        outcomes, grown = peak_growth_mb(attacks)
+        # 1,269 MB before the bound; the 13,229-token prompt of 120 tools costs 50-81 MB of it alone (tool_choice none)
+        assert grown < 256, f"the server grew {grown} MB sampling 4 forced calls of 120 tools"
+        for refusal in outcomes:
+            assert isinstance(refusal, openai.BadRequestError), refusal
+            assert "MAX_LEXER_STATES" in refusal.message, refusal.message
+        assert trace_segments(info) == []                         # the cut turns are not recorded
+        # the positive control: a few pattern-constrained tools, forced, sampled and replayed exactly
+        info = server.create_session(sampling=SamplingParams(max_tokens=64, seed=0))
+        patterns = ["^[a-z]{2,6}-[0-9]{3}$", "^(red|green|blue)$", growing_pattern(0)]
+        reply = openai_client(info).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "Call a tool."}], max_tokens=64,
+            tools=pattern_tools(patterns), tool_choice="required", seed=0)
+        call = reply.choices[0].message.tool_calls[0].function
+        assert re.fullmatch(patterns[int(call.name[1:])], json.loads(call.arguments)["k"]), call
+        rows = server.close_session(info.session_id).ledger.rows()
+        constrained = [(s.constraint, t) for r in rows for s, t in zip(r.sampling, r.token_ids) if s.constraint]
+        spec = constrained[0][0]
+        assert {c for c, _ in constrained} == {spec}
+        masks = constraints.replay_masks(spec, tok, [t for _, t in constrained], server.engine.vocab_size)
+        assert all(masks[k, t] for k, (_, t) in enumerate(constrained))
