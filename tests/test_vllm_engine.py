@@ -115,7 +115,7 @@ def test_the_model_class_is_inspected_in_this_process_not_in_a_fresh_one(path, t
     vLLM builds knows the same of the class."""
     import subprocess
     import sys
-    script = ("import dataclasses, json, sys, vllm_engine\n"
+    script = ("import dataclasses, json, sys\nfrom engines import vllm_engine\n"
               "from vllm.engine.arg_utils import EngineArgs\n"
               "if sys.argv[1] == 'register': vllm_engine.register_in_process(['Qwen3ForCausalLM'])\n"
               "config = EngineArgs(model=sys.argv[2], dtype='float32', max_model_len=512).create_model_config()\n"
