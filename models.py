@@ -10,6 +10,7 @@
 #   marker file, then renamed into place; a folder without the marker is never returned. Invariant 3 (forward
 #   consistency): a VLM's positions and pixel inputs come from `vision_inputs` on both sides of the engine/trainer
 #   line.
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -47,29 +48,30 @@ def cache_root() -> str:
 def _cached_folder(name: str, write, what: str = "") -> str:
     """Return cache_root()/name, calling write(tmp_dir) first if it is not complete yet (atomic rename). `what`
     names long first-time work (teaching a model, converting weights): it is announced with where it will be kept,
-    and its time when done, so minutes of it are never silent; later calls reuse the folder."""
+    and its time when done, so minutes of it are never silent; later calls reuse the folder. One process writes a
+    folder at a time (a lock file beside it): a second one waits for the first and reuses its folder, rather than
+    spending the same minutes again beside it (two test workers, two runs started together)."""
     final = os.path.join(cache_root(), name)
     if os.path.exists(os.path.join(final, COMPLETE_MARKER)):
         return final
     os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root())
-    started = time.monotonic()
-    if what:
-        progress(f"{what}: once, kept in {final}")
-    try:
-        write(tmp)
-        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            f.write("complete\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary readable one
-        if os.path.exists(final):  # a half-written folder from a crashed run (no marker): replace it
-            shutil.rmtree(final, ignore_errors=True)
+    with open(os.path.join(cache_root(), f".{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)              # released when the file closes, or when the process dies
+        if os.path.exists(os.path.join(final, COMPLETE_MARKER)):
+            return final
+        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root())
+        started = time.monotonic()
+        if what:
+            progress(f"{what}: once, kept in {final}")
         try:
+            write(tmp)
+            with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+                f.write("complete\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished folder is an ordinary readable one
+            shutil.rmtree(final, ignore_errors=True)  # a half-written folder from a crashed run (no marker)
             os.rename(tmp, final)
-        except OSError:  # another process finished the same folder first; use theirs
-            if not os.path.exists(os.path.join(final, COMPLETE_MARKER)):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if what:
         progress(f"{what}: done in {time.monotonic() - started:.0f} s")
     return final

@@ -1,6 +1,8 @@
 # Tests for models.py: the BPE tokenizer, tiny random models, cache folders, loading, and the packaged SmolLM2.
+import multiprocessing as mp
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -186,6 +188,32 @@ def test_half_written_cache_folder_is_never_used(tmp_path, monkeypatch):
     calls = []
     folder = models._cached_folder("half", lambda tmp: calls.append(tmp))
     assert calls and not os.path.exists(os.path.join(folder, "junk"))
+    assert os.path.exists(os.path.join(folder, models.COMPLETE_MARKER))
+
+
+def _write_slowly(name: str, started, log: str) -> None:
+    """A second process's _cached_folder of `name` (test_two_processes...): its write is slow and says it ran."""
+    def write(tmp: str) -> None:
+        started.set()
+        time.sleep(1.0)                       # holds the lock while the other process asks for the same folder
+        with open(log, "a") as f:
+            f.write("wrote\n")
+    models._cached_folder(name, write)
+
+
+def test_two_processes_asking_for_one_folder_write_it_once_and_both_get_it(tmp_path, monkeypatch):
+    """Two test workers or runs that need the same taught model at once: the second waits for the first's folder
+    instead of spending the same minutes beside it. Order is forced (the second asks only once the first writes),
+    so the outcome rests on no race; without the lock both would write (the log would hold two lines)."""
+    monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
+    log = str(tmp_path / "writes.log")
+    started = mp.get_context("spawn").Event()
+    other = mp.get_context("spawn").Process(target=_write_slowly, args=("shared", started, log))
+    other.start()
+    assert started.wait(60)
+    folder = models._cached_folder("shared", lambda tmp: open(log, "a").write("wrote\n"))
+    other.join(60)
+    assert other.exitcode == 0 and open(log).read() == "wrote\n"
     assert os.path.exists(os.path.join(folder, models.COMPLETE_MARKER))
 
 
