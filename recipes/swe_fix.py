@@ -81,12 +81,10 @@ DEFAULTS = {
     "run.steps": 50 if ON_GPU else 4,
     "rollout.prompts_per_step": 8 if ON_GPU else 2,
     "rollout.samples_per_prompt": 4 if ON_GPU else 2,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 8 if ON_GPU else 4,   # mini-swe-agent's step limit
     "rollout.max_tokens": 512 if ON_GPU else 64,
     "rollout.max_length": 8192 if ON_GPU else 2048,
     "actor.lr": 1e-6 if ON_GPU else 1e-4,
-    "algo.estimator": "grpo",
 }
 
 
