@@ -401,11 +401,9 @@ class TrainerRank:
         # gae: the critic's shard beside the actor's, over the same process group (critic.Critic)
         self.critic = critic.Critic(model_path, cfg, critic_cfg, total_steps, seed) if critic_cfg else None
 
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.policy, method)(*args, **kwargs)
-
-    def call_critic(self, method: str, *args, **kwargs):
-        return getattr(self.critic, method)(*args, **kwargs)
+    def call(self, method: str, *args, critic: bool = False, **kwargs):
+        """The policy's `method` on this rank, or with `critic` the critic's."""
+        return getattr(self.critic if critic else self.policy, method)(*args, **kwargs)
 
     def version(self) -> int:
         return self.policy.version
@@ -527,25 +525,22 @@ class CriticGroup:
     def __init__(self, trainers: TrainerGroup):
         self.trainers = trainers
 
-    def _all(self, method: str, *args) -> list:
-        return ray.get([r.call_critic.remote(method, *args) for r in self.trainers.ranks])
-
     def compute_values(self, batch) -> torch.Tensor:
         shares = self.trainers._deal(batch)
-        parts = ray.get([r.call_critic.remote("compute_values", invariants.select_rows(batch, rows))
+        parts = ray.get([r.call.remote("compute_values", invariants.select_rows(batch, rows), critic=True)
                          for r, rows in zip(self.trainers.ranks, shares)])
         return _gather(parts, shares, batch.input_ids.shape)
 
     def train_step(self, batch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         shares = self.trainers._deal(batch)
-        return ray.get([r.call_critic.remote("train_step", invariants.select_rows(batch, rows), returns[rows],
-                                             old_values[rows]) for r, rows in zip(self.trainers.ranks, shares)])[0]
+        return ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), returns[rows], old_values[rows],
+                                      critic=True) for r, rows in zip(self.trainers.ranks, shares)])[0]
 
     def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
-        self._all("save_checkpoint", path, run_state)
+        self.trainers._all("save_checkpoint", path, run_state, critic=True)
 
     def load_checkpoint(self, path: str) -> dict:
-        return self._all("load_checkpoint", path)[0]
+        return self.trainers._all("load_checkpoint", path, critic=True)[0]
 
 
 class _ConfigOnly:
