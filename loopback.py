@@ -615,8 +615,7 @@ class LoopbackServer:
         wires.require(max_length is None or 1 < max_length <= self.max_length,
                       f"'max_length' must be an integer in [2, {self.max_length}] (the server's --max-length), "
                       f"got {max_length}")
-        sampling = wires.sampling_from(self._sampling(max_length or self.max_length),
-                                       temperature=wires.number_field(body, "temperature"),
+        sampling = wires.sampling_from(self._sampling(max_length or self.max_length), body,
                                        max_tokens=wires.number_field(body, "max_tokens", integer=True))
         return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 
