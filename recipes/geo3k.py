@@ -67,10 +67,7 @@ def _has_datasets() -> bool:
 
 def notice(cfg: dict) -> str:
     """What this run is, printed before it starts (train.py prints what the python tool's sandbox enforces)."""
-    return _model_notice(cfg['run'].model)
-
-
-def _model_notice(model: str) -> str:
+    model = cfg["run"].model
     if model != CPU_MODEL:
         return f"geo3k: model {model}"
     why = "no CUDA device" if not torch.cuda.is_available() else "the model hub is not reachable"
