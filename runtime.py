@@ -51,7 +51,7 @@ import algo
 import invariants
 import models
 from agents import load_recipe
-from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+from engines import Generation, SamplingParams, per_prompt, validate_sampling
 from engines.vllm_engine import VLLMEngine
 from engines.weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
 from rollout import EmbeddedEngine
@@ -300,8 +300,7 @@ class EngineProxy:
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
         request_id = uuid.uuid4().hex if on_token is not None else None
-        stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
-                                             images_per_prompt(images, len(prompts)), request_id)
+        stream = self.handle.generate.remote(prompts, *per_prompt(len(prompts), params, images), request_id)
         try:
             for ref in stream:
                 kind, payload = ray.get(ref)
