@@ -141,11 +141,6 @@ def grade_repository(ctx, ws) -> Result:
 
 # ---- mini-swe-agent, as a process per rollout ---------------------------------------------------------------------
 
-def mini_config() -> str:
-    """The configuration layered over mini-swe-agent's own mini.yaml: shorter prompts (a small model's context)."""
-    return yaml.safe_dump({"agent": {"system_template": SYSTEM, "instance_template": INSTANCE}})
-
-
 class MiniSweAgent(ProcessAgent):
     timeout_s = 150.0                    # below the runner's budget (60 s x max_turns 4)
     jail = True
@@ -153,8 +148,9 @@ class MiniSweAgent(ProcessAgent):
 
     def prepare(self, ctx, ws) -> None:
         write_repository(ctx, ws)
+        # layered over mini-swe-agent's own mini.yaml: shorter prompts (a small model's context)
         with open(os.path.join(ws.home, "swe_fix.yaml"), "w") as f:
-            f.write(mini_config())
+            yaml.safe_dump({"agent": {"system_template": SYSTEM, "instance_template": INSTANCE}}, f)
 
     def command(self, ctx, ws) -> list[str]:
         return [*MINI, "--yolo", "--exit-immediately", "--model", f"openai/{ctx.model_name}", "--task", ctx.prompt,
