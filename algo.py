@@ -56,12 +56,9 @@ class AlgoConfig:
 def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | None = None) -> None:
     """Refuse configurations that would train silently wrong. Raises ValueError naming the fix. max_tokens: the
     run's reply cap (rollout.max_tokens), the length the soft overlong punishment counts back from."""
-    if cfg.estimator not in ESTIMATORS:
-        raise ValueError(f"unknown estimator {cfg.estimator!r}; expected one of {ESTIMATORS}")
-    if cfg.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {cfg.kl_estimator!r}; expected one of {KL_ESTIMATORS}")
-    if cfg.loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}; expected one of {LOSS_AGGREGATIONS}")
+    for name, known in (("estimator", ESTIMATORS), ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGGREGATIONS)):
+        if getattr(cfg, name) not in known:
+            raise ValueError(f"unknown {name} {getattr(cfg, name)!r}; expected one of {known}")
     if not (0.0 < cfg.clip_low < 1.0) or not (cfg.clip_high > 0.0):
         raise ValueError(
             f"clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got clip_low={cfg.clip_low}, "

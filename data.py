@@ -565,12 +565,10 @@ def _triangle(draw, points: dict[str, tuple[float, float]]) -> tuple[float, floa
     return centre
 
 
-def _right_triangle(rng: random.Random):
+def _right_triangle(rng: random.Random, draw):
     """Legs written on the diagram, the hypotenuse marked x: Find x. (an exact radical when not a triple)."""
     import sympy
     a, b = rng.randint(3, 12), rng.randint(3, 12)
-    image = Image.new("RGB", (_SIZE, _SIZE), "white")
-    draw = ImageDraw.Draw(image)
     scale = 220 / max(a, b)
     c_point = (60, 280)
     points = {"A": (60, 280 - a * scale), "B": (60 + b * scale, 280), "C": c_point}
@@ -579,14 +577,12 @@ def _right_triangle(rng: random.Random):
     _label(draw, _offset(points["A"], c_point, centre), str(a))
     _label(draw, _offset(points["B"], c_point, centre), str(b))
     _label(draw, _offset(points["A"], points["B"], centre), "x")
-    return image, "<image>Find x.", sympy.latex(sympy.sqrt(a * a + b * b)), (a, b)
+    return "<image>Find x.", sympy.latex(sympy.sqrt(a * a + b * b)), (a, b)
 
 
-def _triangle_angles(rng: random.Random):
+def _triangle_angles(rng: random.Random, draw):
     """Two angles written inside the triangle; the question names the third by its vertices or marks it x."""
     a, b = rng.randint(30, 80), rng.randint(30, 80)
-    image = Image.new("RGB", (_SIZE, _SIZE), "white")
-    draw = ImageDraw.Draw(image)
     points = {"A": (40, 280), "B": (rng.randint(120, 220), 60), "C": (296, 280)}
     centre = _triangle(draw, points)
     for vertex, value in (("A", a), ("C", b)):
@@ -596,18 +592,16 @@ def _triangle_angles(rng: random.Random):
         b_point = points["B"]
         _label(draw, (b_point[0] + 0.35 * (centre[0] - b_point[0]), b_point[1] + 0.35 * (centre[1] - b_point[1])),
                "x°", 18)
-        return image, "<image>Find x.", str(180 - a - b), (a, b, "x")
-    return image, "<image>Find m \\angle ABC.", str(180 - a - b), (a, b, "ABC")
+        return "<image>Find x.", str(180 - a - b), (a, b, "x")
+    return "<image>Find m \\angle ABC.", str(180 - a - b), (a, b, "ABC")
 
 
-def _linear_pair(rng: random.Random):
+def _linear_pair(rng: random.Random, draw):
     """A ray on a straight line: two angles written as expressions in x that add to 180. Find x."""
     x = rng.randint(5, 30)
     k1, k2 = rng.randint(1, 4), rng.randint(1, 4)
     c1 = rng.randint(0, 40)
     c2 = 180 - (k1 + k2) * x - c1
-    image = Image.new("RGB", (_SIZE, _SIZE), "white")
-    draw = ImageDraw.Draw(image)
     draw.line([(20, 220), (316, 220)], fill="black", width=3)
     ray_end = (rng.randint(120, 220), 50)
     draw.line([(168, 220), ray_end], fill="black", width=3)
@@ -615,29 +609,25 @@ def _linear_pair(rng: random.Random):
         _label(draw, p, name)
     _label(draw, (100, 195), f"({k1}x + {c1})°" if c1 else f"{k1}x°", 18)
     _label(draw, (245, 195), f"({k2}x {'+' if c2 >= 0 else '-'} {abs(c2)})°", 18)
-    return image, "<image>Find x.", str(x), (x, k1, k2, c1)
+    return "<image>Find x.", str(x), (x, k1, k2, c1)
 
 
-def _circle(rng: random.Random):
+def _circle(rng: random.Random, draw):
     """A circle with its radius drawn and written; the question asks for the circumference or the area."""
     r = rng.randint(2, 15)
-    image = Image.new("RGB", (_SIZE, _SIZE), "white")
-    draw = ImageDraw.Draw(image)
     draw.ellipse([48, 48, 288, 288], outline="black", width=3)
     draw.line([(168, 168), (288, 168)], fill="black", width=3)
     _label(draw, (160, 186), "O")
     _label(draw, (228, 150), str(r))
     if rng.random() < 0.5:
-        return image, "<image>Find the circumference of \\odot O.", f"{2 * r}\\pi", (r, "circumference")
-    return image, "<image>Find the area of \\odot O.", f"{r * r}\\pi", (r, "area")
+        return "<image>Find the circumference of \\odot O.", f"{2 * r}\\pi", (r, "circumference")
+    return "<image>Find the area of \\odot O.", f"{r * r}\\pi", (r, "area")
 
 
-def _rectangle_diagonal(rng: random.Random):
+def _rectangle_diagonal(rng: random.Random, draw):
     """One side given in the text, the other only on the diagram: find the diagonal."""
     import sympy
     w, h = rng.randint(3, 12), rng.randint(3, 12)
-    image = Image.new("RGB", (_SIZE, _SIZE), "white")
-    draw = ImageDraw.Draw(image)
     scale = 200 / max(w, h)
     a, b, c, d = (60, 60), (60 + w * scale, 60), (60 + w * scale, 60 + h * scale), (60, 60 + h * scale)
     draw.polygon([a, b, c, d], outline="black", width=3)
@@ -645,7 +635,7 @@ def _rectangle_diagonal(rng: random.Random):
     for name, p, shift in (("A", a, (-16, -16)), ("B", b, (16, -16)), ("C", c, (16, 16)), ("D", d, (-16, 16))):
         _label(draw, (p[0] + shift[0], p[1] + shift[1]), name)
     _label(draw, (c[0] + 22, (b[1] + c[1]) / 2), str(h))
-    return image, f"<image>ABCD is a rectangle with AB = {w}. Find AC.", sympy.latex(sympy.sqrt(w * w + h * h)), (w, h)
+    return f"<image>ABCD is a rectangle with AB = {w}. Find AC.", sympy.latex(sympy.sqrt(w * w + h * h)), (w, h)
 
 
 _GEO3K_KINDS = [_right_triangle, _triangle_angles, _linear_pair, _circle, _rectangle_diagonal]
@@ -661,7 +651,8 @@ def synthetic_geo3k(split: str, n: int, seed: int = 0) -> list[dict]:
     for index in range(n):
         kind = _GEO3K_KINDS[index % len(_GEO3K_KINDS)]
         while True:        # draw until the problem falls in this split (1 to 10 draws)
-            image, problem, answer, params = kind(rng)
+            image = Image.new("RGB", (_SIZE, _SIZE), "white")
+            problem, answer, params = kind(rng, ImageDraw.Draw(image))
             if zlib.crc32(repr((kind.__name__, params)).encode()) % 10 in GEO3K_SPLITS[split]:
                 break
         rows.append({"images": [image], "problem": problem, "answer": answer})

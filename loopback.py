@@ -60,7 +60,7 @@ import wires
 from engines import SamplingParams
 from rollout import EmbeddedEngine
 from router import EngineFailure
-from session import Budget, ChatSession, ContextOverflow, TurnCut, session_trace
+from session import Budget, ChatSession, ContextOverflow, TurnCut, context_length, session_trace
 from trainer import viewer
 from wires import CALL_OPENING
 from wires import anthropic as wire_anthropic
@@ -182,10 +182,7 @@ class LoopbackServer:
         # A session's context (prompt and reply) is at most max_length: by default the most the engine serves, its
         # model's position limit, and never more (a prompt past it is refused, never served). A request that does
         # not set max_tokens gets the rest of the context, at most max_tokens (None: no bound beyond the context).
-        self.max_length = max_length or engine.max_model_len
-        if not 1 < self.max_length <= engine.max_model_len:
-            raise ValueError(f"max_length {self.max_length} must be in [2, {engine.max_model_len}], the most the "
-                             f"engine serves (its model's position limit)")
+        self.max_length = context_length(engine, max_length)
         if max_tokens is not None and not (isinstance(max_tokens, int) and max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None (the rest of the context), got "
                              f"{max_tokens!r}")
@@ -615,8 +612,7 @@ class LoopbackServer:
         wires.require(max_length is None or 1 < max_length <= self.max_length,
                       f"'max_length' must be an integer in [2, {self.max_length}] (the server's --max-length), "
                       f"got {max_length}")
-        sampling = wires.sampling_from(self._sampling(max_length or self.max_length),
-                                       temperature=wires.number_field(body, "temperature"),
+        sampling = wires.sampling_from(self._sampling(max_length or self.max_length), body,
                                        max_tokens=wires.number_field(body, "max_tokens", integer=True))
         return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 

@@ -47,8 +47,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import invariants
 import models
-from engines import (Generation, IncrementalText, SamplingParams, find_stop, images_per_prompt, params_per_prompt,
-                     processing, r3, recorded_sampling, validate_sampling)
+from engines import (Generation, IncrementalText, SamplingParams, find_stop, per_prompt, processing, r3,
+                     recorded_sampling, validate_sampling)
 from engines.prefix_cache import Entry, PrefixCache, stacked_prefixes
 from trainer import lora
 
@@ -260,8 +260,7 @@ class EmbeddedEngine:
         for long (every request in the batch waits for it). `images[i]` are the images of prompt i, one per
         run of image pad ids, already expanded to their n_tokens (data.expand_image_pads); only a
         vision-language model takes them. Raises the first error of its own rows; other callers never see it."""
-        params_list = params_per_prompt(params, len(prompts))
-        images_list = images_per_prompt(images, len(prompts))
+        params_list, images_list = per_prompt(len(prompts), params, images)
         rows = []
         for index, (prompt, p, row_images) in enumerate(zip(prompts, params_list, images_list)):
             self.check(p)

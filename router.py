@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt
+from engines import Generation, SamplingParams, per_prompt
 from invariants import ImageInput
 
 log = logging.getLogger("tracerl.router")
@@ -154,8 +154,7 @@ class Router:
         of a failed engine are retried once elsewhere; a request whose tokens already reached `on_token` is not
         (the listener would hear a second reply), nor is one no engine is left for: those raise EngineFailure. A
         ValueError, or an error of `on_token` itself, is raised as it is."""
-        params_list = params_per_prompt(params, len(prompts))
-        images = images_per_prompt(images, len(prompts))
+        params_list, images = per_prompt(len(prompts), params, images)
         sessions = session_ids if session_ids is not None else [None] * len(prompts)
         if len(sessions) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sessions)} session ids; pass one per prompt "

@@ -51,7 +51,7 @@ import algo
 import invariants
 import models
 from agents import load_recipe
-from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt, validate_sampling
+from engines import Generation, SamplingParams, per_prompt, validate_sampling
 from engines.vllm_engine import VLLMEngine
 from engines.weight_channel import WeightChannel, WeightPush, free_port, gpu_uuid, open_group, receive_state
 from rollout import EmbeddedEngine
@@ -219,16 +219,10 @@ class EngineActor:
         yield "done", result["outs"]
 
     @ray.method(concurrency_group="control")
-    def pause(self) -> None:
-        self.engine.pause()
-
-    @ray.method(concurrency_group="control")
-    def resume(self) -> None:
-        self.engine.resume()
-
-    @ray.method(concurrency_group="control")
-    def update_weights(self, state: dict, version: int) -> None:
-        self.engine.update_weights(state, version)     # a top-level ObjectRef arrives here as the dict itself
+    def control(self, method: str, *args):
+        """The engine's `method` (pause, resume, update_weights, the CUDA IPC update's three calls, check_images,
+        sampler_state, load_sampler_state): a top-level ObjectRef among `args` arrives here as the value itself."""
+        return getattr(self.engine, method)(*args)
 
     @ray.method(concurrency_group="control")
     def placement(self) -> tuple[str | None, str | None, int]:
@@ -249,39 +243,10 @@ class EngineActor:
         checkpoint."""
         self.engine.update_weights(receive_state(self.channel, plan, self.channel_device), version)
 
-    # a CUDA IPC update from a trainer on the same GPU, in the engine's three calls (engines/vllm_engine.py)
-    @ray.method(concurrency_group="control")
-    def begin_weight_update(self, spec: dict, version: int) -> list[str]:
-        return self.engine.begin_weight_update(spec, version)
-
-    @ray.method(concurrency_group="control")
-    def receive_weight_chunk(self, update_info: dict) -> None:
-        self.engine.receive_weight_chunk(update_info)
-
-    @ray.method(concurrency_group="control")
-    def finish_weight_update(self, version: int) -> None:
-        self.engine.finish_weight_update(version)
-
-    @ray.method(concurrency_group="control")
-    def version(self) -> int:
-        return self.engine.version
-
     @ray.method(concurrency_group="control")
     def busy_seconds(self) -> float:
         with self._clock:
             return self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
-
-    @ray.method(concurrency_group="control")
-    def check_images(self, prompt: list[int], images: list) -> None:
-        self.engine.check_images(prompt, images)
-
-    @ray.method(concurrency_group="control")
-    def sampler_state(self):
-        return self.engine.sampler_state()
-
-    @ray.method(concurrency_group="control")
-    def load_sampler_state(self, state) -> None:
-        self.engine.load_sampler_state(state)
 
     @ray.method(concurrency_group="control")
     def shutdown(self) -> None:
@@ -320,11 +285,12 @@ class EngineProxy:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         return EngineDied(f"engine {self.index}'s process died: " + " ".join(dict.fromkeys(lines[:1] + lines[-1:])))
 
-    def _call(self, method, *args):
+    def _call(self, method: str, *args):
+        """The engine's `method` in its actor (EngineActor.control)."""
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
         try:
-            return ray.get(method.remote(*args))
+            return ray.get(self.handle.control.remote(method, *args))
         except ray.exceptions.RayActorError as error:
             raise self._died(error) from None
 
@@ -334,8 +300,7 @@ class EngineProxy:
         if self.dead:
             raise EngineDied(f"engine {self.index}'s process died earlier")
         request_id = uuid.uuid4().hex if on_token is not None else None
-        stream = self.handle.generate.remote(prompts, params_per_prompt(params, len(prompts)),
-                                             images_per_prompt(images, len(prompts)), request_id)
+        stream = self.handle.generate.remote(prompts, *per_prompt(len(prompts), params, images), request_id)
         try:
             for ref in stream:
                 kind, payload = ray.get(ref)
@@ -359,27 +324,27 @@ class EngineProxy:
         validate_sampling(params)      # every engine actor has a tokenizer, so stop strings are always served
 
     def check_images(self, prompt: list[int], images: Sequence) -> None:
-        self._call(self.handle.check_images, prompt, list(images))
+        self._call("check_images", prompt, list(images))
 
     def pause(self) -> None:
-        self._call(self.handle.pause)
+        self._call("pause")
 
     def resume(self) -> None:
-        self._call(self.handle.resume)
+        self._call("resume")
 
     def update_weights(self, state, version: int) -> None:
         """`state` is a state dict (sent as a call argument, through Ray's object store) or, from
         Runtime.push_weights, a WeightPush: CUDA IPC when the trainer's tensors sit on this engine's GPU, else the
         engine's weight channel (NCCL from another GPU, gloo from a CPU)."""
         if not isinstance(state, WeightPush):
-            self._call(self.handle.update_weights, state, version)
+            self._call("update_weights", state, version)
         elif self.takes_ipc and state.gpu_uuid == self.gpu_uuid:
             from engines.vllm_engine import checkpoint_state, push_spec, send_ipc_weights
             tensors = checkpoint_state(state.tensors, self.model_path)     # the names vLLM's checkpoint uses
-            names = self._call(self.handle.begin_weight_update, push_spec(tensors), version)   # checked whole first
+            names = self._call("begin_weight_update", push_spec(tensors), version)   # checked whole first
             send_ipc_weights({name: tensors[name] for name in names},
-                             lambda update_info: self._call(self.handle.receive_weight_chunk, update_info))
-            self._call(self.handle.finish_weight_update, version)
+                             lambda update_info: self._call("receive_weight_chunk", update_info))
+            self._call("finish_weight_update", version)
         else:
             try:
                 if self.channel is None:
@@ -394,10 +359,10 @@ class EngineProxy:
         self.version = version
 
     def sampler_state(self):
-        return self._call(self.handle.sampler_state)
+        return self._call("sampler_state")
 
     def load_sampler_state(self, state) -> None:
-        self._call(self.handle.load_sampler_state, state)
+        self._call("load_sampler_state", state)
 
 
 # ---- the trainer as FSDP2 ranks, each a Ray actor ------------------------------------------------------------
@@ -435,11 +400,9 @@ class TrainerRank:
         # gae: the critic's shard beside the actor's, over the same process group (critic.Critic)
         self.critic = critic.Critic(model_path, cfg, critic_cfg, total_steps, seed) if critic_cfg else None
 
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.policy, method)(*args, **kwargs)
-
-    def call_critic(self, method: str, *args, **kwargs):
-        return getattr(self.critic, method)(*args, **kwargs)
+    def call(self, method: str, *args, critic: bool = False, **kwargs):
+        """The policy's `method` on this rank, or with `critic` the critic's."""
+        return getattr(self.critic if critic else self.policy, method)(*args, **kwargs)
 
     def version(self) -> int:
         return self.policy.version
@@ -561,25 +524,22 @@ class CriticGroup:
     def __init__(self, trainers: TrainerGroup):
         self.trainers = trainers
 
-    def _all(self, method: str, *args) -> list:
-        return ray.get([r.call_critic.remote(method, *args) for r in self.trainers.ranks])
-
     def compute_values(self, batch) -> torch.Tensor:
         shares = self.trainers._deal(batch)
-        parts = ray.get([r.call_critic.remote("compute_values", invariants.select_rows(batch, rows))
+        parts = ray.get([r.call.remote("compute_values", invariants.select_rows(batch, rows), critic=True)
                          for r, rows in zip(self.trainers.ranks, shares)])
         return _gather(parts, shares, batch.input_ids.shape)
 
     def train_step(self, batch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         shares = self.trainers._deal(batch)
-        return ray.get([r.call_critic.remote("train_step", invariants.select_rows(batch, rows), returns[rows],
-                                             old_values[rows]) for r, rows in zip(self.trainers.ranks, shares)])[0]
+        return ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), returns[rows], old_values[rows],
+                                      critic=True) for r, rows in zip(self.trainers.ranks, shares)])[0]
 
     def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
-        self._all("save_checkpoint", path, run_state)
+        self.trainers._all("save_checkpoint", path, run_state, critic=True)
 
     def load_checkpoint(self, path: str) -> dict:
-        return self._all("load_checkpoint", path)[0]
+        return self.trainers._all("load_checkpoint", path, critic=True)[0]
 
 
 class _ConfigOnly:

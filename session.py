@@ -130,6 +130,16 @@ def header_size(url) -> tuple[int, int]:
 
 # ---- the context: a prompt over it is refused, never cut ----------------------------------------
 
+def context_length(engine, max_length: int | None) -> int:
+    """A context (prompt and reply) of `max_length` tokens: by default the most `engine` serves, its model's position
+    limit, and never more (a prompt past it is refused, never served)."""
+    context = max_length or engine.max_model_len
+    if not 1 < context <= engine.max_model_len:
+        raise ValueError(f"max_length {context} must be in [2, {engine.max_model_len}], the most the engine serves "
+                         f"(its model's position limit)")
+    return context
+
+
 class ContextOverflow(ValueError):
     """A prompt that leaves no room for a reply in the session's context. The server answers it in each wire's own
     words (wires.ContextLengthExceeded), which a harness recognises and compacts its conversation on."""
@@ -306,10 +316,7 @@ class ChatSession:
         self.cache_salt = f"rollout:{secrets.token_hex(16)}"
         self.given_ids = data.encode_text(tokenizer, self._render(given, None, True, None)) \
             if given and group_id else None
-        self.max_length = max_length or engine.max_model_len
-        if not 1 < self.max_length <= engine.max_model_len:
-            raise ValueError(f"a session's context of {self.max_length} tokens must be in [2, {engine.max_model_len}], "
-                             f"the most the engine serves (its model's position limit)")
+        self.max_length = context_length(engine, max_length)
         self.sampling = sampling or SamplingParams(max_tokens=self.max_length)
         # the most text a prompt may hold (what the wires bound a request's references with, before expanding them)
         self.text_bound = wires.TextBound(self.max_length, data.longest_token_chars(tokenizer))

@@ -81,12 +81,9 @@ def check_sandbox(recipe) -> None:
 # ---- the loop ----------------------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["trace"]:
-        return trace_main(argv[1:])
-    if argv[:1] == ["eval"]:
-        return eval_main(argv[1:])
-    if argv[:1] == ["view"]:
-        return view_main(argv[1:])
+    command = {"trace": trace_main, "eval": eval_main, "view": view_main}.get(argv[0] if argv else "")
+    if command is not None:
+        return command(argv[1:])
     cfg = config.parse_config(argv)              # refuses bad input before any model loads
     run, ro, tr = cfg["run"], cfg["rollout"], cfg["train"]
 

@@ -57,7 +57,7 @@ import data
 import invariants
 from engines import Generation, SamplingParams, validate_sampling
 from router import Router
-from session import Budget
+from session import Budget, context_length
 
 log = logging.getLogger("tracerl.agents")
 
@@ -231,10 +231,7 @@ class EnvRunner:
                  step_timeout_s: float = 60.0, image_processor=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
-        self.max_length = max_length or engine.max_model_len
-        if not 1 < self.max_length <= engine.max_model_len:
-            raise ValueError(f"max_length {self.max_length} must be in [2, {engine.max_model_len}], the most the "
-                             f"engine serves (its model's position limit)")
+        self.max_length = context_length(engine, max_length)
         self.image_processor = image_processor
         self.image_pad_id = tokenizer.convert_tokens_to_ids(data.IMAGE_PAD) if image_processor is not None else None
         self.failures: dict[str, int] = {}     # reason -> count, over the runner's life

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 from engines import Generation, SamplingParams
-from rollout import params_per_prompt  # noqa: E402
+from rollout import per_prompt  # noqa: E402
 from router import Router  # noqa: E402
 
 
@@ -103,7 +103,7 @@ class SimulatedEngine:
         return None
 
     def generate(self, prompts, params, on_token=None, images=None) -> list[Generation]:
-        n = max(p.max_tokens for p in params_per_prompt(params, len(prompts)))
+        n = max(p.max_tokens for p in per_prompt(len(prompts), params)[0])
         versions = []
         for _ in range(n):
             self._running.wait()

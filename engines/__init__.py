@@ -121,23 +121,20 @@ def recorded_sampling(params: SamplingParams, prompt_length: int, constraint: st
     return dataclasses.replace(sampling, generation_start=prompt_length) if stateful else sampling
 
 
-def params_per_prompt(params: SamplingParams | list[SamplingParams], n_prompts: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt: a single one is shared, a list must match the prompts."""
+def per_prompt(n_prompts: int, params: SamplingParams | list[SamplingParams],
+               images: list[Sequence[invariants.ImageInput]] | None = None,
+               ) -> tuple[list[SamplingParams], list[list[invariants.ImageInput]]]:
+    """One SamplingParams and one (possibly empty) image list per prompt: a single SamplingParams is shared and None
+    is no images anywhere; a list of either must match the prompts."""
     params_list = params if isinstance(params, list) else [params] * n_prompts
     if len(params_list) != n_prompts:
         raise ValueError(f"got {n_prompts} prompts but {len(params_list)} sampling params")
-    return params_list
-
-
-def images_per_prompt(images: list[Sequence[invariants.ImageInput]] | None,
-                      n_prompts: int) -> list[list[invariants.ImageInput]]:
-    """One (possibly empty) image list per prompt; None means no images anywhere."""
     if images is None:
-        return [[] for _ in range(n_prompts)]
+        return params_list, [[] for _ in range(n_prompts)]
     if len(images) != n_prompts:
         raise ValueError(f"got {n_prompts} prompts but images for {len(images)}; pass one (possibly empty) list "
                          f"of images per prompt")
-    return [list(x) for x in images]
+    return params_list, [list(x) for x in images]
 
 
 # ---- text: what the sampled ids read as, while they are being sampled ----------------------------------

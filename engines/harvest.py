@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import invariants
-from engines import Generation, params_per_prompt
+from engines import Generation, per_prompt
 
 
 class ScriptEngine:
@@ -26,7 +26,7 @@ class ScriptEngine:
     def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
         reply = self.replies.pop(0) if self.replies else ""
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.end_id]
-        max_tokens = params_per_prompt(params, 1)[0].max_tokens     # a reply longer than that is cut, as sampled
+        max_tokens = per_prompt(1, params)[0][0].max_tokens     # a reply longer than that is cut, as sampled
         finish = "length" if len(ids) > max_tokens else "stop"
         ids = ids[:max_tokens]
         for token_id in ids:

@@ -75,7 +75,7 @@ import transformers
 
 import invariants
 import models
-from engines import Generation, SamplingParams, images_per_prompt, params_per_prompt, recorded_sampling, validate_sampling
+from engines import Generation, SamplingParams, per_prompt, recorded_sampling, validate_sampling
 from trainer import lora
 
 LORA_SLOTS = 4     # adapters vLLM holds at once: the newest, and older ones while requests started under them finish
@@ -517,8 +517,7 @@ class VLLMEngine:
                  images: list[Sequence[invariants.ImageInput]] | None = None) -> list[Generation]:
         """Sample a completion for every prompt (see rollout.EmbeddedEngine.generate: same arguments, same
         results). `on_token(index, token_id)` runs on the engine's loop as tokens arrive."""
-        params_list = params_per_prompt(params, len(prompts))
-        images_list = images_per_prompt(images, len(prompts))
+        params_list, images_list = per_prompt(len(prompts), params, images)
         requests = []
         for index, (prompt, p, row_images) in enumerate(zip(prompts, params_list, images_list)):
             self.check(p)

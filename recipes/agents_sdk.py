@@ -39,13 +39,10 @@ DEFAULTS = {
     "run.model": "Qwen/Qwen2.5-1.5B-Instruct" if ON_GPU else CPU_MODEL,
     "run.steps": 100 if ON_GPU else 10,
     "rollout.prompts_per_step": 16 if ON_GPU else 4,
-    "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 3,               # a calculator call, the answer, one turn to spare
     "rollout.max_tokens": 256 if ON_GPU else 48,
     "rollout.max_length": 2048 if ON_GPU else 1024,
     "actor.lr": 1e-6 if ON_GPU else 2e-5,
-    "algo.estimator": "grpo",
 }
 
 

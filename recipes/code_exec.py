@@ -50,13 +50,10 @@ DEFAULTS = {
     "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if ON_GPU else "smollm2",
     "run.steps": 100 if ON_GPU else 10,
     "rollout.prompts_per_step": 16 if ON_GPU else 4,
-    "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 2,                  # one attempt and one retry after seeing the test results
     "rollout.max_tokens": 384 if ON_GPU else 96,
     "rollout.max_length": 2048 if ON_GPU else 768,
     "actor.lr": 1e-6 if ON_GPU else 2e-5,
-    "algo.estimator": "grpo",
 }
 
 

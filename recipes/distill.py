@@ -20,8 +20,6 @@ DEFAULTS = {
     "run.ref_model": "Qwen/Qwen3-1.7B" if ON_GPU else CPU_TEACHER,
     "run.steps": 100 if ON_GPU else 20,
     "rollout.prompts_per_step": 16 if ON_GPU else 8,
-    "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 1.0,
     "rollout.max_tokens": 256 if ON_GPU else 16,
     "rollout.max_length": 1024 if ON_GPU else 256,
     "actor.lr": 1e-6 if ON_GPU else 5e-3,      # the tiny student: mean k3 1.76 -> 0.78 (first vs last 5 of 20 steps)

@@ -30,13 +30,11 @@ DEFAULTS = {
     "run.steps": 100 if ON_GPU else 3,
     "rollout.prompts_per_step": 16 if ON_GPU else 2,
     "rollout.samples_per_prompt": 8 if ON_GPU else 2,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 3,                          # the turn budget: two tool calls, then an answer
     "rollout.max_tokens": 768 if ON_GPU else 64,     # per turn; a tool call of the tiny model is ~45 tokens
     "rollout.max_length": 6144 if ON_GPU else 1024,
     "actor.lr": 1e-6 if ON_GPU else 1e-4,
     "actor.micro_batch_size": 2 if ON_GPU else 4,
-    "algo.estimator": "grpo",
 }
 
 
@@ -69,10 +67,7 @@ def _has_datasets() -> bool:
 
 def notice(cfg: dict) -> str:
     """What this run is, printed before it starts (train.py prints what the python tool's sandbox enforces)."""
-    return _model_notice(cfg['run'].model)
-
-
-def _model_notice(model: str) -> str:
+    model = cfg["run"].model
     if model != CPU_MODEL:
         return f"geo3k: model {model}"
     why = "no CUDA device" if not torch.cuda.is_available() else "the model hub is not reachable"

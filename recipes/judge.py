@@ -31,12 +31,9 @@ DEFAULTS = {
     "run.model": "Qwen/Qwen2.5-0.5B-Instruct" if ON_GPU else "smollm2",
     "run.steps": 100 if ON_GPU else 10,
     "rollout.prompts_per_step": 16 if ON_GPU else 4,
-    "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 1.0,
     "rollout.max_tokens": 128 if ON_GPU else 48,
     "rollout.max_length": 1024 if ON_GPU else 512,
     "actor.lr": 1e-6 if ON_GPU else 2e-5,
-    "algo.estimator": "grpo",
 }
 
 WORDS = ["gravity", "rain", "a battery", "a volcano", "sleep", "a map", "money", "the moon", "a seed", "an echo",

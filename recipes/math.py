@@ -10,14 +10,11 @@ from agents.graders import extract_final_answer, grade
 DEFAULTS = {
     "run.model": "smollm2",
     "run.steps": 24,
-    "rollout.prompts_per_step": 8,
-    "rollout.samples_per_prompt": 4,
     "rollout.temperature": 0.7,
     "rollout.max_tokens": 40,
     "rollout.max_length": 256,
     "train.minibatches": 2,          # two optimizer steps per rollout batch: the PPO clip is live
     "actor.lr": 3e-5,                # 5e-5 learned faster but collapsed the entropy by step 20
-    "algo.estimator": "grpo",
 }
 
 

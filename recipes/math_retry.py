@@ -16,8 +16,6 @@ FEEDBACK = "That is not right. Think again and give the final answer."
 DEFAULTS = {
     "run.model": "smollm2",
     "run.steps": 24,
-    "rollout.prompts_per_step": 8,
-    "rollout.samples_per_prompt": 4,
     "rollout.temperature": 0.7,
     "rollout.max_tokens": 40,
     "rollout.max_turns": 2,           # an answer and one retry

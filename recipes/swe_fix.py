@@ -81,12 +81,10 @@ DEFAULTS = {
     "run.steps": 50 if ON_GPU else 4,
     "rollout.prompts_per_step": 8 if ON_GPU else 2,
     "rollout.samples_per_prompt": 4 if ON_GPU else 2,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 8 if ON_GPU else 4,   # mini-swe-agent's step limit
     "rollout.max_tokens": 512 if ON_GPU else 64,
     "rollout.max_length": 8192 if ON_GPU else 2048,
     "actor.lr": 1e-6 if ON_GPU else 1e-4,
-    "algo.estimator": "grpo",
 }
 
 
@@ -143,11 +141,6 @@ def grade_repository(ctx, ws) -> Result:
 
 # ---- mini-swe-agent, as a process per rollout ---------------------------------------------------------------------
 
-def mini_config() -> str:
-    """The configuration layered over mini-swe-agent's own mini.yaml: shorter prompts (a small model's context)."""
-    return yaml.safe_dump({"agent": {"system_template": SYSTEM, "instance_template": INSTANCE}})
-
-
 class MiniSweAgent(ProcessAgent):
     timeout_s = 150.0                    # below the runner's budget (60 s x max_turns 4)
     jail = True
@@ -155,8 +148,9 @@ class MiniSweAgent(ProcessAgent):
 
     def prepare(self, ctx, ws) -> None:
         write_repository(ctx, ws)
+        # layered over mini-swe-agent's own mini.yaml: shorter prompts (a small model's context)
         with open(os.path.join(ws.home, "swe_fix.yaml"), "w") as f:
-            f.write(mini_config())
+            yaml.safe_dump({"agent": {"system_template": SYSTEM, "instance_template": INSTANCE}}, f)
 
     def command(self, ctx, ws) -> list[str]:
         return [*MINI, "--yolo", "--exit-immediately", "--model", f"openai/{ctx.model_name}", "--task", ctx.prompt,

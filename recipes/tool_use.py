@@ -66,13 +66,10 @@ DEFAULTS = {
     "run.model": "Qwen/Qwen2.5-1.5B-Instruct" if ON_GPU else "smollm2",
     "run.steps": 100 if ON_GPU else 10,
     "rollout.prompts_per_step": 16 if ON_GPU else 4,
-    "rollout.samples_per_prompt": 4,
-    "rollout.temperature": 1.0,
     "rollout.max_turns": 4,                   # up to three tool turns, then the answer
     "rollout.max_tokens": 256 if ON_GPU else 64,
     "rollout.max_length": 2048 if ON_GPU else 1024,
     "actor.lr": 1e-6 if ON_GPU else 2e-5,
-    "algo.estimator": "grpo",
 }
 
 INSTRUCTION = "Use the tools; do not guess facts. Give the final answer in \\boxed{}."

@@ -412,7 +412,7 @@ def test_an_engine_dead_before_a_checkpoint_is_taken_out_and_the_checkpoint_name
         deadline = time.monotonic() + 60
         while True:                          # asked directly, not through the proxy: the router hears nothing
             try:
-                ray.get(handle.version.remote(), timeout=5)
+                ray.get(handle.busy_seconds.remote(), timeout=5)
             except ray.exceptions.RayActorError:
                 break
             assert time.monotonic() < deadline, "the killed actor still answers"

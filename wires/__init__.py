@@ -378,10 +378,14 @@ def constraint_spec(make, *args) -> str:
         raise WireError(400, str(error)) from None
 
 
-def sampling_from(base: SamplingParams, **overrides) -> SamplingParams:
-    """The base overridden by what the request set; temperature 0 is greedy decoding, recorded as what it is: top_k 1,
-    the point mass (temperature and top_p cannot change it, so they are recorded as off)."""
-    overrides = {k: v for k, v in overrides.items() if v is not None}
+def sampling_from(base: SamplingParams, body: dict, **overrides) -> SamplingParams:
+    """The base overridden by what the request set: the sampling fields every wire shares (wires/params.py's _SHARED
+    rows), read from `body`, and the wire's own `overrides`; temperature 0 is greedy decoding, recorded as what it
+    is: top_k 1, the point mass (temperature and top_p cannot change it, so they are recorded as off)."""
+    shared = dict(temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
+                  top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
+                  repetition_penalty=real_field(body, "repetition_penalty"))
+    overrides = {k: v for k, v in {**shared, **overrides}.items() if v is not None}
     if overrides.get("temperature") == 0:
         overrides.update(temperature=1.0, top_p=1.0, top_k=1)
     params = replace(base, **overrides)
@@ -542,14 +546,11 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     options, forced = tool_options_of(mode, name, tools, flag_field(body, "parallel_tool_calls", True), kwargs)
     max_tokens = number_field(body, "max_completion_tokens", integer=True)
     max_tokens = number_field(body, "max_tokens", integer=True) if max_tokens is None else max_tokens
-    sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
-                             max_tokens=max_tokens, seed=number_field(body, "seed", integer=True),
+    sampling = sampling_from(base, body, max_tokens=max_tokens, seed=number_field(body, "seed", integer=True),
                              stop=stop_strings_field(body.get("stop"), "stop"), top_logprobs=top_logprobs,
                              logit_bias=_logit_bias(body.get("logit_bias")),
                              frequency_penalty=real_field(body, "frequency_penalty"),
                              presence_penalty=real_field(body, "presence_penalty"),
-                             repetition_penalty=real_field(body, "repetition_penalty"),
                              constraint=forced or response_format_kind(body.get("response_format")))
     return WireRequest([_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)], tools, sampling,
                        flag_field(body, "stream"), flag_field(body, "logprobs"), flag_field(body, "return_token_ids"),

@@ -29,7 +29,7 @@ from wires.params import ANTHROPIC_COUNT_FIELDS, ANTHROPIC_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, LiveStream, TextBound, WireError, WireRequest,
                    arguments_to_json, assistant_message, budget_usage, check_fields, constraint_spec, flag_field,
                    function_call_record, function_tool, join_parts, number_field, object_field, opening_signature,
-                   partial_suffix, real_field, require, sampling_from, signed_opening, split_thinking,
+                   partial_suffix, require, sampling_from, signed_opening, split_thinking,
                    stop_strings_field, template_kwargs_of, text_only, token_extras, tool_options_of, wire_finish_reason)
 
 
@@ -280,9 +280,7 @@ def decode_anthropic(body: dict, base: SamplingParams, bound: TextBound | None =
     options, forced = tool_options_of(mode, name, tools, parallel, kwargs, deferred)
     require(body.get("context_management") is None or isinstance(body["context_management"], dict),
             f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
-    sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
-                             repetition_penalty=real_field(body, "repetition_penalty"), max_tokens=max_tokens,
+    sampling = sampling_from(base, body, max_tokens=max_tokens,
                              stop=stop_strings_field(body.get("stop_sequences"), "stop_sequences"),
                              constraint=forced or _output_format(object_field(body, "output_config")))
     return WireRequest(canonical, tools, sampling, flag_field(body, "stream"), False,

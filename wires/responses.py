@@ -36,7 +36,7 @@ from engines import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
 from wires.params import RESPONSES_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, TextBound, WireError, WireRequest, arguments_from_json,
                    assistant_message, check_fields, flag_field, function_call_record, function_tool, join_parts,
-                   number_field, object_field, opening_signature, partial_suffix, real_field, require,
+                   number_field, object_field, opening_signature, partial_suffix, require,
                    response_format_kind, sampling_from, signed_opening, split_thinking, template_kwargs_of, text_chars,
                    text_only, token_extras, tool_options_of)
 
@@ -325,10 +325,7 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     choice = body.get("tool_choice")
     mode, name = wires.tool_choice_of(choice, choice, TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
-    sampling = sampling_from(base, temperature=number_field(body, "temperature"), top_p=number_field(body, "top_p"),
-                             top_k=number_field(body, "top_k", integer=True), min_p=real_field(body, "min_p"),
-                             repetition_penalty=real_field(body, "repetition_penalty"),
-                             max_tokens=number_field(body, "max_output_tokens", integer=True),
+    sampling = sampling_from(base, body, max_tokens=number_field(body, "max_output_tokens", integer=True),
                              top_logprobs=top_logprobs, constraint=forced or _text_format(object_field(body, "text")))
     request = WireRequest(messages, tools or None, sampling, flag_field(body, "stream"),
                           "message.output_text.logprobs" in include, flag_field(body, "return_token_ids"), options,
