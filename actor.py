@@ -718,11 +718,9 @@ class Actor:
             model_state = {name: t for name, t in model_state.items() if lora.ADAPTER_MARK in name}
         path = os.path.normpath(path)
         tmp = path + ".tmp"
-        if self.rank == 0:
+        if self.rank == 0:        # the folder and the shared state first; then every rank's RNG streams
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        self._barrier()
-        if self.rank == 0:
             torch.save({"model": model_state, "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
                         "version": self.version, "world_size": self.world_size,
                         "lora": asdict(self.lora) if self.lora else None},
@@ -730,9 +728,9 @@ class Actor:
             if self.lora:     # the adapter as PEFT saves one too, for use outside tracerl (PeftModel, vLLM)
                 lora.write_peft_folder(model_state, self.lora, os.path.join(tmp, LORA_ADAPTER))
             torch.save(run_state or {}, os.path.join(tmp, RUN_STATE))
+        self._barrier()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        rng = {"cpu": torch.get_rng_state(), "cuda": cuda_rng}
-        torch.save(rng, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(tmp, f"rng_rank{self.rank}.pt"))
         self._barrier()
         if self.rank == 0:
             with open(os.path.join(tmp, CHECKPOINT_MARKER), "w") as f:

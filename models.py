@@ -420,6 +420,15 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module
     return model.eval()
 
 
+@functools.lru_cache(maxsize=4)
+def meta_model(path: str) -> torch.nn.Module:
+    """The folder's transformers model on the meta device (no memory): its class and config, which is what reverting
+    its load-time weight conversion and writing a model folder from a given state dict (save_pretrained) need."""
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return (AutoModelForImageTextToText if _has_vision(config) else AutoModelForCausalLM).from_config(config)
+
+
 def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 

@@ -413,7 +413,17 @@ class TrainerRank:
         return state if self.policy.rank == 0 else None
 
 
-class TrainerGroup:
+class _Checkpoints:
+    """A group's checkpoints: each rank saves or loads its part (`_all`: the actor's or the critic's method)."""
+
+    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
+        self._all("save_checkpoint", path, run_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self._all("load_checkpoint", path)[0]
+
+
+class TrainerGroup(_Checkpoints):
     """actor.Actor's interface over --runtime.trainer_ranks FSDP2 ranks, one Ray actor each, placed by a placement
     group (one bundle of `cpus` CPUs and `gpus` GPUs per rank; `placement` is its strategy: PACK uses one node when
     the ranks fit there and spreads over the fewest nodes when they do not). The ranks rendezvous at rank 0's node.
@@ -503,12 +513,6 @@ class TrainerGroup:
         """The full weights, on the driver's CPU (`device` is the driver's, which holds no GPU tensors)."""
         return ray.get([r.export_weights.remote() for r in self.ranks])[0]
 
-    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
-        self._all("save_checkpoint", path, run_state)
-
-    def load_checkpoint(self, path: str) -> dict:
-        return self._all("load_checkpoint", path)[0]
-
     def shutdown(self) -> None:
         """End the ranks and give their placement group's resources back to the cluster."""
         for rank in self.ranks:
@@ -516,13 +520,16 @@ class TrainerGroup:
         remove_placement_group(self.placement)
 
 
-class CriticGroup:
+class CriticGroup(_Checkpoints):
     """critic.Critic's interface over a TrainerGroup built with a critic_cfg: each rank holds a critic shard beside
     its actor shard; rows are dealt as the actor's are (whole rollouts, balanced by tokens) and the value loss's
     global token count is all-reduced inside critic.Critic.train_step."""
 
     def __init__(self, trainers: TrainerGroup):
         self.trainers = trainers
+
+    def _all(self, method: str, *args) -> list:
+        return self.trainers._all(method, *args, critic=True)
 
     def compute_values(self, batch) -> torch.Tensor:
         shares = self.trainers._deal(batch)
@@ -534,12 +541,6 @@ class CriticGroup:
         shares = self.trainers._deal(batch)
         return ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), returns[rows], old_values[rows],
                                       critic=True) for r, rows in zip(self.trainers.ranks, shares)])[0]
-
-    def save_checkpoint(self, path: str, run_state: dict | None = None) -> None:
-        self.trainers._all("save_checkpoint", path, run_state, critic=True)
-
-    def load_checkpoint(self, path: str) -> dict:
-        return self.trainers._all("load_checkpoint", path, critic=True)[0]
 
 
 class _ConfigOnly:

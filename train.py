@@ -1,7 +1,8 @@
 # train.py — the main job: `python train.py --recipe math`.
 #
 # Owns: the synchronous RL loop (rollout -> advantages -> train -> push weights -> repeat), logging (a progress
-# line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces), held-out evaluation (`--eval.every N`,
+# line, OUT/metrics.jsonl, TensorBoard, a PNG plot, per-step token traces), checkpoints (periodic ones full, the final
+# one of --train.final_checkpoint's kind, timed and sized in OUT/summary.json), held-out evaluation (`--eval.every N`,
 # and `python train.py eval CHECKPOINT` alone), the trace command (`python train.py trace OUT`) that prints one
 # sample token by token, and the view command (`python train.py view OUT`: trainer/viewer.py's page of the run). The config
 # and the command line are config.py's: a bad flag or combination is refused there, before anything loads.
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -91,9 +93,9 @@ def main(argv: list[str]) -> None:
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
-    if not torch.cuda.is_available():            # freed pages reused, MKL's AVX-512 kernels on AMD (trainer/cpu_setup.py)
-        if cpu_setup.prepare_cpu_process():
-            print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: trainer/cpu_setup.py)", flush=True)
+    # on a CPU: freed pages reused, MKL's AVX-512 kernels on AMD (trainer/cpu_setup.py)
+    if not torch.cuda.is_available() and cpu_setup.prepare_cpu_process():
+        print("tracerl: fp32 products on MKL's AVX-512 kernels (an AMD CPU: trainer/cpu_setup.py)", flush=True)
     random.seed(run.seed)
     torch.manual_seed(run.seed)
     recipe = load_recipe(run.recipe)
@@ -322,10 +324,11 @@ def train_loop(cfg, recipe, model_path, tokenizer, policy, engine, push, start_s
         logger.log(step + 1, m)
         print(progress_line(step + 1, run.steps, m), flush=True)
         if tr.save_every and (step + 1) % tr.save_every == 0:
-            save_checkpoint(policy, value_model, os.path.join(out, "checkpoints", f"step_{step + 1:06d}"),
-                            run_state_at(step + 1, engine))
-    save_checkpoint(policy, value_model, os.path.join(out, "checkpoints", "final"), run_state_at(run.steps, engine))
-    logger.close()
+            save_checkpoint("full", policy, value_model, engine, step + 1,
+                            os.path.join(out, "checkpoints", f"step_{step + 1:06d}"))
+    final = save_checkpoint(tr.final_checkpoint, policy, value_model, engine, run.steps,
+                            os.path.join(out, "checkpoints", "final"), model_path, (tokenizer, image_processor))
+    logger.close({f"final_{k}": v for k, v in final.items()})
     print(f"done: metrics {os.path.join(out, 'metrics.jsonl')}, plot {os.path.join(out, 'metrics.png')}, "
           f"trace with `python train.py trace {out}`", flush=True)
 
@@ -356,12 +359,26 @@ def build_engine(ro: config.RolloutConfig, model_path: str, device: torch.device
                       enforce_eager=not on_gpu, lora_spec=adapter)
 
 
-def save_checkpoint(policy, value_model, path: str, run_state: dict) -> None:
-    """The actor's checkpoint at `path` (with the loop's run_state), and gae's critic in its subfolder
-    critic.CRITIC_FOLDER, a complete checkpoint of its own (a resume loads both)."""
-    policy.save_checkpoint(path, run_state)
-    if value_model is not None:
-        value_model.save_checkpoint(os.path.join(path, critic.CRITIC_FOLDER))
+def save_checkpoint(kind: str, policy, value_model, engine: Router, step: int, path: str, model_path: str = "",
+                    processors: tuple = ()) -> dict:
+    """A checkpoint of a kind of config.FINAL_CHECKPOINTS at `path` after `step` RL steps, with its seconds and bytes.
+    full: the actor's own, the loop's run_state_at and gae's critic (critic.CRITIC_FOLDER): what a resume loads.
+    weights: the policy's fp32 weights and `processors` (tokenizer, image processor) as a transformers model folder."""
+    t0 = time.time()
+    if kind == "full":
+        policy.save_checkpoint(path, run_state_at(step, engine))
+        if value_model is not None:
+            value_model.save_checkpoint(os.path.join(path, critic.CRITIC_FOLDER))
+    elif kind == "weights":       # the checkpoint's names and layout (save_pretrained), written beside then renamed
+        models.meta_model(model_path).save_pretrained(path + ".tmp", state_dict=policy.export_weights("cpu"))
+        for processor in filter(None, processors):
+            processor.save_pretrained(path + ".tmp")
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(path + ".tmp", path)
+    seconds = time.time() - t0
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) if kind != "none" else 0
+    print(f"checkpoint {os.path.basename(path)} ({kind}): {size / 1e9:.3g} GB in {seconds:.1f} s", flush=True)
+    return {"checkpoint": kind, "checkpoint_s": seconds, "checkpoint_bytes": size}
 
 
 def run_state_at(step: int, engine: Router) -> dict:
@@ -521,13 +538,9 @@ def minibatch_indices(group_ids: list[str], n: int) -> list[list[int]]:
     """Split rows into n minibatches of whole groups (a group's baseline belongs to one optimizer step)."""
     groups = list(dict.fromkeys(group_ids))
     per = math.ceil(len(groups) / n)
-    parts = []
-    for i in range(n):
-        chosen = set(groups[i * per:(i + 1) * per])
-        part = [j for j, g in enumerate(group_ids) if g in chosen]
-        if part:
-            parts.append(part)
-    return parts
+    parts = [[j for j, g in enumerate(group_ids) if g in chosen] for chosen in
+             (set(groups[i * per:(i + 1) * per]) for i in range(n))]
+    return [part for part in parts if part]
 
 
 # ---- evaluation: the held-out split with its own sampling -------------------------------------------------------
@@ -563,20 +576,19 @@ def evaluate(runner, tasks: list, ev: config.EvalConfig, max_tokens: int, step: 
 
 def eval_main(argv: list[str]) -> None:
     """`python train.py eval CHECKPOINT --recipe NAME [--eval.* ...]`: evaluate a checkpoint alone. CHECKPOINT is a
-    run's checkpoint folder (its model is read from the run's config.json) or a model name or folder (the
-    untrained model, for a before/after pair)."""
+    run's full checkpoint (its model is read from the run's config.json), a weights one (a model folder), or a model
+    name or folder (the untrained model, for a before/after pair)."""
     if not argv or argv[0].startswith("-"):
         raise SystemExit("usage: train.py eval CHECKPOINT --recipe NAME [--eval.split S --eval.prompts N ...]")
     checkpoint, cfg = argv[0], config.parse_config(argv[1:])
     run, ro = cfg["run"], cfg["rollout"]
     state = os.path.join(checkpoint, actor.CHECKPOINT_STATE)
-    if os.path.exists(state):
-        saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.json")
-        if os.path.exists(saved):
-            with open(saved) as f:
-                run.model = json.load(f)["run"]["model"]
-    else:
+    saved = os.path.join(checkpoint, "..", "..", "config.json")     # a full checkpoint's run: the model it trained
+    if not os.path.exists(state):           # any other folder (a weights checkpoint too) or a name is a model
         run.model, state = checkpoint, None
+    elif os.path.exists(saved):
+        with open(saved) as f:
+            run.model = json.load(f)["run"]["model"]
     transformers.logging.disable_progress_bar()
     if run.threads:
         torch.set_num_threads(run.threads)
@@ -705,13 +717,16 @@ class MetricsLogger:
                                    sum(r["advantage"][t] for t in sampled) / max(len(sampled), 1),
                                    max(gaps, default=0.0), sum(r["loss_contribution"]))
 
-    def close(self) -> None:
+    def close(self, summary: dict) -> None:   # the run's figures as a whole: OUT/summary.json, W&B's run summary
+        with open(os.path.join(self.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
         self.jsonl.close()
         self.tb.close()
         plot_metrics(self.history, os.path.join(self.out, "metrics.png"))
         if self.wandb is not None:
             if self.history:
                 self.wandb.log({"traces/rows": self.rows}, step=self.history[-1]["step"])
+            self.wandb.summary.update(summary)
             self.wandb.finish()
 
 
@@ -727,8 +742,7 @@ def plot_metrics(history: list[dict], path: str) -> None:
     steps = [h["step"] for h in history]
     for ax, (key, title) in zip(axes.flat, panels):
         ax.plot(steps, [h.get(key, float("nan")) for h in history], marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -775,17 +789,10 @@ def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, 
             part, report = next((part, report) for part, report in reports if b in part)
             r = part.index(b)                          # the row's index inside its minibatch
             n = len(segs[b].token_ids)
-            reasons = []
-            for t in range(n):
-                if not segs[b].trainable[t]:
-                    reasons.append("context")
-                elif not report.kept[r]:
-                    stale = int(report.staleness[r])
-                    reasons.append(f"gate (staleness {stale})" if stale > corr.max_staleness else "gate")
-                elif not report.mask[r, t]:
-                    reasons.append("is_mask")
-                else:
-                    reasons.append("trained")
+            stale = int(report.staleness[r])     # a gated rollout's tokens name its staleness where that was why
+            gate = f"gate (staleness {stale})" if stale > corr.max_staleness else "gate"
+            reasons = ["context" if not segs[b].trainable[t] else gate if not report.kept[r]
+                       else "is_mask" if not report.mask[r, t] else "trained" for t in range(n)]
             f.write(json.dumps({
                 "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
                 "line": getattr(segs[b], "line", "main"),     # an EnvRunner's rows: one line, plain Segments
@@ -795,9 +802,7 @@ def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, 
                 "token_ids": segs[b].token_ids,
                 "text": [tokenizer.decode([i]) for i in segs[b].token_ids],
                 "policy_version": segs[b].policy_versions,
-                "temperature": batch.temperature[b, :n].tolist(),
-                "top_p": batch.top_p[b, :n].tolist(),
-                "top_k": batch.top_k[b, :n].tolist(),
+                **{name: getattr(batch, name)[b, :n].tolist() for name in ("temperature", "top_p", "top_k")},
                 "behavior_logprob": segs[b].behavior_logprobs,
                 "trainer_logprob": prox_logprobs[b, :n].tolist(),
                 "reference_logprob": None if ref_logprobs is None else ref_logprobs[b, :n].tolist(),

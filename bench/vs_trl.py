@@ -21,7 +21,8 @@
 # beside its physical lower bound on an H200 (bench/limits.py).
 #
 # tracerl runs as `python train.py --recipe math ...` (flags only); its seconds per step and phases come from its
-# OUT/metrics.jsonl (time/*) and the times its progress lines arrive. TRL is never a dependency of tracerl: it runs in
+# OUT/metrics.jsonl (time/*) and the times its progress lines arrive, its final checkpoint's kind, seconds and bytes
+# from its OUT/summary.json. TRL is never a dependency of tracerl: it runs in
 # a Python of its own (--trl-python, see docs/vs-trl.md for the set-up) as this same file's `trl-driver` mode, whose
 # callback records when each optimizer step ends and whose hooks time generation, weight sync and the recompute.
 #
@@ -277,8 +278,14 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str, deadline: float | 
               "sleep_wake": s.get("time/engine_sleep_s", 0.0) + s.get("time/engine_wake_s", 0.0)} for s in steps]
     phases, rows = phase_medians(per_step, timed, "other")    # other: the batch's build and checks, logging, traces
     peaks = [s["perf/gpu_peak_reserved_gib"] for s in steps if "perf/gpu_peak_reserved_gib" in s]
+    # the run's final checkpoint (train.py's default kind): final_checkpoint, _s and _bytes; its seconds are part of
+    # exit_s, which TRL's side (save_strategy "no") does not pay. A tracerl older than OUT/summary.json has none
+    final = {}
+    if os.path.exists(os.path.join(run_dir, "summary.json")):
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            final = json.load(f)
     return {"s_per_step": median_after_first(per_step), "steps_s": per_step, "phases": phases, "steps_phases": rows,
-            "cpu_s_per_step": median_after_first(step_intervals(step_cpu[0], step_cpu)),
+            **final, "cpu_s_per_step": median_after_first(step_intervals(step_cpu[0], step_cpu)),
             "reward": [s["rollout/reward"] for s in steps],
             "sampled_tokens": [s["rollout/sampled_tokens"] for s in steps],
             "trainer_peak_reserved_gib": max(peaks) if peaks else None,

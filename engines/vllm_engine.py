@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import io
 import json
 import os
@@ -106,17 +105,6 @@ def is_moe_config(config: dict) -> bool:
     return any(key in text_config for key in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
-@functools.lru_cache(maxsize=4)
-def _meta_model(model_path: str) -> torch.nn.Module:
-    """The checkpoint's transformers model on the meta device (no memory): what reverting its weight conversion
-    needs to know (its class, and so the renamings and fusions transformers applies when loading it)."""
-    config = transformers.AutoConfig.from_pretrained(model_path)
-    auto_class = (transformers.AutoModelForImageTextToText if "vision_config" in config.to_dict()
-                  else transformers.AutoModelForCausalLM)
-    with torch.device("meta"):
-        return auto_class.from_config(config)
-
-
 def register_in_process(architectures: list[str]) -> None:
     """Import the vLLM classes of these architectures here and register them whole (vLLM's public
     `ModelRegistry.register_model`). vLLM otherwise inspects a class it has not cached in VLLM_CACHE_ROOT/modelinfos
@@ -140,7 +128,7 @@ def checkpoint_state(state: dict[str, torch.Tensor], model_path: str) -> dict[st
     keep their tensors, split experts are views of the fused ones (no copy). A model transformers loads as saved
     comes back unchanged."""
     from transformers.core_model_loading import revert_weight_conversion
-    return revert_weight_conversion(_meta_model(model_path), dict(state))
+    return revert_weight_conversion(models.meta_model(model_path), dict(state))
 
 
 def send_ipc_weights(state: dict[str, torch.Tensor], send: Callable[[dict], None]) -> None:

@@ -25,6 +25,8 @@ from test_train import TINY_RUN, run_cli
     (["--algo.dual_clip", "0.5"], "dual_clip must be 0 (off) or a finite bound > 1"),
     (["--algo.overlong_buffer", "1000"], "overlong_buffer (1000) is longer than rollout.max_tokens"),
     (["--correction.gating", "binary_kl", "--correction.seq_gate", "geo"], "seq_gate 'geo' would be ignored"),
+    (["--train.final_checkpoint", "optimizer"], "train.final_checkpoint must be one of ('full', 'weights', 'none')"),
+    (["--train.final_checkpoint", "weights", "--actor.lora_rank", "4"], "under LoRA only the adapter trains"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
     out = str(tmp_path / "never")
@@ -61,4 +63,5 @@ def test_help_lists_every_flag_with_its_default():
     assert "(default: smollm2)" in done.stdout
     # a choice list named in a field's comment is printed as the names it holds, not as the constant's name
     assert "one of ESTIMATORS" not in done.stdout and "one of LR_SCHEDULES" not in done.stdout
+    assert "one of full, weights, none" in " ".join(done.stdout.split())
     assert f"one of {', '.join(algo.ESTIMATORS)}" in " ".join(done.stdout.split())

@@ -56,6 +56,49 @@ def test_a_short_run_writes_metrics_plot_tensorboard_traces_and_checkpoint(tiny_
     assert sorted(os.listdir(os.path.join(out, "traces"))) == ["step_000001.jsonl", "step_000002.jsonl"]
     assert os.path.isdir(os.path.join(out, "checkpoints", "final"))
     assert json.load(open(os.path.join(out, "config.json")))["run"]["model"] == "tiny-qwen3"
+    # the final checkpoint is full by default (test_resume_continues_from_the_checkpoint resumes it), timed and sized
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["final_checkpoint"] == "full" and summary["final_checkpoint_s"] > 0
+    assert summary["final_checkpoint_bytes"] == folder_bytes(os.path.join(out, "checkpoints", "final")) > 0
+    assert f"checkpoint final (full): {summary['final_checkpoint_bytes'] / 1e9:.3g} GB in" in stdout
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_a_weights_final_checkpoint_is_a_model_folder_with_the_actors_final_logits_and_none_writes_nothing(tmp_path):
+    """--train.final_checkpoint weights: the policy alone, a folder transformers loads and `train.py eval` evaluates,
+    whose logits equal (max |diff| = 0, fp32) those of the full checkpoint the same run wrote at the same step
+    (--train.save_every stays full). REINFORCE with every reply cut at max_tokens penalised (-1) gives a gradient, so
+    the weights moved and the comparison is armed: the untrained model's logits differ."""
+    import transformers
+    out = str(tmp_path / "weights")
+    done = run_cli(*TINY_RUN, "--steps", "2", "--out", out, "--train.final_checkpoint", "weights",
+                   "--train.save_every", "2", "--algo.estimator", "reinforce", "--algo.stop_penalty", "-1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    final, full = (os.path.join(out, "checkpoints", name) for name in ("final", "step_000002"))
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["final_checkpoint"] == "weights" and summary["final_checkpoint_bytes"] == folder_bytes(final)
+    assert not {actor.CHECKPOINT_STATE, actor.RUN_STATE} & set(os.listdir(final))      # no optimizer, no run state
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    base = models.resolve_model("tiny-qwen3")
+    trained, untrained = models.load_model(base), models.load_model(base)
+    trained.load_state_dict(torch.load(os.path.join(full, actor.CHECKPOINT_STATE), weights_only=True)["model"])
+    ids = models.load_tokenizer(final)("What is 12 plus 30? The answer is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = [m(ids).logits for m in (loaded, trained, untrained)]
+    assert (logits[0] - logits[1]).abs().max().item() == 0.0
+    assert (logits[0] - logits[2]).abs().max().item() > 1e-6, "armed: training moved the weights"
+    evaluated = run_cli("eval", final, "--recipe", "math", "--eval.prompts", "2", "--rollout.max_tokens", "6")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads(evaluated.stdout.splitlines()[-1])["eval/prompts"] == 2.0
+
+    out = str(tmp_path / "none")
+    done = run_cli(*TINY_RUN, "--steps", "1", "--out", out, "--train.final_checkpoint", "none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not os.path.exists(os.path.join(out, "checkpoints"))
+    assert json.load(open(os.path.join(out, "summary.json")))["final_checkpoint_bytes"] == 0
 
 
 def test_trace_prints_every_token_with_its_provenance(tiny_run):

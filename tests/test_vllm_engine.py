@@ -615,6 +615,26 @@ def test_a_training_run_on_the_vllm_engine_trains_what_vllm_sampled_at_its_own_l
     assert traces and {v for row in traces for v in row["policy_version"] if v >= 0} == {2}
 
 
+def test_vllm_serves_a_weights_final_checkpoint_as_the_trainer_computes_it(path, tmp_path):
+    """--train.final_checkpoint weights is a model folder vLLM loads as it is: what it samples there has the logprobs
+    transformers gives on the same folder (fp32), and not those of the model the run started from (the run's one
+    step at lr 1e-3, every reply cut at max_tokens penalised, moved the weights: the trap is armed)."""
+    from test_train import TINY_RUN, run_cli
+    out = str(tmp_path / "run")
+    done = run_cli(*[path if f == "tiny-qwen3" else f for f in TINY_RUN], "--steps", "1", "--out", out,
+                   "--train.final_checkpoint", "weights", "--algo.estimator", "reinforce", "--algo.stop_penalty", "-1",
+                   "--actor.lr", "1e-3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = os.path.join(out, "checkpoints", "final")
+    engine = VLLMEngine(folder, seed=0, dtype="float32", transfer="rpc", enforce_eager=True, max_model_len=512)
+    try:
+        gens = engine.generate(PROMPTS, PARAMS)
+    finally:
+        engine.shutdown()
+    assert _gap(gens, _recompute(models.load_model(folder), gens, 0.7)) <= 1e-5
+    assert _gap(gens, _recompute(models.load_model(path), gens, 0.7)) > 1e-3
+
+
 def test_the_async_runtime_streams_rollouts_from_a_vllm_engine_actor_within_eta(path, tmp_path):
     """`--runtime.mode ray --rollout.engine vllm`: vLLM in a Ray actor of its own, eta 1, weights pushed into the
     middle of its requests; every rollout is at most one version old and every token carries its own version."""
