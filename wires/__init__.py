@@ -484,9 +484,9 @@ def _openai_message(message, where: str) -> dict:
         return {"role": "system", "content": text_only(content, f"{where}.content")}
     if role == "user":
         return {"role": "user", "content": content if content is not None else ""}
-    if role == "tool":
-        return {"role": "tool", "content": text_only(content, f"{where}.content"),
-                "tool_call_id": message.get("tool_call_id")}
+    if role == "tool":          # a tool result's images reach a VLM in the tool turn, as its template renders them
+        require(content is not None, f"{where}.content must be a string or a list of text and image_url parts")
+        return {"role": "tool", "content": content, "tool_call_id": message.get("tool_call_id")}
     require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}"
                                  + ("; 'function' messages go with the deprecated 'functions': send tool messages"
                                     if role == "function" else ""))

@@ -194,15 +194,15 @@ def _parts(content, where: str, role: str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
-        elif kind == "input_image" and role == "user" and isinstance(part.get("image_url"), str):
+        elif kind == "input_image" and role in ("user", "tool") and isinstance(part.get("image_url"), str):
             parts.append({"type": "image", "image": part["image_url"]})
         else:
-            why = {"input_image": "an image goes in a user message, as 'image_url' (a URL or data URL; a file_id "
-                                  "names an upload this server does not have)",
+            why = {"input_image": "an image goes in a user message or a function_call_output, as 'image_url' (a "
+                                  "URL or data URL; a file_id names an upload this server does not have)",
                    "input_file": "no file is read here: extract its text and send that",
                    "input_audio": "this model reads text and images, not audio"}.get(kind, "")
             raise WireError(400, f"{at}: a {role} message takes input_text, output_text and refusal parts"
-                                 f"{' and input_image' if role == 'user' else ''}, got {part!r:.80}"
+                                 f"{' and input_image' if role != 'assistant' else ''}, got {part!r:.80}"
                                  + (f"; {why}" if why else ""))
     return join_parts(parts)
 
@@ -268,8 +268,7 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             require(isinstance(item.get("call_id"), str), f"{where} (function_call_output) needs a string 'call_id'")
-            text = output if isinstance(output, str) else _parts(output, f"{where}.output", "tool")
-            out.append({"role": "tool", "content": text_only(text, f"{where}.output"),
+            out.append({"role": "tool", "content": _parts(output, f"{where}.output", "tool"),
                         "tool_call_id": item["call_id"]})
         else:
             require(False, f"{where}: a {kind!r:.40} item is not served here"
