@@ -583,8 +583,7 @@ class ChatSession:
     def _prompt_images(self, messages: list[dict]) -> list[invariants.ImageInput]:
         urls = data.prompt_images(messages)
         if urls and self.image_processor is None:
-            raise ValueError("this model is text-only (it has no image processor); remove the image parts (a user "
-                             "message's or a tool result's)")
+            raise ValueError("this model is text-only (it has no image processor); remove the image parts")
         new = list(dict.fromkeys(url for url in urls if url not in self._images))
         sizes = [header_size(url) for url in new]       # every bound is checked before the first image decodes
         pixels = [width * height for width, height in sizes]

@@ -361,7 +361,7 @@ def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server
     before = trace(info)
     refused = {"n must be 1": dict(n=2), "'stop' must be a non-empty string": dict(stop=[""]),
                "needs 'logprobs'": dict(top_logprobs=2),
-               "'top_logprobs' must be an integer in": dict(logprobs=True, top_logprobs=21),
+               "top_logprobs must be an integer in": dict(logprobs=True, top_logprobs=21),
                "temperature must be a number in": dict(temperature=-1),
                "'temperature' must be a number": dict(temperature="hot"),
                "unsupported parameter": dict(extra_body={"best_of": 3}),

@@ -90,9 +90,8 @@ def _tool_definition(tool: dict) -> str:
 
 
 def _tool_result_content(content, tools: dict[str, dict], where: str):
-    """A tool_result's content as canonical content: its text and image blocks (an image reaches a VLM in the tool
-    turn, as the chat template renders it), and each run of tool_reference blocks (a harness's tool search found these
-    deferred tools) as one <functions> block holding the referenced tools' definitions."""
+    """A tool_result's content as canonical content: its text and image blocks, and each run of tool_reference blocks
+    (a harness's tool search found these deferred tools) as one <functions> block of the referenced tools' definitions."""
     if content is None or isinstance(content, str):
         return content or ""
     require(isinstance(content, list), f"{where} must be a string or a list of text, image and tool_reference blocks")
@@ -281,8 +280,7 @@ def decode_anthropic(body: dict, base: SamplingParams, bound: TextBound | None =
     kwargs = template_kwargs_of(body, enable_thinking, {})
     mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
     options, forced = tool_options_of(mode, name, tools, parallel, kwargs, deferred)
-    require(body.get("context_management") is None or isinstance(body["context_management"], dict),
-            f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
+    object_field(body, "context_management")         # an object, or absent; no edit is applied (wires/params.py)
     sampling = sampling_from(base, body, max_tokens=max_tokens,
                              stop=stop_strings_field(body.get("stop_sequences"), "stop_sequences"),
                              constraint=forced or _output_format(object_field(body, "output_config")))

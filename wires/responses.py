@@ -34,12 +34,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import wires
-from engines import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
+from engines import IncrementalText, SamplingParams
 from wires.params import RESPONSES_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, TextBound, WireError, WireRequest, arguments_from_json,
                    assistant_message, check_fields, flag_field, function_call_record, function_tool, join_parts,
                    number_field, object_field, opening_signature, partial_suffix, require,
-                   response_format_kind, sampling_from, signed_opening, split_thinking, template_kwargs_of, text_chars,
+                   response_format_kind, sampling_from, signed_opening, split_thinking, text_chars,
                    text_only, token_extras, tool_options_of)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -105,21 +105,13 @@ DROPPED_TOOLS = ("web_search", "web_search_2025_08_26", "web_search_preview", "w
                  "file_search", "tool_search")
 REFUSED_TOOLS = {
     "code_interpreter": "it would run code on OpenAI's servers", "image_generation": "this model writes text",
-    "mcp": "this server reaches no MCP server", "computer": "the client runs it through computer_call items",
-    "computer_use_preview": "the client runs it through computer_call items",
-    "local_shell": "the client runs it through local_shell_call items",
-    "shell": "the client runs it through shell_call items", "apply_patch": "the client runs it through "
-                                                                           "apply_patch_call items",
-    "programmatic_tool_calling": "no program runs tools here"}
+    "mcp": "this server reaches no MCP server", "programmatic_tool_calling": "no program runs tools here",
+    **{kind: f"the client runs it through {items} items" for kind, items in [
+        ("computer", "computer_call"), ("computer_use_preview", "computer_call"), ("local_shell", "local_shell_call"),
+        ("shell", "shell_call"), ("apply_patch", "apply_patch_call")]}}
 INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
               "reasoning.encrypted_content", "message.output_text.logprobs")
-HOSTED_ITEMS = ("file_search_call", "computer_call", "computer_call_output", "web_search_call", "tool_search_call",
-                "tool_search_output", "additional_tools", "configuration_update", "compaction", "image_generation_call",
-                "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call",
-                "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_list_tools",
-                "mcp_approval_request", "mcp_approval_response", "mcp_call", "compaction_trigger", "program",
-                "program_output")
 # A custom tool (free-form text in, as Codex's apply_patch) is offered to the template as a function of one string
 # parameter, `input`; a call to it that the parser reads with exactly that argument is a custom_tool_call item whose
 # input is that string (the JSON string the model sampled, decoded), and an echoed one is that call again. A grammar
@@ -140,10 +132,9 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]
                                             f"tools[{i}]", tool.get("strict")))
         elif kind == "custom":
             require(tool.get("format") in (None, {"type": "text"}),
-                    f"tools[{i}] (custom) has the format {tool.get('format')!r:.60}, which is refused: the model "
-                    f"writes a custom tool's input as a JSON string inside <tool_call>, and an automatic call is parsed "
-                    f"as written, never masked, so no grammar can hold it; send format {{'type': 'text'}} (and check "
-                    f"the input in the agent) or a function tool with a JSON schema")
+                    f"tools[{i}] (custom): the format {tool.get('format')!r:.60} is refused (the model writes the "
+                    f"input as a JSON string, parsed as written, never masked: no grammar can hold it); send format "
+                    f"{{'type': 'text'}} and check the input in the agent, or a function tool with a JSON schema")
             canonical.append(function_tool(tool.get("name"), tool.get("description"), CUSTOM_INPUT, f"tools[{i}]"))
             custom.add(tool["name"])
         elif kind == "namespace":
@@ -171,8 +162,8 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]
 
 
 TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'name': <a tool's name>} (for allowed_tools, "
-               "send only the allowed tools in 'tools'; hosted, MCP, custom, shell and apply_patch tools' choices are not "
-               "served)")
+               "send only the allowed tools in 'tools'; choices of hosted, MCP, custom, shell and apply_patch tools "
+               "are not served)")
 
 
 def _text_format(text: dict) -> str | None:
@@ -187,15 +178,6 @@ def _text_format(text: dict) -> str | None:
             "text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'name', "
             f"'schema': <a JSON schema>, 'strict': bool}}, got {form!r:.80}")
     return response_format_kind(form)
-
-
-def _reasoning(reasoning: dict) -> str | None:
-    require(set(reasoning) <= {"effort", "summary", "generate_summary", "context", "mode"},
-            f"'reasoning' takes effort, summary, generate_summary, context and mode, got {sorted(reasoning)}")
-    effort = reasoning.get("effort")
-    require(effort is None or effort in wires.REASONING_EFFORTS,
-            f"reasoning.effort must be one of {list(wires.REASONING_EFFORTS)}, got {effort!r:.40}")
-    return effort
 
 
 def _parts(content, where: str, role: str):
@@ -262,17 +244,13 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
             turn_open = True
             if kind == "reasoning":
                 texts.append(_reasoning_text(item, where))
-            elif kind == "function_call":
-                require(isinstance(item.get("name"), str) and isinstance(item.get("arguments"), str)
-                        and isinstance(item.get("call_id"), str),
-                        f"{where} (function_call) needs a string 'call_id', 'name' and 'arguments' (a JSON string)")
+            elif kind in ("function_call", "custom_tool_call"):       # arguments: a JSON string; input: the text
+                key = "arguments" if kind == "function_call" else "input"
+                require(all(isinstance(item.get(k), str) for k in ("call_id", "name", key)),
+                        f"{where} ({kind}) needs a string 'call_id', 'name' and '{key}'")
                 if item.get("status") != "incomplete":      # a block that never became a call: its text is a message's
-                    calls.append(function_call_record(item["call_id"], item["name"],
-                                                      arguments_from_json(item["arguments"])))
-            elif kind == "custom_tool_call":
-                require(all(isinstance(item.get(key), str) for key in ("call_id", "name", "input")),
-                        f"{where} (custom_tool_call) needs a string 'call_id', 'name' and 'input'")
-                calls.append(function_call_record(item["call_id"], item["name"], {"input": item["input"]}))
+                    calls.append(function_call_record(item["call_id"], item["name"], {"input": item["input"]}
+                                                      if key == "input" else arguments_from_json(item["arguments"])))
             else:
                 texts.append(text_only(_parts(item.get("content"), where, "assistant"), f"{where}.content"))
             continue
@@ -290,11 +268,10 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
             out.append({"role": "tool", "content": _parts(item.get("output"), f"{where}.output", "tool"),
                         "tool_call_id": item["call_id"]})
         else:
-            require(False, f"{where}: a {kind!r:.40} item is not served here"
-                           + (" (items of hosted, MCP, shell and other tools this server does not run)"
-                              if kind in HOSTED_ITEMS else "")
-                           + "; send message, function_call, function_call_output, custom_tool_call, "
-                             "custom_tool_call_output, reasoning or item_reference items")
+            require(False, f"{where}: a {kind!r:.40} item is not served here (nor any other items of hosted, MCP, "
+                           f"shell and other tools this server does not run); send message, function_call, "
+                           f"function_call_output, custom_tool_call, custom_tool_call_output, reasoning or "
+                           f"item_reference items")
     if turn_open:
         out.append(assistant_message("".join(texts), calls))
     return out
@@ -324,9 +301,6 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     require(set(object_field(body, "stream_options")) <= {"include_obfuscation"}, "'stream_options' takes "
                                                                              "include_obfuscation")
     number_field(body, "max_tool_calls", integer=True)
-    top_logprobs = number_field(body, "top_logprobs", integer=True)
-    require(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
-            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     instructions = body.get("instructions")
     require(instructions is None or isinstance(instructions, str), "'instructions' must be a string")
     if bound is not None:
@@ -338,14 +312,15 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     require(bool(messages), "'input' must hold at least one item (or name a previous_response_id)")
     tools, namespaces, dropped, custom = _tools(body.get("tools"))
-    effort = _reasoning(object_field(body, "reasoning"))
-    kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
-                              {} if effort is None else {"reasoning_effort": effort})
+    reasoning = object_field(body, "reasoning")
+    require(set(reasoning) <= {"effort", "summary", "generate_summary", "context", "mode"},
+            f"'reasoning' takes effort, summary, generate_summary, context and mode, got {sorted(reasoning)}")
+    kwargs = wires.effort_kwargs(body, reasoning.get("effort"), "reasoning.effort")
     choice = body.get("tool_choice")
     mode, name = wires.tool_choice_of(choice, choice, TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
     sampling = sampling_from(base, body, max_tokens=number_field(body, "max_output_tokens", integer=True),
-                             top_logprobs=top_logprobs, constraint=forced or _text_format(object_field(body, "text")))
+                             top_logprobs=number_field(body, "top_logprobs", integer=True), constraint=forced or _text_format(object_field(body, "text")))
     request = WireRequest(messages, tools or None, sampling, flag_field(body, "stream"),
                           "message.output_text.logprobs" in include, flag_field(body, "return_token_ids"), options,
                           no_ops=no_ops, prompt_field="input")
@@ -358,6 +333,13 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
 
 _HEAD = re.compile(r'<tool_call>[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")[ \t\n\r]*,'
                    r'[ \t\n\r]*"arguments"[ \t\n\r]*:[ \t\n\r]*(?=\{)')
+
+
+# each item kind's streamed events (response.<stem>.delta and .done), the field its .done names the whole text by,
+# and its id's prefix
+_STREAMED = {"message": ("output_text", "text", "msg"), "reasoning": ("reasoning_text", "text", "rs"),
+             "function_call": ("function_call_arguments", "arguments", "fc"),
+             "custom_tool_call": ("custom_tool_call_input", "input", "ctc")}
 
 
 @dataclass
@@ -518,8 +500,7 @@ def _parsed_layout(message: dict, custom: frozenset[str]) -> list[Item]:
 # ---- encoding: the output items, the Response, and its events ------------------------------------------
 
 def _item_id(kind: str, reply_id: str, index: int) -> str:
-    return f"{ {'reasoning': 'rs', 'message': 'msg', 'function_call': 'fc', 'custom_tool_call': 'ctc'}[kind]}" \
-           f"_{reply_id[5:]}_{index}"
+    return f"{_STREAMED[kind][2]}_{reply_id[5:]}_{index}"
 
 
 def _text_part(text: str, logprobs: list | None) -> dict:
@@ -629,14 +610,14 @@ class ResponsesStream(wires.LiveStream):
         """The events that take the items sent so far to `items` (done ones as `output` lists them, at the end)."""
         events, namespaces = [], self.request.namespaces
         for index, item in enumerate(items):
-            item_id = _item_id(item.kind, self.reply_id, index)
+            item_id, (stem, key, _) = _item_id(item.kind, self.reply_id, index), _STREAMED[item.kind]
+            where = {"item_id": item_id, "output_index": index, **({"content_index": 0} if key == "text" else {})}
             if index == len(self.sent):
                 events.append(self._event("response.output_item.added", output_index=index,
                                           item=_output_item(item, index, self.reply_id, namespaces, False)))
-                if item.kind in ("message", "reasoning"):
+                if key == "text":
                     part = _text_part("", None) if item.kind == "message" else {"type": "reasoning_text", "text": ""}
-                    events.append(self._event("response.content_part.added", item_id=item_id, output_index=index,
-                                              content_index=0, part=part))
+                    events.append(self._event("response.content_part.added", **where, part=part))
                 self.sent.append(Item(item.kind, "", False, name=item.name, call_id=item.call_id))
             sent = self.sent[index]
             if (sent.kind, sent.name, sent.call_id) != (item.kind, item.name, item.call_id) \
@@ -644,34 +625,18 @@ class ResponsesStream(wires.LiveStream):
                 raise RuntimeError(f"output item {index} was streamed as a {sent.kind} the finished reply does not "
                                    f"hold (a {item.kind}): the layout's partial and final views disagree")
             if len(item.text) > len(sent.text):
-                delta = item.text[len(sent.text):]
-                where = {"item_id": item_id, "output_index": index}
-                events.append(self._event("response.output_text.delta", **where, content_index=0, delta=delta,
-                                          logprobs=[]) if item.kind == "message" else
-                              self._event("response.reasoning_text.delta", **where, content_index=0, delta=delta)
-                              if item.kind == "reasoning" else
-                              self._event("response.function_call_arguments.delta", **where, delta=delta)
-                              if item.kind == "function_call" else
-                              self._event("response.custom_tool_call_input.delta", **where, delta=delta))
+                logprobs = {"logprobs": []} if item.kind == "message" else {}
+                events.append(self._event(f"response.{stem}.delta", **where, delta=item.text[len(sent.text):],
+                                          **logprobs))
                 sent.text = item.text
             if item.closed and not sent.closed:
                 done = output[index] if output is not None else \
                     _output_item(item, index, self.reply_id, namespaces, True)
-                where = {"item_id": item_id, "output_index": index}
-                if item.kind == "message":
-                    part = done["content"][0]
-                    events += [self._event("response.output_text.done", **where, content_index=0, text=item.text,
-                                           logprobs=part["logprobs"]),
-                               self._event("response.content_part.done", **where, content_index=0, part=part)]
-                elif item.kind == "reasoning":
-                    events += [self._event("response.reasoning_text.done", **where, content_index=0, text=item.text),
-                               self._event("response.content_part.done", **where, content_index=0,
-                                           part=done["content"][0])]
-                elif item.kind == "function_call":
-                    events.append(self._event("response.function_call_arguments.done", **where, name=item.name,
-                                              arguments=item.text))
-                else:
-                    events.append(self._event("response.custom_tool_call_input.done", **where, input=item.text))
+                extra = {"logprobs": done["content"][0]["logprobs"]} if item.kind == "message" else \
+                    {"name": item.name} if item.kind == "function_call" else {}
+                events.append(self._event(f"response.{stem}.done", **where, **{key: item.text}, **extra))
+                if key == "text":
+                    events.append(self._event("response.content_part.done", **where, part=done["content"][0]))
                 events.append(self._event("response.output_item.done", output_index=index, item=done))
                 sent.closed = True
         if output is not None and len(items) != len(self.sent):
