@@ -695,7 +695,8 @@ def test_an_image_in_a_tool_result_reaches_the_vlm_in_the_tool_turn_on_each_wire
         # the Responses wire: a function_call_output whose output is an input_image part
         info = loopback.create_session(sampling=sampling)
         client = openai_client(info)
-        first = client.responses.create(model="policy", input="Take a screenshot.", tools=[{"type": "function", **SHOT}],
+        first = client.responses.create(model="policy", input="Take a screenshot.",
+                                        tools=[{"type": "function", **SHOT}],
                                         tool_choice={"type": "function", "name": "screenshot"})
         second = client.responses.create(model="policy", previous_response_id=first.id, extra_body=extra,
                                          tools=[{"type": "function", **SHOT}], input=[{

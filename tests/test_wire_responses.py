@@ -280,7 +280,8 @@ def test_the_items_of_any_reply_echo_back_to_the_parsers_message():
     # a custom tool's call: its input is the JSON string the model sampled, decoded (armed: another input, another call)
     patch = '<tool_call>\n{"name": "patch", "arguments": {"input": "+a\\n\\"é"}}\n</tool_call>'
     _, custom, _, called = streamed_and_whole(ResponsesStream, tok, patch, (), "auto")
-    assert [(item["type"], item["name"], item["input"]) for item in custom] == [("custom_tool_call", "patch", '+a\n"é')]
+    assert [(item["type"], item["name"], item["input"]) for item in custom] == \
+        [("custom_tool_call", "patch", '+a\n"é')]
     assert decode_responses({"input": echo_items(custom)}, BASE, ResponseStore()).request.messages[1] == called
     assert decode_responses({"input": echo_items([{**custom[0], "input": '+a\n"e'}])}, BASE,
                             ResponseStore()).request.messages[1] != called

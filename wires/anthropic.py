@@ -91,7 +91,7 @@ def _tool_definition(tool: dict) -> str:
 
 def _tool_result_content(content, tools: dict[str, dict], where: str):
     """A tool_result's content as canonical content: its text and image blocks, and each run of tool_reference blocks
-    (a harness's tool search found these deferred tools) as one <functions> block of the referenced tools' definitions."""
+    (a harness's tool search found these deferred tools) as one <functions> block of those tools' definitions."""
     if content is None or isinstance(content, str):
         return content or ""
     require(isinstance(content, list), f"{where} must be a string or a list of text, image and tool_reference blocks")

@@ -86,10 +86,11 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     "tool_choice": (HONOURED, "auto; none (the tools stay in the prompt, no call is parsed, a one-token '<tool_call>' "
                               "is banned by a -inf logit bias); required and {'type': 'function', 'function': "
                               "{'name'}}: the server writes '<tool_call>\\n' as context and the call is masked to "
-                              "the tools' schemas; allowed_tools and custom tools are refused (the Responses wire serves custom tools)"),
+                              "the tools' schemas; allowed_tools and custom tools are refused (the Responses wire "
+                              "serves custom tools)"),
     "tools": (HONOURED, "function tools, rendered by the chat template; 'strict' is kept in the schema (a forced call "
-                        "is masked to it, an automatic one is parsed as written); custom tools are refused (the Responses wire "
-                        "serves them)"),
+                        "is masked to it, an automatic one is parsed as written); custom tools are refused (the "
+                        "Responses wire serves them)"),
     "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS}"),
     "verbosity": (NO_OP, "a hint to OpenAI's models with no counterpart in a chat template"),
     "web_search_options": (REFUSED, "no web search runs here; give the agent a search tool of its own"),
@@ -100,8 +101,8 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context and of "
                              "the rollout's budget (usage.rollout_budget says a cut)"),
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
-                           "tool_use, tool_result (text, image and tool_reference blocks), thinking and redacted_thinking "
-                           "blocks; a final assistant turn (prefill) is refused"),
+                           "tool_use, tool_result (text, image and tool_reference blocks), thinking and "
+                           "redacted_thinking blocks; a final assistant turn (prefill) is refused"),
     "cache_control": (NO_OP, f"{_CACHE} (on a system, message, tool_result or tool block as well)"),
     "container": (REFUSED, "no code-execution container runs here; run code in the agent's own tools"),
     "context_management": (NO_OP, "server-side context editing (clear_thinking, clear_tool_uses, compact): no edit is "
@@ -202,9 +203,9 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
     "tools": (HONOURED, "function tools, rendered by the chat template; namespace tools' functions under their own "
                         "names (a call names its namespace back; a name two tools share is refused); web_search, "
                         "file_search and tool_search are dropped (left out of the prompt, listed in the response's "
-                        "'dropped_tools': retrieval runs on OpenAI's servers, and the model answers without it); custom "
-                        "tools of format text, offered to the template as a function of one string 'input' (a call "
-                        "with exactly that argument is a custom_tool_call whose input is the string the model wrote; "
+                        "'dropped_tools': retrieval runs on OpenAI's servers, and the model answers without it); "
+                        "custom tools of format text, offered to the template as a function of one string 'input' "
+                        "(a call with exactly that argument is a custom_tool_call whose input is the string the model wrote; "
                         "a grammar format is refused: an automatic call is parsed as written, never masked); "
                         "code_interpreter, image_generation, mcp, computer, local_shell, shell, apply_patch "
                         "and programmatic tools are refused: the agent expects them run or called in a form this "

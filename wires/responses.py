@@ -121,8 +121,7 @@ CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "
 
 
 def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]]:
-    """(function schemas as the template renders them, namespaced name -> namespace, dropped hosted tools, the custom
-    tools' names)."""
+    """(function schemas as the template renders them, namespaced name -> namespace, dropped tools, custom tools)."""
     require(tools is None or isinstance(tools, list), "'tools' must be a list of tool objects")
     canonical, namespaces, dropped, custom = [], {}, [], set()
     for i, tool in enumerate(tools or []):
@@ -200,7 +199,7 @@ def _parts(content, where: str, role: str):
                    "input_file": "no file is read here: extract its text and send that",
                    "input_audio": "this model reads text and images, not audio"}.get(kind, "")
             raise WireError(400, f"{at}: a {role} message takes input_text, output_text and refusal parts"
-                                 f"{' and input_image' if role != 'assistant' else ''}, got {part!r:.80}"
+                                 f"{' and input_image' if role in ('user', 'tool') else ''}, got {part!r:.80}"
                                  + (f"; {why}" if why else ""))
     return join_parts(parts)
 
@@ -320,7 +319,8 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     mode, name = wires.tool_choice_of(choice, choice, TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
     sampling = sampling_from(base, body, max_tokens=number_field(body, "max_output_tokens", integer=True),
-                             top_logprobs=number_field(body, "top_logprobs", integer=True), constraint=forced or _text_format(object_field(body, "text")))
+                             top_logprobs=number_field(body, "top_logprobs", integer=True),
+                             constraint=forced or _text_format(object_field(body, "text")))
     request = WireRequest(messages, tools or None, sampling, flag_field(body, "stream"),
                           "message.output_text.logprobs" in include, flag_field(body, "return_token_ids"), options,
                           no_ops=no_ops, prompt_field="input")
@@ -409,13 +409,12 @@ def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, 
                     status=status)
     if close < 0 or call is None:
         return None
-    if (item := _custom_call(call, call_id, custom)) is not None:
-        return item
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
     if name is not None and (end := _object_end(text, _HEAD.match(text, at).end(), close)) is not None:
         raw = text[_HEAD.match(text, at).end():end]       # the object as sampled, when it is the parser's
         arguments = raw if arguments_from_json(raw) == call["arguments"] else arguments
-    return Item("function_call", arguments, True, name=call["name"], call_id=call_id)
+    return _custom_call(call, call_id, custom) or Item("function_call", arguments, True, name=call["name"],
+                                                       call_id=call_id)
 
 
 def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None = None,
