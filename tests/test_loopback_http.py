@@ -361,7 +361,7 @@ def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server
     before = trace(info)
     refused = {"n must be 1": dict(n=2), "'stop' must be a non-empty string": dict(stop=[""]),
                "needs 'logprobs'": dict(top_logprobs=2),
-               "'top_logprobs' must be an integer in": dict(logprobs=True, top_logprobs=21),
+               "top_logprobs must be an integer in": dict(logprobs=True, top_logprobs=21),
                "temperature must be a number in": dict(temperature=-1),
                "'temperature' must be a number": dict(temperature="hot"),
                "unsupported parameter": dict(extra_body={"best_of": 3}),
@@ -614,6 +614,116 @@ def test_images_reach_a_vision_language_model_on_both_wires_and_train_with_their
         assert trace(bad)["segments"] == []
     finally:
         loopback.stop()
+
+
+SHOT = {"name": "screenshot", "description": "Show the screen.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}
+
+
+def test_an_image_in_a_tool_result_reaches_the_vlm_in_the_tool_turn_on_each_wire_token_exact(server):
+    """A screenshot returned as a tool result (an OpenAI tool message's image_url part, an Anthropic tool_result's
+    image block, a Responses function_call_output's input_image) reaches the VLM in the tool turn, as the template
+    renders it: the engine's prompt ids are the canonical messages' rendering with the pad expanded by the processor,
+    the same on the three wires; the forced call and the reply after the image are each trainable once, in one row.
+    Traps: the image dropped, or written as text, renders other ids; another picture, other logprobs. A text-only
+    model refuses the image with a 400 and records nothing."""
+    tok, vlm = models.bpe_tokenizer(), models.tiny_model("qwen2_5_vl", seed=0)
+    processor = models.tiny_image_processor()
+    loopback = LoopbackServer(EmbeddedEngine(vlm, tokenizer=tok), tok, template=data.CHATML_TEMPLATE,
+                              image_processor=processor)
+    loopback.start()
+    red, blue = data_url((200, 30, 30)), data_url((30, 30, 200))
+    sampling = SamplingParams(max_tokens=30, seed=5)     # seeded: the same tokens on every wire
+    extra = {"return_token_ids": True}
+    ask = {"role": "user", "content": "Take a screenshot."}
+    try:
+        def openai_turns(picture: str):
+            info = loopback.create_session(sampling=sampling)
+            client = openai_client(info)
+            tools = [{"type": "function", "function": SHOT}]
+            call = client.chat.completions.create(model="policy", messages=[ask], tools=tools, extra_body=extra,
+                                                  tool_choice={"type": "function", "function": {"name": "screenshot"}})
+            assert call.choices[0].message.tool_calls[0].function.arguments == "{}"     # the forced call
+            shown = [ask, call.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.choices[0].message.tool_calls[0].id,
+                      "content": [{"type": "image_url", "image_url": {"url": picture}}]}]
+            after = client.chat.completions.create(model="policy", messages=shown, tools=tools, logprobs=True,
+                                                   extra_body=extra)
+            return info, call.model_extra, after.model_extra, [c.logprob for c in after.choices[0].logprobs.content]
+
+        info, call, after, logprobs = openai_turns(red)
+        canonical = [ask, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "screenshot", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "image_url", "image_url": {"url": red}}]}]
+        tools = [{"type": "function", "function": SHOT}]
+        pad = tok.convert_tokens_to_ids(data.IMAGE_PAD)
+        expected = data.expand_image_pads(data.render_prompt_ids(tok, canonical, tools, data.CHATML_TEMPLATE),
+                                          data.image_inputs(processor, [red]), pad)
+        assert expected.count(pad) == 4 and "<tool_response>\n<|vision_start|><|image_pad|>" in tok.decode(expected)
+        # sent as a first turn, the engine gets exactly that; as the next turn, the record's sampled ids, then the
+        # rendering of what the agent appended (encoded on its own: the record's last token is <|im_end|>)
+        fresh = openai_client(loopback.create_session(sampling=sampling)).chat.completions.create(
+            model="policy", messages=canonical, tools=[{"type": "function", "function": SHOT}], extra_body=extra)
+        assert fresh.model_extra["prompt_token_ids"] == expected
+        record = call["prompt_token_ids"] + call["token_ids"]
+        prompt = after["prompt_token_ids"]
+        assert prompt[:len(record)] == record and prompt[len(record):] == expected[len(expected) - len(prompt)
+                                                                                   + len(record):]
+        assert tok.decode(prompt) == tok.decode(expected)
+        for drop in ("", "[image]"):     # trap: the image dropped, or written as text, is another prompt
+            dropped = [*canonical[:2], {**canonical[2], "content": drop}]
+            assert data.render_prompt_ids(tok, dropped, tools, data.CHATML_TEMPLATE) != expected
+        assert logprobs != openai_turns(blue)[3]                  # trap: the pixels reach the model
+        record = trace(info)
+        assert len(record["segments"]) == 1 and record["segments"][0]["seal_reason"] == ""
+        assert trainable_ids(record) == call["token_ids"] + after["token_ids"]     # each sampled token once
+        # the Anthropic wire: a tool_result's base64 image block, the same prompt
+        info = loopback.create_session(sampling=sampling)
+        client = anthropic_client(info)
+        anthropic_tools = [{"name": "screenshot", "description": SHOT["description"],
+                            "input_schema": SHOT["parameters"]}]
+        first = client.messages.create(model="policy", max_tokens=30, messages=[ask], tools=anthropic_tools,
+                                       tool_choice={"type": "tool", "name": "screenshot"})
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": red.split(",")[1]}}
+        second = client.messages.create(model="policy", max_tokens=30, tools=anthropic_tools, extra_body=extra,
+                                        messages=[ask, {"role": "assistant", "content": first.model_dump()["content"]},
+                                                  {"role": "user", "content": [{
+                                                      "type": "tool_result", "tool_use_id": first.content[0].id,
+                                                      "content": [image]}]}])
+        assert second.model_extra["prompt_token_ids"] == prompt
+        assert trainable_ids(trace(info)) == call["token_ids"] + after["token_ids"]
+        # the Responses wire: a function_call_output whose output is an input_image part
+        info = loopback.create_session(sampling=sampling)
+        client = openai_client(info)
+        first = client.responses.create(model="policy", input="Take a screenshot.",
+                                        tools=[{"type": "function", **SHOT}],
+                                        tool_choice={"type": "function", "name": "screenshot"})
+        second = client.responses.create(model="policy", previous_response_id=first.id, extra_body=extra,
+                                         tools=[{"type": "function", **SHOT}], input=[{
+                                             "type": "function_call_output", "call_id": first.output[0].call_id,
+                                             "output": [{"type": "input_image", "image_url": red}]}])
+        assert second.model_extra["prompt_token_ids"] == prompt
+        assert trainable_ids(trace(info)) == call["token_ids"] + after["token_ids"]
+    finally:
+        loopback.stop()
+    # a text-only model: refused with the reason, on each wire, nothing recorded
+    info = server.create_session()
+    tool_turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "image_url", "image_url": {"url": red}}]}]
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        openai_client(info).chat.completions.create(model="policy", messages=tool_turn)
+    with pytest.raises(anthropic.BadRequestError, match="text-only"):
+        anthropic_client(info).messages.create(model="policy", max_tokens=5, messages=[
+            {"role": "user", "content": ASK},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "c", "name": "bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": [image]}]}])
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        openai_client(info).responses.create(model="policy", input=[
+            {"role": "user", "content": ASK}, {"type": "function_call", "call_id": "c", "name": "bash",
+                                              "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": red}]}])
+    assert trace(info)["segments"] == []
 
 
 @pytest.mark.parametrize("field, value", [("temperature", 1e-300), ("temperature", 2**63), ("top_p", 1e-46),

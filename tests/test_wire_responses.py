@@ -25,6 +25,7 @@ import models
 import wires
 from engines import Generation, SamplingParams, find_stop
 from engines import constraints
+from engines.harvest import ScriptEngine
 from loopback import LoopbackServer
 from router import EngineFailure
 from session import ChatSession
@@ -119,7 +120,10 @@ def test_codex_first_request_decodes():
     ({"input": [{"type": "item_reference", "id": "msg_x"}]}, "names no output item"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "items of hosted, MCP, shell"),
     ({"input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "run code"),
-    ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "declare a function tool"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch", "format": {
+        "type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]}, "no grammar can hold it"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "an image goes in a user message or a function_call_output"),
     ({"input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}, "tools": TOOLS},
      "send only the allowed tools"),
     ({"input": "hi", "tools": TOOLS + [{"type": "namespace", "name": "n", "description": "",
@@ -156,7 +160,10 @@ def test_a_session_keeps_its_last_stored_responses_and_nothing_when_store_is_fal
 FRAGMENTS = ["<think>", "</think>", "plan", "\n", "\n\n", " ", "Hi", "done.", "<", "<tool", "_call>", "<tool_call>",
              "</tool_call>", "</tool", '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>',
              '{"name": "bash", "arguments": ', '{"cmd": "a}b", "n": [1, {"x": 2}]}', "}", "\n}", '"', '\\"',
-             '{"name": 3}', '{"arguments": {"cmd": "pwd"}, "name": "bash"}', "STOP", "ST", "é", "x"]
+             '{"name": 3}', '{"arguments": {"cmd": "pwd"}, "name": "bash"}', "STOP", "ST", "é", "x",
+             '<tool_call>\n{"name": "patch", "arguments": {"input": "+a\\n\\"é"}}\n</tool_call>',
+             '{"name": "patch", "arguments": ', '{"input": "x"}', '{"input": 3}']
+PATCH = {"type": "custom", "name": "patch", "description": "Apply a patch.", "format": {"type": "text"}}
 
 
 def reply_of(text: str, tok, stops: tuple, opening: str = ""):
@@ -188,7 +195,8 @@ def assembled(events: list) -> list[dict]:
             texts[index] += event["delta"]
         elif name == "response.output_item.done":
             item = event["item"]
-            final = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+            final = item.get("arguments", item.get("input")) if item["type"].endswith("call") else \
+                item["content"][0]["text"]
             assert texts[index] == final, (texts[index], final)
             items[index] = item
             done.add(index)
@@ -198,7 +206,7 @@ def assembled(events: list) -> list[dict]:
 
 def streamed_and_whole(stream_class, tok, text: str, stops: tuple, choice: str):
     opening = CALL_OPENING if choice == "required" else ""
-    body = {"input": "x", "tools": TOOLS, "tool_choice": choice, "stream": True}
+    body = {"input": "x", "tools": TOOLS + [PATCH], "tool_choice": choice, "stream": True}
     request = decode_responses(body, SamplingParams(max_tokens=16, stop=stops), ResponseStore())
     stream, live = stream_class(request, tok, "m", "resp_0", ResponseStore()), LiveText(tok, stops, opening)
     ids, reply = reply_of(text, tok, stops, opening)
@@ -222,8 +230,8 @@ class EagerStream(ResponsesStream):
     def push(self, live, token_id, call_prefix):
         live.push(token_id)
         text = live.settled()
-        return self._events(layout(text, self.calls_parsed, call_prefix, parse_hermes_tool_calls(text, call_prefix)),
-                            None)
+        return self._events(layout(text, self.calls_parsed, call_prefix, parse_hermes_tool_calls(text, call_prefix),
+                                   custom=self.request.custom), None)
 
 
 def first_mismatch(stream_class, tok, replies: int):
@@ -269,6 +277,14 @@ def test_the_items_of_any_reply_echo_back_to_the_parsers_message():
                               (2, "arguments", '{"cmd": "pwd"}')]:
         changed = [{**item, key: value} if i == index else item for i, item in enumerate(whole)]
         assert decode_responses({"input": echo_items(changed)}, BASE, ResponseStore()).request.messages[1] != message
+    # a custom tool's call: its input is the JSON string the model sampled, decoded (armed: another input, another call)
+    patch = '<tool_call>\n{"name": "patch", "arguments": {"input": "+a\\n\\"é"}}\n</tool_call>'
+    _, custom, _, called = streamed_and_whole(ResponsesStream, tok, patch, (), "auto")
+    assert [(item["type"], item["name"], item["input"]) for item in custom] == \
+        [("custom_tool_call", "patch", '+a\n"é')]
+    assert decode_responses({"input": echo_items(custom)}, BASE, ResponseStore()).request.messages[1] == called
+    assert decode_responses({"input": echo_items([{**custom[0], "input": '+a\n"e'}])}, BASE,
+                            ResponseStore()).request.messages[1] != called
     foreign = [{**whole[0], "encrypted_content": "gAAAAABo" + whole[0]["encrypted_content"][14:]}, *whole[1:]]
     with pytest.raises(WireError, match="not written by this server"):
         decode_responses({"input": echo_items(foreign)}, BASE, ResponseStore())
@@ -350,6 +366,30 @@ def tool_conversation(info, stream: bool = False):
     second = sdk.responses.create(**{**ask, "input": [
         {"role": "user", "content": "List files."}, *[item.model_dump(exclude_none=True) for item in first.output],
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "a.txt"}]})
+    return first, second, kinds
+
+
+PATCH_INPUT = '*** Begin Patch\n+é "x"\n*** End Patch'
+PATCH_CALL = '<tool_call>\n{"name": "patch", "arguments": ' + json.dumps({"input": PATCH_INPUT}, ensure_ascii=False) + \
+    '}\n</tool_call>'
+
+
+def custom_conversation(info, stream: bool = False, edit: str | None = None):
+    """Ask for a patch with the custom tool; run the call; echo its custom_tool_call item (its input replaced by `edit`)
+    and the call's custom_tool_call_output."""
+    sdk = client(info)
+    ask = dict(model="policy", input="Fix a.txt.", tools=[PATCH], extra_body={"return_token_ids": True})
+    if stream:
+        with sdk.responses.stream(**ask) as events:
+            kinds = [event.type for event in events]
+            first = events.get_final_response()
+    else:
+        first, kinds = sdk.responses.create(**ask), []
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    items[-1]["input"] = items[-1].get("input") if edit is None else edit
+    second = sdk.responses.create(**{**ask, "input": [
+        {"role": "user", "content": "Fix a.txt."}, *items,
+        {"type": "custom_tool_call_output", "call_id": items[-1].get("call_id"), "output": "Patched a.txt."}]})
     return first, second, kinds
 
 
@@ -451,6 +491,40 @@ def test_a_tool_call_and_its_echo_with_the_output_extend_the_record(tutor, strea
                                        {"type": "function_call_output", "call_id": items[-1]["call_id"],
                                         "output": "a.txt"}])
     assert segments(edited) == ["non_extension", ""]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_custom_tool_call_returns_the_sampled_input_and_its_echo_with_the_output_extends(stream):
+    """The model is offered the custom tool as a function of one string `input` (a scripted engine writes its call);
+    the call comes back as a custom_tool_call whose input is, byte for byte, the JSON string it sampled (read here from
+    the sampled ids themselves), and the echo with custom_tool_call_output extends the record. Armed: a parse that kept
+    the JSON escapes, or trimmed the input, is not what was sampled; an echo with another input seals."""
+    tok = models.bpe_tokenizer()
+    engine = ScriptEngine(tok)
+    server = LoopbackServer(engine, tok, template=data.CHATML_TEMPLATE)
+    server.start()
+    try:
+        engine.replies = [PATCH_CALL, "Applied the patch.", PATCH_CALL, "Applied."]
+        info, edited = server.create_session(sampling=GREEDY), server.create_session(sampling=GREEDY)
+        first, second, kinds = custom_conversation(info, stream)
+        custom_conversation(edited, edit=PATCH_INPUT.replace("é", "e"))
+        assert segments(info) == [""] and segments(edited) == ["non_extension", ""]   # the echo extends; an edit seals
+        assert trainable_ids(trace(info)) == first.model_extra["token_ids"] + second.model_extra["token_ids"]
+    finally:
+        server.stop()
+    prompt = tok.decode(first.model_extra["prompt_token_ids"])
+    assert '{"type": "function", "function": {"name": "patch", "description": "Apply a patch.", "parameters": ' \
+           '{"type": "object", "properties": {"input": {"type": "string"}}' in prompt      # how the model is told
+    call = first.output[-1]
+    assert (call.type, call.name, call.status) == ("custom_tool_call", "patch", "completed")
+    sampled = tok.decode(first.model_extra["token_ids"], skip_special_tokens=True)
+    written = json.loads(sampled[sampled.index("{"):sampled.rindex("}") + 1])["arguments"]["input"]
+    assert call.input == written == PATCH_INPUT and second.output_text == "Applied the patch."
+    for corrupted in (json.dumps(written, ensure_ascii=False)[1:-1], written.strip("*\n ")):
+        assert corrupted != written
+    if stream:
+        assert kinds.count("response.custom_tool_call_input.delta") == 1 and \
+            "response.custom_tool_call_input.done" in kinds
 
 
 def test_a_reasoning_item_echoed_with_its_encrypted_content_extends(tutor):

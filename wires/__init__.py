@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
-from engines import MAX_TOP_LOGPROBS, Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
+from engines import Generation, IncrementalText, SamplingParams, find_stop, validate_sampling
 from engines import constraints
 from invariants import MAX_ABS_LOGIT_BIAS, Sampling
 from wires.params import NO_OP, OPENAI_FIELDS, REFUSED
@@ -458,6 +458,14 @@ def response_format_kind(value) -> str | None:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
+def effort_kwargs(body: dict, effort, where: str) -> dict:
+    """A reasoning effort's template switches: 'none' turns thinking off, another on (the template reads it too)."""
+    require(effort is None or effort in REASONING_EFFORTS,
+            f"{where} must be one of {list(REASONING_EFFORTS)}, got {effort!r:.40}")
+    return template_kwargs_of(body, None if effort is None else effort != "none",
+                              {} if effort is None else {"reasoning_effort": effort})
+
+
 def _openai_content(content, where: str):
     if content is None or isinstance(content, str):
         return content
@@ -484,9 +492,9 @@ def _openai_message(message, where: str) -> dict:
         return {"role": "system", "content": text_only(content, f"{where}.content")}
     if role == "user":
         return {"role": "user", "content": content if content is not None else ""}
-    if role == "tool":
-        return {"role": "tool", "content": text_only(content, f"{where}.content"),
-                "tool_call_id": message.get("tool_call_id")}
+    if role == "tool":          # a tool result's images reach a VLM in the tool turn, as its template renders them
+        require(content is not None, f"{where}.content must be a string or a list of text and image_url parts")
+        return {"role": "tool", "content": content, "tool_call_id": message.get("tool_call_id")}
     require(role == "assistant", f"{where}.role must be system, developer, user, assistant or tool, got {role!r:.40}"
                                  + ("; 'function' messages go with the deprecated 'functions': send tool messages"
                                     if role == "function" else ""))
@@ -509,10 +517,8 @@ def _openai_tools(tools) -> list[dict]:
     canonical = []
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}"
-                                            + ("; custom (free-form or grammar) tools are not served: declare a "
-                                               "function tool with a JSON schema" if isinstance(tool, dict)
-                                               and tool.get("type") == "custom" else ""))
+        require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}: "
+                                            f"declare a function tool (custom tools are served on the Responses wire)")
         canonical.append(function_tool(function.get("name"), function.get("description"),
                                         function.get("parameters"), f"tools[{i}].function", function.get("strict")))
     return canonical
@@ -530,16 +536,10 @@ def decode_openai(body: dict, base: SamplingParams) -> WireRequest:
     top_logprobs = number_field(body, "top_logprobs", integer=True)
     require(top_logprobs in (None, 0) or body.get("logprobs") is True,
             "'top_logprobs' needs 'logprobs': true (as on the OpenAI API)")
-    require(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
-            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     messages = body.get("messages")
     require(isinstance(messages, list) and messages, "'messages' must be a non-empty list of {role, content} objects")
     tools = _openai_tools(body.get("tools")) or None
-    effort = body.get("reasoning_effort")
-    require(effort is None or effort in REASONING_EFFORTS,
-            f"'reasoning_effort' must be one of {list(REASONING_EFFORTS)}, got {effort!r:.40}")
-    kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
-                              {} if effort is None else {"reasoning_effort": effort})
+    kwargs = effort_kwargs(body, body.get("reasoning_effort"), "'reasoning_effort'")
     choice = body.get("tool_choice")
     mode, name = tool_choice_of(choice, choice.get("function") if isinstance(choice, dict) else None,
                                 OPENAI_TOOL_CHOICE)
@@ -817,8 +817,7 @@ class OpenAIStream(LiveStream):
                    for i, call in enumerate(_openai_tool_calls(turn.message))]
         logprobs = openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
         finish = wire_finish_reason(turn, OPENAI_FINISH)
-        if self.request.include_usage:
-            return events + [self._chunk({}, finish, logprobs, **token_extras(turn, self.request)),
-                             self._chunk(None, usage=_openai_usage(turn))]
-        return events + [self._chunk({}, finish, logprobs, usage=_openai_usage(turn),
-                                     **token_extras(turn, self.request))]
+        usage = {"usage": _openai_usage(turn)}       # in a last chunk of its own when include_usage asks for one
+        last = [self._chunk(None, **usage)] if self.request.include_usage else []
+        return events + [self._chunk({}, finish, logprobs, **({} if last else usage),
+                                     **token_extras(turn, self.request))] + last

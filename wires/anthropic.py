@@ -4,10 +4,10 @@
 # Owns: decoding an Anthropic messages request (every field as wire_params.ANTHROPIC_FIELDS decides; count_tokens's
 # as ANTHROPIC_COUNT_FIELDS) into the canonical request the chat and Responses wires decode to (`wires.WireRequest`),
 # so token accounting does not depend on the wire: the system text, user turns with images and documents, tool_result
-# blocks as tool messages, client tools, tool_choice, thinking and output_config; encoding a finished `wires.ChatTurn`
-# as a message, whole (`anthropic_reply`) or as the server-sent events the SDKs and Claude Code parse
-# (`AnthropicStream`), its usage naming the prompt tokens the engine took from its prefix cache as Anthropic does
-# (cache_read_input_tokens, apart from input_tokens).
+# blocks (text, images, tool references) as tool messages, client tools, tool_choice, thinking and output_config;
+# encoding a finished `wires.ChatTurn` as a message, whole (`anthropic_reply`) or as the server-sent events the SDKs
+# and Claude Code parse (`AnthropicStream`), its usage naming the prompt tokens the engine took from its prefix cache
+# as Anthropic does (cache_read_input_tokens, apart from input_tokens).
 # Thinking: a reply that opens with <think>...</think> is a thinking block, whose signature carries the opening exactly
 # as sampled (wires.split_thinking, wires.opening_signature: the Responses wire's reasoning item carries the same),
 # and a text block. Echoed, they decode back to that text byte for byte, so the echo extends the record (invariant
@@ -89,12 +89,12 @@ def _tool_definition(tool: dict) -> str:
                                       "parameters": function.get("parameters", {})}, ensure_ascii=False) + "</function>"
 
 
-def _tool_result_text(content, tools: dict[str, dict], where: str) -> str:
-    """A tool_result's content as text: its text blocks, and each run of tool_reference blocks (a harness's tool search
-    found these deferred tools) as one <functions> block holding the referenced tools' definitions."""
+def _tool_result_content(content, tools: dict[str, dict], where: str):
+    """A tool_result's content as canonical content: its text and image blocks, and each run of tool_reference blocks
+    (a harness's tool search found these deferred tools) as one <functions> block of those tools' definitions."""
     if content is None or isinstance(content, str):
         return content or ""
-    require(isinstance(content, list), f"{where} must be a string or a list of text and tool_reference blocks")
+    require(isinstance(content, list), f"{where} must be a string or a list of text, image and tool_reference blocks")
     parts, references = [], []
     for j, block in enumerate([*content, None]):
         if isinstance(block, dict) and block.get("type") == "tool_reference":
@@ -105,11 +105,13 @@ def _tool_result_text(content, tools: dict[str, dict], where: str) -> str:
             references.append(_tool_definition(tools[name]))
             continue
         if references:
-            parts.append("<functions>\n" + "\n".join(references) + "\n</functions>")
+            parts.append({"type": "text", "text": "<functions>\n" + "\n".join(references) + "\n</functions>"})
             references = []
-        if block is not None:
-            parts.append(_anthropic_text([block], f"{where}[{j}]"))
-    return "".join(parts)
+        if isinstance(block, dict) and block.get("type") == "image":
+            parts.append(_anthropic_image(block, f"{where}[{j}]"))
+        elif block is not None:
+            parts.append({"type": "text", "text": _anthropic_text([block], f"{where}[{j}]")})
+    return join_parts(parts)
 
 
 def _thought_text(block: dict, where: str) -> str:
@@ -157,7 +159,7 @@ def _anthropic_messages(message, where: str, tools: dict[str, dict]) -> list[dic
             if parts:               # keep the order: text before a tool result is its own user turn
                 out.append({"role": "user", "content": join_parts(parts)})
                 parts = []
-            out.append({"role": "tool", "content": _tool_result_text(block.get("content"), tools, f"{at}.content"),
+            out.append({"role": "tool", "content": _tool_result_content(block.get("content"), tools, f"{at}.content"),
                         "tool_call_id": block.get("tool_use_id")})
         else:
             takes = "text, image, document and tool_result" if role == "user" else \
@@ -240,7 +242,7 @@ def _output_format(config: dict) -> str | None:
 
 def _referenced_chars(messages: list, tools: dict[str, dict]) -> int:
     """The characters the tool_reference blocks of tool results will expand to: each named tool's definition, once
-    per reference (what _tool_result_text builds), read from the request's structure before anything is built."""
+    per reference (what _tool_result_content builds), read from the request's structure before anything is built."""
     names = [block["tool_name"]
              for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
              for result in message["content"] if isinstance(result, dict) and result.get("type") == "tool_result"
@@ -278,8 +280,7 @@ def decode_anthropic(body: dict, base: SamplingParams, bound: TextBound | None =
     kwargs = template_kwargs_of(body, enable_thinking, {})
     mode, name, parallel = _anthropic_tool_choice(body.get("tool_choice"))
     options, forced = tool_options_of(mode, name, tools, parallel, kwargs, deferred)
-    require(body.get("context_management") is None or isinstance(body["context_management"], dict),
-            f"'context_management' must be an object {{'edits': [...]}}, got {body.get('context_management')!r:.60}")
+    object_field(body, "context_management")         # an object, or absent; no edit is applied (wires/params.py)
     sampling = sampling_from(base, body, max_tokens=max_tokens,
                              stop=stop_strings_field(body.get("stop_sequences"), "stop_sequences"),
                              constraint=forced or _output_format(object_field(body, "output_config")))

@@ -51,7 +51,8 @@ _OPENAI_SHARED: dict[str, tuple[str, str]] = {
     "user": (NO_OP, "an end-user id for abuse monitoring"),
 }
 OPENAI_FIELDS: dict[str, tuple[str, str]] = {
-    "messages": (HONOURED, "system, developer, user, assistant and tool messages; text and image_url parts"),
+    "messages": (HONOURED, "system, developer, user, assistant and tool messages; text and image_url parts (a tool "
+                           "message's images reach a VLM in the tool turn; a text-only model refuses them)"),
     "audio": (REFUSED, "this server writes text, not audio; leave 'audio' out"),
     "frequency_penalty": (HONOURED, "logit -= f * (the id's count in the reply so far); 0 off; recorded per token"),
     "function_call": (REFUSED, "the deprecated form of tool_choice: send tool_choice 'auto', 'none', 'required' or "
@@ -85,9 +86,11 @@ OPENAI_FIELDS: dict[str, tuple[str, str]] = {
     "tool_choice": (HONOURED, "auto; none (the tools stay in the prompt, no call is parsed, a one-token '<tool_call>' "
                               "is banned by a -inf logit bias); required and {'type': 'function', 'function': "
                               "{'name'}}: the server writes '<tool_call>\\n' as context and the call is masked to "
-                              "the tools' schemas; allowed_tools and custom tools are refused"),
+                              "the tools' schemas; allowed_tools and custom tools are refused (the Responses wire "
+                              "serves custom tools)"),
     "tools": (HONOURED, "function tools, rendered by the chat template; 'strict' is kept in the schema (a forced call "
-                        "is masked to it, an automatic one is parsed as written); custom tools are refused"),
+                        "is masked to it, an automatic one is parsed as written); custom tools are refused (the "
+                        "Responses wire serves them)"),
     "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS}"),
     "verbosity": (NO_OP, "a hint to OpenAI's models with no counterpart in a chat template"),
     "web_search_options": (REFUSED, "no web search runs here; give the agent a search tool of its own"),
@@ -98,8 +101,8 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
     "max_tokens": (HONOURED, "the most tokens sampled (required), at most the rest of the session's context and of "
                              "the rollout's budget (usage.rollout_budget says a cut)"),
     "messages": (HONOURED, "user, assistant and system turns; text, image, document (plain text or content), "
-                           "tool_use, tool_result (text and tool_reference blocks), thinking and redacted_thinking "
-                           "blocks; a final assistant turn (prefill) is refused"),
+                           "tool_use, tool_result (text, image and tool_reference blocks), thinking and "
+                           "redacted_thinking blocks; a final assistant turn (prefill) is refused"),
     "cache_control": (NO_OP, f"{_CACHE} (on a system, message, tool_result or tool block as well)"),
     "container": (REFUSED, "no code-execution container runs here; run code in the agent's own tools"),
     "context_management": (NO_OP, "server-side context editing (clear_thinking, clear_tool_uses, compact): no edit is "
@@ -155,9 +158,11 @@ ANTHROPIC_FIELDS: dict[str, tuple[str, str]] = {
 RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
     "input": (HONOURED, "a string (one user message) or items: user, system, developer and assistant messages (text, "
                         "output_text and refusal parts; images as input_image URLs), function_call and "
-                        "function_call_output, reasoning (its encrypted_content carries the thought as sampled) and "
-                        "item_reference (an output item of a response this session stored); consecutive assistant "
-                        "output items are one assistant turn; other items (hosted tools', custom tools') are refused"),
+                        "custom_tool_call, function_call_output and custom_tool_call_output (text, or input_text and "
+                        "input_image parts: a VLM sees the images in the tool turn), reasoning (its encrypted_content "
+                        "carries the thought as sampled) and item_reference (an output item of a response this "
+                        "session stored); consecutive assistant output items are one assistant turn; other items "
+                        "(hosted tools') are refused"),
     "instructions": (HONOURED, "a system message before the input (not carried over by previous_response_id)"),
     "access_programs": (NO_OP, "an OpenAI access program; one policy serves every request alike"),
     "background": (HONOURED, "false only: a response is generated while its request waits; true is refused (no "
@@ -199,7 +204,10 @@ RESPONSES_FIELDS: dict[str, tuple[str, str]] = {
                         "names (a call names its namespace back; a name two tools share is refused); web_search, "
                         "file_search and tool_search are dropped (left out of the prompt, listed in the response's "
                         "'dropped_tools': retrieval runs on OpenAI's servers, and the model answers without it); "
-                        "code_interpreter, image_generation, mcp, computer, local_shell, shell, apply_patch, custom "
+                        "custom tools of format text, offered to the template as a function of one string 'input' "
+                        "(a call with exactly that argument is a custom_tool_call whose input is the string the model wrote; "
+                        "a grammar format is refused: an automatic call is parsed as written, never masked); "
+                        "code_interpreter, image_generation, mcp, computer, local_shell, shell, apply_patch "
                         "and programmatic tools are refused: the agent expects them run or called in a form this "
                         "server's model does not write (declare a function tool)"),
     "top_logprobs": (HONOURED, f"the k most likely tokens of each step, k <= {MAX_TOP_LOGPROBS} (returned with "

@@ -8,11 +8,13 @@
 # Layout: a reply is read from its text as sampled (`ChatTurn.text`) and the parser's message. A reply that opens with
 # <think>...</think> is a reasoning item whose encrypted_content carries the opening exactly as sampled (the Anthropic
 # wire's thinking signature), then a message item with the text before the first tool call, then one function_call
-# item per <tool_call> block, then a message with any text after the calls. Echoed back as input items, consecutive
-# assistant output items (reasoning, messages, calls) merge into one canonical assistant message, exactly the shape
-# wires.parse_hermes_tool_calls returned (text concatenated, calls with their ids), so the echo compares equal and
-# extends the record (invariant 1). A reasoning item's opening holds the whitespace after </think> only when text
-# follows it (before a call the parser drops it: the reply's text is then the message's, whitespace first).
+# item per <tool_call> block (a custom tool's call with one string `input`: a custom_tool_call item, its input that
+# string, sent whole once its block has closed), then a message with any text after the calls. Echoed back as input
+# items, consecutive assistant output items (reasoning, messages, calls) merge into one canonical assistant message,
+# exactly the shape wires.parse_hermes_tool_calls returned (text concatenated, calls with their ids), so the echo
+# compares equal and extends the record (invariant 1). A reasoning item's opening holds the whitespace after </think>
+# only when text follows it (before a call the parser drops it: the reply's text is then the message's, whitespace
+# first).
 # Streaming sends text, thoughts and call arguments as their tokens are sampled, but only what the finished reply is
 # sure to hold: a call's item opens once its block shows `{"name": "...", "arguments": {`, its arguments then stream as
 # the raw sampled JSON (never past the object's closing brace, nor into what may be '</tool_call>'), and that raw text
@@ -32,12 +34,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import wires
-from engines import MAX_TOP_LOGPROBS, IncrementalText, SamplingParams
+from engines import IncrementalText, SamplingParams
 from wires.params import RESPONSES_FIELDS
 from wires import (THINK_CLOSE, THINK_OPEN, ChatTurn, TextBound, WireError, WireRequest, arguments_from_json,
                    assistant_message, check_fields, flag_field, function_call_record, function_tool, join_parts,
                    number_field, object_field, opening_signature, partial_suffix, require,
-                   response_format_kind, sampling_from, signed_opening, split_thinking, template_kwargs_of, text_chars,
+                   response_format_kind, sampling_from, signed_opening, split_thinking, text_chars,
                    text_only, token_extras, tool_options_of)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -94,6 +96,7 @@ class ResponsesRequest:
     body: dict                     # the request as sent (a Response echoes its settings)
     history: list[dict]            # the canonical messages without the instructions (what a stored response keeps)
     namespaces: dict[str, str] = field(default_factory=dict)   # a namespaced function's name -> its namespace
+    custom: frozenset[str] = frozenset()                        # the custom (free-form text) tools' names
     dropped_tools: list[str] = field(default_factory=list)     # hosted tools left out of the prompt
     store: bool = True
 
@@ -102,40 +105,43 @@ DROPPED_TOOLS = ("web_search", "web_search_2025_08_26", "web_search_preview", "w
                  "file_search", "tool_search")
 REFUSED_TOOLS = {
     "code_interpreter": "it would run code on OpenAI's servers", "image_generation": "this model writes text",
-    "mcp": "this server reaches no MCP server", "computer": "the client runs it through computer_call items",
-    "computer_use_preview": "the client runs it through computer_call items",
-    "local_shell": "the client runs it through local_shell_call items",
-    "shell": "the client runs it through shell_call items", "apply_patch": "the client runs it through "
-                                                                           "apply_patch_call items",
-    "custom": "a custom (free-form or grammar) tool takes text this server does not parse",
-    "programmatic_tool_calling": "no program runs tools here"}
+    "mcp": "this server reaches no MCP server", "programmatic_tool_calling": "no program runs tools here",
+    **{kind: f"the client runs it through {items} items" for kind, items in [
+        ("computer", "computer_call"), ("computer_use_preview", "computer_call"), ("local_shell", "local_shell_call"),
+        ("shell", "shell_call"), ("apply_patch", "apply_patch_call")]}}
 INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
               "reasoning.encrypted_content", "message.output_text.logprobs")
-HOSTED_ITEMS = ("file_search_call", "computer_call", "computer_call_output", "web_search_call", "tool_search_call",
-                "tool_search_output", "additional_tools", "configuration_update", "compaction", "image_generation_call",
-                "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call",
-                "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_list_tools",
-                "mcp_approval_request", "mcp_approval_response", "mcp_call", "custom_tool_call",
-                "custom_tool_call_output", "compaction_trigger", "program", "program_output")
+# A custom tool (free-form text in, as Codex's apply_patch) is offered to the template as a function of one string
+# parameter, `input`; a call to it that the parser reads with exactly that argument is a custom_tool_call item whose
+# input is that string (the JSON string the model sampled, decoded), and an echoed one is that call again. A grammar
+# format is refused: an automatic call is parsed as written, never masked, so no grammar could hold its input.
+CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                "additionalProperties": False}
 
 
-def _tools(tools) -> tuple[list[dict], dict[str, str], list[str]]:
-    """(function schemas as the template renders them, namespaced name -> namespace, dropped hosted tools)."""
+def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]]:
+    """(function schemas as the template renders them, namespaced name -> namespace, dropped tools, custom tools)."""
     require(tools is None or isinstance(tools, list), "'tools' must be a list of tool objects")
-    canonical, namespaces, dropped = [], {}, []
+    canonical, namespaces, dropped, custom = [], {}, [], set()
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
             canonical.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                             f"tools[{i}]", tool.get("strict")))
+        elif kind == "custom":
+            require(tool.get("format") in (None, {"type": "text"}),
+                    f"tools[{i}] (custom): the format {tool.get('format')!r:.60} is refused (the model writes the "
+                    f"input as a JSON string, parsed as written, never masked: no grammar can hold it); send format "
+                    f"{{'type': 'text'}} and check the input in the agent, or a function tool with a JSON schema")
+            canonical.append(function_tool(tool.get("name"), tool.get("description"), CUSTOM_INPUT, f"tools[{i}]"))
+            custom.add(tool["name"])
         elif kind == "namespace":
             require(isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list),
                     f"tools[{i}] (namespace) needs a string 'name' and a list of 'tools'")
             for j, function in enumerate(tool["tools"]):
                 require(isinstance(function, dict) and function.get("type") == "function",
-                        f"tools[{i}].tools[{j}] must be a function tool ({REFUSED_TOOLS['custom']}: declare a "
-                        f"function tool with a JSON schema)")
+                        f"tools[{i}].tools[{j}] must be a function tool")
                 canonical.append(function_tool(function.get("name"), function.get("description"),
                                                 function.get("parameters"), f"tools[{i}].tools[{j}]",
                                                 function.get("strict")))
@@ -151,12 +157,12 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str]]:
     clash = sorted({n for n in names if names.count(n) > 1})
     require(not clash, f"tools: {clash} name more than one function (a namespace's functions are offered under their "
                        f"own names); rename one")
-    return canonical, namespaces, dropped
+    return canonical, namespaces, dropped, frozenset(custom)
 
 
 TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'name': <a tool's name>} (for allowed_tools, "
-               "send only the allowed tools in 'tools'; hosted, MCP, custom, shell and apply_patch tools are not "
-               "served)")
+               "send only the allowed tools in 'tools'; choices of hosted, MCP, custom, shell and apply_patch tools "
+               "are not served)")
 
 
 def _text_format(text: dict) -> str | None:
@@ -173,15 +179,6 @@ def _text_format(text: dict) -> str | None:
     return response_format_kind(form)
 
 
-def _reasoning(reasoning: dict) -> str | None:
-    require(set(reasoning) <= {"effort", "summary", "generate_summary", "context", "mode"},
-            f"'reasoning' takes effort, summary, generate_summary, context and mode, got {sorted(reasoning)}")
-    effort = reasoning.get("effort")
-    require(effort is None or effort in wires.REASONING_EFFORTS,
-            f"reasoning.effort must be one of {list(wires.REASONING_EFFORTS)}, got {effort!r:.40}")
-    return effort
-
-
 def _parts(content, where: str, role: str):
     """A message's content (a string or parts) -> canonical content: text, or parts when it holds images."""
     if isinstance(content, str):
@@ -194,15 +191,15 @@ def _parts(content, where: str, role: str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
-        elif kind == "input_image" and role == "user" and isinstance(part.get("image_url"), str):
+        elif kind == "input_image" and role in ("user", "tool") and isinstance(part.get("image_url"), str):
             parts.append({"type": "image", "image": part["image_url"]})
         else:
-            why = {"input_image": "an image goes in a user message, as 'image_url' (a URL or data URL; a file_id "
-                                  "names an upload this server does not have)",
+            why = {"input_image": "an image goes in a user message or a function_call_output, as 'image_url' (a "
+                                  "URL or data URL; a file_id names an upload this server does not have)",
                    "input_file": "no file is read here: extract its text and send that",
                    "input_audio": "this model reads text and images, not audio"}.get(kind, "")
             raise WireError(400, f"{at}: a {role} message takes input_text, output_text and refusal parts"
-                                 f"{' and input_image' if role == 'user' else ''}, got {part!r:.80}"
+                                 f"{' and input_image' if role in ('user', 'tool') else ''}, got {part!r:.80}"
                                  + (f"; {why}" if why else ""))
     return join_parts(parts)
 
@@ -242,17 +239,17 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
             item = referenced
         require(isinstance(item, dict), f"{where} must be an input item object")
         kind, role = item.get("type", "message"), item.get("role")
-        if kind in ("reasoning", "function_call") or (kind == "message" and role == "assistant"):
+        if kind in ("reasoning", "function_call", "custom_tool_call") or (kind == "message" and role == "assistant"):
             turn_open = True
             if kind == "reasoning":
                 texts.append(_reasoning_text(item, where))
-            elif kind == "function_call":
-                require(isinstance(item.get("name"), str) and isinstance(item.get("arguments"), str)
-                        and isinstance(item.get("call_id"), str),
-                        f"{where} (function_call) needs a string 'call_id', 'name' and 'arguments' (a JSON string)")
+            elif kind in ("function_call", "custom_tool_call"):       # arguments: a JSON string; input: the text
+                key = "arguments" if kind == "function_call" else "input"
+                require(all(isinstance(item.get(k), str) for k in ("call_id", "name", key)),
+                        f"{where} ({kind}) needs a string 'call_id', 'name' and '{key}'")
                 if item.get("status") != "incomplete":      # a block that never became a call: its text is a message's
-                    calls.append(function_call_record(item["call_id"], item["name"],
-                                                      arguments_from_json(item["arguments"])))
+                    calls.append(function_call_record(item["call_id"], item["name"], {"input": item["input"]}
+                                                      if key == "input" else arguments_from_json(item["arguments"])))
             else:
                 texts.append(text_only(_parts(item.get("content"), where, "assistant"), f"{where}.content"))
             continue
@@ -265,17 +262,15 @@ def _input_messages(items, store: ResponseStore) -> list[dict]:
             content = _parts(item.get("content"), where, role)
             out.append({"role": "user", "content": content} if role == "user" else
                        {"role": "system", "content": text_only(content, f"{where}.content")})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            require(isinstance(item.get("call_id"), str), f"{where} (function_call_output) needs a string 'call_id'")
-            text = output if isinstance(output, str) else _parts(output, f"{where}.output", "tool")
-            out.append({"role": "tool", "content": text_only(text, f"{where}.output"),
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            require(isinstance(item.get("call_id"), str), f"{where} ({kind}) needs a string 'call_id'")
+            out.append({"role": "tool", "content": _parts(item.get("output"), f"{where}.output", "tool"),
                         "tool_call_id": item["call_id"]})
         else:
-            require(False, f"{where}: a {kind!r:.40} item is not served here"
-                           + (" (items of hosted, MCP, shell, custom and other tools this server does not run)"
-                              if kind in HOSTED_ITEMS else "")
-                           + "; send message, function_call, function_call_output, reasoning or item_reference items")
+            require(False, f"{where}: a {kind!r:.40} item is not served here (nor any other items of hosted, MCP, "
+                           f"shell and other tools this server does not run); send message, function_call, "
+                           f"function_call_output, custom_tool_call, custom_tool_call_output, reasoning or "
+                           f"item_reference items")
     if turn_open:
         out.append(assistant_message("".join(texts), calls))
     return out
@@ -305,9 +300,6 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
     require(set(object_field(body, "stream_options")) <= {"include_obfuscation"}, "'stream_options' takes "
                                                                              "include_obfuscation")
     number_field(body, "max_tool_calls", integer=True)
-    top_logprobs = number_field(body, "top_logprobs", integer=True)
-    require(top_logprobs is None or 0 <= top_logprobs <= MAX_TOP_LOGPROBS,
-            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
     instructions = body.get("instructions")
     require(instructions is None or isinstance(instructions, str), "'instructions' must be a string")
     if bound is not None:
@@ -318,19 +310,21 @@ def decode_responses(body: dict, base: SamplingParams, store: ResponseStore,
         _input_messages(body.get("input", []), store)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     require(bool(messages), "'input' must hold at least one item (or name a previous_response_id)")
-    tools, namespaces, dropped = _tools(body.get("tools"))
-    effort = _reasoning(object_field(body, "reasoning"))
-    kwargs = template_kwargs_of(body, None if effort is None else effort != "none",
-                              {} if effort is None else {"reasoning_effort": effort})
+    tools, namespaces, dropped, custom = _tools(body.get("tools"))
+    reasoning = object_field(body, "reasoning")
+    require(set(reasoning) <= {"effort", "summary", "generate_summary", "context", "mode"},
+            f"'reasoning' takes effort, summary, generate_summary, context and mode, got {sorted(reasoning)}")
+    kwargs = wires.effort_kwargs(body, reasoning.get("effort"), "reasoning.effort")
     choice = body.get("tool_choice")
     mode, name = wires.tool_choice_of(choice, choice, TOOL_CHOICE)
     options, forced = tool_options_of(mode, name, tools or None, flag_field(body, "parallel_tool_calls", True), kwargs)
     sampling = sampling_from(base, body, max_tokens=number_field(body, "max_output_tokens", integer=True),
-                             top_logprobs=top_logprobs, constraint=forced or _text_format(object_field(body, "text")))
+                             top_logprobs=number_field(body, "top_logprobs", integer=True),
+                             constraint=forced or _text_format(object_field(body, "text")))
     request = WireRequest(messages, tools or None, sampling, flag_field(body, "stream"),
                           "message.output_text.logprobs" in include, flag_field(body, "return_token_ids"), options,
                           no_ops=no_ops, prompt_field="input")
-    return ResponsesRequest(request, body, history, namespaces, dropped, flag_field(body, "store", True))
+    return ResponsesRequest(request, body, history, namespaces, custom, dropped, flag_field(body, "store", True))
 
 
 # ---- layout: a reply's text -> its output items -------------------------------------------------------
@@ -341,10 +335,17 @@ _HEAD = re.compile(r'<tool_call>[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]
                    r'[ \t\n\r]*"arguments"[ \t\n\r]*:[ \t\n\r]*(?=\{)')
 
 
+# each item kind's streamed events (response.<stem>.delta and .done), the field its .done names the whole text by,
+# and its id's prefix
+_STREAMED = {"message": ("output_text", "text", "msg"), "reasoning": ("reasoning_text", "text", "rs"),
+             "function_call": ("function_call_arguments", "arguments", "fc"),
+             "custom_tool_call": ("custom_tool_call_input", "input", "ctc")}
+
+
 @dataclass
 class Item:
-    kind: str                      # "reasoning" | "message" | "function_call"
-    text: str                      # what streams: the thought, the message's text, the call's arguments
+    kind: str                      # "reasoning" | "message" | "function_call" | "custom_tool_call"
+    text: str                      # what streams: the thought, the message's text, the call's arguments or input
     closed: bool
     opening: str = ""              # reasoning: the reply's opening as sampled (its encrypted_content)
     name: str = ""                 # function_call: the function, its call id, completed or incomplete
@@ -382,15 +383,24 @@ def _object_end(text: str, start: int, limit: int) -> int | None:
     return None
 
 
-def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, live: bool) -> Item | None:
-    """The function_call item of the <tool_call> block at `at`, or None when it is text. A block whose head is
-    shown (live) is an item from then on: completed if it parses, else incomplete; another is an item only once it
-    has closed and parses."""
+def _custom_call(call: dict, call_id: str, custom: frozenset[str]) -> Item | None:
+    """A parsed call as a custom_tool_call item: a custom tool's, with exactly one string argument `input`."""
+    name, arguments = call["name"], call["arguments"]
+    if name in custom and list(arguments) == ["input"] and isinstance(arguments["input"], str):
+        return Item("custom_tool_call", arguments["input"], True, name=name, call_id=call_id)
+    return None
+
+
+def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, live: bool,
+               custom: frozenset[str]) -> Item | None:
+    """The function_call (or custom_tool_call) item of the <tool_call> block at `at`, or None when it is text. A
+    function's block whose head is shown (live) is an item from then on: completed if it parses, else incomplete;
+    another (a custom tool's: its input is JSON-decoded) is an item only once it has closed and parses."""
     close = text.find(CALL_CLOSE, at + len(CALL_OPEN))
     ordinal, call = blocks.get(at, (len(blocks), None))
     call_id = f"{call_prefix}-{ordinal}"
     name = _head(text, at, close)
-    if name is not None and live:
+    if name is not None and live and name not in custom:
         start = _HEAD.match(text, at).end()
         limit = close if close >= 0 else len(text) if final else len(text) - partial_suffix(text, (CALL_CLOSE,))
         end = _object_end(text, start, limit)
@@ -403,14 +413,16 @@ def _call_item(text: str, at: int, blocks: dict, call_prefix: str, final: bool, 
     if name is not None and (end := _object_end(text, _HEAD.match(text, at).end(), close)) is not None:
         raw = text[_HEAD.match(text, at).end():end]       # the object as sampled, when it is the parser's
         arguments = raw if arguments_from_json(raw) == call["arguments"] else arguments
-    return Item("function_call", arguments, True, name=call["name"], call_id=call_id)
+    return _custom_call(call, call_id, custom) or Item("function_call", arguments, True, name=call["name"],
+                                                       call_id=call_id)
 
 
 def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None = None,
-           hold_messages: bool = False) -> list[Item]:
+           hold_messages: bool = False, custom: frozenset[str] = frozenset()) -> list[Item]:
     """A reply's output items: the finished reply's when `message` (the parser's) is given, else what the reply so
     far (`text`: the settled text, session.reply_text's prefix) is sure to begin with. calls_parsed: False under
-    tool_choice none (no call is parsed). hold_messages: keep a message open until the end (logprobs)."""
+    tool_choice none (no call is parsed). hold_messages: keep a message open until the end (logprobs). custom: the
+    custom tools' names."""
     final = message is not None
     content = (message or {}).get("content") or ""
     if not final and len(text) < len(THINK_OPEN) and THINK_OPEN.startswith(text):
@@ -422,7 +434,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
         region = text[len(THINK_OPEN):end if end >= 0 else len(text)]
         inner = region.find(CALL_OPEN) if calls_parsed else -1
         if inner >= 0:                                  # a call inside the thought: laid out from the parsed message
-            return _parsed_layout(message) if final else [Item("reasoning", region[:inner], False)]
+            return _parsed_layout(message, custom) if final else [Item("reasoning", region[:inner], False)]
         if end < 0:                                     # the thought goes on (or max_output_tokens cut it)
             thought = region if final else region[:len(region) - partial_suffix(region, markers)]
             return [Item("reasoning", thought, final, opening=text if final else "")]
@@ -435,7 +447,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
     # the text before the first block that is a call item (text blocks before it are the message's)
     at, first, pending = start, -1, -1
     while calls_parsed and (at := text.find(CALL_OPEN, at)) >= 0:
-        if _call_item(text, at, blocks, call_prefix, final, live=True) is not None:
+        if _call_item(text, at, blocks, call_prefix, final, True, custom) is not None:
             first = at
             break
         close = text.find(CALL_CLOSE, at + len(CALL_OPEN))
@@ -458,7 +470,7 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
     # the run of calls from there, one block after another (whitespace between), streamed as they are sampled
     at, live = first, True
     while at >= 0:
-        item = _call_item(text, at, blocks, call_prefix, final, live)
+        item = _call_item(text, at, blocks, call_prefix, final, live, custom)
         if item is not None:
             items.append(item)
         close = text.find(CALL_CLOSE, at + len(CALL_OPEN))
@@ -475,18 +487,19 @@ def layout(text: str, calls_parsed: bool, call_prefix: str, message: dict | None
     return items
 
 
-def _parsed_layout(message: dict) -> list[Item]:
+def _parsed_layout(message: dict, custom: frozenset[str]) -> list[Item]:
     """A reply with a call inside its thought: its thought, text and calls as the parser left them."""
     opening, thought, rest = split_thinking(message["content"] or "")
     return [Item("reasoning", thought, True, opening=opening)] + ([Item("message", rest, True)] if rest else []) + \
-        [Item("function_call", json.dumps(c["function"]["arguments"], ensure_ascii=False), True,
+        [_custom_call(c["function"], c["id"], custom) or
+         Item("function_call", json.dumps(c["function"]["arguments"], ensure_ascii=False), True,
               name=c["function"]["name"], call_id=c["id"]) for c in message.get("tool_calls") or []]
 
 
 # ---- encoding: the output items, the Response, and its events ------------------------------------------
 
 def _item_id(kind: str, reply_id: str, index: int) -> str:
-    return f"{ {'reasoning': 'rs', 'message': 'msg', 'function_call': 'fc'}[kind]}_{reply_id[5:]}_{index}"
+    return f"{_STREAMED[kind][2]}_{reply_id[5:]}_{index}"
 
 
 def _text_part(text: str, logprobs: list | None) -> dict:
@@ -506,7 +519,7 @@ def _output_item(item: Item, index: int, reply_id: str, namespaces: dict[str, st
                 "content": [_text_part(item.text, logprobs)] if done else []}
     namespace = {"namespace": namespaces[item.name]} if item.name in namespaces else {}
     return {**head, "call_id": item.call_id, "name": item.name, **namespace,
-            "arguments": item.text if done else "", "status": status}
+            "input" if item.kind == "custom_tool_call" else "arguments": item.text if done else "", "status": status}
 
 
 def _reasoning_tokens(tokenizer, turn: ChatTurn) -> int:
@@ -545,7 +558,8 @@ def _response(request: ResponsesRequest, reply_id: str, model: str, created: flo
 def responses_reply(turn: ChatTurn, request: ResponsesRequest, tokenizer, model: str, reply_id: str,
                     created: float | None = None) -> dict:
     """The finished turn as a Response (usage in the Responses shape; token ids when asked)."""
-    items = layout(turn.text, request.request.options.tool_choice != "none", turn.call_prefix, turn.message)
+    items = layout(turn.text, request.request.options.tool_choice != "none", turn.call_prefix, turn.message,
+                   custom=request.custom)
     logprobs = wires.openai_logprobs(tokenizer, turn.generation)["content"] if request.request.logprobs else None
     first_message = next((i for i, item in enumerate(items) if item.kind == "message"), None)
     output = [_output_item(item, i, reply_id, request.namespaces, True, logprobs if i == first_message else None)
@@ -565,7 +579,8 @@ def responses_reply(turn: ChatTurn, request: ResponsesRequest, tokenizer, model:
 class ResponsesStream(wires.LiveStream):
     """response.created and response.in_progress; then each output item as the layout above grows it:
     output_item.added, content_part.added (a message's output_text, a reasoning item's reasoning_text), the deltas
-    (output_text, reasoning_text, function_call_arguments) as tokens arrive, their .done events and output_item.done;
+    (output_text, reasoning_text, function_call_arguments; a custom tool call's input, whole, as custom_tool_call_input)
+    as tokens arrive, their .done events and output_item.done;
     response.completed (response.incomplete when max_output_tokens cut the reply) with the whole Response. A failure
     after the first event is response.failed. Every event carries an increasing sequence_number."""
     wire, done_marker = "openai", False
@@ -588,20 +603,20 @@ class ResponsesStream(wires.LiveStream):
     def push(self, live: wires.LiveText, token_id: int, call_prefix: str) -> list:
         live.push(token_id)
         return self._events(layout(live.settled(), self.calls_parsed, call_prefix,
-                                   hold_messages=self.request.request.logprobs), None)
+                                   hold_messages=self.request.request.logprobs, custom=self.request.custom), None)
 
     def _events(self, items: list[Item], output: list[dict] | None) -> list:
         """The events that take the items sent so far to `items` (done ones as `output` lists them, at the end)."""
         events, namespaces = [], self.request.namespaces
         for index, item in enumerate(items):
-            item_id = _item_id(item.kind, self.reply_id, index)
+            item_id, (stem, key, _) = _item_id(item.kind, self.reply_id, index), _STREAMED[item.kind]
+            where = {"item_id": item_id, "output_index": index, **({"content_index": 0} if key == "text" else {})}
             if index == len(self.sent):
                 events.append(self._event("response.output_item.added", output_index=index,
                                           item=_output_item(item, index, self.reply_id, namespaces, False)))
-                if item.kind != "function_call":
+                if key == "text":
                     part = _text_part("", None) if item.kind == "message" else {"type": "reasoning_text", "text": ""}
-                    events.append(self._event("response.content_part.added", item_id=item_id, output_index=index,
-                                              content_index=0, part=part))
+                    events.append(self._event("response.content_part.added", **where, part=part))
                 self.sent.append(Item(item.kind, "", False, name=item.name, call_id=item.call_id))
             sent = self.sent[index]
             if (sent.kind, sent.name, sent.call_id) != (item.kind, item.name, item.call_id) \
@@ -609,30 +624,18 @@ class ResponsesStream(wires.LiveStream):
                 raise RuntimeError(f"output item {index} was streamed as a {sent.kind} the finished reply does not "
                                    f"hold (a {item.kind}): the layout's partial and final views disagree")
             if len(item.text) > len(sent.text):
-                delta = item.text[len(sent.text):]
-                where = {"item_id": item_id, "output_index": index}
-                events.append(self._event("response.output_text.delta", **where, content_index=0, delta=delta,
-                                          logprobs=[]) if item.kind == "message" else
-                              self._event("response.reasoning_text.delta", **where, content_index=0, delta=delta)
-                              if item.kind == "reasoning" else
-                              self._event("response.function_call_arguments.delta", **where, delta=delta))
+                logprobs = {"logprobs": []} if item.kind == "message" else {}
+                events.append(self._event(f"response.{stem}.delta", **where, delta=item.text[len(sent.text):],
+                                          **logprobs))
                 sent.text = item.text
             if item.closed and not sent.closed:
                 done = output[index] if output is not None else \
                     _output_item(item, index, self.reply_id, namespaces, True)
-                where = {"item_id": item_id, "output_index": index}
-                if item.kind == "message":
-                    part = done["content"][0]
-                    events += [self._event("response.output_text.done", **where, content_index=0, text=item.text,
-                                           logprobs=part["logprobs"]),
-                               self._event("response.content_part.done", **where, content_index=0, part=part)]
-                elif item.kind == "reasoning":
-                    events += [self._event("response.reasoning_text.done", **where, content_index=0, text=item.text),
-                               self._event("response.content_part.done", **where, content_index=0,
-                                           part=done["content"][0])]
-                else:
-                    events.append(self._event("response.function_call_arguments.done", **where, name=item.name,
-                                              arguments=item.text))
+                extra = {"logprobs": done["content"][0]["logprobs"]} if item.kind == "message" else \
+                    {"name": item.name} if item.kind == "function_call" else {}
+                events.append(self._event(f"response.{stem}.done", **where, **{key: item.text}, **extra))
+                if key == "text":
+                    events.append(self._event("response.content_part.done", **where, part=done["content"][0]))
                 events.append(self._event("response.output_item.done", output_index=index, item=done))
                 sent.closed = True
         if output is not None and len(items) != len(self.sent):
@@ -641,7 +644,7 @@ class ResponsesStream(wires.LiveStream):
 
     def finish(self, turn: ChatTurn, rest: str) -> list:
         reply = responses_reply(turn, self.request, self.tokenizer, self.model, self.reply_id, self.created)
-        items = layout(turn.text, self.calls_parsed, turn.call_prefix, turn.message)
+        items = layout(turn.text, self.calls_parsed, turn.call_prefix, turn.message, custom=self.request.custom)
         events = self._events(items, reply["output"])
         self.store.remember(self.reply_id, self.request, turn, reply["output"])
         kind = "response.completed" if reply["status"] == "completed" else "response.incomplete"
