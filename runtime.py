@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import ray
 import torch
@@ -464,7 +465,7 @@ class TrainerGroup(_Checkpoints):
         except BaseException:           # a rank that failed to start must not keep the others' resources
             self.shutdown()
             raise
-        self.model = _ConfigOnly(AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
+        self.model = SimpleNamespace(config=AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
         self.device = torch.device("cpu")       # the driver holds no weights: exports come to it on the CPU
 
     @property
@@ -541,11 +542,6 @@ class CriticGroup(_Checkpoints):
         shares = self.trainers._deal(batch)
         return ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), returns[rows], old_values[rows],
                                       critic=True) for r, rows in zip(self.trainers.ranks, shares)])[0]
-
-
-class _ConfigOnly:
-    def __init__(self, config):
-        self.config = config
 
 
 def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.Tensor:

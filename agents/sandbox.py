@@ -352,11 +352,7 @@ class TreeCgroup:
             pids = self._pids()
             if not pids:
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_each(pids, signal.SIGKILL)
             time.sleep(0.002)
 
     def remove(self) -> None:
@@ -615,9 +611,9 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def signal_tree(sig: int) -> None:
-    """Send `sig` to every descendant of this process."""
-    for pid in descendants(os.getpid()):
+def signal_each(pids: list[int], sig: int) -> None:
+    """Send `sig` to each of `pids` (one that has already exited is passed over)."""
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -638,7 +634,7 @@ def reap_children() -> bool:
 def kill_tree() -> None:
     """SIGKILL every descendant until none is left (one forked meanwhile is found on the next pass)."""
     while True:
-        signal_tree(signal.SIGKILL)
+        signal_each(descendants(os.getpid()), signal.SIGKILL)
         if not reap_children():
             return
         time.sleep(0.005)
@@ -760,35 +756,29 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None
     with selectors.DefaultSelector() as selector:
         for stream in chunks:
             selector.register(stream, selectors.EVENT_READ)
-        while selector.get_map():
+        # until both pipes close and the program exits (it may close them first): then it has until the deadline
+        while selector.get_map() or process.poll() is None:
+            out, err = chunks[process.stdout], chunks[process.stderr]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "timeout"
+                return bytes(out), bytes(err), "timeout"
             if cpu_over is not None and cpu_over():
-                return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "cpu"
-            ready = selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining)
-            for key, _ in ready:
+                return bytes(out), bytes(err), "cpu"
+            if not selector.get_map():
+                try:
+                    process.wait(timeout=min(remaining, _CPU_POLL_S))
+                except subprocess.TimeoutExpired:
+                    pass
+                continue
+            for key, _ in selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining):
                 data = os.read(key.fd, 65536)
                 if not data:
                     selector.unregister(key.fileobj)
                     continue
                 chunks[key.fileobj] += data
-                out, err = chunks[process.stdout], chunks[process.stderr]
                 if len(out) + len(err) > cap:
                     return bytes(out[:cap]), bytes(err[:max(cap - len(out), 0)]), "output"
-    # both pipes closed: the program ended (or closed them); give it until the deadline to exit
-    out, err = bytes(chunks[process.stdout]), bytes(chunks[process.stderr])
-    while process.poll() is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return out, err, "timeout"
-        if cpu_over is not None and cpu_over():
-            return out, err, "cpu"
-        try:
-            process.wait(timeout=min(remaining, _CPU_POLL_S))
-        except subprocess.TimeoutExpired:
-            pass
-    return out, err, ""
+    return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), ""
 
 
 def _stop(process: subprocess.Popen, cgroup: TreeCgroup | None) -> None:
