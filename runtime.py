@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -600,11 +601,10 @@ class RunnerGroup:
     @property
     def failures(self) -> dict[str, int]:
         """Every runner's failure counts, summed (each actor keeps its own over its life)."""
-        total: dict[str, int] = {}
+        total: Counter[str] = Counter()
         for counts in ray.get([h.failures.remote() for h in self.handles]):
-            for reason, count in counts.items():
-                total[reason] = total.get(reason, 0) + count
-        return total
+            total.update(counts)
+        return dict(total)
 
     def metrics(self) -> dict[str, float]:
         """The runners' routers' metrics, merged: counts summed, live engines the fewest any runner sees, and an
