@@ -122,12 +122,8 @@ class Isolation:
     missing: dict[str, str] = field(default_factory=dict)
     own_uid: bool = False
 
-    @property
-    def enforced(self) -> list[str]:
-        return [name for name in PROTECTIONS if name not in self.missing]
-
     def __str__(self) -> str:
-        held = "; ".join(f"{name}: {PROTECTIONS[name]}" for name in self.enforced)
+        held = "; ".join(f"{name}: {what}" for name, what in PROTECTIONS.items() if name not in self.missing)
         lost = "; ".join(f"{name} ({why})" for name, why in self.missing.items())
         base = "rlimits (address space, CPU time, file size, open files), a wall-clock deadline, an output cap"
         uid = "a host uid of its own" if self.own_uid else "the caller's host uid" + (
@@ -714,8 +710,10 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         with subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path], cwd=workdir,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True, env=_ENV) as process:
-            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes,
-                                           _tree_cpu_over(cgroup, limits.cpu_s))
+            # the whole tree's CPU time, where a cgroup accounts for it (else RLIMIT_CPU bounds each process alone)
+            cpu_over = None if cgroup is None or cgroup.cpu_seconds() is None else \
+                (lambda: cgroup.cpu_seconds() > limits.cpu_s)
+            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes, cpu_over)
             _stop(process, cgroup)
             exit_code = process.wait()
         oom = cgroup is not None and cgroup.out_of_memory()
@@ -738,14 +736,6 @@ def write_seccomp_filter(folder: str) -> str:
 
 
 _CPU_POLL_S = 0.05                # how often the tree's CPU time is read: the most a tree can overrun its cap by
-
-
-def _tree_cpu_over(cgroup: TreeCgroup | None, cpu_s: float):
-    """A check that says whether the whole tree has used more than `cpu_s` CPU seconds (None where nothing
-    accounts for the tree: RLIMIT_CPU then bounds each process alone)."""
-    if cgroup is None or cgroup.cpu_seconds() is None:
-        return None
-    return lambda: cgroup.cpu_seconds() > cpu_s
 
 
 def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None) -> tuple[bytes, bytes, str]:
