@@ -60,10 +60,8 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | 
         if getattr(cfg, name) not in known:
             raise ValueError(f"unknown {name} {getattr(cfg, name)!r}; expected one of {known}")
     if not (0.0 < cfg.clip_low < 1.0) or not (cfg.clip_high > 0.0):
-        raise ValueError(
-            f"clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got clip_low={cfg.clip_low}, "
-            f"clip_high={cfg.clip_high}; the ratio is clipped to [1 - clip_low, 1 + clip_high]"
-        )
+        raise ValueError(f"clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got clip_low={cfg.clip_low}, "
+                         f"clip_high={cfg.clip_high}; the ratio is clipped to [1 - clip_low, 1 + clip_high]")
     if cfg.kl_coef < 0.0:
         raise ValueError(f"kl_coef must be >= 0, got {cfg.kl_coef}; a negative coefficient rewards drifting away")
     if not (cfg.dual_clip == 0.0 or 1.0 < cfg.dual_clip < math.inf):
@@ -74,29 +72,23 @@ def validate_algo(cfg: AlgoConfig, n_samples_per_prompt: int, max_tokens: int | 
                          "(one value per rollout, clipped at 3e-4-scale bounds); set dual_clip=0 with gspo")
     _validate_shaping(cfg, max_tokens)
     if cfg.kl_in_reward and cfg.estimator == "on_policy_distill":
-        raise ValueError(
-            "on_policy_distill already uses the teacher's per-token KL as its advantage; set kl_in_reward=False"
-        )
+        raise ValueError("on_policy_distill already uses the teacher's per-token KL as its advantage; "
+                         "set kl_in_reward=False")
     if cfg.kl_in_reward and cfg.estimator != "reinforce":
-        raise ValueError(
-            f"kl_in_reward=True with estimator {cfg.estimator!r} would be silently ignored: only 'reinforce' "
-            f"reads per-token rewards; set kl_in_reward=False to add the KL as a loss term instead"
-        )
+        raise ValueError(f"kl_in_reward=True with estimator {cfg.estimator!r} would be silently ignored: only "
+                         f"'reinforce' reads per-token rewards; set kl_in_reward=False to add the KL as a loss term "
+                         f"instead")
     if cfg.kl_in_reward and cfg.kl_coef == 0.0:
         raise ValueError("kl_in_reward=True with kl_coef=0 adds nothing; set kl_coef > 0 or kl_in_reward=False")
     if cfg.estimator == "on_policy_distill" and cfg.kl_coef <= 0.0:
-        raise ValueError(
-            "on_policy_distill needs a teacher: kl_coef is the distillation strength and kl_coef > 0 loads the "
-            "teacher in the reference slot; set kl_coef (1.0 is the usual choice)"
-        )
+        raise ValueError("on_policy_distill needs a teacher: kl_coef is the distillation strength and kl_coef > 0 "
+                         "loads the teacher in the reference slot; set kl_coef (1.0 is the usual choice)")
     _validate_gae(cfg)
     needs_group = cfg.estimator in GROUP_ESTIMATORS or cfg.filter_zero_variance
     if needs_group and n_samples_per_prompt < 2:
         what = f"estimator {cfg.estimator!r}" if cfg.estimator in GROUP_ESTIMATORS else "filter_zero_variance"
-        raise ValueError(
-            f"{what} compares samples of one prompt but n_samples_per_prompt={n_samples_per_prompt}; "
-            f"use n_samples_per_prompt >= 2 or estimator 'reinforce'"
-        )
+        raise ValueError(f"{what} compares samples of one prompt but n_samples_per_prompt={n_samples_per_prompt}; "
+                         f"use n_samples_per_prompt >= 2 or estimator 'reinforce'")
 
 
 def _validate_gae(cfg: AlgoConfig) -> None:
@@ -173,18 +165,15 @@ def shape_rewards(rewards: list[float], reply_tokens: list[int], hit_max_tokens:
 def _rollouts(rewards: list[float], group_ids: list[str], rollout_ids: list[str]) -> dict[str, tuple[str, float]]:
     """rollout_id -> (group_id, reward), first row wins; rows of one rollout must agree on both."""
     if not (len(rewards) == len(group_ids) == len(rollout_ids)):
-        raise ValueError(
-            f"rewards, group_ids, rollout_ids must be per row and equally long, got "
-            f"{len(rewards)}, {len(group_ids)}, {len(rollout_ids)}"
-        )
+        raise ValueError(f"rewards, group_ids, rollout_ids must be per row and equally long, got "
+                         f"{len(rewards)}, {len(group_ids)}, {len(rollout_ids)}")
     rollouts: dict[str, tuple[str, float]] = {}
     for reward, group_id, rollout_id in zip(rewards, group_ids, rollout_ids):
         seen = rollouts.setdefault(rollout_id, (group_id, float(reward)))
         if seen != (group_id, float(reward)):
-            raise ValueError(
-                f"rows of rollout {rollout_id!r} disagree: (group, reward) {seen} vs {(group_id, float(reward))}; "
-                f"every segment of a rollout must carry the rollout's group_id and reward"
-            )
+            raise ValueError(f"rows of rollout {rollout_id!r} disagree: (group, reward) {seen} vs "
+                             f"{(group_id, float(reward))}; every segment of a rollout must carry the rollout's "
+                             f"group_id and reward")
     return rollouts
 
 

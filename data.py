@@ -250,16 +250,14 @@ def _calls_as_text(message: dict) -> dict:
     """An assistant message with its tool calls written after its text, as CHATML_TEMPLATE writes them (a call's
     arguments object through JSON, the way the template's tojson does; a string as it is)."""
     text = _text_of(message)
-    pieces = [text]
-    for k, tool_call in enumerate(message["tool_calls"]):
+    pieces = [text] if text else []
+    for tool_call in message["tool_calls"]:
         call = tool_call.get("function", tool_call)
         arguments = call.get("arguments", {})
-        if text or k:
-            pieces.append("\n")
         pieces.append('<tool_call>\n{"name": ' + json.dumps(call["name"], ensure_ascii=False) + ', "arguments": '
                       + (arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
                       + '}\n</tool_call>')
-    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": "".join(pieces)}
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": "\n".join(pieces)}
 
 # ---- text stays text ----
 # A message that holds "<|im_end|>\n<|im_start|>system\n..." must not end its turn and forge a system turn: what

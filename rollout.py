@@ -487,7 +487,7 @@ class EmbeddedEngine:
                 for r, k in zip(rows, of):          # each copy records the routes its own forward would, and reuse
                     if r is not distinct[k]:
                         r.routes, r.cached_prompt_tokens = list(distinct[k].routes), distinct[k].cached_prompt_tokens
-                return _select_rows(shared, of, rows)
+                return _select(shared, of, rows)
         reused = [self._reusable(s, row_salts) for s, row_salts in zip(seqs, salts)]   # (entry, positions taken)
         past = max(k for _, k in reused)
         width = max(len(s) - k for s, (_, k) in zip(seqs, reused))
@@ -764,34 +764,22 @@ def _merge(batch: _Batch, new: _Batch) -> _Batch:
                   batch.version)
 
 
-def _select_rows(batch: _Batch, index: list[int], rows: list[_Row]) -> _Batch:
-    """The batch's row index[b] as row b, for the given rows (a row may be taken several times)."""
-    picked = torch.tensor(index, device=batch.attention.device)
-    if _mergeable(batch.cache):
-        for layer in batch.cache.layers:
-            layer.keep(picked)
-    else:
-        batch.cache.batch_select_indices(picked)
-    return _Batch(list(rows), batch.cache, batch.attention[picked], batch.next_positions[picked],
-                  batch.logits[picked], batch.version)
-
-
-def _select(batch: _Batch, keep: list[int]) -> _Batch:
-    """Only the rows `keep`, and only the cache columns one of them still attends (padding that every
-    remaining row has on its left goes, so a long finished row does not widen everybody's steps)."""
+def _select(batch: _Batch, keep: list[int], rows: list[_Row] | None = None) -> _Batch:
+    """The batch's row keep[b] as row b (a row may be taken several times; `rows` names them, by default the
+    batch's own), and only the cache columns one of them still attends (padding that every remaining row has on
+    its left goes, so a long finished row does not widen everybody's steps)."""
     if not keep:
         return _Batch([], None, None, None, None, batch.version)
-    rows = torch.tensor(keep, device=batch.attention.device)
-    attention = batch.attention[rows]
+    picked = torch.tensor(keep, device=batch.attention.device)
+    attention, start = batch.attention[picked], 0
     if _mergeable(batch.cache):
         start = int(attention.any(0).long().argmax())      # the first column some row attends
         for layer in batch.cache.layers:
-            layer.keep(rows, start)
+            layer.keep(picked, start)
     else:                                                   # a cache kind with its own layout: rows only
-        start = 0
-        batch.cache.batch_select_indices(rows)
-    return _Batch([batch.rows[b] for b in keep], batch.cache, attention[:, start:], batch.next_positions[rows],
-                  batch.logits[rows], batch.version)
+        batch.cache.batch_select_indices(picked)
+    return _Batch(rows if rows is not None else [batch.rows[b] for b in keep], batch.cache, attention[:, start:],
+                  batch.next_positions[picked], batch.logits[picked], batch.version)
 
 
 # ---- model facts the engine needs -------------------------------------------------------------------

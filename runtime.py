@@ -39,8 +39,10 @@ import queue
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import ray
 import torch
@@ -152,18 +154,6 @@ class EngineActor:
         self._clock = threading.Lock()
         self._in_flight, self._busy_s, self._busy_since = 0, 0.0, 0.0
 
-    def _started(self) -> None:
-        with self._clock:
-            if self._in_flight == 0:
-                self._busy_since = time.monotonic()
-            self._in_flight += 1
-
-    def _ended(self) -> None:
-        with self._clock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._busy_s += time.monotonic() - self._busy_since
-
     @ray.method(concurrency_group="data", num_returns="streaming")
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], images: list, stream: str | None):
         """With `stream` (the request's id), yields ("tokens", [(row, token_id), ...]) as tokens are sampled
@@ -171,12 +161,18 @@ class EngineActor:
         token), then ("done", generations); without, only ("done", generations), and the engine gets no listener
         (per-step outputs cost a vLLM engine throughput). The engine's own error (a ValueError for a bad request) is
         raised to the caller as it is."""
-        self._started()
+        with self._clock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
         try:
             yield from self._generate(prompts, params, images, stream)
         finally:
             self._cancelled.discard(stream)
-            self._ended()
+            with self._clock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._busy_s += time.monotonic() - self._busy_since
 
     @ray.method(concurrency_group="control")
     def cancel(self, request_id: str) -> None:
@@ -464,7 +460,7 @@ class TrainerGroup(_Checkpoints):
         except BaseException:           # a rank that failed to start must not keep the others' resources
             self.shutdown()
             raise
-        self.model = _ConfigOnly(AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
+        self.model = SimpleNamespace(config=AutoConfig.from_pretrained(model_path))     # what train.py reads of the model
         self.device = torch.device("cpu")       # the driver holds no weights: exports come to it on the CPU
 
     @property
@@ -489,11 +485,14 @@ class TrainerGroup(_Checkpoints):
             load[r] += sum(tokens[i] for i in rows)
         return [sorted(rows) for rows in shares]
 
-    def recompute_logprobs(self, batch) -> torch.Tensor:
+    def _by_rows(self, method: str, batch, *per_row: torch.Tensor, critic: bool = False) -> tuple[list, list]:
+        """Each rank's answer to `method` over its dealt rows (and its rows of each `per_row` [B, T]), and the deal."""
         shares = self._deal(batch)
-        parts = ray.get([r.call.remote("recompute_logprobs", invariants.select_rows(batch, rows))
-                         for r, rows in zip(self.ranks, shares)])
-        return _gather(parts, shares, batch.input_ids.shape)
+        return ray.get([r.call.remote(method, invariants.select_rows(batch, rows), *(t[rows] for t in per_row),
+                                      critic=critic) for r, rows in zip(self.ranks, shares)]), shares
+
+    def recompute_logprobs(self, batch) -> torch.Tensor:
+        return _gather(*self._by_rows("recompute_logprobs", batch), batch.input_ids.shape)
 
     def train_step(self, batch, prox_logprobs: torch.Tensor | None, algo_cfg: algo.AlgoConfig, *args,
                    ref_logprobs=None, **kwargs):
@@ -532,20 +531,10 @@ class CriticGroup(_Checkpoints):
         return self.trainers._all(method, *args, critic=True)
 
     def compute_values(self, batch) -> torch.Tensor:
-        shares = self.trainers._deal(batch)
-        parts = ray.get([r.call.remote("compute_values", invariants.select_rows(batch, rows), critic=True)
-                         for r, rows in zip(self.trainers.ranks, shares)])
-        return _gather(parts, shares, batch.input_ids.shape)
+        return _gather(*self.trainers._by_rows("compute_values", batch, critic=True), batch.input_ids.shape)
 
     def train_step(self, batch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
-        shares = self.trainers._deal(batch)
-        return ray.get([r.call.remote("train_step", invariants.select_rows(batch, rows), returns[rows], old_values[rows],
-                                      critic=True) for r, rows in zip(self.trainers.ranks, shares)])[0]
-
-
-class _ConfigOnly:
-    def __init__(self, config):
-        self.config = config
+        return self.trainers._by_rows("train_step", batch, returns, old_values, critic=True)[0][0]
 
 
 def _gather(parts: list[torch.Tensor], shares: list[list[int]], shape) -> torch.Tensor:
@@ -604,11 +593,10 @@ class RunnerGroup:
     @property
     def failures(self) -> dict[str, int]:
         """Every runner's failure counts, summed (each actor keeps its own over its life)."""
-        total: dict[str, int] = {}
+        total: Counter[str] = Counter()
         for counts in ray.get([h.failures.remote() for h in self.handles]):
-            for reason, count in counts.items():
-                total[reason] = total.get(reason, 0) + count
-        return total
+            total.update(counts)
+        return dict(total)
 
     def metrics(self) -> dict[str, float]:
         """The runners' routers' metrics, merged: counts summed, live engines the fewest any runner sees, and an

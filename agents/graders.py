@@ -223,17 +223,14 @@ class _Parser:
 def to_sympy(answer: str):
     """An answer ("2\\sqrt{13}", "18\\pi", "\\frac{7}{2}") as a sympy expression, through normalize_answer and the
     whitelisted parser above; ValueError if it is not a small expression."""
-    text = normalize_answer(answer)
+    return _parse(normalize_answer(answer))
+
+
+def _parse(text: str):
+    """Normalised text as a sympy expression; ValueError past MAX_EXPRESSION_CHARS or outside the parser's grammar."""
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"answer longer than {MAX_EXPRESSION_CHARS} characters")
     return _Parser(_latex_to_infix(text)).parse()
-
-
-def _symbolically_equal(first: str, second: str) -> bool:
-    if max(len(first), len(second)) > MAX_EXPRESSION_CHARS:
-        return False
-    difference = _Parser(_latex_to_infix(first)).parse() - _Parser(_latex_to_infix(second)).parse()
-    return sympy.simplify(difference) == 0
 
 
 # ---- equivalence and grade ----
@@ -257,7 +254,7 @@ def _irrational_value(text: str) -> float | None:
     written form, so a rounding of it is not accepted in its place."""
     if _as_fraction(text) is not None or len(text) > MAX_EXPRESSION_CHARS:
         return None
-    value = _Parser(_latex_to_infix(text)).parse()
+    value = _parse(text)
     return float(value.evalf()) if value.is_number and value.is_real and value.is_rational is False else None
 
 
@@ -281,8 +278,9 @@ def _equal_normalized(first: str, second: str) -> bool:
     if len(first_parts) > 1 and len(first_parts) == len(second_parts):  # tuples/lists: element-wise, in order
         return all(_equal_normalized(a, b) for a, b in zip(first_parts, second_parts))
     try:
-        return _rounds_to(first, second) or _rounds_to(second, first) or _symbolically_equal(first, second)
-    except Exception:  # malformed or unsupported expression: not equivalent (grading never raises)
+        return _rounds_to(first, second) or _rounds_to(second, first) or \
+            sympy.simplify(_parse(first) - _parse(second)) == 0
+    except Exception:  # malformed, unsupported or too long an expression: not equivalent (grading never raises)
         return False
 
 

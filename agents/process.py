@@ -87,7 +87,7 @@ def _on_stop(signum, frame):
 
 def _grace(seconds: float) -> None:
     """SIGTERM the whole tree, then give it `seconds` to end by itself."""
-    sandbox.signal_tree(signal.SIGTERM)
+    sandbox.signal_each(sandbox.descendants(os.getpid()), signal.SIGTERM)
     end = time.monotonic() + seconds
     while sandbox.reap_children() and time.monotonic() < end:
         time.sleep(0.02)

@@ -122,12 +122,8 @@ class Isolation:
     missing: dict[str, str] = field(default_factory=dict)
     own_uid: bool = False
 
-    @property
-    def enforced(self) -> list[str]:
-        return [name for name in PROTECTIONS if name not in self.missing]
-
     def __str__(self) -> str:
-        held = "; ".join(f"{name}: {PROTECTIONS[name]}" for name in self.enforced)
+        held = "; ".join(f"{name}: {what}" for name, what in PROTECTIONS.items() if name not in self.missing)
         lost = "; ".join(f"{name} ({why})" for name, why in self.missing.items())
         base = "rlimits (address space, CPU time, file size, open files), a wall-clock deadline, an output cap"
         uid = "a host uid of its own" if self.own_uid else "the caller's host uid" + (
@@ -352,11 +348,7 @@ class TreeCgroup:
             pids = self._pids()
             if not pids:
                 return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_each(pids, signal.SIGKILL)
             time.sleep(0.002)
 
     def remove(self) -> None:
@@ -615,9 +607,9 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def signal_tree(sig: int) -> None:
-    """Send `sig` to every descendant of this process."""
-    for pid in descendants(os.getpid()):
+def signal_each(pids: list[int], sig: int) -> None:
+    """Send `sig` to each of `pids` (one that has already exited is passed over)."""
+    for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -638,7 +630,7 @@ def reap_children() -> bool:
 def kill_tree() -> None:
     """SIGKILL every descendant until none is left (one forked meanwhile is found on the next pass)."""
     while True:
-        signal_tree(signal.SIGKILL)
+        signal_each(descendants(os.getpid()), signal.SIGKILL)
         if not reap_children():
             return
         time.sleep(0.005)
@@ -718,8 +710,10 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         with subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path], cwd=workdir,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True, env=_ENV) as process:
-            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes,
-                                           _tree_cpu_over(cgroup, limits.cpu_s))
+            # the whole tree's CPU time, where a cgroup accounts for it (else RLIMIT_CPU bounds each process alone)
+            cpu_over = None if cgroup is None or cgroup.cpu_seconds() is None else \
+                (lambda: cgroup.cpu_seconds() > limits.cpu_s)
+            stdout, stderr, cut = _collect(process, start + limits.wall_s, limits.output_bytes, cpu_over)
             _stop(process, cgroup)
             exit_code = process.wait()
         oom = cgroup is not None and cgroup.out_of_memory()
@@ -744,14 +738,6 @@ def write_seccomp_filter(folder: str) -> str:
 _CPU_POLL_S = 0.05                # how often the tree's CPU time is read: the most a tree can overrun its cap by
 
 
-def _tree_cpu_over(cgroup: TreeCgroup | None, cpu_s: float):
-    """A check that says whether the whole tree has used more than `cpu_s` CPU seconds (None where nothing
-    accounts for the tree: RLIMIT_CPU then bounds each process alone)."""
-    if cgroup is None or cgroup.cpu_seconds() is None:
-        return None
-    return lambda: cgroup.cpu_seconds() > cpu_s
-
-
 def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None) -> tuple[bytes, bytes, str]:
     """Read stdout and stderr until both close, the deadline passes ("timeout"), the tree's CPU time passes its
     cap ("cpu": `cpu_over()` read every _CPU_POLL_S) or `cap` bytes of the two together ("output"; what is kept is
@@ -760,35 +746,29 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None
     with selectors.DefaultSelector() as selector:
         for stream in chunks:
             selector.register(stream, selectors.EVENT_READ)
-        while selector.get_map():
+        # until both pipes close and the program exits (it may close them first): then it has until the deadline
+        while selector.get_map() or process.poll() is None:
+            out, err = chunks[process.stdout], chunks[process.stderr]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "timeout"
+                return bytes(out), bytes(err), "timeout"
             if cpu_over is not None and cpu_over():
-                return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), "cpu"
-            ready = selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining)
-            for key, _ in ready:
+                return bytes(out), bytes(err), "cpu"
+            if not selector.get_map():
+                try:
+                    process.wait(timeout=min(remaining, _CPU_POLL_S))
+                except subprocess.TimeoutExpired:
+                    pass
+                continue
+            for key, _ in selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining):
                 data = os.read(key.fd, 65536)
                 if not data:
                     selector.unregister(key.fileobj)
                     continue
                 chunks[key.fileobj] += data
-                out, err = chunks[process.stdout], chunks[process.stderr]
                 if len(out) + len(err) > cap:
                     return bytes(out[:cap]), bytes(err[:max(cap - len(out), 0)]), "output"
-    # both pipes closed: the program ended (or closed them); give it until the deadline to exit
-    out, err = bytes(chunks[process.stdout]), bytes(chunks[process.stderr])
-    while process.poll() is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return out, err, "timeout"
-        if cpu_over is not None and cpu_over():
-            return out, err, "cpu"
-        try:
-            process.wait(timeout=min(remaining, _CPU_POLL_S))
-        except subprocess.TimeoutExpired:
-            pass
-    return out, err, ""
+    return bytes(chunks[process.stdout]), bytes(chunks[process.stderr]), ""
 
 
 def _stop(process: subprocess.Popen, cgroup: TreeCgroup | None) -> None:

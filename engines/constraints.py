@@ -24,7 +24,7 @@
 #     string); the only special ids a grammar here allows are its stop ids, after the JSON (and suffix) is complete.
 #     (It counts every added token as special, so a JSON string spells "<think>" out; the tool-call suffix takes
 #     the tokenizer's own "<tool_call>" / "</tool_call>" ids as well, see _literal_lark.)
-#   Per-token mask time is sub-millisecond on average for both (llguidance's: `python engines/constraints.py`).
+#   Per-token mask time is sub-millisecond on average for both (llguidance's: `python bench/grammar_masks.py`).
 # Per-token bound (the engine computes every row's mask on its decoding thread, so one session's grammar must not
 #   slow the others' tokens): llguidance's fuel bounds a mask step's lexer and parser work (its LLParserLimits
 #   defaults, which vLLM's guidance backend keeps: 200,000 lexer fuel, 50,000 Earley items), but not the text a
@@ -66,7 +66,7 @@ import torch
 # first tokens of uniform walks, that limit was reached by 498 optional properties of one object, 282 branches of a
 # union of open objects, 181 of objects with one optional property each (counted below: 282 * 2 = 564 and 181 * 3 =
 # 543). MAX_SCHEMA_BREADTH keeps every schema at half of the least of these. Within the bounds a grammar builds in
-# well under a second and a mask step takes milliseconds for a 49K vocabulary (python engines/constraints.py).
+# well under a second and a mask step takes milliseconds for a 49K vocabulary (python bench/grammar_masks.py).
 MAX_SCHEMA_CHARS = 65_536    # compact JSON text of one schema
 MAX_SCHEMA_DEPTH = 32        # nested JSON containers (an object property costs two: "properties" and its schema)
 MAX_SCHEMA_NODES = 16_384    # JSON values in one schema (bounds the walk itself)
@@ -451,73 +451,3 @@ def mask_replayer(tokenizer, vocab_size: int) -> Callable[[str, Sequence[int]], 
     """replay_masks bound to a tokenizer and the model's logits width: the grammar_masks invariants.build_batch
     replays each constrained run's masks with."""
     return lambda spec, token_ids: replay_masks(spec, tokenizer, token_ids, vocab_size)
-
-
-# ---- measurement: python engines/constraints.py [model] (compile and per-token mask time on a real tokenizer) ----
-
-if __name__ == "__main__":
-    import sys
-    import time
-
-    import models
-
-    tokenizer = models.load_tokenizer(models.resolve_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2"))
-    vocab, stop = len(tokenizer), [tokenizer.eos_token_id]
-    start = time.perf_counter()
-    _ll_tokenizer(tokenizer, vocab)
-    print(f"tokenizer ({vocab} ids): {time.perf_counter() - start:.3f} s, once per tokenizer")
-    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                "unit": {"enum": ["celsius", "fahrenheit"]},
-                                                "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-               "required": ["city", "unit"]}
-    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": weather}} for i in range(8)]
-    n = MAX_SCHEMA_BREADTH
-    wide = {"type": "object", "properties": {f"k{i:04d}": {"type": "string"} for i in range(n)}}
-    union = {"anyOf": [{"type": "object", "description": f"shape {j}"} for j in range(n // 2)]}
-    items = {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
-        f"k{j}_{i}": {"type": "integer"} for i in range(n // 8 - 2)}} for j in range(8)]}}
-    deep = {"type": "integer"}
-    while True:   # the deepest chain of nested objects the depth bound takes
-        deeper = {"type": "object", "properties": {"a": deep, "b": {"type": "string", "maxLength": 64}}}
-        try:
-            _check_schema(deeper, "deep")
-        except ValueError:
-            break
-        deep = deeper
-    cases = {"json_object": json_object_spec(), "weather schema": json_schema_spec(weather),
-             "8 tools": tool_call_spec(tools), "weather schema or 8 tools' calls": with_tool_calls(
-                 json_schema_spec(weather), tools, True), f"{n} optional properties": json_schema_spec(wide, strict=False),
-             f"a union of {n // 2} open objects": json_schema_spec(union, strict=False),
-             "an array of a union of 8 objects": json_schema_spec(items, strict=False),
-             "deepest nesting, maxLength 64 each": json_schema_spec(deep),
-             "pattern ^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$":
-             json_schema_spec({"type": "string", "pattern": "^([a-z]{1,64}\\.){1,64}[a-z]{2,8}$"}),
-             f"pattern ^a{{{MAX_FORCED_BYTES - 2}}}$ (forcing MAX_FORCED_BYTES)":
-             json_schema_spec({"type": "string", "pattern": f"^a{{{MAX_FORCED_BYTES - 2}}}$"})}
-    for name, spec in cases.items():
-        bound = bind(spec, stop)
-        start = time.perf_counter()
-        m = matcher(bound, tokenizer, vocab)
-        compiled = time.perf_counter() - start
-        generator, ids, times = torch.Generator().manual_seed(0), [], []
-        while len(ids) < 256 and (not ids or ids[-1] not in stop):   # a uniform walk over the allowed ids
-            start = time.perf_counter()
-            allowed = m.allowed()
-            times.append(time.perf_counter() - start)
-            choices = allowed.nonzero().flatten()
-            ids.append(int(choices[torch.randint(len(choices), (1,), generator=generator)]))
-            start = time.perf_counter()
-            m.accept(ids[-1])
-            times[-1] += time.perf_counter() - start
-        start = time.perf_counter()
-        replay_masks(bound, tokenizer, ids, vocab)
-        replayed = (time.perf_counter() - start) / len(ids)
-        ms = sorted(1e3 * t for t in times)
-        print(f"{name}: compile {compiled:.3f} s; mask + accept per token over {len(ids)} tokens mean "
-              f"{sum(ms) / len(ms):.3f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.3f}, max {ms[-1]:.3f}; "
-              f"replay {1e3 * replayed:.3f} ms/token")
-    start = time.perf_counter()
-    try:
-        json_schema_spec({"type": "string", "pattern": "^a{100000}$"})
-    except ValueError as error:   # 29 ms a token before the bound
-        print(f"pattern ^a{{100000}}$: refused in {time.perf_counter() - start:.3f} s: {str(error)[:100]}...")

@@ -31,6 +31,7 @@
 # Never: computes anything of the model, or decides what a row samples.
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -61,7 +62,7 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.nbytes = 0
         self._entries: OrderedDict[int, Entry] = OrderedDict()   # insertion id -> entry, least recent first
-        self._next_id = 0
+        self._ids = itertools.count()                             # the next entry's insertion id
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,8 +103,7 @@ class PrefixCache:
                 return
             if entry.version != version or common == len(entry.ids):
                 self._remove(key)
-        self._entries[self._next_id] = Entry(new, keys, values, routes, version, salt, nbytes)
-        self._next_id += 1
+        self._entries[next(self._ids)] = Entry(new, keys, values, routes, version, salt, nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.budget_bytes:
             self._remove(next(iter(self._entries)))

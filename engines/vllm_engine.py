@@ -548,12 +548,10 @@ class VLLMEngine:
         # chain and computes the first turn's prompt and reply once more
         p = request.params
         salt = f"v{self.version}:{p.given_salt or p.cache_salt}"
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_ids, cache_salt=salt)
         if request.images:      # vLLM expands each image's single pad to the image's run itself
-            prompt = TokensPrompt(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
-                                  multi_modal_data={"image": [image.source for image in request.images]},
-                                  cache_salt=salt)
-        else:
-            prompt = TokensPrompt(prompt_token_ids=request.prompt_ids, cache_salt=salt)
+            prompt.update(prompt_token_ids=_collapse_pad_runs(request.prompt_ids, self._image_pad),
+                          multi_modal_data={"image": [image.source for image in request.images]})
         # registered before it reaches vLLM, so an update that runs meanwhile marks it (at 0 tokens) too; under LoRA
         # the request is sampled whole by the adapter of this version (None at a version no adapter was pushed for:
         # the base, which an adapter equals at its start, B = 0)

@@ -91,8 +91,7 @@ def receive_state(group, plan: list[list[tuple]], device: str) -> dict[str, torc
         sizes = [math.prod(shape) for _, _, shape in bucket]
         buffer = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0][1]), device=device)
         _broadcast(group, buffer)
-        for (name, _, shape), part in zip(bucket, buffer.split(sizes)):
-            state[name] = part.view(shape)
+        state.update((name, part.view(shape)) for (name, _, shape), part in zip(bucket, buffer.split(sizes)))
     return state
 
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import os
@@ -45,10 +46,7 @@ IMAGE_PAD = "<|image_pad|>"
 def label_tokens(text: list[str]) -> tuple[list[str], list[str]]:
     """Per token: the role of the turn it is in ("" before any turn opens) and the tool block it is part of
     ("tool call", "tool result" or ""), found in the row's text as the template wrote it."""
-    starts, joined = [], ""
-    for piece in text:
-        starts.append(len(joined))
-        joined += piece
+    starts, joined = list(itertools.accumulate(map(len, text), initial=0))[:-1], "".join(text)
     roles, blocks = [""] * len(text), [""] * len(text)
     char_role = [""] * (len(joined) + 1)
     opens = list(TURN_OPEN.finditer(joined))
