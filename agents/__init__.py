@@ -397,6 +397,8 @@ class ChatContext:
     max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make,
                                        # on every line (session.Budget; a call past it gets a reply cut with no token)
     task: Any = None                   # the task itself (a recipe's Task subclass carries what its agent needs)
+    max_length: int = 0                # the session's context, prompt and reply, in tokens: what a harness is told
+                                       # to compact its conversation within (the recipes of Codex and Claude Code)
 
 
 class ChatAgent:
@@ -461,7 +463,7 @@ class ChatAgentRunner:
         return ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name,
                            data.sdk_messages(task.messages, task.images), prompt, task.label, task.images,
                            {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "max_tokens": sampling.max_tokens}, self.max_turns, task)
+                            "max_tokens": sampling.max_tokens}, self.max_turns, task, self.max_length)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,

@@ -1,0 +1,120 @@
+# Compaction mid-episode, in a coding harness run unchanged (Claude Code, `claude -p`, as the claude_code recipe runs it)
+# through the real server, wires and ledger. A scripted episode (ScriptEngine's replies, each token given a tiny real
+# model's logprob, so the trainer has something to recompute) grows past the compaction threshold the recipe sets from
+# the session's context: two commands print 300 lines each and a third a word; Claude Code sends its summary request
+# (the conversation so far with its instruction appended to the last user turn, under the same system prompt and
+# tools), the script answers with a summary, and Claude Code goes on from a new, shorter prompt (the summary, then the
+# last exchange verbatim) to read, edit and test the module. The ledger: the summary request opens as the main
+# conversation does, so it is the main line's (session.py's routing, rule 2) and seals the turns before it; the summary
+# is a segment of its own, trained with the rollout's reward; the continuation seals it in turn. Every sampled token is
+# trainable exactly once (the check shown armed: it fails when the summary is counted twice), the trainer's recompute
+# is within the suite's tolerance (and not at another temperature), and the session's page shows the three segments
+# and both seals.
+import dataclasses
+import os
+
+import torch
+from selenium.webdriver.support.ui import Select
+
+import actor
+import loopback
+import models
+from agents.harness import call
+from engines import SamplingParams, params_per_prompt, recorded_sampling
+from engines.harvest import ScriptEngine
+from engines.processing import processed_logprobs
+from invariants import adjusts_logits, check_sampled_once
+from recipes import claude_code, swe_fix
+from session import session_trace
+from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes, sealed_turns
+from tests.test_viewer import browser, js_errors, open_page  # noqa: F401 (browser: the page's fixture)
+from trainer import viewer
+
+# The session's context: the recipe's threshold (context - max_tokens - SUMMARY_ROOM = 4,600 ids) lies between what
+# Claude Code counts before its third request (3,513 ids and its estimate of the second count's output) and before
+# its fourth (4,751 and the third command's word), and above every prompt after compaction (at most about 3,500)
+CONTEXT = 4600 + 256 + claude_code.SUMMARY_ROOM
+SUMMARY = "<analysis>Three counts printed.</analysis>\n<summary>square.py has a bug to fix; nothing edited yet.</summary>"
+INSTRUCTION = "CRITICAL: Respond with TEXT ONLY"            # how Claude Code's summary request opens its instruction
+CONTINUED = "This session is being continued from a previous conversation"   # its prompt after compaction
+
+
+class ScoredScript(ScriptEngine):
+    """ScriptEngine's replies, each token with a real model's logprob of it at the request's recorded sampling (the
+    model run over the prompt and the reply): rows the trainer's recompute checks token by token, so a token recorded
+    in another context than the one it was scored in (a misplaced seal) shows as a gap."""
+
+    def __init__(self, path: str):
+        super().__init__(models.load_tokenizer(path))
+        self.model = models.load_model(path)
+
+    def generate(self, prompts, params, on_token=None, images=None, **_):
+        gen, = super().generate(prompts, params, on_token)
+        sampling = recorded_sampling(params_per_prompt(params, 1)[0], len(gen.prompt_ids))
+        assert not adjusts_logits(sampling)                  # the trainer's processed distribution is these steps alone
+        with torch.no_grad():
+            logits = self.model(torch.tensor([gen.prompt_ids + gen.token_ids])).logits[0, len(gen.prompt_ids) - 1:-1]
+        logprobs = processed_logprobs(logits, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
+        chosen = logprobs.gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0].tolist()
+        return [dataclasses.replace(gen, behavior_logprobs=chosen, sampling=sampling)]
+
+
+def test_claude_code_compacts_mid_episode_the_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
+        monkeypatch, browser):  # noqa: F811
+    path = models.tiny_model_dir("qwen3")
+    engine, task = ScoredScript(path), swe_fix.tasks("train", 0)[0]
+    tokenizer = engine.tokenizer
+    commands = [call("Bash", {"command": command, "description": "Count"})
+                for command in ("seq 1 300", "seq 301 600", "echo counted")]
+    engine.replies = [*commands, SUMMARY, *claude_code.script(task)]
+    turns = len(engine.replies)
+    sessions, close = [], loopback.LoopbackServer.close_session
+    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
+                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
+    rollouts, failures, _ = run_episodes(claude_code, engine, tokenizer, probe(claude_code, short_prompt=True), [task],
+                                         SamplingParams(temperature=0.7, max_tokens=256), CONTEXT, turns)
+    assert failures == {} and len(rollouts) == 1 and engine.replies == []        # every scripted reply asked for
+    rollout, (session,) = rollouts[0], sessions
+    served = session.served_in_order()
+    prompts = [tokenizer.decode(g.prompt_ids) for g in served]
+    seals = sealed_turns(rollout)
+    print(f"claude_code, context {CONTEXT}: prompt ids per turn {[len(g.prompt_ids) for g in served]}, sealed per turn "
+          f"{seals}, rows {[(row.line, row.seal_reason, len(row.token_ids)) for row in rollout.rows]}, reward "
+          f"{rollout.reward:.2f}")
+    # turns 1-3 the commands, 4 the summary request, 5-8 the continuation: read, edit, test, answer (the fix applied)
+    assert [INSTRUCTION in p for p in prompts] == [False] * 3 + [True] + [False] * 4
+    assert [CONTINUED in p for p in prompts] == [False] * 4 + [True] * 4
+    assert len(served[4].prompt_ids) < len(served[2].prompt_ids) < len(served[3].prompt_ids)
+    assert rollout.num_turns == turns and rollout.reward == 1.0 and rollout.side_lines == 0
+    # the ledger: the summary request seals the commands' segment, the continuation seals the summary's
+    assert seals == [False] * 3 + [True, True] + [False] * 3
+    assert [row.line for row in rollout.rows] == ["main"] * 3 and [bool(r.seal_reason) for r in rollout.rows] == \
+        [True, True, False]
+    summary_row = rollout.rows[1]
+    trained = [t for t, trainable in zip(summary_row.token_ids, summary_row.trainable) if trainable]
+    assert trained == served[3].token_ids and tokenizer.decode(trained, skip_special_tokens=True) == SUMMARY
+    # every sampled token trainable exactly once; armed: the summary's row counted twice fails
+    check_sampled_once(rollout.rows, rollout.generations)
+    try:
+        check_sampled_once([*rollout.rows, summary_row], rollout.generations)
+        raise AssertionError("a row counted twice passed the sampled-once check")
+    except ValueError as error:
+        assert "sampled-once violated" in str(error)
+    policy = actor.Actor(path, actor.ActorConfig(precision="fp32"), total_steps=1)
+    gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
+    print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
+    assert gap <= PARITY_TOL < trap
+    # the session's page: the three segments, each token one element, the two seals noted
+    trace = session_trace(session, tokenizer)
+    page = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"compaction-{rollout.rollout_id}.html")
+    with open(page, "w") as f:
+        f.write(viewer.render(viewer.session_page(trace)))
+    open_page(browser, page)
+    Select(browser.find_element("id", "show")).select_by_value("sealed")
+    cards = browser.find_elements("css selector", "#rows .row")
+    assert [len(card.find_elements("css selector", ".tok")) for card in cards] == \
+        [len(row.token_ids) for row in rollout.rows]
+    notes = [card.find_elements("css selector", ".seal-note") for card in cards]
+    assert [len(n) for n in notes] == [1, 1, 0] and all("sealed" in n[0].text for n in notes[:2])
+    assert js_errors(browser) == []
+    os.remove(page)
