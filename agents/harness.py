@@ -44,6 +44,9 @@ from recipes.code_exec import PROBLEMS
 HARNESSES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harnesses")
 MODULES = os.path.join(HARNESSES_DIR, "node_modules")
 JAIL_HARNESSES, JAIL_NODE, JAIL_VENV = "/opt/harnesses", "/opt/node/bin/node", "/opt/venv"
+# what a turn may add above a harness's compaction threshold before the harness counts again: the tool results it
+# appends, or Claude Code's summary instruction (4,000 ids of the tiny models' BPE, about 1,500 of Qwen's)
+COMPACTION_ROOM = 4096
 
 
 # ---- the installed harnesses ---------------------------------------------------------------------------------------
@@ -147,6 +150,13 @@ class HarnessAgent(ProcessAgent):
 
     def harness_environment(self, ctx, ws) -> dict[str, str]:
         return {}
+
+    def compaction_threshold(self, ctx) -> int | None:
+        """The conversation's tokens past which a recipe sets its harness to compact it: the session's context less a
+        reply and COMPACTION_ROOM, so the harness compacts and goes on where the full context would end its episode
+        (docs/agents.md#compaction); None where the context leaves no such room (a full context ends the episode)."""
+        threshold = ctx.max_length - ctx.sampling_params["max_tokens"] - COMPACTION_ROOM
+        return threshold if threshold > 0 else None
 
     def harness_info(self, stdout: str) -> dict[str, float]:
         """What the harness reported (its own JSON output), as numbers for Result.info."""

@@ -23,9 +23,6 @@ from recipes import swe_fix
 
 SYSTEM = "You fix bugs in the repository in the current directory: read the module, edit it, run its tests."
 CPU_MODEL = "tiny-qwen3-claude-code"
-# what a summary request adds to the conversation it summarizes: Claude Code's instruction (4,000 ids of the tiny
-# models' BPE, about 1,500 of Qwen's), its reply being max_tokens' own
-SUMMARY_ROOM = 4096
 
 ON_GPU = models.gpu_defaults()
 DEFAULTS = {                                        # swe_fix's, with a longer context
@@ -62,17 +59,17 @@ class ClaudeCodeAgent(HarnessAgent):
     def harness_environment(self, ctx, ws) -> dict[str, str]:
         # CLAUDE_CODE_ATTRIBUTION_HEADER=0: no billing line for Anthropic's API atop the system prompt (its hash of the
         # first user message would make every task's system prompt differ from its first tokens). Compaction: Claude
-        # Code takes a model it does not know for a 200K one and compacts near that, never within a smaller session,
-        # whose full context would end the episode (prompt too long); its auto-compact window (100K at least) and a
-        # percentage of the window less a reply put its threshold at the session's context less a reply and
-        # SUMMARY_ROOM (docs/agents.md#compaction)
-        max_tokens = ctx.sampling_params["max_tokens"]
+        # Code takes a model it does not know for a 200K one and would compact near that, never within a smaller
+        # session; its auto-compact window (100K at least) and a percentage of it less a reply put its threshold at
+        # compaction_threshold
+        max_tokens, threshold = ctx.sampling_params["max_tokens"], self.compaction_threshold(ctx)
         window = max(100_000, ctx.max_length)
-        threshold = ctx.max_length - max_tokens - SUMMARY_ROOM
+        compaction = {} if threshold is None else {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(window),
+                                                   "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE":
+                                                       f"{100 * threshold / (window - max_tokens):.4f}"}
         return {"DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens), "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(window),
-                "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": f"{100 * threshold / (window - max_tokens):.4f}"}
+                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens), **compaction}
 
     def harness_info(self, stdout: str) -> dict[str, float]:
         reports = [line for line in json_lines(stdout) if line.get("type") == "result"]

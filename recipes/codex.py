@@ -63,8 +63,11 @@ class CodexAgent(HarnessAgent):
 
     def settings(self, ctx, ws) -> dict[str, str]:
         home = os.path.join(ws.home, "codex")
+        # compaction: the session's context is the model's window, and Codex compacts past compaction_threshold
+        threshold = self.compaction_threshold(ctx)
         lines = [f"model = {toml_string(ctx.model_name)}", 'model_provider = "tracerl"',
-                 "check_for_update_on_startup = false"]
+                 "check_for_update_on_startup = false", f"model_context_window = {ctx.max_length}",
+                 *([f"model_auto_compact_token_limit = {threshold}"] if threshold else [])]
         files = {}
         if self.short_prompt:
             files["codex/instructions.md"] = INSTRUCTIONS + "\n"

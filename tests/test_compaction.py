@@ -12,6 +12,9 @@
 # and both seals.
 import dataclasses
 import os
+from collections.abc import Callable
+
+import pytest
 
 import torch
 from selenium.webdriver.support.ui import Select
@@ -19,24 +22,41 @@ from selenium.webdriver.support.ui import Select
 import actor
 import loopback
 import models
-from agents.harness import call
+from agents.harness import COMPACTION_ROOM, call
 from engines import SamplingParams, params_per_prompt, recorded_sampling
 from engines.harvest import ScriptEngine
 from engines.processing import processed_logprobs
 from invariants import adjusts_logits, check_sampled_once
-from recipes import claude_code, swe_fix
+from recipes import claude_code, codex, swe_fix
 from session import session_trace
 from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes, sealed_turns
 from tests.test_viewer import browser, js_errors, open_page  # noqa: F401 (browser: the page's fixture)
 from trainer import viewer
 
-# The session's context: the recipe's threshold (context - max_tokens - SUMMARY_ROOM = 4,600 ids) lies between what
-# Claude Code counts before its third request (3,513 ids and its estimate of the second count's output) and before
-# its fourth (4,751 and the third command's word), and above every prompt after compaction (at most about 3,500)
-CONTEXT = 4600 + 256 + claude_code.SUMMARY_ROOM
 SUMMARY = "<analysis>Three counts printed.</analysis>\n<summary>square.py has a bug to fix; nothing edited yet.</summary>"
-INSTRUCTION = "CRITICAL: Respond with TEXT ONLY"            # how Claude Code's summary request opens its instruction
-CONTINUED = "This session is being continued from a previous conversation"   # its prompt after compaction
+
+
+@dataclasses.dataclass
+class Compacting:
+    """A harness's compacting episode: its recipe, its command tool, the threshold the session's context is sized
+    for, and how its summary request and its prompt after compaction open."""
+    recipe: object
+    command: Callable[[str], str]
+    threshold: int
+    summary_request: str
+    continued: str
+
+
+# Each threshold lies between what the harness counts before its third request (the second count's output estimated)
+# and before its fourth (its third prompt, about 4,750 ids, and a word), and above every prompt after compaction
+HARNESSES = {
+    "claude_code": Compacting(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}), 4600,
+                              "CRITICAL: Respond with TEXT ONLY",
+                              "This session is being continued from a previous conversation"),
+    "codex": Compacting(codex, lambda cmd: call("exec_command", {"cmd": cmd}), 4500,
+                        "You are performing a CONTEXT CHECKPOINT COMPACTION",
+                        "Another language model started to solve this problem"),
+}
 
 
 class ScoredScript(ScriptEngine):
@@ -59,32 +79,34 @@ class ScoredScript(ScriptEngine):
         return [dataclasses.replace(gen, behavior_logprobs=chosen, sampling=sampling)]
 
 
-def test_claude_code_compacts_mid_episode_the_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
-        monkeypatch, browser):  # noqa: F811
+@pytest.mark.parametrize("name", sorted(HARNESSES))
+def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
+        name, monkeypatch, browser):  # noqa: F811
+    harness = HARNESSES[name]
+    recipe, context = harness.recipe, harness.threshold + 256 + COMPACTION_ROOM     # max_tokens 256
     path = models.tiny_model_dir("qwen3")
     engine, task = ScoredScript(path), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
-    commands = [call("Bash", {"command": command, "description": "Count"})
-                for command in ("seq 1 300", "seq 301 600", "echo counted")]
-    engine.replies = [*commands, SUMMARY, *claude_code.script(task)]
+    commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
+    engine.replies = [*commands, SUMMARY, *recipe.script(task)]
     turns = len(engine.replies)
     sessions, close = [], loopback.LoopbackServer.close_session
     monkeypatch.setattr(loopback.LoopbackServer, "close_session",
                         lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
-    rollouts, failures, _ = run_episodes(claude_code, engine, tokenizer, probe(claude_code, short_prompt=True), [task],
-                                         SamplingParams(temperature=0.7, max_tokens=256), CONTEXT, turns)
+    rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
+                                         SamplingParams(temperature=0.7, max_tokens=256), context, turns)
     assert failures == {} and len(rollouts) == 1 and engine.replies == []        # every scripted reply asked for
     rollout, (session,) = rollouts[0], sessions
     served = session.served_in_order()
     prompts = [tokenizer.decode(g.prompt_ids) for g in served]
     seals = sealed_turns(rollout)
-    print(f"claude_code, context {CONTEXT}: prompt ids per turn {[len(g.prompt_ids) for g in served]}, sealed per turn "
+    print(f"{name}, context {context}: prompt ids per turn {[len(g.prompt_ids) for g in served]}, sealed per turn "
           f"{seals}, rows {[(row.line, row.seal_reason, len(row.token_ids)) for row in rollout.rows]}, reward "
           f"{rollout.reward:.2f}")
     # turns 1-3 the commands, 4 the summary request, 5-8 the continuation: read, edit, test, answer (the fix applied)
-    assert [INSTRUCTION in p for p in prompts] == [False] * 3 + [True] + [False] * 4
-    assert [CONTINUED in p for p in prompts] == [False] * 4 + [True] * 4
-    assert len(served[4].prompt_ids) < len(served[2].prompt_ids) < len(served[3].prompt_ids)
+    assert [harness.summary_request in p for p in prompts] == [False] * 3 + [True] + [False] * 4
+    assert [harness.continued in p for p in prompts] == [False] * 4 + [True] * 4
+    assert len(served[4].prompt_ids) < len(served[2].prompt_ids) and "nothing edited yet." in prompts[4]
     assert rollout.num_turns == turns and rollout.reward == 1.0 and rollout.side_lines == 0
     # the ledger: the summary request seals the commands' segment, the continuation seals the summary's
     assert seals == [False] * 3 + [True, True] + [False] * 3
