@@ -169,7 +169,7 @@ class Rollout:
     generations: list[Generation] = field(default_factory=list)  # the engine's output for every turn, in order:
                                                # train.py checks the rows train each sampled token exactly once
     side_lines: int = 0                        # a ChatAgent's session: conversations beside its main one (sub-agents,
-    side_turns: int = 0                        # title and summary requests: session.py) and their turns; their rows
+    side_turns: int = 0                        # title requests: session.py) and their turns; their rows
                                                # (labelled, Segment.line) are in `rows` when they train
 
 
@@ -421,9 +421,9 @@ class ChatAgentRunner:
     template: str | None = None        # None = the model's own chat template
     # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record. True
     # (the default): their rows train with the rollout's reward, after the main line's. A sub-agent's turns are real
-    # work the outcome depends on, as the main line's are; a title's or a summary's do not shape the outcome, and an
-    # action that does not shape the reward has zero expected policy gradient against the group's baseline: it adds
-    # variance, not bias, for a handful of tokens. False: the main line alone trains (side lines are still recorded,
+    # work the outcome depends on, as the main line's are (and a compaction's summary, which stays on its line); a
+    # title's do not shape the outcome, and an action that does not shape the reward has zero expected policy gradient
+    # against the group's baseline: it adds variance, not bias, for a handful of tokens. False: the main line alone trains (side lines are still recorded,
     # traced and counted).
     train_side_lines: bool = True
 
