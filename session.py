@@ -338,20 +338,17 @@ class ChatSession:
     @property
     def ledger(self) -> invariants.TokenLedger:
         """The main line's token record (an empty one before the first turn)."""
-        main = self.main_line
-        return main.ledger if main else LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE)
+        return self.main_line.ledger if self.lines else LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE)
 
     @property
     def generations(self) -> list[Generation]:
         """The main line's generations, in order (what its rows train, each sampled token once)."""
-        main = self.main_line
-        return main.generations if main else []
+        return self.main_line.generations if self.lines else []
 
     @property
     def turns(self) -> int:
         """The main line's committed turns."""
-        main = self.main_line
-        return main.turns if main else 0
+        return self.main_line.turns if self.lines else 0
 
     @property
     def side_lines(self) -> list[Line]:

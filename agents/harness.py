@@ -51,12 +51,6 @@ COMPACTION_ROOM = 4096
 
 # ---- the installed harnesses ---------------------------------------------------------------------------------------
 
-def pinned_version(package: str) -> str:
-    """The version harnesses/package.json pins for `package` (the one place the pins live)."""
-    with open(os.path.join(HARNESSES_DIR, "package.json")) as f:
-        return json.load(f)["dependencies"][package]
-
-
 def node_binary() -> str:
     """The machine's Node (launch.sh installs Debian's where none is), as a real path: bound into a jail as one file."""
     found = shutil.which("node")
@@ -74,7 +68,9 @@ class Harness:
 
     @property
     def version(self) -> str:
-        return pinned_version(self.package)
+        """The version harnesses/package.json pins (the one place the pins live)."""
+        with open(os.path.join(HARNESSES_DIR, "package.json")) as f:
+            return json.load(f)["dependencies"][self.package]
 
     def host_entry(self) -> str:
         """The installed entry on this machine; FileNotFoundError saying how to install it when it is not there."""
@@ -98,10 +94,8 @@ class Harness:
         return [JAIL_NODE, entry] if self.needs_node else [entry]
 
     def jail_binds(self) -> dict[str, str]:
-        binds = {JAIL_HARNESSES: HARNESSES_DIR, JAIL_VENV: sys.prefix}
-        if self.needs_node:
-            binds[JAIL_NODE] = node_binary()
-        return binds
+        node = {JAIL_NODE: node_binary()} if self.needs_node else {}
+        return {JAIL_HARNESSES: HARNESSES_DIR, JAIL_VENV: sys.prefix, **node}
 
 
 CODEX = Harness("codex", "@openai/codex", "@openai/codex/bin/codex.js", needs_node=True)
@@ -128,7 +122,8 @@ def check_installed() -> None:
 class HarnessAgent(ProcessAgent):
     """A harness run unchanged on one repository with a planted bug (swe_fix's tasks), graded by swe_fix's hidden
     tests on what it left. A recipe names the harness and fills `arguments` (its own flags), `settings` (files of
-    its configuration, written into home/) and `harness_environment`. `short_prompt`: the documented settings that
+    its configuration, written into home/), `harness_environment`, and `accepts_exit` (the harness's own report of a
+    reply cut at max_tokens or a full context: the episode ended there, truncated). `short_prompt`: the documented settings that
     shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False runs it on
     its defaults, as a real model gets it."""
 
@@ -152,23 +147,13 @@ class HarnessAgent(ProcessAgent):
         return {}
 
     def compaction_threshold(self, ctx) -> int | None:
-        """The conversation's tokens past which a recipe sets its harness to compact it: the session's context less a
-        reply and COMPACTION_ROOM, so the harness compacts and goes on where the full context would end its episode
-        (docs/agents.md#compaction); None where the context leaves no such room (a full context ends the episode)."""
-        threshold = ctx.max_length - ctx.sampling_params["max_tokens"] - COMPACTION_ROOM
-        return threshold if threshold > 0 else None
+        """The tokens past which a recipe sets its harness to compact and go on (docs/agents.md#compaction): the
+        session's context less a reply and COMPACTION_ROOM; None where the context leaves no such room."""
+        return max(ctx.max_length - ctx.sampling_params["max_tokens"] - COMPACTION_ROOM, 0) or None
 
     def harness_info(self, stdout: str) -> dict[str, float]:
         """What the harness reported (its own JSON output), as numbers for Result.info."""
         return {}
-
-    def harness_cut(self, stdout: str) -> bool:
-        """Whether the harness's output says it stopped because the model's reply was cut at max_tokens or the
-        context was full: an episode that ended truncated (graded, Result.truncated), not a failed process."""
-        return False
-
-    def accepts_exit(self, run) -> bool:
-        return self.harness_cut(run.stdout)
 
     def prepare(self, ctx, ws) -> None:
         swe_fix.write_repository(ctx, ws)
@@ -189,7 +174,9 @@ class HarnessAgent(ProcessAgent):
         info = self.harness_info(run.stdout)           # the harness's report, read before the hidden tests run
         result = swe_fix.grade_repository(ctx, ws)
         result.info.update(info)
-        result.truncated = result.truncated or run.exit_code != 0      # only a cut reply or a full context (above)
+        # an exit the recipe's accepts_exit took (the harness's own report of a reply cut at max_tokens or a full
+        # context): an episode that ended truncated, not a failed process
+        result.truncated = result.truncated or run.exit_code != 0
         return result
 
 

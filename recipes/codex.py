@@ -52,9 +52,7 @@ def notice(cfg) -> str:
 
 # ---- Codex, as a process per rollout ------------------------------------------------------------------------------
 
-def toml_string(value: str) -> str:
-    """A TOML basic string (JSON's escapes are TOML's)."""
-    return json.dumps(value)
+toml_string = json.dumps        # a TOML basic string: JSON's escapes are TOML's
 
 
 class CodexAgent(HarnessAgent):
@@ -103,10 +101,9 @@ class CodexAgent(HarnessAgent):
                 "codex_patches": float(kinds.count("file_change")),
                 "codex_answered": float("agent_message" in kinds)}
 
-
-    def harness_cut(self, stdout: str) -> bool:
+    def accepts_exit(self, run) -> bool:
         # `codex exec` ends its turn failed, and exits 1, on a reply cut at max_output_tokens and on a full context
-        failed = [event.get("error") for event in json_lines(stdout) if event.get("type") == "turn.failed"]
+        failed = [event.get("error") for event in json_lines(run.stdout) if event.get("type") == "turn.failed"]
         message = str(failed[-1].get("message", "")) if failed and isinstance(failed[-1], dict) else ""
         return "reason: max_output_tokens" in message or "out of room in the model's context window" in message
 
