@@ -1,17 +1,20 @@
-# Compaction mid-episode, in a coding harness run unchanged (Claude Code, `claude -p`, as the claude_code recipe runs it)
-# through the real server, wires and ledger. A scripted episode (ScriptEngine's replies, each token given a tiny real
-# model's logprob, so the trainer has something to recompute) grows past the compaction threshold the recipe sets from
-# the session's context: two commands print 300 lines each and a third a word; Claude Code sends its summary request
-# (the conversation so far with its instruction appended to the last user turn, under the same system prompt and
-# tools), the script answers with a summary, and Claude Code goes on from a new, shorter prompt (the summary, then the
-# last exchange verbatim) to read, edit and test the module. The ledger: the summary request opens as the main
-# conversation does, so it is the main line's (session.py's routing, rule 2) and seals the turns before it; the summary
-# is a segment of its own, trained with the rollout's reward; the continuation seals it in turn. Every sampled token is
-# trainable exactly once (the check shown armed: it fails when the summary is counted twice), the trainer's recompute
-# is within the suite's tolerance (and not at another temperature), and the session's page shows the three segments
-# and both seals.
+# Compaction mid-episode, in both coding harnesses run unchanged as their recipes run them (Claude Code `claude -p`,
+# Codex `codex exec`), through the real server, wires and ledger. A scripted episode (ScriptEngine's replies, each
+# token given a tiny real model's logprob, so the trainer has something to recompute) grows past the compaction
+# threshold the recipe sets from the session's context: two commands print 300 lines each and a third a word; the
+# harness sends its summary request (the conversation so far with its instruction last: Claude Code's appended to the
+# last user turn under the same system prompt and tools, Codex's a user message of its own with no tools), the script
+# answers with a summary, and the harness goes on from a new, shorter prompt carrying the summary to read, edit and
+# test the module. The ledger: the summary request opens as the main conversation does, so it is the main line's
+# (session.py's routing) and seals the turns before it; the summary is a segment of its own, trained with the
+# rollout's reward; the continuation seals it in turn. Every sampled token is trainable exactly once (the check shown
+# armed: it fails when the summary is counted twice), the trainer's recompute is within the suite's tolerance (and
+# not at another temperature), and the session's page shows the three segments and both seals. Without the recipe's
+# threshold the same episode has no compaction (its fourth reply, the summary, ends it as an answer): the recipe's
+# settings, not the context, make the harness compact here.
 import dataclasses
 import os
+import types
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +25,7 @@ from selenium.webdriver.support.ui import Select
 import actor
 import loopback
 import models
-from agents.harness import COMPACTION_ROOM, call
+from agents.harness import COMPACTION_ROOM, HarnessAgent, call
 from engines import SamplingParams, params_per_prompt, recorded_sampling
 from engines.harvest import ScriptEngine
 from engines.processing import processed_logprobs
@@ -40,15 +43,17 @@ SUMMARY = "<analysis>Three counts printed.</analysis>\n<summary>square.py has a 
 class Compacting:
     """A harness's compacting episode: its recipe, its command tool, the threshold the session's context is sized
     for, and how its summary request and its prompt after compaction open."""
-    recipe: object
+    recipe: types.ModuleType
     command: Callable[[str], str]
     threshold: int
     summary_request: str
     continued: str
 
 
-# Each threshold lies between what the harness counts before its third request (the second count's output estimated)
-# and before its fourth (its third prompt, about 4,750 ids, and a word), and above every prompt after compaction
+# Each threshold lies between what the harness counts before its third request (its second prompt, 3,513 ids for
+# Claude Code and 3,789 for Codex, and the second count's output) and before its fourth (its third prompt, 4,751 and
+# 5,094 ids), and above every prompt after compaction; the context (threshold + max_tokens + COMPACTION_ROOM) holds
+# Claude Code's summary request, 8,750 ids
 HARNESSES = {
     "claude_code": Compacting(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}), 4600,
                               "CRITICAL: Respond with TEXT ONLY",
@@ -88,15 +93,25 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     engine, task = ScoredScript(path), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
-    engine.replies = [*commands, SUMMARY, *recipe.script(task)]
-    turns = len(engine.replies)
     sessions, close = [], loopback.LoopbackServer.close_session
     monkeypatch.setattr(loopback.LoopbackServer, "close_session",
                         lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
-    rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
-                                         SamplingParams(temperature=0.7, max_tokens=256), context, turns)
-    assert failures == {} and len(rollouts) == 1 and engine.replies == []        # every scripted reply asked for
-    rollout, (session,) = rollouts[0], sessions
+
+    def episode():
+        engine.replies = [*commands, SUMMARY, *recipe.script(task)]
+        rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
+                                             SamplingParams(temperature=0.7, max_tokens=256), context, turns)
+        assert failures == {} and len(rollouts) == 1
+        return rollouts[0], sessions[-1]
+    # armed: without the recipe's threshold the harness does not compact in this context, and the summary it is never
+    # asked for ends the episode as its answer, the bug unfixed
+    turns = len(commands) + 1 + len(recipe.script(task))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HarnessAgent, "compaction_threshold", lambda self, ctx: None)
+        plain, _ = episode()
+    assert plain.num_turns == 4 and sealed_turns(plain) == [False] * 4 and plain.reward < 1
+    rollout, session = episode()
+    assert engine.replies == []                                                   # every scripted reply asked for
     served = session.served_in_order()
     prompts = [tokenizer.decode(g.prompt_ids) for g in served]
     seals = sealed_turns(rollout)
@@ -117,11 +132,8 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     assert trained == served[3].token_ids and tokenizer.decode(trained, skip_special_tokens=True) == SUMMARY
     # every sampled token trainable exactly once; armed: the summary's row counted twice fails
     check_sampled_once(rollout.rows, rollout.generations)
-    try:
+    with pytest.raises(ValueError, match="sampled-once violated"):
         check_sampled_once([*rollout.rows, summary_row], rollout.generations)
-        raise AssertionError("a row counted twice passed the sampled-once check")
-    except ValueError as error:
-        assert "sampled-once violated" in str(error)
     policy = actor.Actor(path, actor.ActorConfig(precision="fp32"), total_steps=1)
     gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
     print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
