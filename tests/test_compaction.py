@@ -13,7 +13,6 @@
 # threshold the same episode has no compaction (its fourth reply, the summary, ends it as an answer): the recipe's
 # settings, not the context, make the harness compact here.
 import dataclasses
-import os
 import types
 from collections.abc import Callable
 
@@ -86,11 +85,10 @@ class ScoredScript(ScriptEngine):
 
 @pytest.mark.parametrize("name", sorted(HARNESSES))
 def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
-        name, monkeypatch, browser):  # noqa: F811
+        name, qwen3_dir, monkeypatch, tmp_path, browser):  # noqa: F811
     harness = HARNESSES[name]
     recipe, context = harness.recipe, harness.threshold + 256 + COMPACTION_ROOM     # max_tokens 256
-    path = models.tiny_model_dir("qwen3")
-    engine, task = ScoredScript(path), swe_fix.tasks("train", 0)[0]
+    engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
     sessions, close = [], loopback.LoopbackServer.close_session
@@ -134,16 +132,15 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     check_sampled_once(rollout.rows, rollout.generations)
     with pytest.raises(ValueError, match="sampled-once violated"):
         check_sampled_once([*rollout.rows, summary_row], rollout.generations)
-    policy = actor.Actor(path, actor.ActorConfig(precision="fp32"), total_steps=1)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
     gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
     print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
     assert gap <= PARITY_TOL < trap
     # the session's page: the three segments, each token one element, the two seals noted
     trace = session_trace(session, tokenizer)
-    page = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"compaction-{rollout.rollout_id}.html")
-    with open(page, "w") as f:
-        f.write(viewer.render(viewer.session_page(trace)))
-    open_page(browser, page)
+    page = tmp_path / "session.html"
+    page.write_text(viewer.render(viewer.session_page(trace)))
+    open_page(browser, str(page))
     Select(browser.find_element("id", "show")).select_by_value("sealed")
     cards = browser.find_elements("css selector", "#rows .row")
     assert [len(card.find_elements("css selector", ".tok")) for card in cards] == \
@@ -151,4 +148,3 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     notes = [card.find_elements("css selector", ".seal-note") for card in cards]
     assert [len(n) for n in notes] == [1, 1, 0] and all("sealed" in n[0].text for n in notes[:2])
     assert js_errors(browser) == []
-    os.remove(page)
