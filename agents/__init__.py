@@ -423,8 +423,8 @@ class ChatAgentRunner:
     # (the default): their rows train with the rollout's reward, after the main line's. A sub-agent's turns are real
     # work the outcome depends on, as the main line's are (and a compaction's summary, which stays on its line); a
     # title's do not shape the outcome, and an action that does not shape the reward has zero expected policy gradient
-    # against the group's baseline: it adds variance, not bias, for a handful of tokens. False: the main line alone trains (side lines are still recorded,
-    # traced and counted).
+    # against the group's baseline: it adds variance, not bias, for a handful of tokens. False: the main line alone
+    # trains (side lines are still recorded, traced and counted).
     train_side_lines: bool = True
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,

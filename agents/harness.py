@@ -123,9 +123,9 @@ class HarnessAgent(ProcessAgent):
     """A harness run unchanged on one repository with a planted bug (swe_fix's tasks), graded by swe_fix's hidden
     tests on what it left. A recipe names the harness and fills `arguments` (its own flags), `settings` (files of
     its configuration, written into home/), `harness_environment`, and `accepts_exit` (the harness's own report of a
-    reply cut at max_tokens or a full context: the episode ended there, truncated). `short_prompt`: the documented settings that
-    shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False runs it on
-    its defaults, as a real model gets it."""
+    reply cut at max_tokens or a full context: the episode ended there, truncated). `short_prompt`: the documented
+    settings that shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False
+    runs it on its defaults, as a real model gets it."""
 
     harness: Harness
     short_prompt: bool = False

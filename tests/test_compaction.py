@@ -35,7 +35,7 @@ from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes,
 from tests.test_viewer import browser, js_errors, open_page  # noqa: F401 (browser: the page's fixture)
 from trainer import viewer
 
-SUMMARY = "<analysis>Three counts printed.</analysis>\n<summary>square.py has a bug to fix; nothing edited yet.</summary>"
+SUMMARY = "<analysis>Three counts printed.</analysis>\n<summary>square.py has a bug; nothing edited yet.</summary>"
 
 
 @dataclasses.dataclass
