@@ -91,19 +91,19 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
+    script = [*commands, SUMMARY, *recipe.script(task)]
     sessions, close = [], loopback.LoopbackServer.close_session
     monkeypatch.setattr(loopback.LoopbackServer, "close_session",
                         lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
 
     def episode():
-        engine.replies = [*commands, SUMMARY, *recipe.script(task)]
+        engine.replies = list(script)
         rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
-                                             SamplingParams(temperature=0.7, max_tokens=256), context, turns)
+                                             SamplingParams(temperature=0.7, max_tokens=256), context, len(script))
         assert failures == {} and len(rollouts) == 1
         return rollouts[0], sessions[-1]
     # armed: without the recipe's threshold the harness does not compact in this context, and the summary it is never
     # asked for ends the episode as its answer, the bug unfixed
-    turns = len(commands) + 1 + len(recipe.script(task))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(HarnessAgent, "compaction_threshold", lambda self, ctx: None)
         plain, _ = episode()
@@ -120,12 +120,14 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     assert [harness.summary_request in p for p in prompts] == [False] * 3 + [True] + [False] * 4
     assert [harness.continued in p for p in prompts] == [False] * 4 + [True] * 4
     assert len(served[4].prompt_ids) < len(served[2].prompt_ids) and "nothing edited yet." in prompts[4]
-    assert rollout.num_turns == turns and rollout.reward == 1.0 and rollout.side_lines == 0
+    assert rollout.num_turns == len(script) and rollout.reward == 1.0 and rollout.side_lines == 0
     # the ledger: the summary request seals the commands' segment, the continuation seals the summary's
     assert seals == [False] * 3 + [True, True] + [False] * 3
     assert [row.line for row in rollout.rows] == ["main"] * 3 and [bool(r.seal_reason) for r in rollout.rows] == \
         [True, True, False]
+    # the summary's row: its request's prompt as context, then the summary, its only trainable tokens
     summary_row = rollout.rows[1]
+    assert summary_row.token_ids == served[3].prompt_ids + served[3].token_ids
     trained = [t for t, trainable in zip(summary_row.token_ids, summary_row.trainable) if trainable]
     assert trained == served[3].token_ids and tokenizer.decode(trained, skip_special_tokens=True) == SUMMARY
     # every sampled token trainable exactly once; armed: the summary's row counted twice fails
