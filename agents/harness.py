@@ -44,9 +44,6 @@ from recipes.code_exec import PROBLEMS
 HARNESSES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harnesses")
 MODULES = os.path.join(HARNESSES_DIR, "node_modules")
 JAIL_HARNESSES, JAIL_NODE, JAIL_VENV = "/opt/harnesses", "/opt/node/bin/node", "/opt/venv"
-# what a turn may add above a harness's compaction threshold before the harness counts again: the tool results it
-# appends, or Claude Code's summary instruction (4,000 ids of the tiny models' BPE, about 1,500 of Qwen's)
-COMPACTION_ROOM = 4096
 
 
 # ---- the installed harnesses ---------------------------------------------------------------------------------------
@@ -129,6 +126,8 @@ class HarnessAgent(ProcessAgent):
 
     harness: Harness
     short_prompt: bool = False
+    compaction_room = 1024               # ids a turn may add above the compaction threshold before the harness counts
+                                         # again (the tool results it appends), beside a reply
     jail = True
     timeout_s = 300.0                    # keep below the runner's budget (--rollout.step_timeout_s x max_turns)
 
@@ -148,8 +147,8 @@ class HarnessAgent(ProcessAgent):
 
     def compaction_threshold(self, ctx) -> int | None:
         """The tokens past which a recipe sets its harness to compact and go on (docs/agents.md#compaction): the
-        session's context less a reply and COMPACTION_ROOM; None where the context leaves no such room."""
-        return max(ctx.max_length - ctx.sampling_params["max_tokens"] - COMPACTION_ROOM, 0) or None
+        session's context less a reply and compaction_room; None where the context leaves no such room."""
+        return max(ctx.max_length - ctx.sampling_params["max_tokens"] - self.compaction_room, 0) or None
 
     def harness_info(self, stdout: str) -> dict[str, float]:
         """What the harness reported (its own JSON output), as numbers for Result.info."""

@@ -50,6 +50,8 @@ def notice(cfg) -> str:
 class ClaudeCodeAgent(HarnessAgent):
     harness = CLAUDE_CODE
     short_prompt = not ON_GPU
+    compaction_room = 4096               # and what its summary request adds to the conversation: its instruction
+                                         # (4,000 ids of the tiny models' BPE, about 1,500 of Qwen's)
 
     def arguments(self, ctx, ws) -> list[str]:
         short = ["--bare", "--system-prompt", SYSTEM, "--tools", "Bash,Read,Edit"] if self.short_prompt else []

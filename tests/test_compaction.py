@@ -24,7 +24,7 @@ from selenium.webdriver.support.ui import Select
 import actor
 import loopback
 import models
-from agents.harness import COMPACTION_ROOM, HarnessAgent, call
+from agents.harness import HarnessAgent, call
 from engines import SamplingParams, params_per_prompt, recorded_sampling
 from engines.harvest import ScriptEngine
 from engines.processing import processed_logprobs
@@ -51,8 +51,8 @@ class Compacting:
 
 # Each threshold lies between what the harness counts before its third request (its second prompt, 3,513 ids for
 # Claude Code and 3,789 for Codex, and the second count's output) and before its fourth (its third prompt, 4,751 and
-# 5,094 ids), and above every prompt after compaction; the context (threshold + max_tokens + COMPACTION_ROOM) holds
-# Claude Code's summary request, 8,750 ids
+# 5,094 ids), and above every prompt after compaction; the context (threshold + max_tokens + compaction_room) holds
+# the fourth prompt and Claude Code's summary request, 8,750 ids
 HARNESSES = {
     "claude_code": Compacting(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}), 4600,
                               "CRITICAL: Respond with TEXT ONLY",
@@ -87,7 +87,8 @@ class ScoredScript(ScriptEngine):
 def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
         name, qwen3_dir, monkeypatch, tmp_path, browser):  # noqa: F811
     harness = HARNESSES[name]
-    recipe, context = harness.recipe, harness.threshold + 256 + COMPACTION_ROOM     # max_tokens 256
+    recipe = harness.recipe
+    context = harness.threshold + 256 + recipe.AgentRunner.agent_cls.compaction_room     # max_tokens 256
     engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
