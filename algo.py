@@ -234,12 +234,13 @@ def distill_advantages(
 # template) are observations the agent did not choose. They are TRANSPARENT: no TD error, no discount and no value
 # there, the next action's V and A carried across them to the previous action, so a multi-turn episode is one chain
 # of decisions and the final reward reaches the first turn's tokens. A rollout sealed into several rows (a context
-# rewrite: the same episode, its later turns on a new prompt) is ONE chain too: its rows in segment order, end to end
-# (segment_chains), so the last action of a row bootstraps from the first action of the next row, and only the last
-# row holds the reward. A chat agent's side line (a sub-agent, a title or summary request: session.py; its segments
-# numbered from 0 apart from the main line's) is a chain of its own: its tokens are another conversation, never
-# between two of the main line's segments in the episode, so neither line bootstraps from the other's values; each
-# line's last action holds the rollout's reward, as a group estimator gives every line the rollout's advantage.
+# rewrite: the same episode, its later turns on a new prompt; a compaction, its summary a row between them) is ONE
+# chain too: its rows in segment order, end to end (segment_chains), so the last action of a row bootstraps from the
+# first action of the next row, and only the last row holds the reward. A chat agent's side line (a sub-agent, a
+# title request: session.py; its segments numbered from 0 apart from the main line's) is a chain of its own: its
+# tokens are another conversation, never between two of the main line's segments in the episode, so neither line
+# bootstraps from the other's values; each line's last action holds the rollout's reward, as a group estimator gives
+# every line the rollout's advantage.
 # V after the chain's last action is 0 (the episode ends there).
 
 

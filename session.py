@@ -37,17 +37,23 @@
 # by its echo is the same call (a JSON object's key order carries nothing, and a declared default is what the tool
 # does without the key), so nothing the agent said is lost.
 # Lines. A harness may send other conversations on the rollout's session: Claude Code's sub-agents (their own system
-# prompt and tools: real work), its session-title request (another system prompt, no tools, a JSON format), a
-# summary. Each is a line with a record of its own, so a side request neither seals the main conversation nor is
-# sealed by it. A request goes to (1) the line it continues (its last request and reply, under the echo rule; the
-# most recently served first), else (2) the line with the same opening (system prompt and first user message): an
-# edit or a rebuilt history, which extends or seals by ids as before, else (3) the main line when its system prompt
-# is the main line's (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is
-# the first line opened by a request that offered tools, or the first line when none did (Claude Code names its
-# session before its first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they
-# opened in), on every segment (`Segment.line`), so the trace and the trainer see them labelled, and
-# ChatAgentRunner decides whether they train (its train_side_lines). Two conversations with the same opening are
-# one line (they seal each other, as one conversation rewritten would).
+# prompt and tools: real work), its session-title request (another system prompt, no tools, a JSON format). Each is a
+# line with a record of its own, so a side request neither seals the main conversation nor is sealed by it. A request
+# goes to (1) the line it continues (its last request and reply, under the echo rule; the most recently served
+# first), else (2) the line with the same opening (system prompt and first user message): an edit or a rebuilt
+# history, which extends or seals by ids as before, else (3) the main line when its system prompt is the main line's
+# (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is the first line
+# opened by a request that offered tools, or the first line when none did (Claude Code names its session before its
+# first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in), on every
+# segment (`Segment.line`), so the trace and the trainer see them labelled, and ChatAgentRunner decides whether they
+# train (its train_side_lines). Two conversations with the same opening are one line (they seal each other, as one
+# conversation rewritten would).
+# Compaction stays on its line. A harness's summary request opens as the conversation it summarizes (Claude Code and
+# Codex send that conversation, their instruction last, under its system prompt; Codex drops its tools), so it goes to
+# that line by (1) or (2), and its prompt, no extension of the record, seals the turns before it; the prompt the
+# harness goes on with (the summary in a user message) goes to the same line by (2) or (3) and seals the summary's
+# segment. So the summary is a segment of its own on the line whose outcome it shapes, trained with the rollout's
+# reward (as CompactionRL trains summaries: masked, they degenerate); one under a system prompt of its own is (4).
 # A turn is committed only after generation succeeds (a turn recorded before a failed generation would leave
 # context with no reply, and the retry would append a second copy); the sampled text is never re-encoded.
 # A retried request (identical messages, tools, sampling and turn options to a line's last one) is answered from the
@@ -339,20 +345,17 @@ class ChatSession:
     @property
     def ledger(self) -> invariants.TokenLedger:
         """The main line's token record (an empty one before the first turn)."""
-        main = self.main_line
-        return main.ledger if main else LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE)
+        return self.main_line.ledger if self.lines else LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE)
 
     @property
     def generations(self) -> list[Generation]:
         """The main line's generations, in order (what its rows train, each sampled token once)."""
-        main = self.main_line
-        return main.generations if main else []
+        return self.main_line.generations if self.lines else []
 
     @property
     def turns(self) -> int:
         """The main line's committed turns."""
-        main = self.main_line
-        return main.turns if main else 0
+        return self.main_line.turns if self.lines else 0
 
     @property
     def side_lines(self) -> list[Line]:

@@ -169,7 +169,7 @@ class Rollout:
     generations: list[Generation] = field(default_factory=list)  # the engine's output for every turn, in order:
                                                # train.py checks the rows train each sampled token exactly once
     side_lines: int = 0                        # a ChatAgent's session: conversations beside its main one (sub-agents,
-    side_turns: int = 0                        # title and summary requests: session.py) and their turns; their rows
+    side_turns: int = 0                        # title requests: session.py) and their turns; their rows
                                                # (labelled, Segment.line) are in `rows` when they train
 
 
@@ -394,6 +394,8 @@ class ChatContext:
     max_turns: int = 1                 # the turn budget (--rollout.max_turns): model calls this rollout may make,
                                        # on every line (session.Budget; a call past it gets a reply cut with no token)
     task: Any = None                   # the task itself (a recipe's Task subclass carries what its agent needs)
+    max_length: int = 0                # the session's context, prompt and reply, in tokens: what a harness is told
+                                       # to compact its conversation within (the recipes of Codex and Claude Code)
 
 
 class ChatAgent:
@@ -416,10 +418,10 @@ class ChatAgentRunner:
     template: str | None = None        # None = the model's own chat template
     # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record. True
     # (the default): their rows train with the rollout's reward, after the main line's. A sub-agent's turns are real
-    # work the outcome depends on, as the main line's are; a title's or a summary's do not shape the outcome, and an
-    # action that does not shape the reward has zero expected policy gradient against the group's baseline: it adds
-    # variance, not bias, for a handful of tokens. False: the main line alone trains (side lines are still recorded,
-    # traced and counted).
+    # work the outcome depends on, as the main line's are (and a compaction's summary, which stays on its line); a
+    # title's do not shape the outcome, and an action that does not shape the reward has zero expected policy gradient
+    # against the group's baseline: it adds variance, not bias, for a handful of tokens. False: the main line alone
+    # trains (side lines are still recorded, traced and counted).
     train_side_lines: bool = True
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
@@ -458,7 +460,7 @@ class ChatAgentRunner:
         return ChatContext(info.base_url, info.session_url, info.api_key, self.server.model_name,
                            data.sdk_messages(task.messages, task.images), prompt, task.label, task.images,
                            {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "max_tokens": sampling.max_tokens}, self.max_turns, task)
+                            "max_tokens": sampling.max_tokens}, self.max_turns, task, self.max_length)
 
     async def _one(self, task, group_id: str, sampling: SamplingParams) -> Rollout | None:
         info = self.server.create_session(uuid.uuid4().hex[:12], group_id, sampling, self.max_length,

@@ -48,12 +48,6 @@ JAIL_HARNESSES, JAIL_NODE, JAIL_VENV = "/opt/harnesses", "/opt/node/bin/node", "
 
 # ---- the installed harnesses ---------------------------------------------------------------------------------------
 
-def pinned_version(package: str) -> str:
-    """The version harnesses/package.json pins for `package` (the one place the pins live)."""
-    with open(os.path.join(HARNESSES_DIR, "package.json")) as f:
-        return json.load(f)["dependencies"][package]
-
-
 def node_binary() -> str:
     """The machine's Node (launch.sh installs Debian's where none is), as a real path: bound into a jail as one file."""
     found = shutil.which("node")
@@ -71,7 +65,9 @@ class Harness:
 
     @property
     def version(self) -> str:
-        return pinned_version(self.package)
+        """The version harnesses/package.json pins (the one place the pins live)."""
+        with open(os.path.join(HARNESSES_DIR, "package.json")) as f:
+            return json.load(f)["dependencies"][self.package]
 
     def host_entry(self) -> str:
         """The installed entry on this machine; FileNotFoundError saying how to install it when it is not there."""
@@ -95,10 +91,8 @@ class Harness:
         return [JAIL_NODE, entry] if self.needs_node else [entry]
 
     def jail_binds(self) -> dict[str, str]:
-        binds = {JAIL_HARNESSES: HARNESSES_DIR, JAIL_VENV: sys.prefix}
-        if self.needs_node:
-            binds[JAIL_NODE] = node_binary()
-        return binds
+        node = {JAIL_NODE: node_binary()} if self.needs_node else {}
+        return {JAIL_HARNESSES: HARNESSES_DIR, JAIL_VENV: sys.prefix, **node}
 
 
 CODEX = Harness("codex", "@openai/codex", "@openai/codex/bin/codex.js", needs_node=True)
@@ -125,12 +119,15 @@ def check_installed() -> None:
 class HarnessAgent(ProcessAgent):
     """A harness run unchanged on one repository with a planted bug (swe_fix's tasks), graded by swe_fix's hidden
     tests on what it left. A recipe names the harness and fills `arguments` (its own flags), `settings` (files of
-    its configuration, written into home/) and `harness_environment`. `short_prompt`: the documented settings that
-    shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False runs it on
-    its defaults, as a real model gets it."""
+    its configuration, written into home/), `harness_environment`, and `accepts_exit` (the harness's own report of a
+    reply cut at max_tokens or a full context: the episode ended there, truncated). `short_prompt`: the documented
+    settings that shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False
+    runs it on its defaults, as a real model gets it."""
 
     harness: Harness
     short_prompt: bool = False
+    compaction_room = 1024               # ids a turn may add above the compaction threshold before the harness counts
+                                         # again (the tool results it appends), beside a reply
     jail = True
     timeout_s = 300.0                    # keep below the runner's budget (--rollout.step_timeout_s x max_turns)
 
@@ -148,17 +145,14 @@ class HarnessAgent(ProcessAgent):
     def harness_environment(self, ctx, ws) -> dict[str, str]:
         return {}
 
+    def compaction_threshold(self, ctx) -> int | None:
+        """The tokens past which a recipe sets its harness to compact and go on (docs/agents.md#compaction): the
+        session's context less a reply and compaction_room; None where the context leaves no such room."""
+        return max(ctx.max_length - ctx.sampling_params["max_tokens"] - self.compaction_room, 0) or None
+
     def harness_info(self, stdout: str) -> dict[str, float]:
         """What the harness reported (its own JSON output), as numbers for Result.info."""
         return {}
-
-    def harness_cut(self, stdout: str) -> bool:
-        """Whether the harness's output says it stopped because the model's reply was cut at max_tokens or the
-        context was full: an episode that ended truncated (graded, Result.truncated), not a failed process."""
-        return False
-
-    def accepts_exit(self, run) -> bool:
-        return self.harness_cut(run.stdout)
 
     def prepare(self, ctx, ws) -> None:
         swe_fix.write_repository(ctx, ws)
@@ -179,7 +173,9 @@ class HarnessAgent(ProcessAgent):
         info = self.harness_info(run.stdout)           # the harness's report, read before the hidden tests run
         result = swe_fix.grade_repository(ctx, ws)
         result.info.update(info)
-        result.truncated = result.truncated or run.exit_code != 0      # only a cut reply or a full context (above)
+        # an exit the recipe's accepts_exit took (the harness's own report of a reply cut at max_tokens or a full
+        # context): an episode that ended truncated, not a failed process
+        result.truncated = result.truncated or run.exit_code != 0
         return result
 
 

@@ -50,6 +50,8 @@ def notice(cfg) -> str:
 class ClaudeCodeAgent(HarnessAgent):
     harness = CLAUDE_CODE
     short_prompt = not ON_GPU
+    compaction_room = 4096               # and what its summary request adds to the conversation: its instruction
+                                         # (4,000 ids of the tiny models' BPE, about 1,500 of Qwen's)
 
     def arguments(self, ctx, ws) -> list[str]:
         short = ["--bare", "--system-prompt", SYSTEM, "--tools", "Bash,Read,Edit"] if self.short_prompt else []
@@ -58,28 +60,36 @@ class ClaudeCodeAgent(HarnessAgent):
 
     def harness_environment(self, ctx, ws) -> dict[str, str]:
         # CLAUDE_CODE_ATTRIBUTION_HEADER=0: no billing line for Anthropic's API atop the system prompt (its hash of the
-        # first user message would make every task's system prompt differ from its first tokens)
+        # first user message would make every task's system prompt differ from its first tokens). Compaction: Claude
+        # Code takes a model it does not know for a 200K one and would compact near that, never within a smaller
+        # session; its auto-compact window (100K at least) and a percentage of it less a reply put its threshold at
+        # compaction_threshold
+        max_tokens, threshold = ctx.sampling_params["max_tokens"], self.compaction_threshold(ctx)
+        window = max(100_000, ctx.max_length)
+        compaction = {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(window), "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE":
+                      f"{100 * threshold / (window - max_tokens):.4f}"} if threshold else {}
         return {"DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(ctx.sampling_params["max_tokens"])}
+                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_tokens), **compaction}
+
+    @staticmethod
+    def report(stdout: str) -> dict:
+        """The last result line `claude -p` printed (--output-format json), {} if none."""
+        return next((line for line in reversed(json_lines(stdout)) if line.get("type") == "result"), {})
 
     def harness_info(self, stdout: str) -> dict[str, float]:
-        reports = [line for line in json_lines(stdout) if line.get("type") == "result"]
-        if not reports:
-            return {}
-        report = reports[-1]
+        report = self.report(stdout)
         return {"claude_turns": float(report.get("num_turns") or 0),
-                "claude_error": float(bool(report.get("is_error")))}
+                "claude_error": float(bool(report.get("is_error")))} if report else {}
 
-
-    def harness_cut(self, stdout: str) -> bool:
+    def accepts_exit(self, run) -> bool:
         # `claude -p` reports an error, and exits 1, on a reply cut at its output limit (the rollout's budget spent
         # answers so too), on a prompt too long, and at --max-turns (the run's turn budget: it stops itself where the
         # session would refuse its next call; a side request, which its --max-turns does not count, makes the session's
         # answer come first)
-        reports = [line for line in json_lines(stdout) if line.get("type") == "result"]
-        return bool(reports) and (reports[-1].get("api_error") == "max_output_tokens"
-                                  or reports[-1].get("terminal_reason") in ("prompt_too_long", "max_turns"))
+        report = self.report(run.stdout)
+        return report.get("api_error") == "max_output_tokens" or \
+            report.get("terminal_reason") in ("prompt_too_long", "max_turns")
 
 
 class AgentRunner(ChatAgentRunner):

@@ -52,9 +52,7 @@ def notice(cfg) -> str:
 
 # ---- Codex, as a process per rollout ------------------------------------------------------------------------------
 
-def toml_string(value: str) -> str:
-    """A TOML basic string (JSON's escapes are TOML's)."""
-    return json.dumps(value)
+toml_string = json.dumps        # a TOML basic string: JSON's escapes are TOML's
 
 
 class CodexAgent(HarnessAgent):
@@ -63,8 +61,11 @@ class CodexAgent(HarnessAgent):
 
     def settings(self, ctx, ws) -> dict[str, str]:
         home = os.path.join(ws.home, "codex")
+        # compaction: the session's context is the model's window, and Codex compacts past compaction_threshold
+        threshold = self.compaction_threshold(ctx)
         lines = [f"model = {toml_string(ctx.model_name)}", 'model_provider = "tracerl"',
-                 "check_for_update_on_startup = false"]
+                 "check_for_update_on_startup = false", f"model_context_window = {ctx.max_length}",
+                 *([f"model_auto_compact_token_limit = {threshold}"] if threshold else [])]
         files = {}
         if self.short_prompt:
             files["codex/instructions.md"] = INSTRUCTIONS + "\n"
@@ -100,10 +101,9 @@ class CodexAgent(HarnessAgent):
                 "codex_patches": float(kinds.count("file_change")),
                 "codex_answered": float("agent_message" in kinds)}
 
-
-    def harness_cut(self, stdout: str) -> bool:
+    def accepts_exit(self, run) -> bool:
         # `codex exec` ends its turn failed, and exits 1, on a reply cut at max_output_tokens and on a full context
-        failed = [event.get("error") for event in json_lines(stdout) if event.get("type") == "turn.failed"]
+        failed = [event.get("error") for event in json_lines(run.stdout) if event.get("type") == "turn.failed"]
         message = str(failed[-1].get("message", "")) if failed and isinstance(failed[-1], dict) else ""
         return "reason: max_output_tokens" in message or "out of room in the model's context window" in message
 

@@ -198,7 +198,7 @@ def test_a_harness_at_its_rollouts_budget_ends_its_episode_truncated_and_graded(
     # The demonstration takes four replies; the budget here is two turns. The session answers a request past it as a
     # reply cut at its token limit with no token, and each harness ends its episode on that (Codex fails its turn and
     # exits 1 at once; Claude Code retries a cut reply a few times, each answered at once, then reports
-    # max_output_tokens), an exit its recipe's harness_cut takes: graded and truncated, never retried until the
+    # max_output_tokens), an exit its recipe's accepts_exit takes: graded and truncated, never retried until the
     # deadline (as a 429 would be) nor a failed rollout (as a 400 would be). Claude Code is also given the turn budget
     # as its own --max-turns (the recipe's flags), which counts the same model calls: it stops there itself, exits 1
     # with terminal_reason max_turns, and that episode is graded too (it failed its rollout before).
