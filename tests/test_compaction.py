@@ -25,7 +25,7 @@ import actor
 import loopback
 import models
 from agents.harness import HarnessAgent, call
-from engines import SamplingParams, params_per_prompt, recorded_sampling
+from engines import SamplingParams, per_prompt, recorded_sampling
 from engines.harvest import ScriptEngine
 from engines.processing import processed_logprobs
 from invariants import adjusts_logits, check_sampled_once
@@ -74,7 +74,7 @@ class ScoredScript(ScriptEngine):
 
     def generate(self, prompts, params, on_token=None, images=None, **_):
         gen, = super().generate(prompts, params, on_token)
-        sampling = recorded_sampling(params_per_prompt(params, 1)[0], len(gen.prompt_ids))
+        sampling = recorded_sampling(per_prompt(1, params)[0][0], len(gen.prompt_ids))
         assert not adjusts_logits(sampling)                  # the trainer's processed distribution is these steps alone
         with torch.no_grad():
             logits = self.model(torch.tensor([gen.prompt_ids + gen.token_ids])).logits[0, len(gen.prompt_ids) - 1:-1]
