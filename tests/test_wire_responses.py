@@ -352,16 +352,20 @@ class Tutor:
             self.engine.update_weights(self.student.state_dict(), self.engine.version + 1)
 
 
+def first_response(sdk, ask: dict, stream: bool):
+    """The first response to `ask`, streamed (with its events' kinds) or not (no kinds)."""
+    if not stream:
+        return sdk.responses.create(**ask), []
+    with sdk.responses.stream(**ask) as events:
+        kinds = [event.type for event in events]
+        return events.get_final_response(), kinds
+
+
 def tool_conversation(info, stream: bool = False):
     """Ask for the files with the bash tool; run the call; echo the output items and the call's output."""
     sdk = client(info)
     ask = dict(model="policy", instructions="You can run bash.", input="List files.", tools=TOOLS)
-    if stream:
-        with sdk.responses.stream(**ask) as events:
-            kinds = [event.type for event in events]
-            first = events.get_final_response()
-    else:
-        first, kinds = sdk.responses.create(**ask), []
+    first, kinds = first_response(sdk, ask, stream)
     calls = [item for item in first.output if item.type == "function_call"]
     second = sdk.responses.create(**{**ask, "input": [
         {"role": "user", "content": "List files."}, *[item.model_dump(exclude_none=True) for item in first.output],
@@ -379,12 +383,7 @@ def custom_conversation(info, stream: bool = False, edit: str | None = None):
     and the call's custom_tool_call_output."""
     sdk = client(info)
     ask = dict(model="policy", input="Fix a.txt.", tools=[PATCH], extra_body={"return_token_ids": True})
-    if stream:
-        with sdk.responses.stream(**ask) as events:
-            kinds = [event.type for event in events]
-            first = events.get_final_response()
-    else:
-        first, kinds = sdk.responses.create(**ask), []
+    first, kinds = first_response(sdk, ask, stream)
     items = [item.model_dump(exclude_none=True) for item in first.output]
     items[-1]["input"] = items[-1].get("input") if edit is None else edit
     second = sdk.responses.create(**{**ask, "input": [
