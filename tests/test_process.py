@@ -6,6 +6,7 @@
 # or from the recipe's grader. Real harnesses run unchanged: mini-swe-agent (the swe_fix recipe's agent, on a tiny
 # Qwen3 taught its format, several turns) and the `openai` package's own command line from another interpreter
 # with its own packages (openai 2.34, the last release with the CLI, in a virtual environment of its own).
+import hashlib
 import json
 import os
 import socket
@@ -530,12 +531,23 @@ def test_mini_swe_agent_runs_multi_turn_in_its_repository_and_every_sampled_toke
 @pytest.fixture(scope="module")
 def openai_cli_python() -> str:
     """An interpreter of its own with openai 2.34.0, the last release that ships the `openai` command line (2.35
-    removed it; this environment's openai is 3.x), built once into the cache from PyPI."""
+    removed it; this environment's openai is 3.x), built once into the cache from PyPI. Its own site-packages holds
+    openai 2.34 alone and comes first on its path; a .pth file after it lends it this interpreter's packages for
+    openai's dependencies (httpx, pydantic, ...), so nothing but the one wheel is downloaded or resolved."""
+    import site
+    import sysconfig
+
     def write(folder: str) -> None:
-        subprocess.run([sys._base_executable, "-m", "venv", folder], check=True)
-        subprocess.run([os.path.join(folder, "bin", "python"), "-m", "pip", "install", "--quiet", "openai==2.34.0"],
-                       check=True)
-    return os.path.join(models._cached_folder("venv-openai-2.34.0", write), "bin", "python")
+        subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", folder], check=True)
+        own = subprocess.run([os.path.join(folder, "bin", "python"), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", own,
+                        "openai==2.34.0"], check=True)
+        with open(os.path.join(own, "lent.pth"), "w") as f:
+            f.write("\n".join([sysconfig.get_paths()["purelib"], *site.getsitepackages()]) + "\n")
+    lender = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]       # the packages it borrows are this venv's
+    return os.path.join(models._cached_folder(f"venv-openai-2.34.0-{lender}", write), "bin", "python")
 
 
 def test_the_openai_command_line_from_its_own_interpreter_is_a_process_agent(policy, openai_cli_python):
