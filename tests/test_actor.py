@@ -6,7 +6,6 @@
 import concurrent.futures
 import math
 import os
-import resource
 import socket
 import types
 
@@ -848,16 +847,20 @@ LONG_ROWS, LONG_PROMPT = [49_152, 20_000, 18_000], 16_000   # one row alone, the
 
 
 def _long_rows_worker(_rank: int, model_dir: str, out_file: str) -> None:
-    """One train step over LONG_ROWS in a process of its own, so its peak RSS is the step's: the growth over the RSS
-    before it, and row 2's logprobs in the padded micro-batch beside the same row alone."""
+    """One train step over LONG_ROWS in a process of its own: the growth of its peak RSS over the RSS before it (the
+    kernel's high-water mark, reset just before the step, so nothing the process did earlier counts), and row 2's
+    logprobs in the padded micro-batch beside the same row alone."""
     torch.set_num_threads(1)
     policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32", micro_batch_tokens=65536, max_grad_norm=1e9),
                          total_steps=1)
     batch = make_batch(LONG_ROWS, LONG_PROMPT, policy.model.config.vocab_size)
     micro = [m.tolist() for m in policy._micro_batches(batch)]
     before = psutil.Process().memory_info().rss
+    with open("/proc/self/clear_refs", "w") as f:     # "5": the peak RSS (VmHWM) starts again from the RSS now
+        f.write("5")
     report = policy.train_step(batch, None, algo.AlgoConfig(estimator="reinforce"), invariants.CorrectionConfig(), 0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
+    with open("/proc/self/status") as f:
+        peak = 1024 * next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))   # kB
     alone = select_rows(batch, [2])
     with torch.no_grad():
         expected = recompute.sequence_logprobs(models.load_model(model_dir), alone.input_ids, alone.attention_mask,

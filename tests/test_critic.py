@@ -3,8 +3,9 @@
 # (lambda = 1 gives Monte-Carlo returns; a gap carries V and A across it), a GAE that is not transparent gives another
 # answer; a sealed rollout's rows are one chain, a chat agent's side line a chain of its own; the clipped value loss
 # equals verl's compute_value_loss; the critic's gradient is the hand-derived and finite-difference one; its values
-# replay MoE routes; two FSDP2 ranks equal one process; its checkpoint resumes exactly; the warm-up trains the critic
-# alone (the actor bitwise unchanged, no weight push); and the config refuses what would train silently wrong.
+# replay MoE routes; its checkpoint resumes exactly; the warm-up trains the critic alone (the actor bitwise
+# unchanged, no weight push); and the config refuses what would train silently wrong. Two FSDP2 ranks training the
+# critic as one process does: tests/test_runtime.py, beside the actor's.
 import json
 import math
 import os
@@ -30,16 +31,8 @@ from conftest import import_peer
 from router import Router
 from session import ChatSession
 from test_actor import free_port, make_batch, max_abs_diff, select_rows
-from test_runtime import PARITY_RECIPE, metrics_of, run_cli, tiny_flags
 
 # ---- fixtures and builders ----
-
-
-@pytest.fixture(scope="module")
-def parity_recipe(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("recipe") / "parity.py"
-    path.write_text(PARITY_RECIPE)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -431,23 +424,6 @@ def test_fsdp2_two_critic_ranks_equal_one_process_on_the_whole_batch(qwen3_dir, 
 
 
 # ---- the critic as Ray trainer ranks (runtime.CriticGroup) ----
-
-def test_two_fsdp2_trainer_ranks_train_the_critic_as_one_process_does(parity_recipe, tmp_path):
-    """--runtime.trainer_ranks 2 with gae: each Ray rank holds a critic shard beside its actor shard; the run's
-    critic and actor metrics equal the one-process run's on the same seed, and the checkpoint holds the critic."""
-    flags = [*tiny_flags(parity_recipe, 2), "--algo.estimator", "gae", "--critic.lr", "1e-3", "--runtime.mode", "ray",
-             "--runtime.eta", "0"]
-    for out, ranks in (("one", "1"), ("two", "2")):
-        done = run_cli(*flags, "--out", str(tmp_path / out), "--runtime.trainer_ranks", ranks)
-        assert done.returncode == 0, done.stderr[-3000:]
-    one, two = metrics_of(str(tmp_path / "one")), metrics_of(str(tmp_path / "two"))
-    assert [r["critic/version"] for r in two] == [1.0, 2.0] and all(r["critic/grad_norm"] > 0 for r in one)
-    for want, have in zip(one, two):
-        for key in [k for k in want if k.startswith(("critic/", "actor/", "rollout/"))
-                    and k != "actor/prefix_tokens_saved"]:
-            assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
-    assert os.path.exists(tmp_path / "two" / "checkpoints" / "final" / critic.CRITIC_FOLDER / actor.CHECKPOINT_MARKER)
-
 
 # ---- the loop: warm-up, and the run's configuration ----
 

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 import actor
 import algo
 import config
+import critic
 import invariants
 import models
 import runtime
@@ -475,25 +476,29 @@ def test_launch_sh_starts_a_one_node_cluster_and_trains_on_it(parity_recipe, tmp
     assert metrics_of(out)[-1]["perf/engines_live"] == 2
 
 
-def test_two_fsdp2_trainer_ranks_in_ray_actors_train_as_one_process_does(parity_recipe, tmp_path):
-    """--runtime.trainer_ranks 2: the actor as two FSDP2 ranks (gloo), each a Ray actor, each step's rollouts dealt
-    between them; its metrics equal the one-process run's on the same seed (up to the ranks' summation order)."""
-    flags = tiny_flags(parity_recipe, 2)
-    done = run_cli(*flags, "--out", str(tmp_path / "one"), "--runtime.mode", "ray", "--runtime.eta", "0")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = run_cli(*flags, "--out", str(tmp_path / "two"), "--runtime.mode", "ray", "--runtime.eta", "0",
-                   "--runtime.trainer_ranks", "2")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_two_fsdp2_trainer_ranks_in_ray_actors_train_the_actor_and_the_critic_as_one_process_does(parity_recipe,
+                                                                                                   tmp_path):
+    """--runtime.trainer_ranks 2 with gae: the actor and its critic as two FSDP2 ranks (gloo), each a Ray actor
+    holding an actor shard and a critic shard, each step's rollouts dealt between them; every actor, critic and
+    rollout metric equals the one-process run's on the same seed (up to the ranks' summation order), and the
+    checkpoint holds the critic."""
+    flags = [*tiny_flags(parity_recipe, 2), "--algo.estimator", "gae", "--critic.lr", "1e-3", "--runtime.mode", "ray",
+             "--runtime.eta", "0"]
+    for out, ranks in (("one", "1"), ("two", "2")):
+        done = run_cli(*flags, "--out", str(tmp_path / out), "--runtime.trainer_ranks", ranks)
+        assert done.returncode == 0, done.stderr[-3000:]
     one, two = metrics_of(str(tmp_path / "one")), metrics_of(str(tmp_path / "two"))
     assert [r["step"] for r in two] == [1, 2] and any(r["actor/grad_norm"] > 0 for r in one)
+    assert [r["critic/version"] for r in two] == [1.0, 2.0] and all(r["critic/grad_norm"] > 0 for r in one)
     assert any(r["actor/prefix_tokens_saved"] > 0 for r in one)       # one process computes shared prompts once,
     assert all(r["actor/prefix_tokens_saved"] == 0 for r in two)      # FSDP2 ranks do not: the results still agree
     for want, have in zip(one, two):
-        for key in [k for k in want if k.startswith(("actor/", "rollout/", "mismatch/", "gate/"))
+        for key in [k for k in want if k.startswith(("actor/", "critic/", "rollout/", "mismatch/", "gate/"))
                     and k != "actor/prefix_tokens_saved"]:
             assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     trace = [json.loads(line) for line in open(os.path.join(tmp_path / "two", "traces", "step_000002.jsonl"))]
     assert trace and all(len(row["loss_contribution"]) == len(row["token_ids"]) for row in trace)
+    assert os.path.exists(tmp_path / "two" / "checkpoints" / "final" / critic.CRITIC_FOLDER / actor.CHECKPOINT_MARKER)
 
 
 # ---- trainer ranks on two Ray nodes ----------------------------------------------------------------------------
