@@ -181,7 +181,10 @@ case "$cmd" in
   train) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; exec "$PY" train.py "$@" ;;
   # the tests' Ray clusters are their own, on this machine; `launch.sh cluster` run by a test turns auth back on
   test)  setup test; phase "ruff check (ruff.toml)" "$PY" -m ruff check --quiet .
-         RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 TRACERL_REQUIRE_PEERS=1 exec "$PY" -m pytest tests -q "$@" ;;
+         # two workers, a test file each at a time (its module fixtures set up once), the longest files first
+         # (tests/conftest.py): each test process runs torch on one thread, so two fill a 2-core machine
+         RAY_AUTH_MODE=disabled TRACERL_REQUIRE_VLLM=1 TRACERL_REQUIRE_PEERS=1 exec "$PY" -m pytest tests -q \
+           -n 2 --dist loadfile --no-loadscope-reorder "$@" ;;
   cluster) setup; if wants_harness "$@"; then harnesses; fi; ray_auth; cluster "$@" ;;
   *) echo "usage: ./launch.sh {train [flags] | test [pytest flags] | setup | cluster [flags]}" >&2; exit 2 ;;
 esac

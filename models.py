@@ -324,7 +324,8 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
     cache shared by every row (the prefix is the same for every task, so nothing is lost by not shaping it). A
     harness's conversation is ~3,000 ids of which ~200 are replies: taught whole (taught_tiny_model_dir), a tiny model
     writes none of them after 150 steps; taught this way it writes every one after 200 (greedy, exact), about 2
-    minutes on 2 cores for 12 conversations a step. Saved and cached like taught_tiny_model_dir."""
+    minutes on 2 cores for 12 conversations a step. It runs on the process's torch threads: every core in train.py,
+    one in each worker of the test suite. Saved and cached like taught_tiny_model_dir."""
     tokenizer = bpe_tokenizer()
     fingerprint = hashlib.sha256(json.dumps([tiny_model_dir("qwen3", seed), steps, batch, texts]).encode())
 
@@ -336,29 +337,24 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
         model = tiny_model("qwen3", seed).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         order = torch.Generator().manual_seed(seed)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or 1)     # one long CPU job: every core (the test suite runs on one)
-        try:
-            for step in range(steps):
-                rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
-                width = max(len(encoded[r]) for r in rows) - shared
-                pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
-                ids = torch.tensor([encoded[r][shared:] + [tokenizer.pad_token_id] * len(p)
-                                    for r, p in zip(rows, pads)])
-                attention = torch.tensor([[1] * len(encoded[r]) + p for r, p in zip(rows, pads)])
-                labels = torch.tensor([[t if m else -100 for t, m in zip(encoded[r][shared:], masks[r][shared:])] +
-                                       [-100] * len(p) for r, p in zip(rows, pads)])
-                with torch.no_grad():
-                    cache = model(input_ids=torch.tensor([encoded[0][:shared]]), use_cache=True).past_key_values
-                cache.batch_repeat_interleave(len(rows))
-                loss = model(input_ids=ids, attention_mask=attention, labels=labels, past_key_values=cache,
-                             position_ids=torch.arange(shared, shared + width).expand(len(rows), -1)).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                teaching_step(what, step, steps, loss)
-        finally:
-            torch.set_num_threads(threads)
+        for step in range(steps):
+            rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
+            width = max(len(encoded[r]) for r in rows) - shared
+            pads = [[0] * (width - len(encoded[r]) + shared) for r in rows]
+            ids = torch.tensor([encoded[r][shared:] + [tokenizer.pad_token_id] * len(p)
+                                for r, p in zip(rows, pads)])
+            attention = torch.tensor([[1] * len(encoded[r]) + p for r, p in zip(rows, pads)])
+            labels = torch.tensor([[t if m else -100 for t, m in zip(encoded[r][shared:], masks[r][shared:])] +
+                                   [-100] * len(p) for r, p in zip(rows, pads)])
+            with torch.no_grad():
+                cache = model(input_ids=torch.tensor([encoded[0][:shared]]), use_cache=True).past_key_values
+            cache.batch_repeat_interleave(len(rows))
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels, past_key_values=cache,
+                         position_ids=torch.arange(shared, shared + width).expand(len(rows), -1)).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            teaching_step(what, step, steps, loss)
         model.eval().save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 

@@ -1,6 +1,6 @@
 # Test set-up shared by every test file: the repo root on sys.path, offline hubs, one intra-op thread; import_vllm
-# and import_peer, how a test that needs vLLM or a peer's loss code gets it; and the tiny model folders the trainer's
-# tests share (qwen3_dir, moe_dir).
+# and import_peer, how a test that needs vLLM or a peer's loss code gets it; the tiny model folders the trainer's
+# tests share (qwen3_dir, moe_dir); and the order of the files on the suite's two workers (the longest first).
 import importlib
 import os
 import sys
@@ -62,3 +62,18 @@ def qwen3_dir() -> str:
 def moe_dir() -> str:
     """A tiny Qwen3-MoE folder (the R3 tests' policy)."""
     return models.tiny_model_dir("qwen3_moe")
+
+
+# ---- the order of the files: the longest first ------------------------------------------------------------------
+# ./launch.sh test runs the files on two workers, a whole file at a time each (pytest-xdist's loadfile), in the
+# order collected here: the files that take minutes go first, so that neither worker is left alone with one at
+# the end. test_recipes.py waits for the harness models test_harnesses.py teaches (models._cached_folder's lock),
+# so it comes after the others that take minutes. Every other file keeps its place after these, by name.
+LONGEST_FIRST = ["test_harnesses.py", "test_runtime.py", "test_vllm_engine.py", "test_process.py", "test_actor.py",
+                 "test_train.py", "test_lora.py", "test_compat.py", "test_critic.py", "test_viewer.py",
+                 "test_agents.py", "test_recipes.py", "test_sandbox.py", "test_slurm.py"]
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: a file's own order is kept

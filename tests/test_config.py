@@ -7,6 +7,7 @@ import pytest
 import algo
 import config
 import models
+import train
 from test_train import TINY_RUN, run_cli
 
 
@@ -28,10 +29,14 @@ from test_train import TINY_RUN, run_cli
     (["--train.final_checkpoint", "optimizer"], "train.final_checkpoint must be one of ('full', 'weights', 'none')"),
     (["--train.final_checkpoint", "weights", "--actor.lora_rank", "4"], "under LoRA only the adapter trains"),
 ])
-def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path):
+def test_bad_flags_are_refused_before_anything_loads(flags, reason, tmp_path, capsys):
+    """train.main as the command line calls it, in this process (the command line's own exit status and stderr:
+    the next test): a refusal that names its reason, and no run folder."""
     out = str(tmp_path / "never")
-    done = run_cli(*flags, "--out", out, timeout=60)
-    assert done.returncode != 0 and reason in done.stderr, done.stderr[-2000:]
+    with pytest.raises(SystemExit) as refused:
+        train.main([*flags, "--out", out])
+    said = f"{refused.value.code}\n{capsys.readouterr().err}"
+    assert refused.value.code not in (0, None) and reason in said, said[-2000:]
     assert not os.path.exists(out)
 
 
