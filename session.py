@@ -370,15 +370,18 @@ class ChatSession:
         return sum(len(gen.token_ids) for line in self.lines for gen in line.generations)
 
     def feeds_main_line(self, line: Line) -> bool:
-        """Whether a side line's last reply (its sampled ids decoded) is inside a prompt the main line got after it."""
-        reply = self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True).strip()
-        return bool(reply) and any(k > line.order[-1] and reply in self.tokenizer.decode(gen.prompt_ids)
-                                   for k, gen in zip(self.main_line.order, self.main_line.generations))
+        """Whether a side line's last reply (decoded; whitespace aside, as a harness may indent it) is in what the main
+        line was given after it: a later prompt's ids past the main line's turn before (not its own replies)."""
+        said = " ".join(self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True).split())
+        main = self.main_line
+        given = (gen.prompt_ids[len(had) if gen.prompt_ids[:len(had)] == had else 0:] for k, had, gen in
+                 zip(main.order, [[], *(g.prompt_ids + g.token_ids for g in main.generations)], main.generations)
+                 if k > line.order[-1])
+        return bool(said) and any(said in " ".join(self.tokenizer.decode(ids).split()) for ids in given)
 
     def record(self, side_lines: str) -> tuple[list[invariants.Segment], list[Generation]]:
         """What a rollout trains: the main line's rows, then those of the side lines `side_lines` picks ("feeding": each
-        whose last reply feeds the main line; "all"; "none") in the order they opened, and their generations in the same
-        order (so invariants.check_sampled_once reads them as one rollout)."""
+        that feeds_main_line; "all"; "none") in the order they opened, and their generations so (check_sampled_once)."""
         trains = {"feeding": self.feeds_main_line, "all": lambda line: True, "none": lambda line: False}[side_lines]
         lines = [line for line in [self.main_line, *filter(trains, self.side_lines)] if line is not None]
         return ([row for line in lines for row in line.ledger.rows()],
@@ -388,11 +391,6 @@ class ChatSession:
         """Every line's generations in the order the session served them (one per answered request)."""
         return [gen for _, gen in sorted((k, gen) for line in self.lines for k, gen in zip(line.order,
                                                                                            line.generations))]
-
-    def _label_lines(self) -> None:
-        main = self.main_line
-        for line in self.lines:
-            line.ledger.relabel(invariants.MAIN_LINE if line is main else f"side-{line.index}")
 
     # -- turns --
 
@@ -514,7 +512,8 @@ class ChatSession:
                 line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
                             LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE))
                 self.lines.append(line)
-                self._label_lines()
+                for each in self.lines:        # the main line may be a later one (the first to offer tools)
+                    each.ledger.relabel(invariants.MAIN_LINE if each is self.main_line else f"side-{each.index}")
             extended = line.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
             line.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
                                        routed=gen.routes is not None, top=gen.top_logprobs, top_k=recorded_top)

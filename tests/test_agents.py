@@ -451,8 +451,9 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
 
 class HarnessWithSideRequests(ChatAgent):
     """A harness as Claude Code is one: it names the session first (another system prompt, no tools), runs its main
-    conversation with tools, and a sub-agent (its own system prompt) whose reply the main conversation goes on with
-    (`altered`: with its last character dropped, so the sub-agent's text no longer reaches the main line)."""
+    conversation with tools, and a sub-agent (its own system prompt; a shorter reply, so its text is not the title's)
+    whose reply the main conversation goes on with (`altered`: with its last character dropped, so the sub-agent's
+    text no longer reaches the main line)."""
     TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
         "cmd": {"type": "string"}}}}}]
     altered = False
@@ -460,13 +461,14 @@ class HarnessWithSideRequests(ChatAgent):
     async def run(self, ctx):
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
 
-        async def ask(messages, tools=None):
-            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools)
+        async def ask(messages, tools=None, max_tokens=5):
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools,
+                                                         max_tokens=max_tokens)
             return [*messages, reply.choices[0].message.model_dump(exclude_none=True)]
         await ask([{"role": "system", "content": "Name this session."}, *ctx.messages])
         main = await ask([{"role": "system", "content": "You run bash."}, *ctx.messages], self.TOOLS)
         helper = await ask([{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Look."}],
-                           self.TOOLS)
+                           self.TOOLS, max_tokens=3)
         found = helper[-1]["content"].strip()
         assert found                                                  # bound: the seeded helper says something
         await ask([*main, {"role": "user", "content": f"The helper says: {found[:-1] if self.altered else found}"}],
@@ -485,8 +487,9 @@ def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_th
                                                  "train_side_lines": train_side_lines})(engine, tokenizer,
                                                                                         max_turns=4, max_length=512)
     # four model calls on three lines: every line's turns count against the rollout's budget (max_turns 4). By
-    # default the sub-agent (side-2), whose reply the main line reads, trains and the title (side-0) does not; armed:
-    # the same reply a character short in the main line's prompt does not feed it
+    # default the sub-agent (side-2), whose reply the main line is given, trains and the title (side-0) does not,
+    # though its text is in the main line's later prompt as the main line's own reply (below); armed: the sub-agent's
+    # reply a character short in the main line's prompt does not feed it
     rollout, = runner.run(make_tasks("a"), ["g"], SamplingParams(max_tokens=5, seed=0))
     assert rollout.num_turns == 2 and rollout.side_lines == 2 and rollout.side_turns == 2
     assert [row.line for row in rollout.rows] == ["main", *trained]
@@ -498,6 +501,10 @@ def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_th
     assert metrics["rollout/side_lines_trained"] == len(trained) and metrics["rollout/seals_per_rollout"] == 0
     side_tokens = sum(row.num_trainable for row in rollout.rows[1:])
     assert metrics["rollout/side_trained_tokens"] == side_tokens and (side_tokens > 0) == bool(trained)
+    if train_side_lines == "all":   # the title's reply is the main line's first (one tiny model), which the main
+        # line's later prompt holds as its own reply, not as text it was given
+        (first, later), title = rollout.generations[:2], rollout.generations[2]
+        assert title.token_ids == first.token_ids == later.prompt_ids[len(first.prompt_ids):][:len(first.token_ids)]
 
 
 class OneTurnChatAgent(ChatAgent):

@@ -22,14 +22,15 @@ from recipes import claude_code, swe_fix
 from tests.test_compaction import ScoredScript
 from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes
 
-SUBAGENT_TOOL = "Task"
+SUBAGENT_TOOL = "Agent"
 
 
 def with_subagents(self, ctx, ws) -> list[str]:
-    """The recipe's arguments with Claude Code's sub-agent tool added to its --tools."""
+    """The recipe's arguments with Claude Code's sub-agent tool added to its --tools, and without --bare (which leaves
+    that tool out)."""
     arguments = claude_code.ClaudeCodeAgent.arguments(self, ctx, ws)
     arguments[arguments.index("--tools") + 1] += f",{SUBAGENT_TOOL}"
-    return arguments
+    return [argument for argument in arguments if argument != "--bare"]
 
 
 def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line_and_trains_once(
@@ -37,9 +38,9 @@ def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line
     engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     module, line, _, _ = demonstration_edit(task)
-    answer = f"The bug in {module} is on the line `{line.strip()}`."
-    delegate = call(SUBAGENT_TOOL, {"description": "Find the bug", "subagent_type": "general-purpose",
-                                    "prompt": f"Read {module} and say which line has the bug."})
+    answer = f"The bug in {module} is on this line:\n{line.strip()}"      # two lines: Claude Code indents each
+    delegate = call(SUBAGENT_TOOL, {"description": "Find the bug", "prompt": f"Read {module} and say which line has "
+                                    "the bug.", "subagent_type": "general-purpose", "run_in_background": False})
     fix = claude_code.script(task)[1:]                               # edit, test, answer
     engine.replies = [delegate, call("Read", {"file_path": module}), answer, *fix]
     sessions, close = [], loopback.LoopbackServer.close_session
@@ -60,7 +61,10 @@ def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line
     main, side = session.main_line, session.side_lines
     assert main.order == [0, *range(3, turns)] and [s.order for s in side] == [[1, 2]]
     assert rollout.side_lines == 1 and rollout.side_turns == 2 and rollout.num_turns == turns - 2
-    assert answer not in prompts[2] and answer in prompts[3] and rollout.reward == 1.0
+    handed_back = prompts[3][prompts[3].rindex("<tool_response>"):]
+    print(f"  the main line's next tool result: {handed_back!r}")
+    assert answer not in prompts[3] and " ".join(answer.split()) in " ".join(handed_back.split())
+    assert "Subagent hand-back" in handed_back and rollout.reward == 1.0
     assert session.feeds_main_line(side[0])
     # the default trains it: the main line's row, then the sub-agent's (its second prompt as context, its two
     # replies the only trainable tokens)
@@ -73,7 +77,7 @@ def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line
     assert [row.line for row in session.record("none")[0]] == ["main"]
     # armed: the sub-agent's answer a word off is no longer in the main line's prompt, and it does not train
     said = side[0].generations[-1]
-    side[0].generations[-1] = dataclasses.replace(said, token_ids=tokenizer.encode(answer.replace("bug", "fault")))
+    side[0].generations[-1] = dataclasses.replace(said, token_ids=tokenizer.encode(answer.replace("this", "that")))
     assert not session.feeds_main_line(side[0]) and [row.line for row in session.record("feeding")[0]] == ["main"]
     side[0].generations[-1] = said
     # every sampled token trainable exactly once; armed: the sub-agent's row counted twice fails
