@@ -47,7 +47,7 @@
 # first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in), on every
 # segment (`Segment.line`), so the trace and the trainer see them labelled. Which train is the runner's setting
 # (ChatAgentRunner.train_side_lines: ChatSession.record), read from the record: by default a side line trains when its
-# last reply's text is inside a later prompt of the main line (a sub-agent's result: it feeds the episode), and not
+# last reply's text is in what the main line is given after it (a sub-agent's result: it feeds the episode), and not
 # when it never reaches the main line (a title: it only describes it). Two conversations with the same opening are one
 # line (they seal each other, as one conversation rewritten would).
 # Compaction stays on its line. A harness's summary request opens as the conversation it summarizes (Claude Code and

@@ -418,10 +418,10 @@ class ChatAgentRunner:
     template: str | None = None        # None = the model's own chat template
     # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record.
     # Those that train with the rollout's reward, after the main line's rows (ChatSession.record): "feeding" (the
-    # default), a side line whose last reply reaches a later prompt of the main line (a sub-agent's result, a summary:
-    # work the outcome depends on, as the main line's is), not one whose text never does (a title: an action that does
-    # not shape the reward has zero expected policy gradient against the group's baseline, only variance); "all";
-    # "none", the main line alone. Every side line is still recorded, traced and counted (docs/agents.md).
+    # default), a side line whose last reply is in what the main line is given later (a sub-agent's result, a summary:
+    # work the outcome depends on, as the main line's is), not one the main line is never given (a title: an action that
+    # does not shape the reward has zero expected policy gradient against the group's baseline, only variance);
+    # "all"; "none", the main line alone. Every side line is still recorded, traced and counted (docs/agents.md).
     train_side_lines: str = "feeding"
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,

@@ -1,14 +1,17 @@
-# A sub-agent of Claude Code's, run unchanged as the claude_code recipe runs it (`claude -p`, jailed, its documented
-# --tools setting naming its sub-agent tool beside Read, Edit and Bash), through the real server, wires and ledger. A
-# scripted episode (test_compaction's ScoredScript: each token given a tiny real model's logprob, so the trainer has
-# something to recompute): the main line hands the module to a sub-agent (the Task tool), the sub-agent reads it and
-# answers where the bug is, the main line reads that answer as the tool's result, edits, tests and answers. The
-# ledger: the sub-agent's requests (its own system prompt and tools) are a side line of their own, one row holding
-# both of its turns, and its answer is inside the main line's next prompt, so under the default rule (session.py's
-# SIDE_LINES, "feeding") it trains with the rollout's reward; "none" leaves it out and "all" keeps it. Armed: the same
-# side line with its answer a word off no longer feeds the main line, and does not train. Every sampled token is
-# trainable exactly once (armed: the sub-agent's row counted twice fails) and the trainer's recompute of every row,
-# the side line's included, is within the suite's tolerance (and not at another temperature).
+# A sub-agent of Claude Code's, run unchanged as the claude_code recipe runs it (`claude -p`, jailed) with two of its
+# documented settings changed: --tools names its sub-agent tool, Agent, beside Bash, Read and Edit, and --bare is left
+# out (it leaves that tool out). Through the real server, wires and ledger, a scripted episode (test_compaction's
+# ScoredScript: each token given a tiny real model's logprob, so the trainer has something to recompute): the main
+# line hands the bug to a sub-agent in the foreground (Agent with run_in_background false, so the main line waits and
+# the order of requests is fixed: main, sub-agent, sub-agent, main...), the sub-agent reads the module and answers in
+# two lines where the bug is, the main line is given that answer as the tool's result (Claude Code frames it and
+# indents each line), edits, tests and answers. The ledger: the sub-agent's requests (its own system prompt) are a
+# side line, one row holding both of its turns; its answer is in what the main line is given next, so under the
+# default rule ("feeding": ChatSession.feeds_main_line) it trains with the rollout's reward; "none" leaves it out and
+# "all" keeps it. Armed: the same side line with its answer a word off does not feed the main line, and does not
+# train. Every sampled token is trainable exactly once (armed: the sub-agent's row counted twice fails) and the
+# trainer's recompute of every row, the side line's included, is within the suite's tolerance (and not at another
+# temperature).
 import dataclasses
 
 import pytest
