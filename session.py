@@ -45,9 +45,11 @@
 # (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is the first line
 # opened by a request that offered tools, or the first line when none did (Claude Code names its session before its
 # first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in), on every
-# segment (`Segment.line`), so the trace and the trainer see them labelled, and ChatAgentRunner decides whether they
-# train (its train_side_lines). Two conversations with the same opening are one line (they seal each other, as one
-# conversation rewritten would).
+# segment (`Segment.line`), so the trace and the trainer see them labelled. Which train is the runner's setting
+# (ChatAgentRunner.train_side_lines: ChatSession.record), read from the record: by default a side line trains when its
+# last reply's text is in what the main line is given after it (a sub-agent's result: it feeds the episode), and not
+# when it never reaches the main line (a title: it only describes it). Two conversations with the same opening are one
+# line (they seal each other, as one conversation rewritten would).
 # Compaction stays on its line. A harness's summary request opens as the conversation it summarizes (Claude Code and
 # Codex send that conversation, their instruction last, under its system prompt; Codex drops its tools), so it goes to
 # that line by (1) or (2), and its prompt, no extension of the record, seals the turns before it; the prompt the
@@ -292,9 +294,6 @@ class Line:
     last_turn: wires.ChatTurn | None = None
     generations: list[Generation] = field(default_factory=list)   # the engine's output of its turns, in order: the
                                            # run-time check that the ledger trains each sampled token once
-    max_tokens_turns: int = 0        # its replies that hit max_tokens before a stop token
-    image_pad_turns: int = 0         # its replies in which a VLM sampled its image placeholder: no image fills that
-                                     # pad, so the row cannot be trained on
     order: list[int] = field(default_factory=list)   # each of its turns' place among the session's turns (routing
                                                      # tries the most recently served line first)
 
@@ -335,6 +334,9 @@ class ChatSession:
         self.ledger_lock = threading.Lock()    # held only while a turn commits: the trace never waits on a generation
         self.last_used = time.monotonic()      # when a turn last started or ended (idle sessions may expire)
         self.cut_turns = 0                     # turns whose client hung up mid-reply (TurnCut): none recorded
+        self.max_tokens_turns = 0              # replies, on any line, that hit max_tokens before a stop token
+        self.image_pad_turns = 0               # replies in which a VLM sampled its image placeholder: no image fills
+                                               # that pad, so the row cannot be trained on
 
     # -- the main line (header), and what a rollout trains --
 
@@ -367,19 +369,21 @@ class ChatSession:
         """Every line's sampled tokens (what the budget counts)."""
         return sum(len(gen.token_ids) for line in self.lines for gen in line.generations)
 
-    @property
-    def max_tokens_turns(self) -> int:
-        return sum(line.max_tokens_turns for line in self.lines)
+    def feeds_main_line(self, line: Line) -> bool:
+        """Whether a side line's last reply (decoded; whitespace aside, as a harness may indent it) is in what the main
+        line was given after it: a later prompt's ids past the main line's turn before (not its own replies)."""
+        said = " ".join(self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True).split())
+        main = self.main_line
+        given = (gen.prompt_ids[len(had) if gen.prompt_ids[:len(had)] == had else 0:] for k, had, gen in
+                 zip(main.order, [[], *(g.prompt_ids + g.token_ids for g in main.generations)], main.generations)
+                 if k > line.order[-1])
+        return bool(said) and any(said in " ".join(self.tokenizer.decode(ids).split()) for ids in given)
 
-    @property
-    def image_pad_turns(self) -> int:
-        return sum(line.image_pad_turns for line in self.lines)
-
-    def record(self, side_lines: bool) -> tuple[list[invariants.Segment], list[Generation]]:
-        """What a rollout trains: the main line's rows, then (side_lines) each side line's in the order they opened,
-        and their generations in the same order (so invariants.check_sampled_once reads them as one rollout)."""
-        lines = [self.main_line, *self.side_lines] if side_lines else [self.main_line]
-        lines = [line for line in lines if line is not None]
+    def record(self, side_lines: str) -> tuple[list[invariants.Segment], list[Generation]]:
+        """What a rollout trains: the main line's rows, then those of the side lines `side_lines` picks ("feeding": each
+        that feeds_main_line; "all"; "none") in the order they opened, and their generations so (check_sampled_once)."""
+        trains = {"feeding": self.feeds_main_line, "all": lambda line: True, "none": lambda line: False}[side_lines]
+        lines = [line for line in [self.main_line, *filter(trains, self.side_lines)] if line is not None]
         return ([row for line in lines for row in line.ledger.rows()],
                 [gen for line in lines for gen in line.generations])
 
@@ -387,11 +391,6 @@ class ChatSession:
         """Every line's generations in the order the session served them (one per answered request)."""
         return [gen for _, gen in sorted((k, gen) for line in self.lines for k, gen in zip(line.order,
                                                                                            line.generations))]
-
-    def _label_lines(self) -> None:
-        main = self.main_line
-        for line in self.lines:
-            line.ledger.relabel(invariants.MAIN_LINE if line is main else f"side-{line.index}")
 
     # -- turns --
 
@@ -419,7 +418,7 @@ class ChatSession:
             request = (copy.deepcopy(messages), copy.deepcopy(tools), params, copy.deepcopy(options))
             line, recorded = self._route(messages, tools, options)
             line, turn = self._generate_and_commit(line, recorded, tools, params, options, on_token, hung_up,
-                                                   budget)
+                                                   budget, served)
             line.last_request, line.last_turn = request, turn
             self.last_used = time.monotonic()
             return turn
@@ -456,8 +455,8 @@ class ChatSession:
         return None, messages
 
     def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
-                             options: wires.TurnOptions, on_token, hung_up,
-                             budget: wires.BudgetCut | None) -> tuple[Line, wires.ChatTurn]:
+                             options: wires.TurnOptions, on_token, hung_up, budget: wires.BudgetCut | None,
+                             served: int) -> tuple[Line, wires.ChatTurn]:
         """Generate, build the reply, then commit (a new line opens only now). Nothing that can fail runs after the
         ledger changes: a client answered with an error must find the session as it was, or its retry would sample
         the turn twice."""
@@ -465,8 +464,8 @@ class ChatSession:
         opening_text = wires.CALL_OPENING if options.tool_choice in ("required", "named") else ""
         prompt_ids, images, prompt_text = self._prompt(line, messages, tools, options.template_kwargs, opening_text)
         room = self.max_length - len(prompt_ids)
-        served = sum(other.turns for other in self.lines)        # call ids stay unique across the session's lines
-        call_prefix = f"call-{self.rollout_id}-{served}"
+        call_prefix = f"call-{self.rollout_id}-{served}"    # served: the session's turns before this one, so call
+                                                            # ids stay unique across the session's lines
 
         def relay(_, token_id: int) -> None:      # on the engine's thread: raising there stops this row alone
             if hung_up is not None and hung_up.is_set():
@@ -513,16 +512,17 @@ class ChatSession:
                 line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
                             LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE))
                 self.lines.append(line)
-                self._label_lines()
+                for each in self.lines:        # the main line may be a later one (the first to offer tools)
+                    each.ledger.relabel(invariants.MAIN_LINE if each is self.main_line else f"side-{each.index}")
             extended = line.ledger.extend_or_seal(gen.prompt_ids, images)   # the ledger's answer, not the text's
             line.ledger.append_sampled(gen.token_ids, gen.behavior_logprobs, gen.policy_versions, gen.sampling,
                                        routed=gen.routes is not None, top=gen.top_logprobs, top_k=recorded_top)
             if gen.routes is not None:
                 line.ledger.absorb_routes(gen.routes)
             line.generations.append(gen)
-        line.max_tokens_turns += gen.finish_reason == "length"
+        self.max_tokens_turns += gen.finish_reason == "length"
         self.budget_cuts += budget is not None and gen.finish_reason == "length"
-        line.image_pad_turns += sampled_pad
+        self.image_pad_turns += sampled_pad
         line.order.append(served)
         line.expected = [*messages, message]
         line.expected_prompt_text = prompt_text

@@ -622,12 +622,13 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         "rollout/hit_max_tokens_frac": sum(r.max_tokens_turns > 0 for r in rollouts) / n,   # a reply hit max_tokens
         "rollout/turns": sum(r.num_turns for r in rollouts) / n,
         "rollout/seals_per_rollout": sum(bool(row.seal_reason) for r in rollouts for row in r.rows) / n,
-        # a ChatAgent's side lines (sub-agents, title requests: session.py), their turns, and the sampled
-        # tokens of theirs that train (ChatAgentRunner.train_side_lines)
+        # a ChatAgent's side lines (sub-agents, title requests: session.py), their turns, those that train and the
+        # sampled tokens of theirs that train (ChatAgentRunner.train_side_lines)
         "rollout/side_lines": sum(r.side_lines for r in rollouts) / n,
+        "rollout/side_lines_trained": sum(len({row.line for row in r.rows} - {"main"}) for r in rollouts) / n,
         "rollout/side_turns": sum(r.side_turns for r in rollouts) / n,
         "rollout/side_trained_tokens": sum(row.num_trainable for r in rollouts for row in r.rows
-                                           if getattr(row, "line", "main") != "main") / n,
+                                           if row.line != "main") / n,
     }
     # what the engines' prefill cost: prompt tokens computed per rollout, and the share of all prompt tokens taken
     # from a prefix cache (each turn of an episode extends the last: without the cache, turn t computes t turns)

@@ -416,13 +416,13 @@ class ChatAgentRunner:
 
     agent_cls: type[ChatAgent] = ChatAgent
     template: str | None = None        # None = the model's own chat template
-    # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record. True
-    # (the default): their rows train with the rollout's reward, after the main line's. A sub-agent's turns are real
-    # work the outcome depends on, as the main line's are (and a compaction's summary, which stays on its line); a
-    # title's do not shape the outcome, and an action that does not shape the reward has zero expected policy gradient
-    # against the group's baseline: it adds variance, not bias, for a handful of tokens. False: the main line alone
-    # trains (side lines are still recorded, traced and counted).
-    train_side_lines: bool = True
+    # Side lines (session.py): a harness's other conversations on the rollout's session, each with its own record.
+    # Those that train with the rollout's reward, after the main line's rows (ChatSession.record): "feeding" (the
+    # default), a side line whose last reply is in what the main line is given later (a sub-agent's result, a summary:
+    # work the outcome depends on, as the main line's is), not one the main line is never given (a title: an action that
+    # does not shape the reward has zero expected policy gradient against the group's baseline, only variance);
+    # "all"; "none", the main line alone. Every side line is still recorded, traced and counted (docs/agents.md).
+    train_side_lines: str = "feeding"
 
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
                  step_timeout_s: float = 60.0, image_processor=None):

@@ -602,8 +602,8 @@ def judge(bench: Bench, case: Case, episode: Episode, seconds: float = 0.0) -> C
     """The case's verdict and the checks of its token path."""
     answer, error, exchanges = episode.answer, episode.error, episode.exchanges
     session = episode.session
-    # what a ChatAgentRunner trains on its defaults (train_side_lines: every line), and the turns in the order served
-    rows, generations = session.record(side_lines=True)
+    # what a ChatAgentRunner trains with every side line (train_side_lines "all"), and the turns in the order served
+    rows, generations = session.record("all")
     in_order = session.served_in_order()
     refusals = [x for x in exchanges if x.status >= 400]
     sent = not case.wire or any(carries(case, x.body) for x in exchanges)

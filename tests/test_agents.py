@@ -451,43 +451,60 @@ def test_chat_agents_train_on_exactly_the_tokens_the_sdk_received(engine, tokeni
 
 class HarnessWithSideRequests(ChatAgent):
     """A harness as Claude Code is one: it names the session first (another system prompt, no tools), runs its main
-    conversation with tools, and a sub-agent (its own system prompt) between the main turns."""
+    conversation with tools, and a sub-agent (its own system prompt; a shorter reply, so its text is not the title's)
+    whose reply the main conversation goes on with (`altered`: with its last character dropped, so the sub-agent's
+    text no longer reaches the main line)."""
     TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {
         "cmd": {"type": "string"}}}}}]
+    altered = False
 
     async def run(self, ctx):
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
 
-        async def ask(messages, tools=None):
-            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools)
+        async def ask(messages, tools=None, max_tokens=5):
+            reply = await client.chat.completions.create(model=ctx.model_name, messages=messages, tools=tools,
+                                                         max_tokens=max_tokens)
             return [*messages, reply.choices[0].message.model_dump(exclude_none=True)]
         await ask([{"role": "system", "content": "Name this session."}, *ctx.messages])
         main = await ask([{"role": "system", "content": "You run bash."}, *ctx.messages], self.TOOLS)
-        await ask([{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Look."}], self.TOOLS)
-        await ask([*main, {"role": "user", "content": "Go on."}], self.TOOLS)
+        helper = await ask([{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Look."}],
+                           self.TOOLS, max_tokens=3)
+        found = helper[-1]["content"].strip()
+        assert found                                                  # bound: the seeded helper says something
+        await ask([*main, {"role": "user", "content": f"The helper says: {found[:-1] if self.altered else found}"}],
+                  self.TOOLS)
         return Result(reward=1.0)
 
 
-@pytest.mark.parametrize("train_side_lines", [True, False])
-def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_the_runner_says(engine, tokenizer,
-                                                                                             train_side_lines):
+@pytest.mark.parametrize("train_side_lines, altered, trained", [("feeding", False, ["side-2"]), ("all", False,
+                                                                 ["side-0", "side-2"]), ("none", False, []),
+                                                                ("feeding", True, [])])
+def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_the_runner_says(
+        engine, tokenizer, train_side_lines, altered, trained):
     import train
-    runner = type("Runner", (ChatAgentRunner,), {"agent_cls": HarnessWithSideRequests,
-                                                 "template": data.CHATML_TEMPLATE,
+    agent = type("Agent", (HarnessWithSideRequests,), {"altered": altered})
+    runner = type("Runner", (ChatAgentRunner,), {"agent_cls": agent, "template": data.CHATML_TEMPLATE,
                                                  "train_side_lines": train_side_lines})(engine, tokenizer,
                                                                                         max_turns=4, max_length=512)
-    # four model calls on three lines: every line's turns count against the rollout's budget (max_turns 4)
+    # four model calls on three lines: every line's turns count against the rollout's budget (max_turns 4). By
+    # default the sub-agent (side-2), whose reply the main line is given, trains and the title (side-0) does not,
+    # though its text is in the main line's later prompt as the main line's own reply (below); armed: the sub-agent's
+    # reply a character short in the main line's prompt does not feed it
     rollout, = runner.run(make_tasks("a"), ["g"], SamplingParams(max_tokens=5, seed=0))
     assert rollout.num_turns == 2 and rollout.side_lines == 2 and rollout.side_turns == 2
-    assert [row.line for row in rollout.rows] == (["main", "side-0", "side-2"] if train_side_lines else ["main"])
+    assert [row.line for row in rollout.rows] == ["main", *trained]
     assert [row.seal_reason for row in rollout.rows] == [""] * len(rollout.rows)   # the main line never sealed
     check_sampled_once(rollout.rows, rollout.generations)         # each trained sampled token once, lines in order
-    assert len(rollout.generations) == (4 if train_side_lines else 2)
+    assert len(rollout.generations) == 2 + len(trained)
     metrics = train.rollout_metrics([rollout], {})
     assert metrics["rollout/side_lines"] == 2 and metrics["rollout/side_turns"] == 2
-    assert metrics["rollout/seals_per_rollout"] == 0
+    assert metrics["rollout/side_lines_trained"] == len(trained) and metrics["rollout/seals_per_rollout"] == 0
     side_tokens = sum(row.num_trainable for row in rollout.rows[1:])
-    assert metrics["rollout/side_trained_tokens"] == side_tokens and (side_tokens > 0) == train_side_lines
+    assert metrics["rollout/side_trained_tokens"] == side_tokens and (side_tokens > 0) == bool(trained)
+    if train_side_lines == "all":   # the title's reply is the main line's first (one tiny model), which the main
+        # line's later prompt holds as its own reply, not as text it was given
+        (first, later), title = rollout.generations[:2], rollout.generations[2]
+        assert title.token_ids == first.token_ids == later.prompt_ids[len(first.prompt_ids):][:len(first.token_ids)]
 
 
 class OneTurnChatAgent(ChatAgent):

@@ -178,7 +178,7 @@ def side_line_rollout() -> list[invariants.Segment]:
     edited = task + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "more"}]
     assert not session.turn(edited, tools).extended                              # the main line seals
     session.turn([{"role": "system", "content": "Name this session."}, {"role": "user", "content": "Find x."}])
-    rows, generations = session.record(side_lines=True)
+    rows, generations = session.record("all")
     invariants.check_sampled_once(rows, generations)
     return rows
 

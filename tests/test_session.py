@@ -445,10 +445,10 @@ def test_side_requests_keep_lines_of_their_own_and_the_main_line_never_seals(tok
     assert all(not s.seal_reason for line in session.lines for s in line.ledger.segments)
     assert [line.turns for line in session.lines] == [1, 2, 2, 1] and session.turns == 2
     # what a rollout trains: the main line alone, or every line, each sampled token once
-    rows, generations = session.record(side_lines=False)
+    rows, generations = session.record("none")
     assert [r.line for r in rows] == ["main"] and generations == session.main_line.generations
     invariants.check_sampled_once(rows, generations)
-    rows, generations = session.record(side_lines=True)
+    rows, generations = session.record("all")
     assert [r.line for r in rows] == ["main", "side-0", "side-2", "side-3"]
     invariants.check_sampled_once(rows, generations)
     assert len(generations) == 6

@@ -1,0 +1,93 @@
+# A sub-agent of Claude Code's, run unchanged as the claude_code recipe runs it (`claude -p`, jailed) with two of its
+# documented settings changed: --tools names its sub-agent tool, Agent, beside Bash, Read and Edit, and --bare is left
+# out (it leaves that tool out). Through the real server, wires and ledger, a scripted episode (test_compaction's
+# ScoredScript: each token given a tiny real model's logprob, so the trainer has something to recompute): the main
+# line hands the bug to a sub-agent in the foreground (Agent with run_in_background false, so the main line waits and
+# the order of requests is fixed: main, sub-agent, sub-agent, main...), the sub-agent reads the module and answers in
+# two lines where the bug is, the main line is given that answer as the tool's result (Claude Code frames it and
+# indents each line), edits, tests and answers. The ledger: the sub-agent's requests (its own system prompt) are a
+# side line, one row holding both of its turns; its answer is in what the main line is given next, so under the
+# default rule ("feeding": ChatSession.feeds_main_line) it trains with the rollout's reward; "none" leaves it out and
+# "all" keeps it. Armed: the same side line with its answer a word off does not feed the main line, and does not
+# train. Every sampled token is trainable exactly once (armed: the sub-agent's row counted twice fails) and the
+# trainer's recompute of every row, the side line's included, is within the suite's tolerance (and not at another
+# temperature).
+import dataclasses
+
+import pytest
+
+import actor
+import loopback
+from agents.harness import call, demonstration_edit
+from engines import SamplingParams
+from invariants import check_sampled_once
+from recipes import claude_code, swe_fix
+from tests.test_compaction import ScoredScript
+from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes
+
+SUBAGENT_TOOL = "Agent"
+
+
+def with_subagents(self, ctx, ws) -> list[str]:
+    """The recipe's arguments with Claude Code's sub-agent tool added to its --tools, and without --bare (which leaves
+    that tool out)."""
+    arguments = claude_code.ClaudeCodeAgent.arguments(self, ctx, ws)
+    arguments[arguments.index("--tools") + 1] += f",{SUBAGENT_TOOL}"
+    return [argument for argument in arguments if argument != "--bare"]
+
+
+def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line_and_trains_once(
+        qwen3_dir, monkeypatch):
+    engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
+    tokenizer = engine.tokenizer
+    module, line, _, _ = demonstration_edit(task)
+    answer = f"The bug in {module} is on this line:\n{line.strip()}"      # two lines: Claude Code indents each
+    delegate = call(SUBAGENT_TOOL, {"description": "Find the bug", "prompt": f"Read {module} and say which line has "
+                                    "the bug.", "subagent_type": "general-purpose", "run_in_background": False})
+    fix = claude_code.script(task)[1:]                               # edit, test, answer
+    engine.replies = [delegate, call("Read", {"file_path": module}), answer, *fix]
+    sessions, close = [], loopback.LoopbackServer.close_session
+    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
+                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
+    agent_cls = type("Probe", (probe(claude_code, short_prompt=True),), {"arguments": with_subagents})
+    turns = 3 + len(fix)
+    (rollout,), failures, _ = run_episodes(claude_code, engine, tokenizer, agent_cls, [task],
+                                           SamplingParams(temperature=0.7, max_tokens=256), 16384, turns)
+    assert failures == {} and engine.replies == []                  # every scripted reply asked for
+    session, = sessions
+    served = session.served_in_order()
+    prompts = [tokenizer.decode(g.prompt_ids) for g in served]
+    print(f"prompt ids per turn {[len(g.prompt_ids) for g in served]}, rows "
+          f"{[(row.line, len(row.token_ids), row.num_trainable) for row in rollout.rows]}, reward {rollout.reward:.2f}")
+    # the sub-agent's two requests (turns 2 and 3: its system prompt, not the main line's) are one side line; the main
+    # line's next prompt carries its answer as the tool's result, and the main line goes on to fix the bug
+    main, side = session.main_line, session.side_lines
+    assert main.order == [0, *range(3, turns)] and [s.order for s in side] == [[1, 2]]
+    assert rollout.side_lines == 1 and rollout.side_turns == 2 and rollout.num_turns == turns - 2
+    handed_back = prompts[3][prompts[3].rindex("<tool_response>"):]
+    print(f"  the main line's next tool result: {handed_back!r}")
+    assert answer not in prompts[3] and " ".join(answer.split()) in " ".join(handed_back.split())
+    assert "Subagent hand-back" in handed_back and rollout.reward == 1.0
+    assert session.feeds_main_line(side[0])
+    # the default trains it: the main line's row, then the sub-agent's (its second prompt as context, its two
+    # replies the only trainable tokens)
+    assert [(row.line, row.seal_reason) for row in rollout.rows] == [("main", ""), ("side-1", "")]
+    side_row = rollout.rows[1]
+    assert side_row.token_ids == served[2].prompt_ids + served[2].token_ids
+    trained = [t for t, trainable in zip(side_row.token_ids, side_row.trainable) if trainable]
+    assert trained == served[1].token_ids + served[2].token_ids
+    assert [row.line for row in session.record("all")[0]] == ["main", "side-1"]
+    assert [row.line for row in session.record("none")[0]] == ["main"]
+    # armed: the sub-agent's answer a word off is no longer in the main line's prompt, and it does not train
+    said = side[0].generations[-1]
+    side[0].generations[-1] = dataclasses.replace(said, token_ids=tokenizer.encode(answer.replace("this", "that")))
+    assert not session.feeds_main_line(side[0]) and [row.line for row in session.record("feeding")[0]] == ["main"]
+    side[0].generations[-1] = said
+    # every sampled token trainable exactly once; armed: the sub-agent's row counted twice fails
+    check_sampled_once(rollout.rows, rollout.generations)
+    with pytest.raises(ValueError, match="sampled-once violated"):
+        check_sampled_once([*rollout.rows, side_row], rollout.generations)
+    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+    gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
+    print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
+    assert gap <= PARITY_TOL < trap
