@@ -119,6 +119,7 @@ def reply_text(tokenizer, gen: Generation, stops: tuple[str, ...]) -> str:
 # DecompressionBombError (at twice Image.MAX_IMAGE_PIXELS) stays the backstop inside data.decode_image.
 MAX_IMAGE_PIXELS = 4096 * 4096            # one image; above Qwen2-VL's processor max_pixels (12,845,056)
 MAX_REQUEST_IMAGE_PIXELS = 4 * MAX_IMAGE_PIXELS   # every image a request brings that is not decoded yet, together
+SIDE_LINE_RULES = ("feeding", "all", "none")      # which side lines a rollout trains (ChatSession.record)
 
 
 def header_size(url) -> tuple[int, int]:
@@ -370,19 +371,22 @@ class ChatSession:
         return sum(len(gen.token_ids) for line in self.lines for gen in line.generations)
 
     def feeds_main_line(self, line: Line) -> bool:
-        """Whether a side line's last reply (decoded; whitespace aside, as a harness may indent it) is in what the main
-        line was given after it: a later prompt's ids past the main line's turn before (not its own replies)."""
+        """Whether a side line's last reply is in what the main line was given after it (decoded, whitespace aside: a
+        harness may indent a sub-agent's report): each later main-line prompt past what the main line already held
+        (its previous prompt and reply), so the main line's own replies never count."""
         said = " ".join(self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True).split())
-        main = self.main_line
-        given = (gen.prompt_ids[len(had) if gen.prompt_ids[:len(had)] == had else 0:] for k, had, gen in
-                 zip(main.order, [[], *(g.prompt_ids + g.token_ids for g in main.generations)], main.generations)
-                 if k > line.order[-1])
-        return bool(said) and any(said in " ".join(self.tokenizer.decode(ids).split()) for ids in given)
+        main, held = self.main_line, []
+        for served, gen in zip(main.order, main.generations):
+            given = gen.prompt_ids[len(held):] if gen.prompt_ids[:len(held)] == held else gen.prompt_ids
+            if said and served > line.order[-1] and said in " ".join(self.tokenizer.decode(given).split()):
+                return True
+            held = gen.prompt_ids + gen.token_ids
+        return False
 
     def record(self, side_lines: str) -> tuple[list[invariants.Segment], list[Generation]]:
         """What a rollout trains: the main line's rows, then those of the side lines `side_lines` picks ("feeding": each
         that feeds_main_line; "all"; "none") in the order they opened, and their generations so (check_sampled_once)."""
-        trains = {"feeding": self.feeds_main_line, "all": lambda line: True, "none": lambda line: False}[side_lines]
+        trains = dict(zip(SIDE_LINE_RULES, (self.feeds_main_line, lambda line: True, lambda line: False)))[side_lines]
         lines = [line for line in [self.main_line, *filter(trains, self.side_lines)] if line is not None]
         return ([row for line in lines for row in line.ledger.rows()],
                 [gen for line in lines for gen in line.generations])

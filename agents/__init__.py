@@ -57,7 +57,7 @@ import data
 import invariants
 from engines import Generation, SamplingParams, validate_sampling
 from router import Router
-from session import Budget, context_length
+from session import SIDE_LINE_RULES, Budget, context_length
 
 log = logging.getLogger("tracerl.agents")
 
@@ -427,6 +427,8 @@ class ChatAgentRunner:
     def __init__(self, engine, tokenizer, max_turns: int = 1, max_length: int | None = None,
                  step_timeout_s: float = 60.0, image_processor=None):
         import loopback
+        if self.train_side_lines not in SIDE_LINE_RULES:
+            raise ValueError(f"train_side_lines must be one of {SIDE_LINE_RULES}, got {self.train_side_lines!r}")
         self.max_turns, self.timeout_s = max_turns, step_timeout_s * max_turns
         self.failures: dict[str, int] = {}
         # the sessions turn the images an agent sends into ImageInputs with the model's image processor; their

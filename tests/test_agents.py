@@ -507,6 +507,12 @@ def test_side_requests_are_lines_of_their_own_labelled_counted_and_trained_as_th
         assert title.token_ids == first.token_ids == later.prompt_ids[len(first.prompt_ids):][:len(first.token_ids)]
 
 
+def test_an_unknown_side_line_rule_is_refused_before_the_runner_serves(engine, tokenizer):
+    runner_cls = type("Runner", (ChatAgentRunner,), {"train_side_lines": "some"})
+    with pytest.raises(ValueError, match=r"train_side_lines must be one of \('feeding', 'all', 'none'\), got 'some'"):
+        runner_cls(engine, tokenizer)
+
+
 class OneTurnChatAgent(ChatAgent):
     """Sends the task's messages (images included) as they are, once."""
 
