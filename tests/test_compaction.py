@@ -83,6 +83,18 @@ class ScoredScript(ScriptEngine):
         return [dataclasses.replace(gen, behavior_logprobs=chosen, sampling=sampling)]
 
 
+def trains_once_at_its_logprobs(rollout, row, model_dir: str) -> None:
+    """Every sampled token of `rollout` trainable exactly once (armed: `row` counted twice fails the check), and the
+    trainer's recompute of every row within the suite's tolerance (armed: at temperature 1.4 it is not)."""
+    check_sampled_once(rollout.rows, rollout.generations)
+    with pytest.raises(ValueError, match="sampled-once violated"):
+        check_sampled_once([*rollout.rows, row], rollout.generations)
+    policy = actor.Actor(model_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
+    gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
+    print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
+    assert gap <= PARITY_TOL < trap
+
+
 @pytest.mark.parametrize("name", sorted(HARNESSES))
 def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
         name, qwen3_dir, monkeypatch, tmp_path, browser):  # noqa: F811
@@ -131,14 +143,8 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     assert summary_row.token_ids == served[3].prompt_ids + served[3].token_ids
     trained = [t for t, trainable in zip(summary_row.token_ids, summary_row.trainable) if trainable]
     assert trained == served[3].token_ids and tokenizer.decode(trained, skip_special_tokens=True) == SUMMARY
-    # every sampled token trainable exactly once; armed: the summary's row counted twice fails
-    check_sampled_once(rollout.rows, rollout.generations)
-    with pytest.raises(ValueError, match="sampled-once violated"):
-        check_sampled_once([*rollout.rows, summary_row], rollout.generations)
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
-    gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
-    print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
-    assert gap <= PARITY_TOL < trap
+    # every sampled token trainable exactly once (armed: the summary's row counted twice fails), recomputed in tolerance
+    trains_once_at_its_logprobs(rollout, summary_row, qwen3_dir)
     # the session's page: the three segments, each token one element, the two seals noted
     trace = session_trace(session, tokenizer)
     page = tmp_path / "session.html"

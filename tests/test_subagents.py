@@ -14,16 +14,13 @@
 # temperature).
 import dataclasses
 
-import pytest
 
-import actor
 import loopback
 from agents.harness import call, demonstration_edit
 from engines import SamplingParams
-from invariants import check_sampled_once
 from recipes import claude_code, swe_fix
-from tests.test_compaction import ScoredScript
-from tests.test_harnesses import PARITY_TOL, probe, recompute_gap, run_episodes
+from tests.test_compaction import ScoredScript, trains_once_at_its_logprobs
+from tests.test_harnesses import probe, run_episodes
 
 SUBAGENT_TOOL = "Agent"
 
@@ -84,10 +81,4 @@ def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line
     assert not session.feeds_main_line(side[0]) and [row.line for row in session.record("feeding")[0]] == ["main"]
     side[0].generations[-1] = said
     # every sampled token trainable exactly once; armed: the sub-agent's row counted twice fails
-    check_sampled_once(rollout.rows, rollout.generations)
-    with pytest.raises(ValueError, match="sampled-once violated"):
-        check_sampled_once([*rollout.rows, side_row], rollout.generations)
-    policy = actor.Actor(qwen3_dir, actor.ActorConfig(precision="fp32"), total_steps=1)
-    gap, trap = recompute_gap(policy, rollout.rows), recompute_gap(policy, rollout.rows, temperature=1.4)
-    print(f"  max |behavior - recompute| {gap:.2e}; recomputed at temperature 1.4: {trap:.2e}")
-    assert gap <= PARITY_TOL < trap
+    trains_once_at_its_logprobs(rollout, side_row, qwen3_dir)
