@@ -625,10 +625,11 @@ def rollout_metrics(rollouts, failures: dict[str, int]) -> dict[str, float]:
         # a ChatAgent's side lines (sub-agents, title requests: session.py), their turns, those that train and the
         # sampled tokens of theirs that train (ChatAgentRunner.train_side_lines)
         "rollout/side_lines": sum(r.side_lines for r in rollouts) / n,
-        "rollout/side_lines_trained": sum(len({row.line for row in r.rows} - {"main"}) for r in rollouts) / n,
+        "rollout/side_lines_trained": sum(len({row.line for row in r.rows} - {invariants.MAIN_LINE})
+                                          for r in rollouts) / n,
         "rollout/side_turns": sum(r.side_turns for r in rollouts) / n,
         "rollout/side_trained_tokens": sum(row.num_trainable for r in rollouts for row in r.rows
-                                           if row.line != "main") / n,
+                                           if row.line != invariants.MAIN_LINE) / n,
     }
     # what the engines' prefill cost: prompt tokens computed per rollout, and the share of all prompt tokens taken
     # from a prefix cache (each turn of an episode extends the last: without the cache, turn t computes t turns)
@@ -796,7 +797,7 @@ def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, 
                        else "is_mask" if not report.mask[r, t] else "trained" for t in range(n)]
             f.write(json.dumps({
                 "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
-                "line": getattr(segs[b], "line", "main"),     # an EnvRunner's rows: one line, plain Segments
+                "line": getattr(segs[b], "line", invariants.MAIN_LINE),   # an EnvRunner's rows: one line
                 "segment_id": segs[b].segment_id, "seal_reason": segs[b].seal_reason,
                 "common_prefix_len": segs[b].common_prefix_len, "trainer_version": trainer_version,
                 "batch_row": b, "picked": why, "reward": rollouts[b].reward, "score": rollouts[b].score,

@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -205,18 +206,17 @@ def call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]], runs: int = 1) -> list[str]:
-    """Each task's demonstration as the server rendered it for the policy, `runs` times over (a harness's tool
-    results vary from run to run: Codex's chunk ids and wall times): `agent_cls` runs the harness, jailed, on the
-    task's repository against a LoopbackServer whose engine answers with the task's script. Raises RuntimeError when
-    a harness asked for more or fewer replies than its script holds, or failed."""
+def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]) -> list[str]:
+    """Each task's demonstration as the server rendered it for the policy: `agent_cls` runs the harness, jailed, on
+    the task's repository against a LoopbackServer whose engine answers with the task's script. Raises RuntimeError
+    when a harness asked for more or fewer replies than its script holds, or failed."""
     tokenizer = models.bpe_tokenizer()
     engine = ScriptEngine(tokenizer)
     runner = type("HarvestRunner", (ChatAgentRunner,), {"agent_cls": agent_cls})(
         engine, tokenizer, max_turns=max(len(script) for script in scripts), max_length=1 << 16)
     generations = []
     try:
-        for task, script in [pair for pair in zip(tasks, scripts) for _ in range(runs)]:
+        for task, script in zip(tasks, scripts):
             engine.replies = list(script)
             rollouts = runner.run([task], ["harvest"], SamplingParams(max_tokens=1024))
             if not rollouts or engine.replies or rollouts[0].num_turns != len(script):
@@ -231,11 +231,13 @@ def harvest(agent_cls: type[HarnessAgent], tasks: list, scripts: list[list[str]]
 
 
 def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.Task], list[str]], steps: int,
-                         runs: int = 1) -> str:
+                         another_run: Callable[[str, random.Random], str] | None = None, variants: int = 0) -> str:
     """A tiny Qwen3 taught the demonstration of every bug of swe_fix (`script(task)`: the replies of its episode),
     harvested once into the cache (named by what shapes it: header) and taught its replies by
     models.taught_replies_model_dir. Every bug, train and held-out alike: the model learns the harness's format (and
-    repeats the demonstrated fixes)."""
+    repeats the demonstrated fixes). A harness whose tool results differ from run to run (Codex's chunk ids and wall
+    times) gives `another_run(text, rng)`, the text as another run renders it: each demonstration is also taught in
+    `variants` such renderings (seeded), so that the replies follow the task, not one run's ids."""
     tokenizer = models.bpe_tokenizer()
     agent_cls = type(agent_cls.__name__, (agent_cls,), {"short_prompt": True})   # the CPU's prompt, on any machine
     tasks = [swe_fix.task(*problem) for problem in PROBLEMS]
@@ -245,7 +247,7 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
     root = os.path.dirname(HARNESSES_DIR)
     sources = [script.__code__.co_filename, __file__, *sorted(glob.glob(os.path.join(root, "wires", "*.py"))),
                *(os.path.join(root, f"{name}.py") for name in ("loopback", "session", "data"))]
-    fingerprint = hashlib.sha256(json.dumps([agent_cls.harness.version, scripts, runs,
+    fingerprint = hashlib.sha256(json.dumps([agent_cls.harness.version, scripts,
                                              tokenizer.backend_tokenizer.to_str()]).encode())
     for source in sources:
         with open(source, "rb") as f:
@@ -253,12 +255,15 @@ def taught_harness_model(agent_cls: type[HarnessAgent], script: Callable[[data.T
 
     def write(folder: str) -> None:
         with open(os.path.join(folder, "demonstrations.json"), "w") as f:
-            json.dump(harvest(agent_cls, tasks, scripts, runs), f)
+            json.dump(harvest(agent_cls, tasks, scripts), f)
 
     what = f"harvesting {agent_cls.harness.name}'s requests over {len(tasks)} demonstrations"
     folder = models._cached_folder(f"harvest-{agent_cls.harness.name}-{fingerprint.hexdigest()[:10]}", write, what)
     with open(os.path.join(folder, "demonstrations.json")) as f:
         texts = json.load(f)
+    if another_run:
+        rng = random.Random(0)
+        texts += [another_run(text, rng) for _ in range(variants) for text in texts]
     return models.taught_replies_model_dir(texts, steps=steps)
 
 

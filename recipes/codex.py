@@ -19,6 +19,8 @@
 # defaults for Qwen2.5-Coder-1.5B-Instruct, with a 32K context.
 import json
 import os
+import random
+import re
 
 import data
 import models
@@ -125,8 +127,16 @@ def script(task: data.Task) -> list[str]:
             f"Fixed {module}: the tests pass."]
 
 
+def another_run(text: str, rng: random.Random) -> str:
+    """A harvested demonstration as another run renders it: each command's result carries a random chunk id and the
+    command's wall time (0.0000 s on a fast machine, milliseconds on a slow one), and nothing else differs."""
+    text = re.sub(r"Chunk ID: [0-9a-f]{6}", lambda _: f"Chunk ID: {rng.getrandbits(24):06x}", text)
+    return re.sub(r"Wall time: \d+\.\d{4} seconds",
+                  lambda _: f"Wall time: {rng.choice([0.0, rng.uniform(0.0, 0.05)]):.4f} seconds", text)
+
+
 def taught_model() -> str:
-    return taught_harness_model(CodexAgent, script, steps=200, runs=3)
+    return taught_harness_model(CodexAgent, script, steps=200, another_run=another_run, variants=3)
 
 
 models.MODEL_NAMES[CPU_MODEL] = taught_model

@@ -179,6 +179,9 @@ def test_taught_replies_model_writes_each_reply_after_a_shared_prefix_it_was_not
     assert all(hits(taught, text)[1] < 0.5 for text in texts)      # the prefix was never a target...
     whole = models.load_model(models.taught_tiny_model_dir("qwen3", [(t, []) for t in texts], steps=80))
     assert all(hits(whole, text)[1] > 0.9 for text in texts)       # ...as it is when the whole text is taught
+    # it teaches on until every reply id wins by its margin, and says so when twice its steps fall short
+    with pytest.raises(RuntimeError, match=r"after 4 steps a reply id wins by -?[0-9.]+ logits, not 2.0"):
+        models.taught_replies_model_dir(texts, steps=2)
 
 
 def test_half_written_cache_folder_is_never_used(tmp_path, monkeypatch):
