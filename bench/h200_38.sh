@@ -9,7 +9,7 @@
 # The machine has its own torch, CUDA and transformers; vLLM and Ray arrive as wheels unpacked under /tmp/site, TRL
 # under /tmp/trl-site (tracerl's process never sees it), and SmolLM2's tokenizer folder under $TOKENIZER (default
 # /tmp/smollm2; the random-weight shapes borrow it: bench/shapes.py). Model folders are made once under /tmp/shapes,
-# the vs-trl work folders are /tmp/vs-trl-SIZE: on a machine still warm, a second command reuses both, and its sides
+# the vs-trl work folders are /tmp/PART: on a machine still warm, a second command reuses both, and its sides
 # add up with the first command's in one summary per size.
 #
 #   OUT=/tmp/out [BUDGET_S=590] [SIDES=tracerl,trl-vllm-nogc] bash bench/h200_38.sh [PART...]
@@ -20,6 +20,8 @@
 #     vs-trl-1.7b    the same at Qwen3-1.7B, ~6-7 min
 #     vs-trl-4b      the same at Qwen3-4B, ~8-9 min
 #     vs-trl-8b      the same at Qwen3-8B (what fits: full fine-tuning is expected to run out of memory)
+#     mbt-0.6b       tracerl's side of vs-trl-0.6b alone, its micro-batches auto-sized (0), then capped at 8,192 and
+#                    16,384 tokens (--actor.micro_batch_tokens): what its memory peak buys in speed, ~2.5 min each
 #   With no PART: all but vs-trl-8b, in the order above (more than one command holds: the deadline cuts the rest).
 #   Two commands that fit: `profile-135m profile-1.7b` then `vs-trl-0.6b`; or SIDES to split a size's three sides.
 set -uo pipefail
@@ -53,7 +55,7 @@ PYTHONPATH=/tmp/trl-site:/tmp/site python3 -c "import trl" 2>/dev/null \
 [ -f "$TOKENIZER/tokenizer.json" ] && [ -f "$TOKENIZER/config.json" ] \
   || fail "no tokenizer folder at $TOKENIZER (SmolLM2's: tokenizer.json and config.json; set TOKENIZER)"
 for part in "${PARTS[@]}"; do
-  case "$part" in profile-135m|profile-1.7b|vs-trl-0.6b|vs-trl-1.7b|vs-trl-4b|vs-trl-8b) ;;
+  case "$part" in profile-135m|profile-1.7b|vs-trl-0.6b|vs-trl-1.7b|vs-trl-4b|vs-trl-8b|mbt-0.6b) ;;
     *) fail "unknown part $part" ;; esac
 done
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader > "$OUT/gpu-before.txt"
@@ -85,18 +87,21 @@ profile() {  # profile PART SHAPE CAP: the rollout profile; it leaves out the ro
   record "$1" "exit $?" $((SECONDS - start))
 }
 
-vs_trl() {  # vs_trl PART SIZE CAP: bench/vs_trl.py's h200-qwen3-SIZE preset; its sides stop at the cap
-  local cap start=$SECONDS work=/tmp/vs-trl-$2
-  cap=$(cap_for "$3")
-  if [ "$cap" -lt 120 ]; then record "$1" "skipped: ${cap} s left" 0; return; fi
-  mkdir -p "$OUT/$1"
-  timeout --kill-after=30 "$cap" python3 bench/vs_trl.py --preset "h200-qwen3-$2" --tokenizer "$TOKENIZER" \
+vs_trl() {  # vs_trl PART SIZE CAP [FLAG=VALUE...]: bench/vs_trl.py's h200-qwen3-SIZE preset in /tmp/PART, its sides
+            # stopped at the cap; FLAG=VALUEs go to tracerl's train.py, and its side then runs alone
+  local part=$1 size=$2 cap start=$SECONDS work=/tmp/$1 sides=$SIDES set=()
+  cap=$(cap_for "$3"); shift 3
+  for flag in "$@"; do set+=(--tracerl-set "$flag"); sides=tracerl; done
+  if [ "$cap" -lt 120 ]; then record "$part" "skipped: ${cap} s left" 0; return; fi
+  mkdir -p "$OUT/$part"
+  timeout --kill-after=30 "$cap" python3 bench/vs_trl.py --preset "h200-qwen3-$size" --tokenizer "$TOKENIZER" \
     --shapes-dir "$SHAPES" --trl-python python3 --trl-pythonpath /tmp/trl-site --caches shared --cache-dir "$CACHES" \
-    --budget-s $((cap - 15)) --out "$work" --json "$OUT/$1.json" ${SIDES:+--sides "$SIDES"} >"$OUT/$1.log" 2>&1
+    --budget-s $((cap - 15)) --out "$work" --json "$OUT/$part.json" ${sides:+--sides "$sides"} "${set[@]}" \
+    >"$OUT/$part.log" 2>&1
   local code=$?
-  cp "$work"/*.log "$work"/*.json "$OUT/$1/" 2>/dev/null
-  cp "$work"/tracerl/metrics.jsonl "$OUT/$1/tracerl-metrics.jsonl" 2>/dev/null
-  record "$1" "exit $code" $((SECONDS - start))
+  cp "$work"/*.log "$work"/*.json "$OUT/$part/" 2>/dev/null
+  cp "$work"/tracerl/metrics.jsonl "$OUT/$part/tracerl-metrics.jsonl" 2>/dev/null
+  record "$part" "exit $code" $((SECONDS - start))
 }
 
 for part in "${PARTS[@]}"; do
@@ -107,6 +112,8 @@ for part in "${PARTS[@]}"; do
     vs-trl-1.7b) vs_trl "$part" 1.7b 540 ;;
     vs-trl-4b) vs_trl "$part" 4b 580 ;;
     vs-trl-8b) vs_trl "$part" 8b 580 ;;
+    mbt-0.6b) for tokens in 0 8192 16384; do
+                vs_trl "vs-trl-0.6b-mbt$tokens" 0.6b 200 "actor.micro_batch_tokens=$tokens"; done ;;
   esac
 done
 

@@ -237,6 +237,8 @@ def run_tracerl(cfg: dict, model: str, source: str, out: str, deadline: float | 
         argv += ["--actor.lora_rank", str(cfg["lora_rank"]), "--actor.lora_alpha", str(2 * cfg["lora_rank"])]
     if cfg["engine_memory"]:
         argv += ["--rollout.engine_memory", str(cfg["engine_memory"])]
+    for flag, value in cfg["tracerl_set"].items():
+        argv += [f"--{flag}", value]
     print("tracerl:", " ".join(argv[1:]), flush=True)
     load = os.getloadavg()[0]
     t0 = time.time()
@@ -615,6 +617,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trl-mkl-avx512", action="store_true",
                         help="TRL's process also takes MKL's AVX-512 kernels on an AMD CPU with AVX-512, as tracerl's "
                              "does (cpu_setup.mkl_avx512_on_amd); by default TRL runs as its users run it")
+    parser.add_argument("--tracerl-set", action="append", default=[], metavar="FLAG=VALUE",
+                        help="a train.py flag for the tracerl side, e.g. actor.micro_batch_tokens=8192 (repeatable)")
     parser.add_argument("--tracerl-commit", default="", help="run tracerl as of this commit (git archive) instead "
                                                              "of the working tree")
     parser.add_argument("--sides", default="", help=f"comma list of {', '.join(('tracerl',) + TRL_SIDES)} "
@@ -638,6 +642,7 @@ def main(argv: list[str]) -> None:
                minibatches=MINIBATCHES, beta=0.0, lora_rank=args.lora_rank,
                engine_memory=preset.get("engine_memory", 0),     # 0: each side's default (both 0.3)
                fixed_lengths=args.fixed_lengths or preset.get("fixed_lengths", False), caches=args.caches,
+               tracerl_set=dict(item.partition("=")[::2] for item in args.tracerl_set),
                shape=None if args.model else args.shape or preset.get("shape"))
     sides = args.sides.split(",") if args.sides else ["tracerl"] + preset["trl_sides"]
     unknown = set(sides) - {"tracerl", *TRL_SIDES}
