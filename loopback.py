@@ -55,6 +55,7 @@ from aiohttp import web, web_protocol
 from jinja2 import TemplateError
 
 import data
+import invariants
 import models
 import wires
 from engines import SamplingParams
@@ -617,14 +618,20 @@ class LoopbackServer:
         return web.json_response(asdict(self._new_session(None, "", sampling, max_length, over_http=True)))
 
     async def _close(self, request: web.Request) -> web.Response:
-        """DELETE /s/<id> (the admin key: a session's own key can no more close a session than open one)."""
+        """DELETE /s/<id> (the admin key: a session's own key can no more close a session than open one). The reply
+        says what a rollout of the session trains (every line), after invariant 1's check of it: each sampled token
+        trainable exactly once (invariants.check_sampled_once; a ledger that lost or doubled one answers 500)."""
         self._authorize_admin(request)
         try:
-            self.close_session(request.match_info["sid"])
+            session = self.close_session(request.match_info["sid"])
         except KeyError:                  # never opened, expired, or closed already
             raise wires.WireError(404, f"no open session {request.match_info['sid']!r} on this server",
                                   "not_found_error") from None
-        return web.json_response({"session_id": request.match_info["sid"], "closed": True})
+        with session.ledger_lock:         # a turn still generating commits before this read or after it
+            rows, generations = session.record("all")
+        invariants.check_sampled_once(rows, generations)
+        return web.json_response({"session_id": request.match_info["sid"], "closed": True, "rows": len(rows),
+                                  "trainable_tokens": sum(row.num_trainable for row in rows)})
 
 
 # ---- standalone: serve one model until interrupted ---------------------------------------------
@@ -634,7 +641,8 @@ def main() -> None:
         description="Serve a model on token-exact OpenAI (chat completions, responses) and Anthropic wires. Open a "
                     "session with `POST /sessions` and the admin key, point an SDK at its base_url with its api_key, "
                     "read what the trainer would see at its trace_url (as a page at <session_url>/view), close it "
-                    "with `DELETE /s/<id>` and the admin key.")
+                    "with `DELETE /s/<id>` and the admin key (its reply: the rows and trainable tokens a rollout of it "
+                    "trains, each sampled token checked trainable exactly once).")
     parser.add_argument("--model", required=True, help="a model folder, or one of " + ", ".join(models.MODEL_NAMES))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)")

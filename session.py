@@ -386,7 +386,7 @@ class ChatSession:
     def record(self, side_lines: str) -> tuple[list[invariants.Segment], list[Generation]]:
         """What a rollout trains: the main line's rows, then those of the side lines `side_lines` picks ("feeding": each
         that feeds_main_line; "all"; "none") in the order they opened, and their generations so (check_sampled_once)."""
-        trains = dict(zip(SIDE_LINE_RULES, (self.feeds_main_line, lambda line: True, lambda line: False)))[side_lines]
+        trains = {"feeding": self.feeds_main_line, "all": lambda line: True, "none": lambda line: False}[side_lines]
         lines = [line for line in [self.main_line, *filter(trains, self.side_lines)] if line is not None]
         return ([row for line in lines for row in line.ledger.rows()],
                 [gen for line in lines for gen in line.generations])

@@ -797,7 +797,7 @@ def write_traces(out, step, batch, segs, rollouts, prox_logprobs, ref_logprobs, 
                        else "is_mask" if not report.mask[r, t] else "trained" for t in range(n)]
             f.write(json.dumps({
                 "step": step + 1, "rollout_id": segs[b].rollout_id, "group_id": segs[b].group_id,
-                "line": getattr(segs[b], "line", invariants.MAIN_LINE),   # an EnvRunner's rows: one line
+                "line": segs[b].line,
                 "segment_id": segs[b].segment_id, "seal_reason": segs[b].seal_reason,
                 "common_prefix_len": segs[b].common_prefix_len, "trainer_version": trainer_version,
                 "batch_row": b, "picked": why, "reward": rollouts[b].reward, "score": rollouts[b].score,

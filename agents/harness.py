@@ -115,6 +115,17 @@ def check_installed() -> None:
         print(f"{harness.name} {harness.version}: {done.stdout.strip()}")
 
 
+def recipe_defaults(cpu_model: str) -> dict:
+    """A harness recipe's defaults: swe_fix's with a longer context; with CUDA the harness on its defaults for
+    Qwen2.5-Coder-1.5B-Instruct with a 32K context, else `cpu_model` (taught_harness_model)."""
+    on_gpu = models.gpu_defaults()
+    return {**swe_fix.DEFAULTS,
+            "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if on_gpu else cpu_model,
+            "rollout.max_turns": 16 if on_gpu else 6,         # the runner's budget: step_timeout_s x max_turns
+            "rollout.max_tokens": 1024 if on_gpu else 256,   # the longest demonstrated reply: 167 ids (Codex's)
+            "rollout.max_length": 32768 if on_gpu else 8192}
+
+
 # ---- one rollout: a harness in the jail, on one of swe_fix's repositories -----------------------------------------
 
 class HarnessAgent(ProcessAgent):
@@ -122,11 +133,11 @@ class HarnessAgent(ProcessAgent):
     tests on what it left. A recipe names the harness and fills `arguments` (its own flags), `settings` (files of
     its configuration, written into home/), `harness_environment`, and `accepts_exit` (the harness's own report of a
     reply cut at max_tokens or a full context: the episode ended there, truncated). `short_prompt`: the documented
-    settings that shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt); False
-    runs it on its defaults, as a real model gets it."""
+    settings that shorten the harness's prompt (a CPU's tiny model, whose teaching cost grows with the prompt: the
+    default without CUDA); False runs it on its defaults, as a real model gets it."""
 
     harness: Harness
-    short_prompt: bool = False
+    short_prompt: bool = not models.gpu_defaults()
     compaction_room = 1024               # ids a turn may add above the compaction threshold before the harness counts
                                          # again (the tool results it appends), beside a reply
     jail = True

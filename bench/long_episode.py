@@ -41,6 +41,7 @@ import models  # noqa: E402
 from agents import ChatAgentRunner  # noqa: E402
 from agents.harness import call  # noqa: E402
 from engines import Generation, SamplingParams, per_prompt  # noqa: E402
+from engines.harvest import ScriptEngine  # noqa: E402
 from recipes import claude_code, swe_fix  # noqa: E402
 
 SUMMARY_REQUEST = "CRITICAL: Respond with TEXT ONLY"          # Claude Code's compaction instruction
@@ -59,37 +60,32 @@ class Turn:
     summary_request: bool
 
 
-class ForcedEngine:
-    """A real engine doing each turn's work (the prompt prefilled, as many tokens decoded as the reply has), answering
-    with the script's reply: `replies` in order, SUMMARY to a summary request. Streams the reply's ids as a server
-    expects and counts each turn (`turns`)."""
+class ForcedEngine(ScriptEngine):
+    """ScriptEngine's replies (streamed as a server expects; SUMMARY to a summary request), each turn's work done by a
+    real engine: the prompt prefilled, as many tokens decoded as the reply has. Counts each turn (`turns`)."""
 
     def __init__(self, engine, tokenizer, replies: list[str]):
-        self.engine, self.tokenizer, self.replies = engine, tokenizer, list(replies)
-        self.max_model_len = engine.max_model_len
-        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        super().__init__(tokenizer, engine.max_model_len)
+        self.engine, self.replies = engine, list(replies)
         self.turns: list[Turn] = []
         self.last = time.perf_counter()
 
     def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
         prompt = list(prompts[0])
         summary_request = SUMMARY_REQUEST in self.tokenizer.decode(prompt[-4096:])
-        reply = SUMMARY if summary_request else self.replies.pop(0) if self.replies else "Done."
-        sampling = per_prompt(1, params)[0][0]
-        ids = (self.tokenizer.encode(reply, add_special_tokens=False) + [self.end_id])[:sampling.max_tokens]
+        if summary_request:
+            self.replies.insert(0, SUMMARY)
+        gen, = super().generate(prompts, params, on_token)
         start = time.perf_counter()
-        work, = self.engine.generate([prompt], dataclasses.replace(sampling, max_tokens=len(ids), ignore_eos=True,
-                                                                   stop=(), stop_token_ids=()))
+        work, = self.engine.generate([prompt], dataclasses.replace(per_prompt(1, params)[0][0], ignore_eos=True,
+                                                                   max_tokens=len(gen.token_ids), stop=(),
+                                                                   stop_token_ids=()))
         end = time.perf_counter()
-        for token_id in ids:
-            if on_token is not None:
-                on_token(0, token_id)
         cached = min(work.cached_prompt_tokens, len(prompt))
-        self.turns.append(Turn(len(prompt), cached, len(prompt) - cached, len(ids), round(end - start, 4),
+        self.turns.append(Turn(len(prompt), cached, len(prompt) - cached, len(gen.token_ids), round(end - start, 4),
                                round(end - self.last, 4), summary_request))
         self.last = end
-        return [Generation(prompt, ids, [0.0] * len(ids), [0] * len(ids), None, "stop",
-                           sampling=invariants.UNSAMPLED, cached_prompt_tokens=cached)]
+        return [dataclasses.replace(gen, cached_prompt_tokens=cached)]
 
 
 def build_engine(kind: str, context: int):

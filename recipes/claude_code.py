@@ -18,20 +18,14 @@
 import data
 import models
 from agents import ChatAgentRunner
-from agents.harness import CLAUDE_CODE, HarnessAgent, call, demonstration_edit, json_lines, taught_harness_model
+from agents.harness import (CLAUDE_CODE, HarnessAgent, call, demonstration_edit, json_lines, recipe_defaults,
+                            taught_harness_model)
 from recipes import swe_fix
 
 SYSTEM = "You fix bugs in the repository in the current directory: read the module, edit it, run its tests."
 CPU_MODEL = "tiny-qwen3-claude-code"
 
-ON_GPU = models.gpu_defaults()
-DEFAULTS = {                                        # swe_fix's, with a longer context
-    **swe_fix.DEFAULTS,
-    "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if ON_GPU else CPU_MODEL,
-    "rollout.max_turns": 16 if ON_GPU else 6,         # Claude Code's --max-turns
-    "rollout.max_tokens": 1024 if ON_GPU else 256,   # the longest demonstrated reply: 116 ids
-    "rollout.max_length": 32768 if ON_GPU else 8192,
-}
+DEFAULTS = recipe_defaults(CPU_MODEL)
 
 
 tasks = swe_fix.tasks       # swe_fix's repositories, one planted bug each (held-out splits: functions never trained on)
@@ -49,7 +43,6 @@ def notice(cfg) -> str:
 
 class ClaudeCodeAgent(HarnessAgent):
     harness = CLAUDE_CODE
-    short_prompt = not ON_GPU
     compaction_room = 4096               # and what its summary request adds to the conversation: its instruction
                                          # (4,000 ids of the tiny models' BPE, about 1,500 of Qwen's)
 

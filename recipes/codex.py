@@ -25,20 +25,14 @@ import re
 import data
 import models
 from agents import ChatAgentRunner
-from agents.harness import CODEX, HarnessAgent, call, demonstration_edit, json_lines, taught_harness_model
+from agents.harness import (CODEX, HarnessAgent, call, demonstration_edit, json_lines, recipe_defaults,
+                            taught_harness_model)
 from recipes import swe_fix
 
 INSTRUCTIONS = "You fix bugs in the repository in the current directory: read the module, patch it, run its tests."
 CPU_MODEL = "tiny-qwen3-codex"
 
-ON_GPU = models.gpu_defaults()
-DEFAULTS = {                                        # swe_fix's, with a longer context
-    **swe_fix.DEFAULTS,
-    "run.model": "Qwen/Qwen2.5-Coder-1.5B-Instruct" if ON_GPU else CPU_MODEL,
-    "rollout.max_turns": 16 if ON_GPU else 6,         # the runner's budget: step_timeout_s x max_turns
-    "rollout.max_tokens": 1024 if ON_GPU else 256,   # the longest demonstrated reply: 167 ids
-    "rollout.max_length": 32768 if ON_GPU else 8192,
-}
+DEFAULTS = recipe_defaults(CPU_MODEL)
 
 
 tasks = swe_fix.tasks       # swe_fix's repositories, one planted bug each (held-out splits: functions never trained on)
@@ -59,7 +53,6 @@ toml_string = json.dumps        # a TOML basic string: JSON's escapes are TOML's
 
 class CodexAgent(HarnessAgent):
     harness = CODEX
-    short_prompt = not ON_GPU
 
     def settings(self, ctx, ws) -> dict[str, str]:
         home = os.path.join(ws.home, "codex")

@@ -347,10 +347,20 @@ def test_only_the_admin_key_opens_or_closes_a_session_and_a_sessions_key_reaches
     assert raw_post(mine.base_url + "/chat/completions", ask, admin)[0] == 401         # the admin key is no session's
     status, opened = raw_post(address + "/sessions", b"", admin)
     assert status == 200 and server.admin_key not in json.dumps(opened)
-    for info in (SessionInfo(**opened), theirs, mine):
+    replied = server._sessions[mine.session_id][0].main_line.generations[0].token_ids
+    for info, rows, trainable in [(SessionInfo(**opened), 0, 0), (theirs, 0, 0), (mine, 1, len(replied))]:
         assert raw_post(info.session_url, b"", {"x-api-key": server.admin_key}, "DELETE") == \
-            (200, {"session_id": info.session_id, "closed": True})
+            (200, {"session_id": info.session_id, "closed": True, "rows": rows, "trainable_tokens": trainable})
     assert len(server._sessions) == open_before - 2
+    # the close checks invariant 1 on what it hands back: a ledger that counts a reply twice answers 500 (and closes)
+    doubled = server.create_session(sampling=SamplingParams(max_tokens=2))
+    assert raw_post(doubled.base_url + "/chat/completions", ask, {"Authorization": f"Bearer {doubled.api_key}"})[0] \
+        == 200
+    line = server._sessions[doubled.session_id][0].main_line
+    line.generations.append(line.generations[0])
+    status, refusal = raw_post(doubled.session_url, b"", admin, "DELETE")
+    assert status == 500 and "sampled-once violated" in refusal["error"]["message"]
+    assert doubled.session_id not in server._sessions
 
 
 def test_bad_requests_get_400_record_nothing_and_the_server_keeps_serving(server):
@@ -530,8 +540,8 @@ def test_standalone_server_opens_sessions_that_the_sdk_can_use_and_trace(given):
         record = trace(info)
         assert len(record["segments"]) == 1 and trainable_ids(record) == sampled
         assert raw_post(info.session_url, b"", {"Authorization": f"Bearer {info.api_key}"}, "DELETE")[0] == 403
-        assert raw_post(info.session_url, b"", admin, "DELETE") == (200, {"session_id": info.session_id,
-                                                                          "closed": True})
+        assert raw_post(info.session_url, b"", admin, "DELETE") == (200, {
+            "session_id": info.session_id, "closed": True, "rows": 1, "trainable_tokens": len(sampled)})
         with pytest.raises(urllib.error.HTTPError, match="404"):
             trace(info)
     finally:

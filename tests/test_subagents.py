@@ -14,7 +14,6 @@
 # temperature).
 import dataclasses
 
-
 import loopback
 from agents.harness import call, demonstration_edit
 from engines import SamplingParams
