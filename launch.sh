@@ -99,12 +99,24 @@ harnesses() {
   fi
   local modules=harnesses/node_modules
   if ! cmp -s harnesses/package-lock.json "$modules/.package-lock.json.installed" 2>/dev/null; then
-    # --loglevel=error: npm's one warning here is Claude Code's engines field (above)
-    phase "installing the coding harnesses (harnesses/package.json)" npm ci --prefix harnesses --ignore-scripts \
-      --no-audit --no-fund --loglevel=error
+    phase "installing the coding harnesses (harnesses/package.json)" npm_ci_harnesses
     cp harnesses/package-lock.json "$modules/.package-lock.json.installed"
   fi
   "$PY" -c "from agents import harness; harness.check_installed()"
+}
+
+# --loglevel=error: npm's one warning here is Claude Code's engines field (above). But a file npm could not write (a
+# full disk: ENOSPC) is only a warning in its log, and npm may still exit 0 with the install cut short; so that, or a
+# failed npm, stops here with the log's warnings (the cause) shown.
+npm_ci_harnesses() {
+  local logs status=0; logs=$(mktemp -d)
+  npm ci --prefix harnesses --ignore-scripts --no-audit --no-fund --loglevel=error --logs-dir "$logs" || status=$?
+  if [ "$status" != 0 ] || grep -q TAR_ENTRY_ERROR "$logs"/*.log; then
+    echo "launch.sh: npm ci failed (exit $status); the warnings in npm's log ($logs):" >&2
+    { grep -hE '^[0-9]+ warn ' "$logs"/*.log || true; } | sed -E 's/^[0-9]+ //' | grep -v EBADENGINE | awk '!seen[$0]++' >&2
+    return 1
+  fi
+  rm -rf "$logs"
 }
 
 wants_harness() {   # the train.py flags name a recipe that runs a coding harness (--recipe NAME, --run.recipe=NAME)
