@@ -24,7 +24,8 @@
 # a 429 with a Retry-After before its body is awaited, its connection closed: one session's connections never hold
 # more than its share, so none of them pushes another session's newcomer out. A request whose client hangs up while
 # it waits is dropped, never generated; one whose client hangs up mid-reply stops sampling at the next token and is
-# dropped whole (session.TurnCut). No header value (a key) is ever logged or quoted in an error page.
+# dropped whole (session.TurnCut). No header value (a key) is ever logged or quoted in an error page. The one header
+# a turn reads is the sub-agent a harness names (client_thread), which keeps its requests to lines of their own.
 # A session's context (prompt and reply) is at most the model's position limit (the default, read from the
 # engine's max_model_len); a prompt past it is refused in the wire's own words, the ones harnesses compact their
 # conversation on (wires.ContextLengthExceeded: OpenAI's code context_length_exceeded, Anthropic's "prompt is too
@@ -104,6 +105,20 @@ def _wire_of(request: web.BaseRequest) -> str:
     """Which wire's error format a request gets: Anthropic's on its messages routes (count_tokens too), OpenAI's
     everywhere else (the Responses API's errors before a stream are OpenAI's error JSON too)."""
     return "anthropic" if "/v1/messages" in request.path else "openai"
+
+
+def client_thread(request: web.BaseRequest) -> str:
+    """The sub-agent a harness names on its request (wires.TurnOptions.thread: the session routes its requests to lines
+    of their own): Claude Code's x-claude-code-agent-id; on a Codex request that names a parent thread, its own
+    thread_id in x-codex-turn-metadata (the parent's id, for metadata it cannot read). "" for the agent the harness
+    started with, and for any client that names none."""
+    headers = request.headers
+    if "x-codex-parent-thread-id" in headers:
+        try:
+            return str(json.loads(headers.get("x-codex-turn-metadata", ""))["thread_id"])
+        except (ValueError, TypeError, KeyError):
+            return f"parent:{headers['x-codex-parent-thread-id']}"
+    return headers.get("x-claude-code-agent-id", "")
 
 
 def _error_response(wire: str, error: wires.WireError, headers=None) -> web.Response:
@@ -548,6 +563,7 @@ class LoopbackServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session, lane = self._authorize(request)
         wire_request = wires.decode_openai(await self._body(request, lane), session.sampling)
+        wire_request.options.thread = client_thread(request)
         reply_id = f"chatcmpl-{secrets.token_hex(8)}"
         if wire_request.stream:
             stream = wires.OpenAIStream(wire_request, self.tokenizer, self.model_name, reply_id)
@@ -559,6 +575,7 @@ class LoopbackServer:
         session, lane = self._authorize(request)
         wire_request = wire_anthropic.decode_anthropic(await self._body(request, lane), session.sampling,
                                                       session.text_bound)
+        wire_request.options.thread = client_thread(request)
         reply_id = f"msg_{secrets.token_hex(12)}"
         if wire_request.stream:
             stream = wire_anthropic.AnthropicStream(wire_request, self.tokenizer, self.model_name, reply_id)
@@ -570,6 +587,7 @@ class LoopbackServer:
         session, lane = self._authorize(request)
         decoded = wire_responses.decode_responses(await self._body(request, lane), session.sampling, lane.responses,
                                                   session.text_bound)
+        decoded.request.options.thread = client_thread(request)
         reply_id = f"resp_{secrets.token_hex(12)}"
         if decoded.request.stream:
             stream = wire_responses.ResponsesStream(decoded, self.tokenizer, self.model_name, reply_id,
@@ -587,6 +605,7 @@ class LoopbackServer:
         session, lane = self._authorize(request)
         wire_request = wire_anthropic.decode_anthropic_count(await self._body(request, lane), session.sampling,
                                                             session.text_bound)
+        wire_request.options.thread = client_thread(request)
         ids = await self._in_lane(lane, wire_request, session.prompt_ids, wire_request.messages, wire_request.tools,
                                   wire_request.options)
         return web.json_response({"input_tokens": len(ids)})

@@ -39,10 +39,13 @@
 # Lines. A harness may send other conversations on the rollout's session: Claude Code's sub-agents (their own system
 # prompt and tools: real work), its session-title request (another system prompt, no tools, a JSON format). Each is a
 # line with a record of its own, so a side request neither seals the main conversation nor is sealed by it. A request
-# goes to (1) the line it continues (its last request and reply, under the echo rule; the most recently served
-# first), else (2) the line with the same opening (system prompt and first user message): an edit or a rebuilt
-# history, which extends or seals by ids as before, else (3) the main line when its system prompt is the main line's
-# (the main conversation compacted or restarted: it seals), else (4) a new line. The main line is the first line
+# goes, among the lines of its thread, to (1) the line it continues (its last request and reply, under the echo rule;
+# the most recently served first), else (2) the line with the same opening (system prompt and first user message): an
+# edit or a rebuilt history, which extends or seals by ids as before, else (3) the thread's first line (the main line
+# for the first agent's) when its system prompt is that line's (a conversation compacted or restarted: it seals),
+# else (4) a new line. A thread is the sub-agent a harness names on its request (TurnOptions.thread): Codex's
+# sub-agents share the main conversation's system prompt, and one forked from it continues its history, so without
+# their thread they would join the main line by (3) or (1), each request sealing the other agent's turns. The main line is the first line
 # opened by a request that offered tools, or the first line when none did (Claude Code names its session before its
 # first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in), on every
 # segment (`Segment.line`), so the trace and the trainer see them labelled. Which train is the runner's setting
@@ -88,6 +91,7 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import json
 import math
 import secrets
 import threading
@@ -287,6 +291,7 @@ class Line:
     opening: tuple                   # its first request's opening(): how a rewritten history finds it again
     offers_tools: bool               # its first request offered tools (the main line is the first that did)
     ledger: LineLedger
+    thread: str = ""                 # the harness's sub-agent it serves (TurnOptions.thread; "": the first agent)
     expected: list[dict] | None = None     # what the next request must start with to continue it: the last
                                            # request's messages (as recorded) plus the reply as returned
     expected_prompt_text: str = ""   # their rendering up to the generation prompt
@@ -372,13 +377,15 @@ class ChatSession:
 
     def feeds_main_line(self, line: Line) -> bool:
         """Whether a side line's last reply is in what the main line was given after it (decoded, whitespace aside: a
-        harness may indent a sub-agent's report): each later main-line prompt past what the main line already held
+        harness may indent a sub-agent's report; or as a JSON string: Codex's): each later main-line prompt past what the main line already held
         (its previous prompt and reply), so the main line's own replies never count."""
-        said = " ".join(self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True).split())
+        reply = self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True)
+        forms = {" ".join(text.split()) for text in (reply, json.dumps(reply, ensure_ascii=False)[1:-1])}
         main, held = self.main_line, []
         for served, gen in zip(main.order, main.generations):
-            given = gen.prompt_ids[len(held):] if gen.prompt_ids[:len(held)] == held else gen.prompt_ids
-            if said and served > line.order[-1] and said in " ".join(self.tokenizer.decode(given).split()):
+            given = " ".join(self.tokenizer.decode(gen.prompt_ids[len(held):] if gen.prompt_ids[:len(held)] == held
+                                                   else gen.prompt_ids).split())
+            if reply.strip() and served > line.order[-1] and any(form in given for form in forms):
                 return True
             held = gen.prompt_ids + gen.token_ids
         return False
@@ -443,7 +450,8 @@ class ChatSession:
         messages stand in for their echo (the echo rule and the routing order: header)."""
         schemas = {tool["function"]["name"]: tool["function"].get("parameters")
                    for tool in [*(tools or []), *options.deferred_tools]}
-        recent = sorted(self.lines, key=lambda line: line.order[-1], reverse=True)
+        recent = sorted((line for line in self.lines if line.thread == options.thread),
+                        key=lambda line: line.order[-1], reverse=True)
         for line in recent:
             expected = line.expected
             if expected is not None and len(messages) >= len(expected) and \
@@ -453,9 +461,9 @@ class ChatSession:
         same = next((line for line in recent if line.opening == start), None)
         if same is not None:
             return same, messages
-        main = self.main_line
-        if main is not None and start[0] == main.opening[0]:
-            return main, messages
+        head = min(recent, key=lambda line: line.index, default=None) if options.thread else self.main_line
+        if head is not None and head.thread == options.thread and start[0] == head.opening[0]:
+            return head, messages
         return None, messages
 
     def _generate_and_commit(self, line: Line | None, messages: list[dict], tools, params: SamplingParams,
@@ -514,7 +522,7 @@ class ChatSession:
         with self.ledger_lock:
             if line is None:
                 line = Line(len(self.lines), opening(messages), bool(tools or options.deferred_tools),
-                            LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE))
+                            LineLedger(self.rollout_id, self.group_id, invariants.MAIN_LINE), options.thread)
                 self.lines.append(line)
                 for each in self.lines:        # the main line may be a later one (the first to offer tools)
                     each.ledger.relabel(invariants.MAIN_LINE if each is self.main_line else f"side-{each.index}")

@@ -249,6 +249,8 @@ class TurnOptions:
     template_kwargs: dict = field(default_factory=dict)   # the template's switches, e.g. {"enable_thinking": False}
     deferred_tools: list[dict] = field(default_factory=list)   # Anthropic defer_loading tools: offered, not rendered
                                    # (a tool_reference writes one's definition where it names it); callable like any
+    thread: str = ""               # the sub-agent a harness names on the request ("": the conversation it started
+                                   # with; loopback.client_thread): a request joins only a line of its own thread
 
 
 @dataclass

@@ -10,8 +10,9 @@
 # docs/wire-params.md is these tables (the same test keeps it so). wires/__init__.py, wires/anthropic.py and wires/responses.py
 # apply them: a key in no row is refused (it might change what is sampled, and a guess would train on a distribution
 # nobody recorded), a refused field is refused whenever it is set, and a reply asked for it lists the no-ops a request
-# held. Headers change nothing: the server reads only the key (an anthropic-beta value brings fields, and each is
-# decided here; docs/wire-params.md lists the ones Claude Code sends).
+# held. Headers change nothing sampled: the server reads the key, and the sub-agent a harness names (which line a
+# request joins: loopback.client_thread); an anthropic-beta value brings fields, and each is decided here
+# (docs/wire-params.md lists the ones Claude Code sends).
 # honoured: decoded into the sampling (the engine records it per token, so the trainer recomputes the distribution
 #   each token was drawn from: invariant 3) or into the turn options (the prompt the ledger records, the parse);
 #   values it cannot honour are refused with what it takes. no-op: accepted; it cannot change what is sampled or
