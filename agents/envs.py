@@ -141,8 +141,7 @@ class SkyRLEnv(Env):
 
     def step(self, action_text: str) -> Result:
         try:
-            out = self.env.step(action_text)
-            result = self._result(out, action_text)
+            result = self._result(self.env.step(action_text), action_text)
         except BaseException:
             self.env.close()
             raise

@@ -141,8 +141,7 @@ def _latex_to_infix(text: str) -> str:
         if second is None:
             raise ValueError("\\frac without a second argument")
         text = f"{text[:start]}(({first})/({second})){text[after + len(second) + 2:]}"
-    text = text.replace("{", "(").replace("}", ")").replace("\\", "")
-    return text
+    return text.replace("{", "(").replace("}", ")").replace("\\", "")
 
 
 class _Parser:
@@ -392,10 +391,8 @@ def _read_regular(name: str, dir_fd: int, shown: str, max_bytes: int) -> bytes:
     try:
         _check_file(os.fstat(fd), shown, max_bytes)
         data = bytearray()
-        while len(data) <= max_bytes:      # the size checked may not be the size read: stop one byte past the cap
-            chunk = os.read(fd, max_bytes + 1 - len(data))
-            if not chunk:
-                break
+        # the size checked may not be the size read: stop at end of file or one byte past the cap
+        while len(data) <= max_bytes and (chunk := os.read(fd, max_bytes + 1 - len(data))):
             data += chunk
         if len(data) > max_bytes:
             raise AgentFileError(f"{shown}: larger than {max_bytes} bytes")

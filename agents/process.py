@@ -323,8 +323,7 @@ class ProcessAgent(ChatAgent):
         jail, cgroup, relay = None, None, None
         if self.jail:
             found = sandbox.isolation()
-            refused = sandbox.refusal(found)
-            if refused:
+            if refused := sandbox.refusal(found):
                 raise ProcessFailure("process_spawn", f"the recipe asks for the jail: {refused}")
             # the jail's only route out: its session's server, through a relay at the same port on its own loopback
             server = urlsplit(ctx.session_url)

@@ -40,6 +40,7 @@
 # temporary directory behind.
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -195,10 +196,9 @@ def isolation() -> Isolation:
     global _VERIFIED
     if _VERIFIED is not None:
         return _VERIFIED
-    missing = {}
     if sys.platform != "linux":
-        missing = {name: "Linux only" for name in PROTECTIONS}
-        return Isolation(missing)
+        return Isolation({name: "Linux only" for name in PROTECTIONS})
+    missing = {}
     if seccomp_filter() is None:
         missing["syscall_filter"] = "libseccomp or pyseccomp is not installed"
     try:
@@ -281,19 +281,15 @@ class TreeCgroup:
         name = f"tracerl-sandbox-{secrets.token_hex(6)}"
         made = cls({kind: os.path.join(base, name) for kind, base in bases.items()})
         memory, pids = limits.memory_mb * 2**20, (processes or limits.processes) + _JAIL_PROCESSES
+        caps = {"v2": {"memory.max": memory, "memory.swap.max": 0, "pids.max": pids},
+                "memory": {"memory.limit_in_bytes": memory}, "pids": {"pids.max": pids}}
         try:
             for kind, path in made.dirs.items():
                 os.mkdir(path)
-                if kind == "v2":
-                    made._write("v2", "memory.max", memory)
-                    made._write("v2", "memory.swap.max", 0)
-                    made._write("v2", "pids.max", pids)
-                elif kind == "memory":
-                    made._write("memory", "memory.limit_in_bytes", memory)
-                    if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
-                        made._write("memory", "memory.memsw.limit_in_bytes", memory)   # no escape into swap
-                elif kind == "pids":
-                    made._write("pids", "pids.max", pids)
+                for cap, value in caps.get(kind, {}).items():
+                    made._write(kind, cap, value)
+                if kind == "memory" and os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    made._write("memory", "memory.memsw.limit_in_bytes", memory)   # no escape into swap
         except OSError:
             made.remove()
             raise
@@ -310,25 +306,20 @@ class TreeCgroup:
     def _pids(self) -> list[int]:
         pids = set()
         for procs in self.procs_files:
-            try:
-                with open(procs) as f:
-                    pids.update(int(x) for x in f.read().split())
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), open(procs) as f:
+                pids.update(int(x) for x in f.read().split())
         return sorted(pids)
 
     def cpu_seconds(self) -> float | None:
         """CPU time the whole tree has used so far (every process, the ended ones included); None where no
         cgroup accounts for it (v1 without cpuacct)."""
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             if "v2" in self.dirs:
                 with open(os.path.join(self.dirs["v2"], "cpu.stat")) as f:
                     return int(dict(line.split() for line in f)["usage_usec"]) / 1e6
             if "cpuacct" in self.dirs:
                 with open(os.path.join(self.dirs["cpuacct"], "cpuacct.usage")) as f:
                     return int(f.read()) / 1e9
-        except (OSError, KeyError, ValueError):
-            pass
         return None
 
     def out_of_memory(self) -> bool:
@@ -500,13 +491,11 @@ def _reachable_as_others(paths: list[str]) -> None:
     binds lies below a directory other uids cannot search, the topmost such directory is covered with a tmpfs
     holding only the way down to each path, each bound back in from a descriptor opened before the cover. Nothing
     changes on the host, and the jail's uid reaches exactly these paths."""
-    covers: dict[str, list[str]] = {}
+    covers: dict[str, list[tuple[str, int]]] = {}
     for path in sorted(set(paths), key=len):             # a path before any path below it
         top = _closed_ancestor(path)
-        if top is not None:
-            covers.setdefault(top, []).append(path)
-    # opened before any cover hides them
-    covers = {top: [(path, os.open(path, os.O_PATH)) for path in entries] for top, entries in covers.items()}
+        if top is not None:                              # opened before any cover hides it
+            covers.setdefault(top, []).append((path, os.open(path, os.O_PATH)))
     for top, entries in covers.items():
         check_call(libc().mount(b"tmpfs", top.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755"),
                    f"cover {top}")
@@ -610,10 +599,8 @@ def descendants(root: int) -> list[int]:
 def signal_each(pids: list[int], sig: int) -> None:
     """Send `sig` to each of `pids` (one that has already exited is passed over)."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def reap_children() -> bool:
@@ -677,8 +664,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     if not isinstance(code, str):
         return SandboxResult("", "", None, f"the code must be a string, got {type(code).__name__}", 0.0)
     found = isolation()
-    refused = refusal(found)
-    if refused:
+    if refused := refusal(found):
         return SandboxResult("", "", None, refused, 0.0)
     return _run(code, limits or SandboxLimits(), found)
 
@@ -692,8 +678,7 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
         if "tree_limits" not in found.missing:
             cgroup = TreeCgroup.create(limits)
         namespaces = "namespaces" not in found.missing
-        own_uid = found.own_uid
-        if own_uid and not namespaces:
+        if found.own_uid and not namespaces:
             os.chown(workdir, uid, uid)                  # the code's own uid writes here
         code_path = os.path.join(workdir, "code.py")
         with open(code_path, "w") as f:
@@ -704,7 +689,7 @@ def _run(code: str, limits: SandboxLimits, found: Isolation) -> SandboxResult:
                             write_seccomp_filter(workdir) if "syscall_filter" not in found.missing else "")
         spec_path = os.path.join(workdir, "spec.json")
         with open(spec_path, "w") as f:
-            json.dump({"uid": uid, "own_uid": own_uid, "limits": asdict(limits), "code_path": code_path,
+            json.dump({"uid": uid, "own_uid": found.own_uid, "limits": asdict(limits), "code_path": code_path,
                        "jail": asdict(jail) if jail else None, "procs_files": cgroup.procs_files if cgroup else [],
                        "python": os.path.realpath(sys.executable)}, f)
         with subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), spec_path], cwd=workdir,
@@ -755,10 +740,8 @@ def _collect(process: subprocess.Popen, deadline: float, cap: int, cpu_over=None
             if cpu_over is not None and cpu_over():
                 return bytes(out), bytes(err), "cpu"
             if not selector.get_map():
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=min(remaining, _CPU_POLL_S))
-                except subprocess.TimeoutExpired:
-                    pass
                 continue
             for key, _ in selector.select(timeout=min(remaining, _CPU_POLL_S) if cpu_over else remaining):
                 data = os.read(key.fd, 65536)
@@ -779,14 +762,10 @@ def _stop(process: subprocess.Popen, cgroup: TreeCgroup | None) -> None:
         cgroup.kill()
     elif process.poll() is None:
         process.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def signal_name(number: int) -> str:

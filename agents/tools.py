@@ -101,16 +101,11 @@ class ToolEnv(Env):
             reward = self.score(action_text)
             return Result(reward=reward, score=reward,
                           info={**self.counts, "answered": float(extract_final_answer(action_text) is not None)})
-        outputs = []
-        for call in calls:
-            output, ok = call_tool(self.tools, call["function"]["name"], call["function"]["arguments"])
-            self.counts["tool_calls"] += 1
-            self.counts["tool_errors"] += not ok
-            outputs.append(output)
-        for _ in range(broken):
-            self.counts["tool_calls"] += 1
-            self.counts["tool_errors"] += 1
-            outputs.append('[error] a <tool_call> block must hold one JSON object {"name": ..., "arguments": {...}}')
+        replies = [call_tool(self.tools, call["function"]["name"], call["function"]["arguments"]) for call in calls]
+        replies += [('[error] a <tool_call> block must hold one JSON object {"name": ..., "arguments": {...}}',
+                     False)] * broken
+        self.counts["tool_calls"] += len(replies)
+        self.counts["tool_errors"] += sum(not ok for _, ok in replies)
         # a tool's output is text, never template: a "<|im_end|>" it prints stays characters (data.plain)
-        observation = "".join(TOOL_RESPONSE.format(data.plain(output)) for output in outputs) + NEXT_TURN
+        observation = "".join(TOOL_RESPONSE.format(data.plain(output)) for output, _ in replies) + NEXT_TURN
         return Result(reward=0.0, observation=observation, terminated=False, info={**self.counts, "answered": 0.0})

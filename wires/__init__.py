@@ -293,26 +293,19 @@ def assistant_message(content, tool_calls: list[dict]) -> dict:
     return {"role": "assistant", "content": content or ""}
 
 
-def function_tool(name, description, parameters, where: str, strict=None) -> dict:
-    """A tool as the template renders it and constraints.tool_call_spec reads it (strict: a forced call's arguments
-    follow the schema strictly)."""
+def function_tool(spec: dict, where: str, schema: str = "parameters") -> dict:
+    """A declared tool (its name, description, parameter schema under `schema` and strict) as the template renders it
+    and constraints.tool_call_spec reads it (strict: a forced call's arguments follow the schema strictly)."""
+    name, parameters, strict = spec.get("name"), spec.get(schema), spec.get("strict")
     require(isinstance(name, str) and name, f"{where} needs a string 'name'")
     require(strict is None or isinstance(strict, bool), f"{where}: 'strict' must be true or false")
-    function = {"name": name}
-    if description is not None:
-        function["description"] = description
-    if parameters is not None:
-        require(isinstance(parameters, dict), f"{where}: the parameter schema must be a JSON object")
-        function["parameters"] = parameters
-    if strict is not None:
-        function["strict"] = strict
-    return {"type": "function", "function": function}
+    require(parameters is None or isinstance(parameters, dict), f"{where}: the parameter schema must be a JSON object")
+    function = {"name": name, "description": spec.get("description"), "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {key: value for key, value in function.items() if value is not None}}
 
 
 def join_parts(parts: list[dict]) -> str | list[dict]:
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
+    return "".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts
 
 
 def text_only(content, where: str) -> str:
@@ -433,10 +426,8 @@ OPENAI_TOOL_CHOICE = ("'auto', 'none', 'required' or {'type': 'function', 'funct
 def tool_choice_of(choice, function: dict | None, accepted: str) -> tuple[str, str | None]:
     """An OpenAI wire's tool_choice -> (mode, name): 'auto' (or unset), 'none', 'required', or a named function
     ({'type': 'function'} whose `function` object, the choice itself on the Responses wire, holds the name)."""
-    if choice is None or choice == "auto":
-        return "auto", None
-    if choice in ("none", "required"):
-        return choice, None
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto", None
     named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(function, dict)
     require(named and isinstance(function.get("name"), str), f"tool_choice must be {accepted}, got {choice!r:.80}")
     return "named", function["name"]
@@ -521,8 +512,7 @@ def _openai_tools(tools) -> list[dict]:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         require(isinstance(function, dict), f"tools[{i}] must be {{'type': 'function', 'function': {{'name', ...}}}}: "
                                             f"declare a function tool (custom tools are served on the Responses wire)")
-        canonical.append(function_tool(function.get("name"), function.get("description"),
-                                        function.get("parameters"), f"tools[{i}].function", function.get("strict")))
+        canonical.append(function_tool(function, f"tools[{i}].function"))
     return canonical
 
 
@@ -602,16 +592,22 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 CALL_OPENING, CALL_CLOSING = "<tool_call>\n", "</tool_call>"    # a forced call's opening; where one call ends
 
 
+def _reply_json(text: str, where: str):
+    """`text` as a JSON value a reply can be answered with (one that re-serializes), or None when it is not."""
+    try:
+        value = json.loads(text)
+        check_json(value, where)
+    except (ValueError, RecursionError, WireError):
+        return None
+    return value
+
+
 def _call_arguments(call: dict) -> dict | None:
     """A call's arguments as an object: absent means {}; a JSON string holding an object (the way the OpenAI
     wire carries them, and how some models write them) is that object; anything else is not a call."""
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-            check_json(arguments, "a tool call's arguments")
-        except (ValueError, RecursionError, WireError):
-            return None
+        arguments = _reply_json(arguments, "a tool call's arguments")
     return arguments if isinstance(arguments, dict) else None
 
 
@@ -619,12 +615,7 @@ def tool_call_blocks(text: str) -> Iterator[tuple[int, re.Match, dict | None]]:
     """Each `<tool_call>...</tool_call>` block of a reply in order: its ordinal, its match, and its call {"name",
     "arguments"}, or None when it is not one (not valid JSON with a string name and object arguments)."""
     for ordinal, match in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            call = json.loads(match.group(1))
-            check_json(call, "a tool call")     # a reply is answered as JSON: it must re-serialize
-        except (ValueError, RecursionError, WireError):
-            yield ordinal, match, None
-            continue
+        call = _reply_json(match.group(1), "a tool call")
         arguments = _call_arguments(call) if isinstance(call, dict) and isinstance(call.get("name"), str) else None
         yield ordinal, match, None if arguments is None else {"name": call["name"], "arguments": arguments}
 
@@ -758,17 +749,14 @@ class LiveText:
         before what may begin one (so it only grows)."""
         text = self.decoded.text
         hit = find_stop(text, self.stops) if self.stops else None
-        if hit:
-            return self.opening + text[:hit[0]]
-        return self.opening + text[:len(text) - partial_suffix(text, self.stops)]
+        return self.opening + text[:hit[0] if hit else len(text) - partial_suffix(text, self.stops)]
 
     def push(self, token_id: int) -> str:
         """Add a sampled id; returns the newly sendable text ('' when it must wait)."""
         self.decoded.push(token_id)
         safe = self.settled()
-        safe = safe[:len(safe) - partial_suffix(safe, ("<tool_call>",))]
         call = safe.find("<tool_call>")
-        safe = (safe[:call] if call >= 0 else safe).rstrip()
+        safe = (safe[:call] if call >= 0 else safe[:len(safe) - partial_suffix(safe, ("<tool_call>",))]).rstrip()
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         piece, self.sent = safe[len(self.sent):], safe
@@ -818,8 +806,7 @@ class OpenAIStream(LiveStream):
         events += [self._chunk({"tool_calls": [{"index": i, **call}]})
                    for i, call in enumerate(_openai_tool_calls(turn.message))]
         logprobs = openai_logprobs(self.tokenizer, turn.generation) if self.request.logprobs else None
-        finish = wire_finish_reason(turn, OPENAI_FINISH)
         usage = {"usage": _openai_usage(turn)}       # in a last chunk of its own when include_usage asks for one
         last = [self._chunk(None, **usage)] if self.request.include_usage else []
-        return events + [self._chunk({}, finish, logprobs, **({} if last else usage),
+        return events + [self._chunk({}, wire_finish_reason(turn, OPENAI_FINISH), logprobs, **({} if last else usage),
                                      **token_extras(turn, self.request))] + last

@@ -194,8 +194,7 @@ def _anthropic_tools(tools) -> tuple[list[dict], list[dict]]:
                 f"tools[{i}] is the server tool {tool.get('type')!r:.40}, which runs on Anthropic's servers and not "
                 f"here; declare a client tool {{'name', 'description', 'input_schema'}} and run it in the agent")
         require(isinstance(tool.get("defer_loading", False), bool), f"tools[{i}].defer_loading must be true or false")
-        canonical = function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                   f"tools[{i}]", tool.get("strict"))
+        canonical = function_tool(tool, f"tools[{i}]", "input_schema")
         (deferred if tool.get("defer_loading") and not searched else rendered).append(canonical)
     return rendered, deferred
 
@@ -217,9 +216,8 @@ def _anthropic_thinking(value) -> tuple[bool | None, bool]:
     """(enable_thinking, omit the thoughts from the reply) from `thinking`."""
     if value is None:
         return None, False
-    kind = value.get("type") if isinstance(value, dict) else None
-    budget = value.get("budget_tokens") if isinstance(value, dict) else None
-    display = value.get("display") if isinstance(value, dict) else None
+    given = value if isinstance(value, dict) else {}
+    kind, budget, display = given.get("type"), given.get("budget_tokens"), given.get("display")
     require(kind in ("enabled", "adaptive", "between_tools", "disabled")
             and display in (None, "summarized", "omitted", "updates")
             and (kind != "enabled" or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1)),
@@ -301,6 +299,10 @@ def decode_anthropic_count(body: dict, base: SamplingParams, bound: TextBound | 
 ANTHROPIC_STOP = {"stop": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens", "tool": "tool_use"}
 
 
+def _event(kind: str, **fields) -> tuple[str, dict]:
+    return kind, {"type": kind, **fields}
+
+
 def _anthropic_usage(turn: ChatTurn) -> dict:
     """Anthropic counts cached prompt tokens apart from input_tokens (a harness sums the two for the context)."""
     gen = turn.generation
@@ -350,7 +352,7 @@ class AnthropicStream(LiveStream):
         message = {"id": self.reply_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
-        return [("message_start", {"type": "message_start", "message": message})]
+        return [_event("message_start", message=message)]
 
     def _sendable(self) -> list[tuple[str, str, str | None]]:
         """The blocks the content so far surely opens with: (type, text, the thought's opening once it is whole)."""
@@ -370,23 +372,20 @@ class AnthropicStream(LiveStream):
         events = []
         for index, (kind, text, opening) in enumerate(blocks):
             if index == len(self.sent):
-                start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                    {"type": "text", "text": ""}
-                events.append(("content_block_start", {"type": "content_block_start", "index": index,
-                                                       "content_block": start}))
+                start = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+                events.append(_event("content_block_start", index=index, content_block=start))
                 self.sent.append([kind, "", False])
             sent = self.sent[index]
             shown = "" if kind == "thinking" and self.request.omit_thinking else text
             if len(shown) > len(sent[1]):
-                delta = {"type": "thinking_delta", "thinking": shown[len(sent[1]):]} if kind == "thinking" else \
-                    {"type": "text_delta", "text": shown[len(sent[1]):]}
-                events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
+                delta = {"type": f"{kind}_delta", kind: shown[len(sent[1]):]}     # thinking_delta or text_delta
+                events.append(_event("content_block_delta", index=index, delta=delta))
                 sent[1] = shown
             if not sent[2] and (index < len(blocks) - 1 or final):
                 if kind == "thinking":
-                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "signature_delta", "signature": opening_signature(opening)}}))
-                events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+                    signature = {"type": "signature_delta", "signature": opening_signature(opening)}
+                    events.append(_event("content_block_delta", index=index, delta=signature))
+                events.append(_event("content_block_stop", index=index))
                 sent[2] = True
         return events
 
@@ -395,24 +394,20 @@ class AnthropicStream(LiveStream):
         return self._events(self._sendable(), final=False)
 
     def finish(self, turn: ChatTurn, rest: str) -> list:
-        content = turn.message["content"] or ""
         blocks = _anthropic_blocks(turn.message, omit_thinking=False)
-        opening = (split_thinking(content) or [None])[0]
+        opening = (split_thinking(turn.message["content"] or "") or [None])[0]
         events = self._events([(b["type"], b.get("thinking", b.get("text")), opening)
                                for b in blocks if b["type"] != "tool_use"], final=True)
         for index, block in enumerate(blocks):
             if block["type"] == "tool_use":
                 json_delta = {"type": "input_json_delta", "partial_json": arguments_to_json(block["input"])}
-                events += [("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {**block, "input": {}}}),
-                           ("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                    "delta": json_delta}),
-                           ("content_block_stop", {"type": "content_block_stop", "index": index})]
+                events += [_event("content_block_start", index=index, content_block={**block, "input": {}}),
+                           _event("content_block_delta", index=index, delta=json_delta),
+                           _event("content_block_stop", index=index)]
         # the whole usage again: message_start's was counted before the engine knew its prefix-cache reuse, and the
         # SDK's accumulated message takes message_delta's counts
-        return events + [("message_delta", {"type": "message_delta", "usage": _anthropic_usage(turn),
-                                            "delta": {"stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP),
-                                                      "stop_sequence": turn.stop_sequence},
-                                            **_context_management(self.request),
-                                            **token_extras(turn, self.request)}),
-                         ("message_stop", {"type": "message_stop"})]
+        return events + [_event("message_delta", usage=_anthropic_usage(turn),
+                                delta={"stop_reason": wire_finish_reason(turn, ANTHROPIC_STOP),
+                                       "stop_sequence": turn.stop_sequence},
+                                **_context_management(self.request), **token_extras(turn, self.request)),
+                         _event("message_stop")]

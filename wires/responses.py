@@ -69,10 +69,8 @@ class ResponseStore:
         return self._responses[response_id].messages
 
     def item(self, item_id) -> dict | None:
-        for stored in reversed(self._responses.values()):
-            if item_id in stored.items:
-                return stored.items[item_id]
-        return None
+        return next((stored.items[item_id] for stored in reversed(self._responses.values()) if item_id in stored.items),
+                    None)
 
     def remember(self, response_id: str, request: ResponsesRequest, turn: ChatTurn, output: list[dict]) -> None:
         if not request.store:
@@ -127,14 +125,14 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            canonical.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                            f"tools[{i}]", tool.get("strict")))
+            canonical.append(function_tool(tool, f"tools[{i}]"))
         elif kind == "custom":
             require(tool.get("format") in (None, {"type": "text"}),
                     f"tools[{i}] (custom): the format {tool.get('format')!r:.60} is refused (the model writes the "
                     f"input as a JSON string, parsed as written, never masked: no grammar can hold it); send format "
                     f"{{'type': 'text'}} and check the input in the agent, or a function tool with a JSON schema")
-            canonical.append(function_tool(tool.get("name"), tool.get("description"), CUSTOM_INPUT, f"tools[{i}]"))
+            # offered as a function of one string `input` (CUSTOM_INPUT), never strict
+            canonical.append(function_tool({**tool, "parameters": CUSTOM_INPUT, "strict": None}, f"tools[{i}]"))
             custom.add(tool["name"])
         elif kind == "namespace":
             require(isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list),
@@ -142,9 +140,7 @@ def _tools(tools) -> tuple[list[dict], dict[str, str], list[str], frozenset[str]
             for j, function in enumerate(tool["tools"]):
                 require(isinstance(function, dict) and function.get("type") == "function",
                         f"tools[{i}].tools[{j}] must be a function tool")
-                canonical.append(function_tool(function.get("name"), function.get("description"),
-                                                function.get("parameters"), f"tools[{i}].tools[{j}]",
-                                                function.get("strict")))
+                canonical.append(function_tool(function, f"tools[{i}].tools[{j}]"))
                 namespaces[function["name"]] = tool["name"]
         elif kind in DROPPED_TOOLS:
             dropped.append(kind)
@@ -359,10 +355,9 @@ def _head(text: str, at: int, close: int) -> str | None:
     if match is None or 0 <= close < match.end():
         return None
     try:
-        name = json.loads(match.group(1))
+        return json.loads(match.group(1))             # a JSON string literal (the pattern's quotes): a str
     except ValueError:
         return None
-    return name if isinstance(name, str) else None
 
 
 def _object_end(text: str, start: int, limit: int) -> int | None:
@@ -624,9 +619,8 @@ class ResponsesStream(wires.LiveStream):
                 raise RuntimeError(f"output item {index} was streamed as a {sent.kind} the finished reply does not "
                                    f"hold (a {item.kind}): the layout's partial and final views disagree")
             if len(item.text) > len(sent.text):
-                logprobs = {"logprobs": []} if item.kind == "message" else {}
                 events.append(self._event(f"response.{stem}.delta", **where, delta=item.text[len(sent.text):],
-                                          **logprobs))
+                                          **({"logprobs": []} if item.kind == "message" else {})))
                 sent.text = item.text
             if item.closed and not sent.closed:
                 done = output[index] if output is not None else \
