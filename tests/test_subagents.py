@@ -18,6 +18,10 @@
 # JSON. Codex's sub-agent has the main agent's system prompt, so only the thread Codex names on its requests
 # (loopback.client_thread) keeps it off the main line: armed, without it the two agents' requests share the main line
 # and seal each other's turns, the sub-agent counted in no side line.
+# Claude Code's sub-agent in the background (its default, run_in_background true): the main line goes on at once and
+# the two agents' requests interleave; `claude -p` waits for the sub-agent, and its report comes back in a
+# <task-notification> on whichever main-line request follows it (mid-episode, or one more after the answer): either
+# way a side line that feeds the main line, and every token trains once.
 import dataclasses
 import re
 
@@ -171,3 +175,42 @@ def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_t
     assert not session.feeds_main_line(side[0])
     side[0].generations[-1] = said
     trains_once_at_its_logprobs(rollout, side_row, qwen3_dir)
+
+
+def test_a_claude_code_sub_agent_in_the_background_interleaves_with_the_main_line_and_its_report_feeds_it(
+        qwen3_dir, monkeypatch):
+    task = swe_fix.tasks("train", 0)[0]
+    module, line, _, _ = demonstration_edit(task)
+    answer = f"The bug in {module} is on this line:\n{line.strip()}"
+    delegate = call(SUBAGENT_TOOL, {"description": "Find the bug", "prompt": f"Read {module} and say which line has "
+                                    "the bug.", "subagent_type": "general-purpose", "run_in_background": True})
+    # the main line: delegate, edit, test, answer; and a last reply for the request the report comes back on, asked
+    # for only when the report comes after the answer
+    scripts = {"main": [delegate, *claude_code.script(task)[1:], "The sub-agent found the same line."],
+               "sub": [call("Read", {"file_path": module}), answer]}
+    engine = ThreadedScript(qwen3_dir, task.messages[-1]["content"], scripts)
+    sessions, close = [], loopback.LoopbackServer.close_session
+    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
+                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
+    agent_cls = type("Probe", (probe(claude_code, short_prompt=True),), {"arguments": with_subagents})
+    (rollout,), failures, _ = run_episodes(claude_code, engine, engine.tokenizer, agent_cls, [task],
+                                           SamplingParams(temperature=0.7, max_tokens=256), 16384, 8)
+    assert failures == {} and scripts["sub"] == [] and scripts["main"] in ([], ["The sub-agent found the same line."])
+    session, = sessions
+    main, side = session.main_line, session.side_lines
+    prompts = [engine.tokenizer.decode(gen.prompt_ids) for gen in main.generations]
+    print(f"main line's turns {main.order}, the sub-agent's {[s.order for s in side]}, rows "
+          f"{[(row.line, len(row.token_ids), row.num_trainable) for row in rollout.rows]}, reward {rollout.reward:.2f}")
+    # launched in the background: the tool's result on the main line is the launch (the report comes as a notification)
+    assert "you'll get a completion notification" in prompts[1][prompts[1].rindex("<tool_response>"):]
+    assert [s.turns for s in side] == [2] and side[0].thread and rollout.reward == 1.0
+    assert [(row.line, row.seal_reason) for row in rollout.rows] == [("main", ""), ("side-1", "")]
+    # the report, verbatim in a <task-notification>, is in a later main-line prompt: it feeds the main line
+    reported = next(p for p in prompts if "<task-notification>" in p)
+    assert f"<result>{answer}</result>" in reported and session.feeds_main_line(side[0])
+    said = side[0].generations[-1]
+    side[0].generations[-1] = dataclasses.replace(said, token_ids=engine.tokenizer.encode(answer.replace("this",
+                                                                                                         "that")))
+    assert not session.feeds_main_line(side[0])          # armed: a report a word off does not feed it
+    side[0].generations[-1] = said
+    trains_once_at_its_logprobs(rollout, rollout.rows[1], qwen3_dir)
