@@ -488,6 +488,30 @@ def test_sixty_four_concurrent_sessions_have_no_cross_talk(server):
         assert trainable_ids(record) == sampled
 
 
+def test_the_sub_agent_a_harness_names_in_its_headers_gets_a_line_of_its_own_on_each_wire(server):
+    """Claude Code's x-claude-code-agent-id, and Codex's thread id (x-codex-turn-metadata, on a request that names a
+    parent thread), sent by the real SDKs: a request with the main line's system prompt but another thread opens a
+    line of that thread; Codex metadata that cannot be read names the parent's thread. Armed: the same system prompt
+    with no thread named is the main line's own (a compaction) and joins it."""
+    info = server.create_session(sampling=SamplingParams(max_tokens=4))
+    system = {"role": "system", "content": SYSTEM}
+    openai_client(info).chat.completions.create(model="policy", messages=[system, {"role": "user", "content": ASK}],
+                                                tools=OPENAI_TOOLS, max_tokens=4)
+    codex = {"x-codex-parent-thread-id": "root", "x-codex-turn-metadata": json.dumps({"thread_id": "child-1"})}
+    for metadata, ask in ((codex, "Read a.txt."), ({**codex, "x-codex-turn-metadata": "{not json"}, "Read b.txt.")):
+        openai_client(info).responses.create(model="policy", instructions=SYSTEM, input=ask, max_output_tokens=4,
+                                             extra_headers=metadata)
+    anthropic_client(info).messages.create(model="policy", system=SYSTEM, max_tokens=4, extra_headers={
+        "x-claude-code-agent-id": "agent-1"}, messages=[{"role": "user", "content": "Read c.txt."}])
+    openai_client(info).chat.completions.create(model="policy", max_tokens=4, messages=[
+        system, {"role": "user", "content": "Summary: the files are listed. Go on."}])
+    session = server.close_session(info.session_id)
+    assert [(line.thread, line.turns) for line in session.lines] == \
+        [("", 2), ("child-1", 1), ("parent:root", 1), ("agent-1", 1)]
+    assert session.main_line is session.lines[0] and session.main_line.ledger.segments[0].seal_reason == \
+        "non_extension"
+
+
 def test_an_identical_retry_is_answered_from_the_record_over_the_wire(server):
     info = server.create_session(sampling=SamplingParams(max_tokens=8))
     client, ask = openai_client(info), [{"role": "user", "content": "hi there"}]

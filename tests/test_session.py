@@ -17,7 +17,7 @@ import models
 from engines import SamplingParams
 from rollout import EmbeddedEngine
 from session import ChatSession, ContextOverflow, session_trace
-from wires import parse_hermes_tool_calls
+from wires import TurnOptions, parse_hermes_tool_calls
 
 GREEDY = SamplingParams(top_k=1, max_tokens=48)
 
@@ -459,3 +459,36 @@ def test_side_requests_keep_lines_of_their_own_and_the_main_line_never_seals(tok
     session.turn([task[0], {"role": "user", "content": "Summary: a.txt says bye. Go on."}], EDIT_TOOLS)
     assert [s.seal_reason for s in session.main_line.ledger.segments] == ["non_extension", "non_extension", ""]
     assert [len(line.ledger.segments) for line in session.side_lines] == [1, 1, 1]
+
+
+def test_a_sub_agent_its_harness_names_keeps_a_line_of_its_own_though_it_has_the_main_system_prompt(tok):
+    """Codex's sub-agents have the main agent's system prompt, and a forked one continues its history: only the thread
+    the harness names on their requests (TurnOptions.thread) tells them from a compaction or the main line's next turn.
+    A sub-agent that compacts goes back to its own thread's line, and seals there."""
+    def episode(threads: bool):
+        session, task, _ = edit_session(tok)
+        first = session.turn(task, EDIT_TOOLS)
+        result = {"role": "tool", "content": "updated", "tool_call_id": first.message["tool_calls"][0]["id"]}
+        spawned = [task[0], {"role": "user", "content": "Read a.txt."}]
+        forked = [*task, first.message, result, {"role": "user", "content": "You are a forked sub-agent: read b.txt."}]
+        agent_1, agent_2 = (TurnOptions(thread=name if threads else "") for name in ("agent-1", "agent-2"))
+        sub = session.turn(spawned, EDIT_TOOLS, options=agent_1)
+        session.turn(forked, EDIT_TOOLS, options=agent_2)
+        second = session.turn([*task, first.message, result], EDIT_TOOLS)
+        session.turn([*spawned, sub.message, {"role": "user", "content": "Go on."}], EDIT_TOOLS, options=agent_1)
+        # the first sub-agent compacts: the (shared) system prompt, a new first message
+        session.turn([task[0], {"role": "user", "content": "Summary: a.txt read. Go on."}], EDIT_TOOLS, options=agent_1)
+        return session, second
+    # armed: without their threads, the sub-agents join the main line (by its system prompt, or as its continuation)
+    # and every switch between agents (five of six turns) seals it
+    session, second = episode(threads=False)
+    assert session.side_lines == [] and not second.extended
+    assert [s.seal_reason for s in session.main_line.ledger.segments] == ["non_extension"] * 5 + [""]
+    session, second = episode(threads=True)
+    main, (one, two) = session.main_line, session.side_lines
+    assert second.extended and [s.seal_reason for s in main.ledger.segments] == [""] and main.turns == 2
+    assert (one.thread, one.turns, two.thread, two.turns) == ("agent-1", 3, "agent-2", 1)
+    assert [s.seal_reason for s in one.ledger.segments] == ["non_extension", ""]     # its compaction sealed its own
+    rows, generations = session.record("all")
+    assert [r.line for r in rows] == ["main", "side-1", "side-1", "side-2"]
+    invariants.check_sampled_once(rows, generations)
