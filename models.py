@@ -378,13 +378,15 @@ def taught_replies_model_dir(texts: list[str], steps: int = 200, batch: int = 12
             if step >= 2 * steps:
                 raise RuntimeError(f"{what}: after {step} steps a reply id wins by {reached:.2f} logits, not "
                                    f"{margin}; teach more steps or fewer conversations")
+            if step >= steps:         # past its steps: the total shown is the most it may take
+                progress(f"{what}: a reply id wins by {reached:.2f} logits after {step} steps; teaching on to {margin}")
             for _ in range(steps if step == 0 else max(1, steps // 8)):
                 rows = torch.randperm(len(encoded), generator=order)[:batch].tolist()
                 loss = forward(rows)[0].loss
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                teaching_step(what, step, steps, loss)
+                teaching_step(what, step, steps if step < steps else 2 * steps, loss)
                 step += 1
         progress(f"{what}: every reply id wins by {reached:.2f} logits after {step} steps")
         model.eval().save_pretrained(folder)

@@ -152,8 +152,8 @@ def test_reply_mask_marks_the_assistant_replies_and_their_end_alone():
     assert marked == "Four.<|im_end|>Five.<|im_end|>"
 
 
-def test_taught_replies_model_writes_each_reply_after_a_shared_prefix_it_was_not_trained_to_predict(tmp_path,
-                                                                                                 monkeypatch):
+def test_taught_replies_model_writes_each_reply_after_a_shared_prefix_it_was_not_trained_to_predict(
+        tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRACERL_CACHE", str(tmp_path))
     tokenizer = models.bpe_tokenizer()
     system = "You are a helpful assistant. " * 40           # the long prefix every conversation shares
@@ -180,8 +180,12 @@ def test_taught_replies_model_writes_each_reply_after_a_shared_prefix_it_was_not
     whole = models.load_model(models.taught_tiny_model_dir("qwen3", [(t, []) for t in texts], steps=80))
     assert all(hits(whole, text)[1] > 0.9 for text in texts)       # ...as it is when the whole text is taught
     # it teaches on until every reply id wins by its margin, and says so when twice its steps fall short
+    capsys.readouterr()
     with pytest.raises(RuntimeError, match=r"after 4 steps a reply id wins by -?[0-9.]+ logits, not 2.0"):
         models.taught_replies_model_dir(texts, steps=2)
+    said = capsys.readouterr().err          # its progress past its steps counts toward the most it may take
+    assert "step 2/2," in said and "teaching on to 2.0" in said and "step 3/4," in said and "/2," not in \
+        said.split("teaching on")[1]
 
 
 def test_half_written_cache_folder_is_never_used(tmp_path, monkeypatch):
