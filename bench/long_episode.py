@@ -2,14 +2,14 @@
 # way, the prompt ids the engine computed against the prompt ids it was sent, and the seconds a turn, on the embedded
 # engine and on vLLM's CPU build. The figures are a CPU's (a tiny Qwen3 on this machine's cores), and say so.
 #
-# Claude Code runs unchanged and jailed, as the claude_code recipe runs it (on its defaults: the whole prompt a GPU
-# run sends, tens of thousands of ids; --short-prompt for the CPU recipe's), against the loopback server, its wires
-# and ledger, over a real engine. The episode is a script: COMMANDS commands that each print LINES numbered lines,
-# then the swe_fix demonstration (read the module, edit its bug away, run its tests, answer). The session's context
-# is sized so that the recipe's compaction threshold falls at about a third of the commands' output: the harness
-# compacts (a summary request, then a new, shorter prompt) and goes on, and compacts again when its conversation
-# grows past the threshold once more. A summary request is known by Claude Code's instruction in it and answered
-# with a summary; every other request takes the script's next reply.
+# Claude Code or Codex (--harness) runs unchanged and jailed, as its recipe runs it (on its defaults: the whole prompt
+# a GPU run sends, tens of thousands of ids for Claude Code; --short-prompt for the CPU recipe's), against the
+# loopback server, its wires and ledger, over a real engine. The episode is a script: COMMANDS commands that each print
+# LINES numbered lines, then the swe_fix demonstration (read the module, edit its bug away, run its tests, answer).
+# The session's context is sized so that the recipe's compaction threshold falls at about a third of the commands'
+# output: the harness compacts (a summary request, then a new, shorter prompt) and goes on, and compacts again when
+# its conversation grows past the threshold once more. A summary request is known by the harness's instruction in it
+# and answered with a summary; every other request takes the script's next reply.
 #
 # The engine's work is real: each turn it prefills the prompt the harness sent (less what its prefix cache already
 # holds under the session's salt) and decodes as many tokens as the scripted reply has (ignore_eos), and the reply it
@@ -25,6 +25,7 @@
 #
 #   python bench/long_episode.py --engine embedded --out /tmp/long-embedded.json
 #   python bench/long_episode.py --engine vllm --out /tmp/long-vllm.json         (vLLM's CPU build)
+#   python bench/long_episode.py --harness codex --engine embedded --out /tmp/long-codex-embedded.json
 import argparse
 import dataclasses
 import json
@@ -42,9 +43,23 @@ from agents import ChatAgentRunner  # noqa: E402
 from agents.harness import call  # noqa: E402
 from engines import Generation, SamplingParams, per_prompt  # noqa: E402
 from engines.harvest import ScriptEngine  # noqa: E402
-from recipes import claude_code, swe_fix  # noqa: E402
+from recipes import claude_code, codex, swe_fix  # noqa: E402
 
-SUMMARY_REQUEST = "CRITICAL: Respond with TEXT ONLY"          # Claude Code's compaction instruction
+
+@dataclasses.dataclass
+class Harness:
+    recipe: object               # its recipe module (AgentRunner.agent_cls, script)
+    command: object              # a command's call in its tool format
+    summary_request: str         # its compaction instruction, which marks a summary request
+    first_prompt: tuple          # its first prompt's ids, about: on its defaults, and short (the context's sizing)
+
+
+HARNESSES = {
+    "claude_code": Harness(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}),
+                           "CRITICAL: Respond with TEXT ONLY", (31_000, 3_000)),
+    "codex": Harness(codex, lambda cmd: call("exec_command", {"cmd": cmd}),
+                     "You are performing a CONTEXT CHECKPOINT COMPACTION", (24_000, 3_500)),
+}
 SUMMARY = "<analysis>Counts printed so far.</analysis>\n<summary>square.py has a bug; nothing edited yet.</summary>"
 MAX_TOKENS = 256
 
@@ -64,15 +79,15 @@ class ForcedEngine(ScriptEngine):
     """ScriptEngine's replies (streamed as a server expects; SUMMARY to a summary request), each turn's work done by a
     real engine: the prompt prefilled, as many tokens decoded as the reply has. Counts each turn (`turns`)."""
 
-    def __init__(self, engine, tokenizer, replies: list[str]):
+    def __init__(self, engine, tokenizer, replies: list[str], summary_request: str):
         super().__init__(tokenizer, engine.max_model_len)
-        self.engine, self.replies = engine, list(replies)
+        self.engine, self.replies, self.summary_request = engine, list(replies), summary_request
         self.turns: list[Turn] = []
         self.last = time.perf_counter()
 
     def generate(self, prompts, params, on_token=None, images=None, **_) -> list[Generation]:
         prompt = list(prompts[0])
-        summary_request = SUMMARY_REQUEST in self.tokenizer.decode(prompt[-4096:])
+        summary_request = self.summary_request in self.tokenizer.decode(prompt[-4096:])
         if summary_request:
             self.replies.insert(0, SUMMARY)
         gen, = super().generate(prompts, params, on_token)
@@ -101,25 +116,26 @@ def build_engine(kind: str, context: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", choices=["embedded", "vllm"], required=True)
+    parser.add_argument("--harness", choices=sorted(HARNESSES), default="claude_code")
     parser.add_argument("--commands", type=int, default=26, help="commands before the demonstration")
     parser.add_argument("--lines", type=int, default=300, help="numbered lines each command prints")
     parser.add_argument("--short-prompt", action="store_true", help="the CPU recipe's short prompt")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    agent_cls = type("LongEpisodeAgent", (claude_code.ClaudeCodeAgent,), {"short_prompt": args.short_prompt})
+    harness = HARNESSES[args.harness]
+    agent_cls = type("LongEpisodeAgent", (harness.recipe.AgentRunner.agent_cls,), {"short_prompt": args.short_prompt})
     task = swe_fix.tasks("train", 0)[0]
-    commands = [call("Bash", {"command": f"seq {k * args.lines + 1} {(k + 1) * args.lines}", "description": "Count"})
-                for k in range(args.commands)]
-    replies = [*commands, *claude_code.script(task)]
-    # the context: Claude Code's first prompt (30,543 ids on its defaults, 2,300 short), a third of the commands'
-    # output (a line about 4 ids, a call about 40), then a reply and the recipe's room above its threshold
-    first = 3_000 if args.short_prompt else 31_000
+    commands = [harness.command(f"seq {k * args.lines + 1} {(k + 1) * args.lines}") for k in range(args.commands)]
+    replies = [*commands, *harness.recipe.script(task)]
+    # the context: the harness's first prompt (on its defaults Claude Code's 30,543 ids, Codex's 23,876), a third of the
+    # commands' output (a line about 4 ids, a call about 40), then a reply and the recipe's room above its threshold
+    first = harness.first_prompt[args.short_prompt]
     context = min(first + args.commands // 3 * (args.lines * 4 + 40) + MAX_TOKENS + agent_cls.compaction_room,
                   1 << 16)
     engine, path = build_engine(args.engine, context)
     tokenizer = models.load_tokenizer(path)
-    forced = ForcedEngine(engine, tokenizer, replies)
+    forced = ForcedEngine(engine, tokenizer, replies, harness.summary_request)
     runner = type("LongEpisodeRunner", (ChatAgentRunner,), {"agent_cls": agent_cls})(
         forced, tokenizer, max_turns=2 * len(replies), max_length=context, step_timeout_s=120.0)
     started = time.perf_counter()
@@ -142,7 +158,7 @@ def main() -> None:
     sent, computed = sum(t.prompt_ids for t in turns), sum(t.computed_ids for t in turns)
     summary = {
         "bench": "long_episode", "device": "cpu", "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "engine": args.engine, "harness": f"claude-code {agent_cls.harness.version}",
+        "engine": args.engine, "harness": f"{agent_cls.harness.name} {agent_cls.harness.version}",
         "prompt": "short (the CPU recipe's)" if args.short_prompt else "full (the harness's defaults)",
         "model": "tiny Qwen3 (2 layers, hidden 64, head_dim 32), fp32", "context": context,
         "compaction_threshold": context - MAX_TOKENS - agent_cls.compaction_room,
