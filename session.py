@@ -42,17 +42,17 @@
 # goes, among the lines of its thread, to (1) the line it continues (its last request and reply, under the echo rule;
 # the most recently served first), else (2) the line with the same opening (system prompt and first user message): an
 # edit or a rebuilt history, which extends or seals by ids as before, else (3) the thread's first line (the main line
-# for the first agent's) when its system prompt is that line's (a conversation compacted or restarted: it seals),
-# else (4) a new line. A thread is the sub-agent a harness names on its request (TurnOptions.thread): Codex's
-# sub-agents share the main conversation's system prompt, and one forked from it continues its history, so without
-# their thread they would join the main line by (3) or (1), each request sealing the other agent's turns. The main line is the first line
-# opened by a request that offered tools, or the first line when none did (Claude Code names its session before its
-# first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in), on every
-# segment (`Segment.line`), so the trace and the trainer see them labelled. Which train is the runner's setting
-# (ChatAgentRunner.train_side_lines: ChatSession.record), read from the record: by default a side line trains when its
-# last reply's text is in what the main line is given after it (a sub-agent's result: it feeds the episode), and not
-# when it never reaches the main line (a title: it only describes it). Two conversations with the same opening are one
-# line (they seal each other, as one conversation rewritten would).
+# for the first agent's) when its system prompt is that line's (a conversation compacted or restarted: it seals), else
+# (4) a new line. A thread is the sub-agent a harness names on its request (TurnOptions.thread): Codex's sub-agents
+# share the main conversation's system prompt, and one forked from it continues its history, so without their thread
+# they would join the main line by (3) or (1), each request sealing the other agent's turns. The main line is the
+# first line opened by a request that offered tools, or the first line when none did (Claude Code names its session
+# before its first turn, with no tools); the others are side lines, labelled side-<k> (k: the order they opened in),
+# on every segment (`Segment.line`), so the trace and the trainer see them labelled. Which train is the runner's
+# setting (ChatAgentRunner.train_side_lines: ChatSession.record), read from the record: by default a side line trains
+# when its last reply's text is in what the main line is given after it (a sub-agent's result: it feeds the episode),
+# and not when it never reaches the main line (a title: it only describes it). Two conversations with the same opening
+# are one line (they seal each other, as one conversation rewritten would).
 # Compaction stays on its line. A harness's summary request opens as the conversation it summarizes (Claude Code and
 # Codex send that conversation, their instruction last, under its system prompt; Codex drops its tools), so it goes to
 # that line by (1) or (2), and its prompt, no extension of the record, seals the turns before it; the prompt the
@@ -377,8 +377,9 @@ class ChatSession:
 
     def feeds_main_line(self, line: Line) -> bool:
         """Whether a side line's last reply is in what the main line was given after it (decoded, whitespace aside: a
-        harness may indent a sub-agent's report; or as a JSON string: Codex's): each later main-line prompt past what the main line already held
-        (its previous prompt and reply), so the main line's own replies never count."""
+        harness may indent a sub-agent's report; as written or as a JSON string: Codex's): each later main-line prompt
+        past what the main line already held (its previous prompt and reply), so the main line's own replies never
+        count."""
         reply = self.tokenizer.decode(line.generations[-1].token_ids, skip_special_tokens=True)
         forms = {" ".join(text.split()) for text in (reply, json.dumps(reply, ensure_ascii=False)[1:-1])}
         main, held = self.main_line, []
