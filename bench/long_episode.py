@@ -47,7 +47,8 @@ from recipes import claude_code, codex, swe_fix  # noqa: E402
 
 
 @dataclasses.dataclass
-class Harness:
+class HarnessEpisode:
+    """What the episode needs of a harness beyond its recipe."""
     recipe: object               # its recipe module (AgentRunner.agent_cls, script)
     command: object              # a command's call in its tool format
     summary_request: str         # its compaction instruction, which marks a summary request
@@ -55,10 +56,10 @@ class Harness:
 
 
 HARNESSES = {
-    "claude_code": Harness(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}),
-                           "CRITICAL: Respond with TEXT ONLY", (31_000, 3_000)),
-    "codex": Harness(codex, lambda cmd: call("exec_command", {"cmd": cmd}),
-                     "You are performing a CONTEXT CHECKPOINT COMPACTION", (24_000, 3_500)),
+    "claude_code": HarnessEpisode(claude_code, lambda cmd: call("Bash", {"command": cmd, "description": "Count"}),
+                                  "CRITICAL: Respond with TEXT ONLY", (31_000, 3_000)),
+    "codex": HarnessEpisode(codex, lambda cmd: call("exec_command", {"cmd": cmd}),
+                            "You are performing a CONTEXT CHECKPOINT COMPACTION", (24_000, 3_500)),
 }
 SUMMARY = "<analysis>Counts printed so far.</analysis>\n<summary>square.py has a bug; nothing edited yet.</summary>"
 MAX_TOKENS = 256

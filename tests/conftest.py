@@ -58,6 +58,17 @@ def qwen3_dir() -> str:
     return models.tiny_model_dir("qwen3")
 
 
+@pytest.fixture
+def closed_sessions(monkeypatch) -> list:
+    """Every ChatSession a LoopbackServer closes during the test, in order (a runner's server closes each episode's
+    when it ends): what a harness test reads the session's lines and record from."""
+    import loopback
+    sessions, close = [], loopback.LoopbackServer.close_session
+    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
+                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
+    return sessions
+
+
 @pytest.fixture(scope="module")
 def moe_dir() -> str:
     """A tiny Qwen3-MoE folder (the R3 tests' policy)."""

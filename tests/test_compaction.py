@@ -22,7 +22,6 @@ import torch
 from selenium.webdriver.support.ui import Select
 
 import actor
-import loopback
 import models
 from agents.harness import HarnessAgent, call
 from engines import SamplingParams, per_prompt, recorded_sampling
@@ -97,7 +96,7 @@ def trains_once_at_its_logprobs(rollout, row, model_dir: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(HARNESSES))
 def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_own_and_every_token_trains_once(
-        name, qwen3_dir, monkeypatch, tmp_path, browser):  # noqa: F811
+        name, qwen3_dir, tmp_path, browser, closed_sessions):  # noqa: F811
     harness = HARNESSES[name]
     recipe = harness.recipe
     context = harness.threshold + 256 + recipe.AgentRunner.agent_cls.compaction_room     # max_tokens 256
@@ -105,16 +104,13 @@ def test_a_harness_compacts_mid_episode_its_summary_is_a_sealed_segment_of_its_o
     tokenizer = engine.tokenizer
     commands = [harness.command(command) for command in ("seq 1 300", "seq 301 600", "echo counted")]
     script = [*commands, SUMMARY, *recipe.script(task)]
-    sessions, close = [], loopback.LoopbackServer.close_session
-    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
-                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
 
     def episode():
         engine.replies = list(script)
         rollouts, failures, _ = run_episodes(recipe, engine, tokenizer, probe(recipe, short_prompt=True), [task],
                                              SamplingParams(temperature=0.7, max_tokens=256), context, len(script))
         assert failures == {} and len(rollouts) == 1
-        return rollouts[0], sessions[-1]
+        return rollouts[0], closed_sessions[-1]
     # armed: without the recipe's threshold the harness does not compact in this context, and the summary it is never
     # asked for ends the episode as its answer, the bug unfixed
     with pytest.MonkeyPatch.context() as patch:

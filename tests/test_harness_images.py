@@ -52,14 +52,11 @@ class ImageScript(ScriptEngine):
 
 @pytest.mark.parametrize("name", sorted(LOOKS))
 def test_a_harness_looks_at_a_picture_and_it_reaches_the_vlm_in_the_tool_turn_or_is_refused_by_a_text_model(
-        name, monkeypatch):
+        name, monkeypatch, closed_sessions):
     recipe, command, look = LOOKS[name]
     tokenizer, processor = models.load_tokenizer(models.tiny_model_dir("qwen3")), models.tiny_image_processor()
     shot = picture(200)
     task = swe_fix.tasks("train", 0)[0]
-    sessions, close = [], loopback.LoopbackServer.close_session
-    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
-                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
     refusals, error_response = [], loopback._error_response        # what the server refused, as it answered
     monkeypatch.setattr(loopback, "_error_response", lambda wire, error, headers=None: refusals.append(
         (error.status, str(error))) or error_response(wire, error, headers))
@@ -77,7 +74,7 @@ def test_a_harness_looks_at_a_picture_and_it_reaches_the_vlm_in_the_tool_turn_or
         return rollouts, runner.failures, engine
     rollouts, failures, engine = episode(processor)
     assert failures == {} and engine.replies == []                       # every scripted reply asked for
-    (rollout,), session = rollouts, sessions[-1]
+    (rollout,), session = rollouts, closed_sessions[-1]
     served = session.served_in_order()
     # the picture reaches the engine in the third turn alone: inside its tool result, its pads expanded
     assert [len(images) for images in engine.shown] == [0, 0, 1]

@@ -46,7 +46,7 @@ def with_subagents(self, ctx, ws) -> list[str]:
 
 
 def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line_and_trains_once(
-        qwen3_dir, monkeypatch):
+        qwen3_dir, closed_sessions):
     engine, task = ScoredScript(qwen3_dir), swe_fix.tasks("train", 0)[0]
     tokenizer = engine.tokenizer
     module, line, _, _ = demonstration_edit(task)
@@ -55,15 +55,12 @@ def test_a_claude_code_sub_agent_is_a_side_line_whose_answer_feeds_the_main_line
                                     "the bug.", "subagent_type": "general-purpose", "run_in_background": False})
     fix = claude_code.script(task)[1:]                               # edit, test, answer
     engine.replies = [delegate, call("Read", {"file_path": module}), answer, *fix]
-    sessions, close = [], loopback.LoopbackServer.close_session
-    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
-                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
     agent_cls = type("Probe", (probe(claude_code, short_prompt=True),), {"arguments": with_subagents})
     turns = 3 + len(fix)
     (rollout,), failures, _ = run_episodes(claude_code, engine, tokenizer, agent_cls, [task],
                                            SamplingParams(temperature=0.7, max_tokens=256), 16384, turns)
     assert failures == {} and engine.replies == []                  # every scripted reply asked for
-    session, = sessions
+    session, = closed_sessions
     served = session.served_in_order()
     prompts = [tokenizer.decode(g.prompt_ids) for g in served]
     print(f"prompt ids per turn {[len(g.prompt_ids) for g in served]}, rows "
@@ -121,7 +118,7 @@ def with_codex_agents(self, ctx, ws) -> dict[str, str]:
     return {**files, "codex/config.toml": config.replace("[agents]\nenabled = false", "[agents]\nenabled = true")}
 
 
-def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_trains_once(qwen3_dir, monkeypatch):
+def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_trains_once(qwen3_dir, closed_sessions):
     task = swe_fix.tasks("train", 0)[0]
     module, line, _, _ = demonstration_edit(task)
     answer = f"The bug in {module} is on this line:\n{line.strip()}"     # two lines: JSON writes the break as \n
@@ -129,9 +126,6 @@ def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_t
 
     def wait(text: str) -> str:                       # wait_agent on the id spawn_agent answered with
         return call("wait_agent", {"targets": [re.findall(r'"agent_id":"([^"]+)"', text)[-1]]})
-    sessions, close = [], loopback.LoopbackServer.close_session
-    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
-                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
     agent_cls = type("Probe", (probe(codex, short_prompt=True),), {"settings": with_codex_agents})
 
     def episode():
@@ -142,7 +136,7 @@ def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_t
         (rollout,), failures, _ = run_episodes(codex, engine, engine.tokenizer, agent_cls, [task],
                                                SamplingParams(temperature=0.7, max_tokens=256), 16384, 8)
         assert failures == {} and scripts == {"main": [], "sub": []}     # every scripted reply asked for
-        return engine.tokenizer, rollout, sessions[-1]
+        return engine.tokenizer, rollout, closed_sessions[-1]
     # armed: without the thread Codex names, the sub-agent's first request joins the main line by the system prompt
     # they share, and from then on each agent's request seals the other's turns (two seals at least, however their
     # requests interleave); no side line is counted, so no side-line rule can leave the sub-agent out
@@ -178,7 +172,7 @@ def test_a_codex_sub_agent_runs_beside_the_main_agent_on_a_line_of_its_own_and_t
 
 
 def test_a_claude_code_sub_agent_in_the_background_interleaves_with_the_main_line_and_its_report_feeds_it(
-        qwen3_dir, monkeypatch):
+        qwen3_dir, closed_sessions):
     task = swe_fix.tasks("train", 0)[0]
     module, line, _, _ = demonstration_edit(task)
     answer = f"The bug in {module} is on this line:\n{line.strip()}"
@@ -189,14 +183,11 @@ def test_a_claude_code_sub_agent_in_the_background_interleaves_with_the_main_lin
     scripts = {"main": [delegate, *claude_code.script(task)[1:], "The sub-agent found the same line."],
                "sub": [call("Read", {"file_path": module}), answer]}
     engine = ThreadedScript(qwen3_dir, task.messages[-1]["content"], scripts)
-    sessions, close = [], loopback.LoopbackServer.close_session
-    monkeypatch.setattr(loopback.LoopbackServer, "close_session",
-                        lambda server, session_id: sessions.append(close(server, session_id)) or sessions[-1])
     agent_cls = type("Probe", (probe(claude_code, short_prompt=True),), {"arguments": with_subagents})
     (rollout,), failures, _ = run_episodes(claude_code, engine, engine.tokenizer, agent_cls, [task],
                                            SamplingParams(temperature=0.7, max_tokens=256), 16384, 8)
     assert failures == {} and scripts["sub"] == [] and scripts["main"] in ([], ["The sub-agent found the same line."])
-    session, = sessions
+    session, = closed_sessions
     main, side = session.main_line, session.side_lines
     prompts = [engine.tokenizer.decode(gen.prompt_ids) for gen in main.generations]
     print(f"main line's turns {main.order}, the sub-agent's {[s.order for s in side]}, rows "
