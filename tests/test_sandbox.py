@@ -95,15 +95,26 @@ def test_an_output_flood_is_cut_at_the_cap():
 
 
 @jailed
-def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing_running():
-    before = live_uids()
+def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing_running(monkeypatch):
+    # the host uids this test's two calls run as (each call draws its own): not every uid of 100,000 and up, since
+    # the suite's other worker may be running jailed code of its own meanwhile
+    uids, randbelow = [], secrets.randbelow
+    monkeypatch.setattr(sandbox.secrets, "randbelow", lambda n: uids.append(randbelow(n)) or uids[-1])
     done = run_python("import os\nwhile True:\n    os.fork()", FAST)
     assert done.error == "hit the process limit (16 processes and threads)", done.error
     # the patient variant retries forever instead of crashing: the whole tree's CPU cap (or the deadline) ends it
     done = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", FAST)
     assert done.error.startswith("timed out") or done.error == "exceeded the CPU-time limit of 2 s", done.error
     time.sleep(0.5)
-    assert not {uid for uid in live_uids() - before if uid >= 100_000}, "sandbox processes outlived the call"
+    assert len(uids) == 2 and not {100_000 + u for u in uids} & live_uids(), "sandbox processes outlived the call"
+    # armed: the uid drawn is the one the jailed code runs as on the host, seen while a call sleeps
+    sleeping = threading.Thread(target=run_python, args=("import time\ntime.sleep(1.5)",))
+    sleeping.start()
+    seen = set()
+    while sleeping.is_alive():
+        seen |= live_uids()
+        time.sleep(0.05)
+    assert len(uids) == 3 and 100_000 + uids[-1] in seen
 
 
 @jailed
